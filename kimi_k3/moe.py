@@ -1,0 +1,79 @@
+"""SiTU-GLU MLPs and the Stable LatentMoE block."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kimi_k3.config import ModelArgs
+from kimi_k3.experts import ResidentExperts, situ_glu
+
+
+class SituMLP(nn.Module):
+    """``down(situ(gate(x)) * cap*tanh(up(x)/cap))``: the dense MLP and the shared experts."""
+
+    def __init__(self, dim: int, hidden: int, beta: float, cap: float):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self._act = (beta, cap)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = situ_glu(self.gate_proj(x), self.up_proj(x), *self._act)
+        return self.down_proj(h.astype(x.dtype))
+
+
+class Router(nn.Module):
+    """Sigmoid router; the correction bias steers selection only, never the weights."""
+
+    def __init__(self, dim: int, experts: int, top_k: int, scale: float, renormalize: bool):
+        super().__init__()
+        self.weight = mx.zeros((experts, dim))
+        self.e_score_correction_bias = mx.zeros((experts,), dtype=mx.float32)
+        self.top_k, self.scale, self.renormalize = top_k, scale, renormalize
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Shapes: x [..., D] -> (inds [..., k] int32, weights [..., k] fp32)."""
+        scores = mx.sigmoid((x @ self.weight.T).astype(mx.float32))
+        biased = scores + self.e_score_correction_bias.astype(mx.float32)
+        inds = mx.argpartition(-biased, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        inds = mx.stop_gradient(inds).astype(mx.int32)
+        w = mx.take_along_axis(scores, inds, axis=-1)
+        if self.renormalize:
+            w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+        return inds, w * self.scale
+
+
+class LatentMoE(nn.Module):
+    """Stable LatentMoE: experts work in a latent space; the weighted sum is normalised.
+
+    ``out = up(RMSNorm(sum_e w_e * expert_e(down(x)))) + shared(x)``. ``experts`` is an
+    expert store (see ``kimi_k3.experts``); the resident one by default.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        D, Dl = args.hidden_size, args.routed_expert_hidden_size
+        act = (args.activation_situ_beta, args.activation_situ_linear_beta)
+        self.gate = Router(
+            D, args.num_experts, args.num_experts_per_token, args.routed_scaling_factor,
+            args.moe_renormalize,
+        )
+        self.routed_expert_down_proj = nn.Linear(D, Dl, bias=False)
+        self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
+        self.routed_expert_norm = nn.RMSNorm(Dl, eps=args.rms_norm_eps)
+        self.shared_experts = SituMLP(
+            D, args.moe_intermediate_size * args.num_shared_experts, *act
+        )
+        self.experts = ResidentExperts(args.num_experts, Dl, args.moe_intermediate_size, *act)
+        self.layer_index = -1  # set by the model; expert stores and traces key on it
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        inds, weights = self.gate(flat)
+        z = self.routed_expert_down_proj(flat)
+        y = self.experts(z, inds, weights).astype(x.dtype)
+        y = self.routed_expert_up_proj(self.routed_expert_norm(y))
+        return (y + self.shared_experts(flat)).reshape(shape)
