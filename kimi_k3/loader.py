@@ -48,7 +48,7 @@ def load_model(
     if stream:
         from kimi_k3.streaming import attach_streamer
 
-        attach_streamer(model, index, expert_cache_gb, **stream_options)
+        attach_streamer(model, path, index, expert_cache_gb, **stream_options)
     _check_and_load(model, weights, index, dtype)
     if not lazy:
         mx.eval(model.parameters())
