@@ -1,0 +1,224 @@
+"""MXFP4 expert kernels against MLX's ``gather_qmm`` at Kimi K3 size (run on a GPU).
+
+Decode: effective GB/s over the selected experts' bytes, against a device copy measured in the
+same run and the HBM datasheet peak, and against ``expert_glu_reference`` (``gather_qmm``) on the
+same inputs. Prefill: tokens/s of one MoE layer's routed experts. Every comparator runs in its
+own try/except, so one failure is a row that says so, not a crash.
+
+    python -m benchmarks.bench_mxfp4 --out bench_mxfp4.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import traceback
+
+import mlx.core as mx
+import numpy as np
+
+from kimi_k3.experts import expert_glu_reference
+
+BETA, CAP = 4.0, 25.0
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dim", type=int, default=3584, help="latent width D")
+    p.add_argument("--hidden", type=int, default=3072, help="expert width I")
+    p.add_argument("--topk", type=int, default=16)
+    p.add_argument("--decode-experts", type=int, default=64, help="stack the decode picks from")
+    p.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--prefill-experts", type=int, default=896, help="one layer's experts")
+    p.add_argument("--prefill-tokens", type=int, nargs="+", default=[512, 4096])
+    p.add_argument("--tiles", type=int, nargs="*", default=[8, 16, 32, 64],
+                   help="prefill tokens-per-tile values to sweep besides the default")
+    p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM datasheet peak")
+    p.add_argument("--calls", type=int, default=20, help="calls per timed batch")
+    p.add_argument("--repeats", type=int, default=5, help="timed batches (best is reported)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the markdown table here")
+    return p
+
+
+def expert_bytes(dim: int, hidden: int) -> int:
+    """Bytes of one expert: three [hidden x dim] MXFP4 matrices (packed codes + E8M0 scales)."""
+    return 3 * (hidden * dim // 2 + hidden * dim // 32)
+
+
+def random_experts(n: int, dim: int, hidden: int, seed: int) -> dict:
+    """A stack of ``n`` random MXFP4 experts in MLX's layout, built on the device."""
+    key = mx.random.key(seed)
+    ks = mx.random.split(key, 6)
+    # Scales near 2^-6 keep the gate and up outputs O(1) for unit-variance inputs at K3 width.
+    lo, hi = 119, 123
+
+    def quant(k1, k2, rows, cols):
+        wq = mx.random.bits((n, rows, cols // 8), width=4, key=k1)
+        sc = mx.random.randint(lo, hi, (n, rows, cols // 32), key=k2).astype(mx.uint8)
+        return wq, sc
+
+    w = {
+        "w1": quant(ks[0], ks[1], hidden, dim),
+        "w3": quant(ks[2], ks[3], hidden, dim),
+        "w2": quant(ks[4], ks[5], dim, hidden),
+    }
+    mx.eval(w)
+    return w
+
+
+def routing(tokens: int, experts: int, topk: int, rng: np.random.Generator):
+    """Distinct top-k experts per token (flat popularity, as K3's router is trained to give)."""
+    inds = np.argsort(rng.random((tokens, experts)), axis=1)[:, :topk].astype(np.int32)
+    weights = rng.random((tokens, topk)).astype(np.float32)
+    weights /= weights.sum(axis=1, keepdims=True)
+    return mx.array(inds), mx.array(weights)
+
+
+def time_batch(fn, inputs: list, repeats: int) -> float:
+    """Best seconds per call: each batch enqueues every input set, then evaluates once."""
+    mx.eval([fn(*a) for a in inputs[:2]])
+    best = math.inf
+    for _ in range(repeats):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval([fn(*a) for a in inputs])
+        mx.synchronize()
+        best = min(best, (time.perf_counter() - t0) / len(inputs))
+    return best
+
+
+def copy_gbps(nbytes: int, repeats: int) -> float:
+    """Device copy bandwidth (read + write) of a ``nbytes`` buffer: the practical ceiling."""
+    x = mx.random.bits((nbytes // 4,), width=4)
+    one = mx.array(1, dtype=mx.uint32)
+    mx.eval(x)
+    t = time_batch(lambda a: a ^ one, [(x,)] * 4, repeats)
+    return 2 * nbytes / t / 1e9
+
+
+def rel_err(a: mx.array, b: mx.array) -> float:
+    a = np.asarray(a.astype(mx.float32), dtype=np.float64)
+    b = np.asarray(b.astype(mx.float32), dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+class Table:
+    def __init__(self):
+        self.rows: list[tuple[str, ...]] = []
+
+    def add(self, *cells):
+        self.rows.append(tuple(str(c) for c in cells))
+        print(" | ".join(self.rows[-1]), flush=True)
+
+    def markdown(self, header: tuple[str, ...]) -> str:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        return "\n".join(lines)
+
+
+def attempt(table: Table, label: str, fn):
+    """Run one comparator; a failure becomes a row with the error, not an abort."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - every comparator failure is reported, none fatal
+        traceback.print_exc()
+        table.add(label, "FAILED", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", "", "")
+        return None
+
+
+def bench_decode(args, table: Table, copy: float | None):
+    from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
+
+    dtype = getattr(mx, args.dtype)
+    w = random_experts(args.decode_experts, args.dim, args.hidden, args.seed)
+    rng = np.random.default_rng(args.seed)
+    per_expert = expert_bytes(args.dim, args.hidden)
+    for n in args.decode_tokens:
+        inputs = []
+        for _ in range(args.calls):
+            inds, weights = routing(n, args.decode_experts, args.topk, rng)
+            z = mx.random.normal((n, args.dim)).astype(dtype)
+            inputs.append((z, w, inds, weights, BETA, CAP))
+        mx.eval([a[:4:2] for a in inputs])
+        distinct = np.mean([len(np.unique(np.array(a[2]))) for a in inputs])
+        nbytes = distinct * per_expert
+
+        def row(label, fn):
+            t = time_batch(fn, inputs, args.repeats)
+            gbps = nbytes / t / 1e9
+            of_copy = f"{100 * gbps / copy:.0f}%" if copy else "n/a"
+            table.add(f"decode N={n}: {label}", f"{t * 1e3:.3f} ms", f"{gbps:.0f} GB/s",
+                      f"{100 * gbps / args.peak_gbps:.0f}% of peak, {of_copy} of copy", "")
+            return t
+
+        t_ref = attempt(table, f"decode N={n}: gather_qmm", lambda: row("gather_qmm", expert_glu_reference))
+        t_ker = attempt(table, f"decode N={n}: kernel", lambda: row("kernel", expert_glu_decode))
+        if t_ref and t_ker:
+            err = rel_err(expert_glu_decode(*inputs[0]), expert_glu_reference(*inputs[0]))
+            table.add(f"decode N={n}: kernel vs gather_qmm", f"{t_ref / t_ker:.2f}x faster",
+                      "", "", f"rel err {err:.1e}")
+
+
+def bench_prefill(args, table: Table):
+    from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, tile_tokens_for
+
+    dtype = getattr(mx, args.dtype)
+    w = random_experts(args.prefill_experts, args.dim, args.hidden, args.seed + 1)
+    rng = np.random.default_rng(args.seed + 1)
+    for n in args.prefill_tokens:
+        inds, weights = routing(n, args.prefill_experts, args.topk, rng)
+        z = mx.random.normal((n, args.dim)).astype(dtype)
+        mx.eval(z, inds, weights)
+        inputs = [(z, w, inds, weights, BETA, CAP)] * max(1, args.calls // 10)
+        default = tile_tokens_for(n * args.topk, args.prefill_experts)
+
+        def row(label, fn):
+            t = time_batch(fn, inputs, args.repeats)
+            table.add(f"prefill N={n}: {label}", f"{t * 1e3:.2f} ms", f"{n / t:.0f} tok/s", "", "")
+            return t
+
+        t_ref = attempt(table, f"prefill N={n}: gather_qmm",
+                        lambda: row("gather_qmm (sorted)", expert_glu_reference))
+        ker = {}
+        for tile in sorted({default, *args.tiles}):
+            label = f"kernel, {tile} tokens/tile" + (" (default)" if tile == default else "")
+
+            def run(tile=tile):
+                return lambda *a: expert_glu_prefill(*a, tile_tokens=tile)
+
+            ker[tile] = attempt(table, f"prefill N={n}: {label}", lambda: row(label, run()))
+        if t_ref and ker.get(default):
+            err = rel_err(expert_glu_prefill(*inputs[0]), expert_glu_reference(*inputs[0]))
+            table.add(f"prefill N={n}: default kernel vs gather_qmm",
+                      f"{t_ref / ker[default]:.2f}x faster", "", "", f"rel err {err:.1e}")
+
+
+def main():
+    args = setup_arg_parser().parse_args()
+    print(f"mlx {mx.__version__}, device {mx.default_device()}, dtype {args.dtype}", flush=True)
+    table = Table()
+    copy = attempt(table, "device copy", lambda: copy_gbps(2 << 30, args.repeats))
+    if copy:
+        table.add("device copy (2 GiB, read + write)", "", f"{copy:.0f} GB/s",
+                  f"{100 * copy / args.peak_gbps:.0f}% of peak", "")
+    attempt(table, "decode", lambda: bench_decode(args, table, copy))
+    mx.clear_cache()
+    attempt(table, "prefill", lambda: bench_prefill(args, table))
+    header = ("case", "time", "rate", "of HBM", "check")
+    md = (
+        f"MXFP4 experts, D={args.dim}, I={args.hidden}, top-{args.topk}, {args.dtype} inputs, "
+        f"mlx {mx.__version__} on {mx.default_device()}; decode picks from "
+        f"{args.decode_experts} experts, prefill from {args.prefill_experts}; peak "
+        f"{args.peak_gbps:.0f} GB/s.\n\n" + table.markdown(header) + "\n"
+    )
+    print("\n" + md)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(md)
+
+
+if __name__ == "__main__":
+    main()

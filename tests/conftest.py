@@ -1,0 +1,41 @@
+"""Shared fixtures: small synthetic checkpoints in the published layout, written once."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kimi_k3.convert.synth import write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory):
+    """``ckpt_factory(preset, **overrides)`` -> directory of a synthetic checkpoint (cached)."""
+    made = {}
+
+    def make(preset: str = "tiny", seed: int = 0, **overrides):
+        key = (preset, seed, tuple(sorted(overrides.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"ckpt-{preset}")
+            made[key] = write_checkpoint(out, preset, seed=seed, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(ckpt_factory):
+    return ckpt_factory("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_b_ckpt(ckpt_factory):
+    return ckpt_factory("tiny-b")
+
+
+def rel_err(a, b) -> float:
+    """Norm-relative error ||a - b|| / ||b|| in float64."""
+    a = np.asarray(a.astype(mx.float32) if isinstance(a, mx.array) else a, dtype=np.float64)
+    b = np.asarray(b.astype(mx.float32) if isinstance(b, mx.array) else b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
