@@ -1,0 +1,129 @@
+"""Kimi K3 in MLX: the model, its loader, and an mlx-lm compatible ``load``.
+
+``import kimi_k3`` stays cheap: MLX, mlx-lm and the tokenizer are imported on first use.
+
+    model, tokenizer = kimi_k3.load("path/to/Kimi-K3", expert_cache_gb=64)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["load", "load_model", "Model", "ModelArgs", "trace", "check_checkpoint"]
+
+# Name -> module for the lazily imported public API (PEP 562).
+_LAZY = {
+    "load_model": "kimi_k3.loader",
+    "Model": "kimi_k3.model",
+    "ModelArgs": "kimi_k3.config",
+    "trace": "kimi_k3.trace",
+}
+
+# model_config keys that change no tensor shape, so they can be set on a built model.
+RUNTIME_CONFIG_KEYS = ("max_position_embeddings",)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as e:
+            raise AttributeError(f"kimi_k3.{name} is not available ({e})") from None
+        # Importing kimi_k3.trace binds the submodule to this name; rebind the function.
+        globals()[name] = value = getattr(module, name)
+        return value
+    raise AttributeError(f"module 'kimi_k3' has no attribute {name!r}")
+
+
+def check_checkpoint(path: str | Path) -> dict:
+    """The ``config.json`` of a Kimi K3 checkpoint directory, or a clear error.
+
+    Raises ``FileNotFoundError`` (no such directory, no config.json) or ``ConfigError``
+    (not JSON, or another model family) naming the path.
+    """
+    from kimi_k3.config import ConfigError
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such model directory")
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no config.json (not a model directory?)")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind != "kimi_k3":
+        raise ConfigError(f"{file}: model_type is {kind!r}, not 'kimi_k3': this is not a "
+                          "Kimi K3 checkpoint")
+    return config
+
+
+def load(
+    path: str | Path,
+    tokenizer_config: dict | None = None,
+    model_config: dict | None = None,
+    dtype=None,
+    expert_cache_gb: float | None = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    trust_remote_code: bool = False,
+    **stream_options,
+):
+    """Load a Kimi K3 checkpoint and its tokenizer, like ``mlx_lm.load``.
+
+    Args:
+        path: a checkpoint directory: the published layout, this project's converted
+            layout, or an mlx-lm converted one.
+        tokenizer_config: ``{"eos_token": str | list}`` adds stop tokens; no other keys.
+        model_config: overrides for keys that change no tensor shape
+            (``RUNTIME_CONFIG_KEYS``); anything else belongs in ``config.json``.
+        dtype: dense weight dtype (``mx.bfloat16`` when ``None``).
+        expert_cache_gb: ``None`` keeps all routed experts in memory; a number streams
+            them from disk into a cache of that size (``kimi_k3.streaming``).
+        lazy: leave dense weights unevaluated until first use.
+        return_config: also return the ``config.json`` dict.
+        trust_remote_code: accepted for mlx-lm compatibility; no remote code is ever run.
+        stream_options: passed on to the expert streamer.
+
+    Returns:
+        ``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``;
+        the tokenizer is an mlx-lm ``TokenizerWrapper``.
+    """
+    import mlx.core as mx
+
+    from kimi_k3.loader import load_model
+    from kimi_k3.tokenizer import load_tokenizer
+
+    config = check_checkpoint(path)
+    model = load_model(path, dtype=dtype or mx.bfloat16, expert_cache_gb=expert_cache_gb,
+                       lazy=lazy, **stream_options)
+    _apply_model_config(model, model_config or {})
+    tokenizer = load_tokenizer(path)
+    _apply_tokenizer_config(tokenizer, tokenizer_config or {})
+    return (model, tokenizer, config) if return_config else (model, tokenizer)
+
+
+def _apply_model_config(model, overrides: dict):
+    from kimi_k3.config import ConfigError
+
+    for key, value in overrides.items():
+        if key not in RUNTIME_CONFIG_KEYS:
+            raise ConfigError(f"model_config key {key!r} cannot be changed after the "
+                              f"checkpoint is read; only {list(RUNTIME_CONFIG_KEYS)}")
+        setattr(model.args, key, value)
+
+
+def _apply_tokenizer_config(tokenizer, config: dict):
+    for key, value in config.items():
+        if key == "trust_remote_code":
+            continue
+        if key != "eos_token":
+            raise ValueError(f"tokenizer_config key {key!r} is not supported (only "
+                             "'eos_token')")
+        for token in [value] if isinstance(value, str) else value:
+            tokenizer.add_eos_token(token)

@@ -28,6 +28,7 @@ import os
 import random
 import tempfile
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import tokenizers
@@ -472,7 +473,7 @@ def _train_ranks(words: Counter[bytes], n_ranks: int) -> list[bytes]:
     pair_count: Counter[tuple[int, int]] = Counter()
     where: dict[tuple[int, int], set[int]] = {}
     for wi, seq in enumerate(seqs):
-        for pair in zip(seq, seq[1:]):
+        for pair in pairwise(seq):
             pair_count[pair] += freq[wi]
             where.setdefault(pair, set()).add(wi)
     heap = [(-c, tokens[a], tokens[b], (a, b)) for (a, b), c in pair_count.items()]
@@ -499,7 +500,7 @@ def _train_ranks(words: Counter[bytes], n_ranks: int) -> list[bytes]:
 
 def _merge_word(seqs, wi, f, pair, new_id, pair_count, where) -> set[tuple[int, int]]:
     seq = seqs[wi]
-    for p in zip(seq, seq[1:]):
+    for p in pairwise(seq):
         pair_count[p] -= f
     out, i = [], 0
     while i < len(seq):
@@ -510,11 +511,11 @@ def _merge_word(seqs, wi, f, pair, new_id, pair_count, where) -> set[tuple[int, 
             out.append(seq[i])
             i += 1
     seqs[wi] = out
-    for p in zip(out, out[1:]):
+    for p in pairwise(out):
         pair_count[p] += f
         if p != pair:
             where.setdefault(p, set()).add(wi)
-    return set(zip(seq, seq[1:])) | set(zip(out, out[1:]))
+    return set(pairwise(seq)) | set(pairwise(out))
 
 
 def write_synthetic_tokenizer(out_dir: str | Path, vocab_size: int, seed: int = 0) -> dict:

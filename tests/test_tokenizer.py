@@ -91,7 +91,9 @@ def random_texts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     texts = []
     for _ in range(n):
-        chunks = [rng.choice(POOL) * rng.choice([1, 1, 1, 2, 3, 7]) for _ in range(rng.randint(1, 40))]
+        chunks = [
+            rng.choice(POOL) * rng.choice([1, 1, 1, 2, 3, 7]) for _ in range(rng.randint(1, 40))
+        ]
         texts.append("".join(chunks))
     return texts
 
@@ -167,7 +169,8 @@ def bigger(tmp_path_factory):
     source = Path(json.__file__).parent.parent
     for name in ("textwrap.py", "argparse.py", "difflib.py", "inspect.py"):
         text += (source / name).read_text(encoding="utf-8")
-    text += "".join(rng.choice("的一是了我不人在他有这个上们来到时大地为子中你说生国年着就那和要") for _ in range(20000))
+    han = "的一是了我不人在他有这个上们来到时大地为子中你说生国年着就那和要"
+    text += "".join(rng.choice(han) for _ in range(20000))
     write_ranks(path, trained_ranks(text, 8192))
     return path
 
@@ -237,7 +240,12 @@ def test_special_ids(synth):
 
 def test_write_synthetic_tokenizer(tmp_path):
     ids = write_synthetic_tokenizer(tmp_path / "a", 1024, seed=3)
-    assert ids == {"vocab_size": 1024, "bos_token_id": 768, "eos_token_id": 770, "pad_token_id": 1023}
+    assert ids == {
+        "vocab_size": 1024,
+        "bos_token_id": 768,
+        "eos_token_id": 770,
+        "pad_token_id": 1023,
+    }
     write_synthetic_tokenizer(tmp_path / "b", 1024, seed=3)
     write_synthetic_tokenizer(tmp_path / "c", 1024, seed=4)
     a, b, c = (tmp_path / d / "tiktoken.model" for d in "abc")
@@ -317,12 +325,15 @@ def test_streaming_holds_split_characters(synth):
     assert detok.text == " 你😀<|end_of_msg|>"
 
 
+TRICKY_BYTES = [0x41, 0x20, 0x00, 0x80, 0xBF, 0xC3, 0xE4, 0xF0, 0x9F, 0xFF, 0xED, 0xA0]
+
+
 def test_streaming_invalid_utf8_matches_decode(synth):
     """Broken byte sequences decode to the same replacement characters both ways."""
     tok = load_tokenizer(synth)
     rng = random.Random(0)
     for _ in range(300):
-        ids = [rng.choice([0x41, 0x20, 0x00, 0x80, 0xBF, 0xC3, 0xE4, 0xF0, 0x9F, 0xFF, 0xED, 0xA0]) for _ in range(rng.randint(1, 12))]
+        ids = rng.choices(TRICKY_BYTES, k=rng.randint(1, 12))
         full, pieces = stream(tok, ids)
         assert full == "".join(pieces) == tok.decode(ids), bytes(ids)
 
@@ -359,7 +370,9 @@ def test_cache(synth, tmp_path, monkeypatch):
     assert sorted(p.name for p in synth.iterdir()) == before
     second = load_tokenizer(synth)
     text = MULTILINGUAL[4] + MULTILINGUAL[6]
-    assert second.encode(text) == first.encode(text) == load_tokenizer(synth, cache=False).encode(text)
+    assert (
+        second.encode(text) == first.encode(text) == load_tokenizer(synth, cache=False).encode(text)
+    )
 
     changed = tmp_path / "changed"
     write_synthetic_tokenizer(changed, 1024)
@@ -414,7 +427,9 @@ def test_bad_config(small, tmp_path):
     config.write_text("{not json")
     with pytest.raises(ValueError, match="tokenizer_config.json"):
         load_tokenizer(tmp_path)
-    config.write_text(json.dumps({"added_tokens_decoder": {"5": {"content": "x", "special": True}}}))
+    config.write_text(
+        json.dumps({"added_tokens_decoder": {"5": {"content": "x", "special": True}}})
+    )
     with pytest.raises(ValueError, match="outside the special range"):
         load_tokenizer(tmp_path)
     config.write_text(json.dumps({"added_tokens_decoder": {}}))
