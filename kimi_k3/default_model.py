@@ -27,7 +27,8 @@ SEED = 0
 # The expert cache holds this share of the expert bytes, so decoding really reads experts
 # from disk.
 CACHE_FRACTION = 0.25
-NOTICE = "kimi_k3: no --model given: using the built-in demo model. Its weights are random, so its output is gibberish."
+NOTICE = ("kimi_k3: no --model given, using the built-in demo model: its weights are random, "
+          "so its output is gibberish")
 
 
 def version() -> str:

@@ -12,6 +12,8 @@ MXFP4 layout (MLX ``mode="mxfp4"``, identical bytes to compressed-tensors): per 
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -19,6 +21,7 @@ GROUP = 32
 EXPERT_TENSORS = ("w1", "w2", "w3")
 
 
+@partial(mx.compile, shapeless=True)
 def situ_glu(gate: mx.array, up: mx.array, beta: float, cap: float) -> mx.array:
     """``b*tanh(g/b)*sigmoid(g) * c*tanh(u/c)`` in fp32 (SiTU on the gate, soft cap on up)."""
     g = gate.astype(mx.float32)

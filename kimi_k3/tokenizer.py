@@ -75,6 +75,9 @@ EXTRA_STOP_TOKENS = ("[EOS]",)
 PAD_TOKEN = "[PAD]"
 UNK_TOKEN = "[UNK]"
 
+# Synthetic rank files learn at most this many ranks by BPE; more are filled cheaply.
+LEARNED_RANKS = 8192
+
 # Bump when the built tokenizer.json would change for the same input files.
 _CACHE_FORMAT = 1
 
@@ -518,12 +521,28 @@ def _merge_word(seqs, wi, f, pair, new_id, pair_count, where) -> set[tuple[int, 
     return set(pairwise(seq)) | set(pairwise(out))
 
 
+def _fill_ranks(tokens: list[bytes], n_ranks: int, seed: int) -> list[bytes]:
+    """Extend ``tokens`` to ``n_ranks`` with seeded new pairs of existing tokens (<= 16 bytes)."""
+    rng = random.Random(seed)
+    tokens = list(tokens)
+    seen = set(tokens)
+    while len(tokens) < n_ranks:
+        t = tokens[rng.randrange(len(tokens))] + tokens[rng.randrange(len(tokens))]
+        if len(t) <= 16 and t not in seen:
+            seen.add(t)
+            tokens.append(t)
+    return tokens
+
+
 def write_synthetic_tokenizer(out_dir: str | Path, vocab_size: int, seed: int = 0) -> dict:
     """Write a ``tiktoken.model`` and ``tokenizer_config.json`` of ``vocab_size`` ids.
 
     The first ``vocab_size - 256`` ids are ranks: the 256 bytes, then byte-level BPE merges
-    learned from a built-in multilingual text plus seeded pseudo-text (the same files for the
-    same arguments). The last 256 ids are specials at the K3 offsets (``SPECIAL_OFFSETS``).
+    learned from a built-in multilingual text plus seeded pseudo-text, up to
+    ``LEARNED_RANKS``; beyond that (full-size vocabularies) seeded concatenations of two
+    lower ranks fill the rest, so every rank is still a merge of lower ones. The same
+    arguments give the same files. The last 256 ids are specials at the K3 offsets
+    (``SPECIAL_OFFSETS``).
 
     Returns the config keys a model needs: ``vocab_size``, ``bos_token_id``,
     ``eos_token_id`` (``<|end_of_msg|>``) and ``pad_token_id``.
@@ -532,9 +551,10 @@ def write_synthetic_tokenizer(out_dir: str | Path, vocab_size: int, seed: int = 
     if n_ranks < 256:
         raise ValueError(f"vocab_size must be at least 512, got {vocab_size}")
     splitter = pre_tokenizers.Split(Regex(KIMI_PATTERN), behavior="isolated")
-    text = _synthetic_corpus(n_words=3 * n_ranks, seed=seed)
+    learned = min(n_ranks, LEARNED_RANKS)
+    text = _synthetic_corpus(n_words=3 * learned, seed=seed)
     words = Counter(p.encode("utf-8") for p, _ in splitter.pre_tokenize_str(text))
-    ranks = _train_ranks(words, n_ranks)
+    ranks = _fill_ranks(_train_ranks(words, learned), n_ranks, seed)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

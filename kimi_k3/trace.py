@@ -50,21 +50,26 @@ class Trace:
     def __init__(self, seq: int = 0, channels: bool = False):
         self.seq, self.channels = seq, channels
         self._rec: dict[tuple, list] = defaultdict(list)  # key -> per-call arrays, T first
+        self._fresh: list[mx.array] = []  # recorded since the last evaluation
         self._calls: list[dict] = []
         self._moe_batch: int | None = None
 
     def _add(self, key: tuple, value: mx.array):
         self._rec[key].append(value)
+        self._fresh.append(value)
 
     def _get(self, key: tuple) -> np.ndarray:
-        return np.concatenate([np.array(a) for a in self._rec[key]], axis=0)
+        parts = self._rec.get(key)
+        if not parts:
+            return np.zeros(0, np.float32)
+        return np.concatenate([np.array(a) for a in parts], axis=0)
 
     def _layers(self, kind: str) -> list[int]:
         return sorted({k[1] for k in self._rec if k[0] == kind})
 
     @property
     def tokens(self) -> np.ndarray:
-        return self._get(("tokens",)) if ("tokens",) in self._rec else np.zeros(0, np.int32)
+        return self._get(("tokens",))
 
     @property
     def routing(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -165,11 +170,11 @@ def _expert_stats(model) -> dict | None:
 def _model_call(model, t: Trace):
     def record(call, module, inputs, *args, **kwargs):
         before = _expert_stats(model)
-        pending = sum(len(v) for v in t._rec.values())
         out = call(module, inputs, *args, **kwargs)
         t._add(("tokens",), inputs[t.seq] if inputs.ndim == 2 else inputs)
         # Evaluate now so recorded arrays hold data, not graphs that pin activations.
-        mx.eval(out, *[a for v in t._rec.values() for a in v][pending - len(t._rec):])
+        mx.eval(out, *t._fresh)
+        t._fresh.clear()
         after = _expert_stats(model)
         delta = {}
         if before is not None and after is not None:
@@ -250,7 +255,10 @@ def _mla_call(t: Trace, layer: int):
     def record(call, module, x, cache=None):
         offset = 0 if cache is None else cache.offset
         y = call(module, x, cache)
-        keys = None if cache is None else cache.state  # after the call: includes x's tokens
+        keys = None
+        if cache is not None:  # after the call the cache holds x's tokens too
+            n = cache.offset
+            keys = (cache.keys[..., :n, :], cache.values[..., :n, :])
         t._add(("mla", layer), mla_entropy(module, x, keys, offset)[t.seq].T)
         return y
 

@@ -52,17 +52,25 @@ class RefConfig:
         t = config.get("text_config") or config
         lin = t["linear_attn_config"]
         return cls(
-            hidden_size=t["hidden_size"], num_hidden_layers=t["num_hidden_layers"],
-            rms_norm_eps=t["rms_norm_eps"], situ_beta=t["activation_situ_beta"],
+            hidden_size=t["hidden_size"],
+            num_hidden_layers=t["num_hidden_layers"],
+            rms_norm_eps=t["rms_norm_eps"],
+            situ_beta=t["activation_situ_beta"],
             situ_cap=t["activation_situ_linear_beta"],
             attn_res_block_size=t["attn_res_block_size"],
             first_k_dense_replace=t["first_k_dense_replace"],
-            top_k=t["num_experts_per_token"], routed_scaling_factor=t["routed_scaling_factor"],
-            renormalize=t["moe_renormalize"], kda_heads=lin["num_heads"],
-            kda_head_dim=lin["head_dim"], gate_lower_bound=lin["gate_lower_bound"],
-            full_attn_layers=tuple(lin["full_attn_layers"]), mla_heads=t["num_attention_heads"],
-            qk_nope_head_dim=t["qk_nope_head_dim"], qk_rope_head_dim=t["qk_rope_head_dim"],
-            v_head_dim=t["v_head_dim"], kv_lora_rank=t["kv_lora_rank"],
+            top_k=t["num_experts_per_token"],
+            routed_scaling_factor=t["routed_scaling_factor"],
+            renormalize=t["moe_renormalize"],
+            kda_heads=lin["num_heads"],
+            kda_head_dim=lin["head_dim"],
+            gate_lower_bound=lin["gate_lower_bound"],
+            full_attn_layers=tuple(lin["full_attn_layers"]),
+            mla_heads=t["num_attention_heads"],
+            qk_nope_head_dim=t["qk_nope_head_dim"],
+            qk_rope_head_dim=t["qk_rope_head_dim"],
+            v_head_dim=t["v_head_dim"],
+            kv_lora_rank=t["kv_lora_rank"],
         )
 
 
@@ -213,8 +221,10 @@ def mla_attention(x, w, cfg: RefConfig, cache=None):
     T = x.shape[0]
     H, nope, pe, vd = cfg.mla_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     r = cfg.kv_lora_rank
-    q = linear(rms_norm(linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], MLA_EPS),
-               w["q_b_proj.weight"]).reshape(T, H, nope + pe)
+    q = linear(
+        rms_norm(linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], MLA_EPS),
+        w["q_b_proj.weight"],
+    ).reshape(T, H, nope + pe)
     kv = linear(x, w["kv_a_proj_with_mqa.weight"])
     latent = rms_norm(kv[:, :r], w["kv_a_layernorm.weight"], MLA_EPS)
     k_shared = kv[:, r:]
@@ -224,8 +234,10 @@ def mla_attention(x, w, cfg: RefConfig, cache=None):
     Tk = latent.shape[0]
     kvb = linear(latent, w["kv_b_proj.weight"]).reshape(Tk, H, nope + vd)
     k_nope, v = kvb[..., :nope], kvb[..., nope:]
-    scores = (np.einsum("thd,shd->hts", q[..., :nope], k_nope)
-              + np.einsum("thd,sd->hts", q[..., nope:], k_shared)) * (nope + pe) ** -0.5
+    scores = (
+        np.einsum("thd,shd->hts", q[..., :nope], k_nope)
+        + np.einsum("thd,sd->hts", q[..., nope:], k_shared)
+    ) * (nope + pe) ** -0.5
     pos = Tk - T + np.arange(T)
     scores = np.where(np.arange(Tk)[None, :] <= pos[:, None], scores, -np.inf)
     p = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -288,8 +300,10 @@ def route(x, gate_w, bias, top_k, scale, renormalize):
 
 def expert_weights(w, e):
     """Decoded ``(w1, w2, w3)`` of expert ``e`` from ``experts.E.wN.weight_packed/_scale``."""
-    return tuple(mxfp4_decode(w[f"experts.{e}.{n}.weight_packed"],
-                              w[f"experts.{e}.{n}.weight_scale"]) for n in ("w1", "w2", "w3"))
+    return tuple(
+        mxfp4_decode(w[f"experts.{e}.{n}.weight_packed"], w[f"experts.{e}.{n}.weight_scale"])
+        for n in ("w1", "w2", "w3")
+    )
 
 
 def latent_moe(x, w, cfg: RefConfig):
@@ -297,13 +311,19 @@ def latent_moe(x, w, cfg: RefConfig):
 
     Shapes: x [N, D]. Returns (out [N, D], inds [N, k], weights [N, k]).
     """
-    inds, wts, _ = route(x, w["gate.weight"], w["gate.e_score_correction_bias"], cfg.top_k,
-                         cfg.routed_scaling_factor, cfg.renormalize)
+    inds, wts, _ = route(
+        x,
+        w["gate.weight"],
+        w["gate.e_score_correction_bias"],
+        cfg.top_k,
+        cfg.routed_scaling_factor,
+        cfg.renormalize,
+    )
     z = linear(x, w["routed_expert_down_proj.weight"])
     decoded = {e: expert_weights(w, e) for e in np.unique(inds)}
     y = np.zeros_like(z)
     for n in range(x.shape[0]):
-        for e, we in zip(inds[n], wts[n]):
+        for e, we in zip(inds[n], wts[n], strict=True):
             w1, w2, w3 = decoded[e]
             h = situ_glu(linear(z[n], w1), linear(z[n], w3), cfg.situ_beta, cfg.situ_cap)
             y[n] += we * linear(h, w2)
@@ -317,7 +337,7 @@ def latent_moe(x, w, cfg: RefConfig):
 
 def sub(w: dict, prefix: str) -> dict:
     """The entries of ``w`` under ``prefix``, with the prefix removed."""
-    return {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in w.items() if k.startswith(prefix)}
 
 
 def decoder_layer(i, p, snaps, w, cfg: RefConfig, cache=None):
@@ -328,17 +348,20 @@ def decoder_layer(i, p, snaps, w, cfg: RefConfig, cache=None):
     Shapes: p [T, D]; snaps list of [T, D]. Returns (p, snaps, cache).
     """
     eps = cfg.rms_norm_eps
-    h = attn_res_mix(snaps, p, w["self_attention_res.norm_weight"],
-                     w["self_attention_res.proj_weight"], eps)
+    h = attn_res_mix(
+        snaps, p, w["self_attention_res.norm_weight"], w["self_attention_res.proj_weight"], eps
+    )
     if i % cfg.attn_res_block_size == 0:
         snaps = snaps + [p]
         p = np.zeros_like(p)
     attn = mla_attention if (i + 1) in cfg.full_attn_layers else kda_attention
-    y, cache = attn(rms_norm(h, w["input_layernorm.weight"], eps), sub(w, "self_attn."), cfg,
-                    cache)
+    y, cache = attn(rms_norm(h, w["input_layernorm.weight"], eps), sub(w, "self_attn."), cfg, cache)
     p = p + y
-    h = rms_norm(attn_res_mix(snaps, p, w["mlp_res.norm_weight"], w["mlp_res.proj_weight"], eps),
-                 w["post_attention_layernorm.weight"], eps)
+    h = rms_norm(
+        attn_res_mix(snaps, p, w["mlp_res.norm_weight"], w["mlp_res.proj_weight"], eps),
+        w["post_attention_layernorm.weight"],
+        eps,
+    )
     if i < cfg.first_k_dense_replace:
         f = situ_mlp(h, sub(w, "mlp."), cfg.situ_beta, cfg.situ_cap)
     else:
@@ -362,8 +385,13 @@ def model_forward(tokens, w, cfg: RefConfig, caches=None):
         p, snaps, c = decoder_layer(i, p, snaps, sub(m, f"layers.{i}."), cfg, c)
         if caches is not None:
             caches[i] = c
-    h = attn_res_mix(snaps, p, m["output_attn_res.norm_weight"],
-                     m["output_attn_res.proj_weight"], cfg.rms_norm_eps)
+    h = attn_res_mix(
+        snaps,
+        p,
+        m["output_attn_res.norm_weight"],
+        m["output_attn_res.proj_weight"],
+        cfg.rms_norm_eps,
+    )
     return linear(rms_norm(h, m["norm.weight"], cfg.rms_norm_eps), w["lm_head.weight"])
 
 
@@ -388,6 +416,6 @@ def load_checkpoint(path) -> tuple[dict, RefConfig]:
             a = bf16_to_f32(a)
         if a.dtype.kind == "f":
             a = a.astype(np.float64)
-        key = _RES_SPELLING.sub(r"\1.\2_weight", name[len("language_model."):])
+        key = _RES_SPELLING.sub(r"\1.\2_weight", name[len("language_model.") :])
         w[key] = a
     return w, cfg

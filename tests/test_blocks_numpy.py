@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import numpy_ref as ref
 import pytest
+from kimi_k3.convert.synth import write_checkpoint
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache, KVCache
 
@@ -22,7 +23,6 @@ from kimi_k3 import kda
 from kimi_k3.attention import GatedMLA, KimiDeltaAttention
 from kimi_k3.attn_res import AttnResMix
 from kimi_k3.config import ModelArgs
-from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.experts import situ_glu
 from kimi_k3.loader import load_model
 from kimi_k3.moe import LatentMoE, Router, SituMLP
@@ -34,16 +34,36 @@ FLA_VECTORS = Path(__file__).parent / "data" / "kda_fla_vectors.npz"
 
 # Awkward sizes on purpose: widths that are not powers of two and straddle 32.
 CONFIG = {
-    "vocab_size": 64, "hidden_size": 40, "num_hidden_layers": 2, "intermediate_size": 72,
-    "rms_norm_eps": 1e-5, "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-    "attn_res_block_size": 12, "first_k_dense_replace": 1, "num_experts": 12,
-    "num_experts_per_token": 4, "num_shared_experts": 2, "moe_intermediate_size": 32,
-    "routed_expert_hidden_size": 64, "moe_renormalize": True, "routed_scaling_factor": 1.0,
-    "num_attention_heads": 3, "q_lora_rank": 24, "kv_lora_rank": 36, "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8, "v_head_dim": 12,
-    "linear_attn_config": {"num_heads": 3, "head_dim": 20, "short_conv_kernel_size": 4,
-                           "gate_lower_bound": -5.0, "kda_layers": [1],
-                           "full_attn_layers": [2]},
+    "vocab_size": 64,
+    "hidden_size": 40,
+    "num_hidden_layers": 2,
+    "intermediate_size": 72,
+    "rms_norm_eps": 1e-5,
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "attn_res_block_size": 12,
+    "first_k_dense_replace": 1,
+    "num_experts": 12,
+    "num_experts_per_token": 4,
+    "num_shared_experts": 2,
+    "moe_intermediate_size": 32,
+    "routed_expert_hidden_size": 64,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 1.0,
+    "num_attention_heads": 3,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 36,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "linear_attn_config": {
+        "num_heads": 3,
+        "head_dim": 20,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "kda_layers": [1],
+        "full_attn_layers": [2],
+    },
 }
 ARGS = ModelArgs.from_dict(CONFIG)
 CFG = ref.RefConfig.from_dict(CONFIG)
@@ -133,8 +153,9 @@ def test_kda_pieces():
     assert_close(g[0], ref.kda_gate(f64(g_raw[0]), f64(a_log), f64(dt), -5.0), what="kda_gate")
     o, gate, w = randn(rng, 1, T, H, K), randn(rng, 1, T, H, K), randn(rng, K)
     got = kda.rms_norm_gate(mx.array(o), mx.array(w), mx.array(gate), 1e-5)
-    assert_close(got[0], ref.head_norm_gate(f64(o[0]), f64(w), f64(gate[0]), 1e-5),
-                 what="rms_norm_gate")
+    assert_close(
+        got[0], ref.head_norm_gate(f64(o[0]), f64(w), f64(gate[0]), 1e-5), what="rms_norm_gate"
+    )
 
 
 def test_reference_matches_fla_vectors():
@@ -149,8 +170,9 @@ def test_reference_matches_fla_vectors():
         assert_close(g, d["g"][0], what=f"{case} gate")
         K = d["q"].shape[-1]
         S0 = d["h0"][0] if "h0" in d else None
-        o, S = ref.kda_sequence(d["q"][0] * K**-0.5, d["k"][0], d["v"][0], d["g"][0],
-                                d["beta"][0], S0)
+        o, S = ref.kda_sequence(
+            d["q"][0] * K**-0.5, d["k"][0], d["v"][0], d["g"][0], d["beta"][0], S0
+        )
         assert_close(o, d["o"][0], what=f"{case} o")
         assert_close(S, d["S"][0], what=f"{case} S")
 
@@ -159,8 +181,17 @@ def _kda_inputs(rng, T, H=3, K=20, V=12):
     q = ref.l2norm(f64(randn(rng, B, T, H, K))) * K**-0.5
     k = ref.l2norm(f64(randn(rng, B, T, H, K)))
     v = f64(randn(rng, B, T, H, V))
-    g = np.stack([ref.kda_gate(f64(randn(rng, T, H, K, scale=2.0)), f64(randn(rng, H)),
-                               f64(randn(rng, H * K)), -5.0) for _ in range(B)])
+    g = np.stack(
+        [
+            ref.kda_gate(
+                f64(randn(rng, T, H, K, scale=2.0)),
+                f64(randn(rng, H)),
+                f64(randn(rng, H * K)),
+                -5.0,
+            )
+            for _ in range(B)
+        ]
+    )
     beta = ref.sigmoid(f64(randn(rng, B, T, H)))
     return [t.astype(np.float32) for t in (q, k, v, g, beta)]
 
@@ -172,11 +203,16 @@ def test_kda_recurrence(form, with_state, T):
     rng = np.random.default_rng(T)
     q, k, v, g, beta = _kda_inputs(rng, T)
     S0 = randn(rng, B, 3, 20, 12, scale=0.5) if with_state else None
-    o, S = form(*(mx.array(t) for t in (q, k, v, g, beta)),
-                None if S0 is None else mx.array(S0))
+    o, S = form(*(mx.array(t) for t in (q, k, v, g, beta)), None if S0 is None else mx.array(S0))
     for b in range(B):
-        o_ref, S_ref = ref.kda_sequence(f64(q[b]), f64(k[b]), f64(v[b]), f64(g[b]),
-                                        f64(beta[b]), None if S0 is None else f64(S0[b]))
+        o_ref, S_ref = ref.kda_sequence(
+            f64(q[b]),
+            f64(k[b]),
+            f64(v[b]),
+            f64(g[b]),
+            f64(beta[b]),
+            None if S0 is None else f64(S0[b]),
+        )
         assert_close(o[b], o_ref, what=f"{form.__name__} T={T} output")
         assert_close(S[b], S_ref, what=f"{form.__name__} T={T} state")
 
@@ -213,7 +249,7 @@ def test_kda_module(with_cache, T):
     for b in range(B):
         rc = None
         if with_cache:
-            rc = (dict(zip("qkv", np.split(f64(conv0[b]), 3, axis=-1))), f64(S0[b]))
+            rc = (dict(zip("qkv", np.split(f64(conv0[b]), 3, axis=-1), strict=True)), f64(S0[b]))
         y_ref, (windows, S) = ref.kda_attention(f64(x[b]), w, CFG, rc)
         assert_close(y[b], y_ref, what=f"KDA T={T} output")
         if with_cache:
@@ -252,8 +288,9 @@ def test_mla_cached_decode():
             assert_close(y[b], y_ref, what=f"MLA tokens {a}..{e} over a cache")
     assert cache.offset == 10
     assert_close(cache.keys[:, 0, :10], np.stack([c[0] for c in ref_cache]), what="MLA latents")
-    assert_close(cache.values[:, 0, :10], np.stack([c[1] for c in ref_cache]),
-                 what="MLA shared keys")
+    assert_close(
+        cache.values[:, 0, :10], np.stack([c[1] for c in ref_cache]), what="MLA shared keys"
+    )
 
 
 # ---------------------------------------------------------------- AttnRes
@@ -270,8 +307,13 @@ def test_attn_res_mix(n_snaps):
     p = randn(rng, B, 6, D, scale=2.0)
     got = mix([mx.array(s) for s in snaps], mx.array(p))
     for b in range(B):
-        want = ref.attn_res_mix([f64(s[b]) for s in snaps], f64(p[b]), w["norm_weight"],
-                                w["proj_weight"], CFG.rms_norm_eps)
+        want = ref.attn_res_mix(
+            [f64(s[b]) for s in snaps],
+            f64(p[b]),
+            w["norm_weight"],
+            w["proj_weight"],
+            CFG.rms_norm_eps,
+        )
         assert_close(got[b], want, what=f"AttnRes mix with {n_snaps} snapshots")
 
 
@@ -284,8 +326,14 @@ def test_mxfp4_decode_bit_exact():
     packed = rng.integers(0, 256, (24, 128), dtype=np.uint8)
     scales = rng.integers(0, 255, (24, 8), dtype=np.uint8)
     scales[0] = [0, 1, 127, 128, 200, 252, 253, 254]
-    got = mx.dequantize(mx.array(packed.view(np.uint32)), mx.array(scales), group_size=32,
-                        bits=4, mode="mxfp4", dtype=mx.float32)
+    got = mx.dequantize(
+        mx.array(packed.view(np.uint32)),
+        mx.array(scales),
+        group_size=32,
+        bits=4,
+        mode="mxfp4",
+        dtype=mx.float32,
+    )
     with np.errstate(over="ignore"):  # 6 * 2^127 overflows float32 to inf on both sides
         want = ref.mxfp4_decode(packed, scales).astype(np.float32)
     np.testing.assert_array_equal(np.array(got).view(np.uint32), want.view(np.uint32))
@@ -299,8 +347,9 @@ def test_router(scale, renormalize):
     w = as_ref(random_params(router, rng))
     x = randn(rng, 40, CFG.hidden_size, scale=2.0)
     inds, wts = router(mx.array(x))
-    r_inds, r_wts, biased = ref.route(f64(x), w["weight"], w["e_score_correction_bias"], k,
-                                      scale, renormalize)
+    r_inds, r_wts, biased = ref.route(
+        f64(x), w["weight"], w["e_score_correction_bias"], k, scale, renormalize
+    )
     _check_routing(inds, wts, r_inds, r_wts, biased, k)
 
 
@@ -310,10 +359,14 @@ def _check_routing(inds, wts, r_inds, r_wts, biased, k):
     assert (srt[:, k - 1] - srt[:, k]).min() > 1e-5, "ambiguous test data: near-tie at top-k"
     inds, wts = np.array(inds), f64(wts)
     order, r_order = np.argsort(inds, axis=-1), np.argsort(r_inds, axis=-1)
-    np.testing.assert_array_equal(np.take_along_axis(inds, order, -1),
-                                  np.take_along_axis(r_inds, r_order, -1))
-    assert_close(np.take_along_axis(wts, order, -1), np.take_along_axis(r_wts, r_order, -1),
-                 what="routing weights")
+    np.testing.assert_array_equal(
+        np.take_along_axis(inds, order, -1), np.take_along_axis(r_inds, r_order, -1)
+    )
+    assert_close(
+        np.take_along_axis(wts, order, -1),
+        np.take_along_axis(r_wts, r_order, -1),
+        what="routing weights",
+    )
 
 
 def _random_experts(rng, E, Dl, I) -> dict:
@@ -324,7 +377,8 @@ def _random_experts(rng, E, Dl, I) -> dict:
             centre = 127 - round(math.log2(3.0 * math.sqrt(i)))
             out[f"experts.{e}.{n}.weight_packed"] = rng.integers(0, 256, (o, i // 2), np.uint8)
             out[f"experts.{e}.{n}.weight_scale"] = rng.integers(
-                centre - 1, centre + 2, (o, i // 32)).astype(np.uint8)
+                centre - 1, centre + 2, (o, i // 32)
+            ).astype(np.uint8)
     return out
 
 
@@ -332,8 +386,9 @@ def test_latent_moe():
     rng = np.random.default_rng(60)
     moe = LatentMoE(ARGS)
     w = as_ref(random_params(moe, rng))
-    experts = _random_experts(rng, CFG_E, ARGS.routed_expert_hidden_size,
-                              ARGS.moe_intermediate_size)
+    experts = _random_experts(
+        rng, CFG_E, ARGS.routed_expert_hidden_size, ARGS.moe_intermediate_size
+    )
     stacked = {}
     for n in ("w1", "w2", "w3"):
         packed = np.stack([experts[f"experts.{e}.{n}.weight_packed"] for e in range(CFG_E)])
@@ -346,8 +401,14 @@ def test_latent_moe():
     y = moe(mx.array(x))
     inds, wts = moe.gate(mx.array(x.reshape(-1, CFG.hidden_size)))
     y_ref, r_inds, r_wts = ref.latent_moe(f64(x.reshape(-1, CFG.hidden_size)), w, CFG)
-    _, _, biased = ref.route(f64(x.reshape(-1, CFG.hidden_size)), w["gate.weight"],
-                             w["gate.e_score_correction_bias"], CFG.top_k, 1.0, True)
+    _, _, biased = ref.route(
+        f64(x.reshape(-1, CFG.hidden_size)),
+        w["gate.weight"],
+        w["gate.e_score_correction_bias"],
+        CFG.top_k,
+        1.0,
+        True,
+    )
     _check_routing(inds, wts, r_inds, r_wts, biased, CFG.top_k)
     assert_close(y.reshape(-1, CFG.hidden_size), y_ref, what="LatentMoE output")
 
@@ -371,8 +432,9 @@ def test_decoder_layers(tiny):
     p = model.language_model.model.embed_tokens(mx.array([PROMPT]))
     snaps = []
     for i, layer in enumerate(model.layers):
-        want, want_snaps, _ = ref.decoder_layer(i, f64(p[0]), [f64(s[0]) for s in snaps],
-                                                ref.sub(w, f"model.layers.{i}."), cfg)
+        want, want_snaps, _ = ref.decoder_layer(
+            i, f64(p[0]), [f64(s[0]) for s in snaps], ref.sub(w, f"model.layers.{i}."), cfg
+        )
         p, snaps = layer(p, snaps)
         assert len(snaps) == len(want_snaps), f"layer {i}: snapshot count"
         assert_close(p[0], want, what=f"layer {i} partial sum")

@@ -255,10 +255,7 @@ def test_write_synthetic_tokenizer(tmp_path):
     ranks = read_ranks(a)
     assert len(ranks) == 768
     assert ranks[:256] == [bytes([i]) for i in range(256)]
-    for r in range(256, len(ranks)):
-        splits = [(ranks[r][:k], ranks[r][k:]) for k in range(1, len(ranks[r]))]
-        lower = set(ranks[:r])
-        assert any(x in lower and y in lower for x, y in splits), ranks[r]
+    assert all(is_merge_of_lower(ranks, r, set(ranks[:r])) for r in range(256, len(ranks)))
 
     config = json.loads((tmp_path / "a" / "tokenizer_config.json").read_text())
     decoder = config["added_tokens_decoder"]
@@ -271,6 +268,32 @@ def test_write_synthetic_tokenizer(tmp_path):
     assert config["eos_token"] == "<|end_of_msg|>"
     with pytest.raises(ValueError, match="512"):
         write_synthetic_tokenizer(tmp_path / "d", 400)
+
+
+def is_merge_of_lower(ranks: list[bytes], r: int, lower: set[bytes]) -> bool:
+    t = ranks[r]
+    return any(t[:k] in lower and t[k:] in lower for k in range(1, len(t)))
+
+
+@pytest.mark.slow
+def test_full_size_synthetic(tmp_path):
+    """A K3-size vocabulary: specials at the published ids, tiktoken parity, load time."""
+    ids = write_synthetic_tokenizer(tmp_path, 163840)
+    assert ids == {
+        "vocab_size": 163840,
+        "bos_token_id": 163584,
+        "eos_token_id": 163586,
+        "pad_token_id": 163839,
+    }
+    ranks = read_ranks(tmp_path / "tiktoken.model")
+    lower = set(ranks[:-2000])
+    for r in range(len(ranks) - 2000, len(ranks)):
+        assert is_merge_of_lower(ranks, r, lower)
+        lower.add(ranks[r])
+    tok = load_tokenizer(tmp_path)
+    for name, token_id in [("<|open|>", 163587), ("[EOT]", 163593), ("[UNK]", 163838)]:
+        assert tok.convert_tokens_to_ids(name) == token_id
+    check_parity(tmp_path, MULTILINGUAL + random_texts(50, seed=9))
 
 
 def test_config_names_specials(small, tmp_path):

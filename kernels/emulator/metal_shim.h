@@ -232,9 +232,9 @@ inline void simdgroup_barrier(mem_flags) { kk::simd_exchange(0); }
 // ---- simdgroup functions (all live lanes of the simdgroup must call them) ----
 template <typename T>
 inline T simd_sum(T v) {
-  auto s = kk::simd_exchange(v);
-  T acc[kk::kLanes];  // butterfly order, like a warp shuffle-xor reduction
-  for (unsigned l = 0; l < kk::kLanes; ++l) acc[l] = kk::lane_live(kk::simdgroup(), l) ? kk::slot<T>(s, l) : T(0);
+  const kk::SimdOp& op = kk::simd_exchange(v);
+  T acc[kk::kLanes];  // butterfly order, as a shuffle-xor reduction adds
+  for (unsigned l = 0; l < kk::kLanes; ++l) acc[l] = kk::slot(op, l, T(0));
   for (unsigned o = kk::kLanes / 2; o > 0; o >>= 1) {
     T next[kk::kLanes];
     for (unsigned l = 0; l < kk::kLanes; ++l) next[l] = acc[l] + acc[l ^ o];
@@ -244,63 +244,58 @@ inline T simd_sum(T v) {
 }
 template <typename T, typename F>
 inline T kk_simd_fold(T v, F f) {
-  auto s = kk::simd_exchange(v);
-  bool first = true;
+  const kk::SimdOp& op = kk::simd_exchange(v);
   T r = v;
-  for (unsigned l = 0; l < kk::kLanes; ++l) {
-    if (!kk::lane_live(kk::simdgroup(), l)) continue;
-    r = first ? kk::slot<T>(s, l) : f(r, kk::slot<T>(s, l));
-    first = false;
-  }
+  for (unsigned l = 0; l < kk::kLanes; ++l) r = f(r, kk::slot(op, l, v));
   return r;
 }
 template <typename T>
 inline T simd_max(T v) { return kk_simd_fold(v, [](T a, T b) { return a < b ? b : a; }); }
 template <typename T>
 inline T simd_min(T v) { return kk_simd_fold(v, [](T a, T b) { return b < a ? b : a; }); }
-template <typename T>
-inline T simd_product(T v) { return kk_simd_fold(v, [](T a, T b) { return a * b; }); }
 inline bool simd_all(bool v) { return kk_simd_fold(v, [](bool a, bool b) { return a && b; }); }
 inline bool simd_any(bool v) { return kk_simd_fold(v, [](bool a, bool b) { return a || b; }); }
 template <typename T>
-inline T simd_shuffle(T v, ushort lane) { return kk::slot<T>(kk::simd_exchange(v), lane); }
+inline T simd_product(T v) {
+  const kk::SimdOp& op = kk::simd_exchange(v);
+  T r = T(1);
+  for (unsigned l = 0; l < kk::kLanes; ++l) r = r * kk::slot(op, l, T(1));
+  return r;
+}
 template <typename T>
-inline T simd_broadcast(T v, ushort lane) { return kk::slot<T>(kk::simd_exchange(v), lane); }
+inline T simd_shuffle(T v, ushort lane) { return kk::slot(kk::simd_exchange(v), lane, v); }
+template <typename T>
+inline T simd_broadcast(T v, ushort lane) { return kk::slot(kk::simd_exchange(v), lane, v); }
 template <typename T>
 inline T simd_broadcast_first(T v) {
-  auto s = kk::simd_exchange(v);
-  for (unsigned l = 0; l < kk::kLanes; ++l) {
-    if (kk::lane_live(kk::simdgroup(), l)) return kk::slot<T>(s, l);
-  }
-  return v;
+  const kk::SimdOp& op = kk::simd_exchange(v);
+  return kk::slot(op, op.lanes ? __builtin_ctz(op.lanes) : 0, v);
 }
 template <typename T>
 inline T simd_shuffle_xor(T v, ushort mask) {
-  return kk::slot<T>(kk::simd_exchange(v), kk::lane() ^ mask);
+  return kk::slot(kk::simd_exchange(v), kk::lane() ^ mask, v);
 }
 template <typename T>
 inline T simd_shuffle_down(T v, ushort delta) {
-  auto s = kk::simd_exchange(v);
-  unsigned src = kk::lane() + delta;
-  return src < kk::kLanes ? kk::slot<T>(s, src) : v;
+  return kk::slot(kk::simd_exchange(v), kk::lane() + delta, v);
 }
 template <typename T>
 inline T simd_shuffle_up(T v, ushort delta) {
-  auto s = kk::simd_exchange(v);
-  return kk::lane() >= delta ? kk::slot<T>(s, kk::lane() - delta) : v;
+  unsigned src = kk::lane() >= delta ? kk::lane() - delta : kk::kLanes;
+  return kk::slot(kk::simd_exchange(v), src, v);
 }
 template <typename T>
 inline T simd_prefix_inclusive_sum(T v) {
-  auto s = kk::simd_exchange(v);
+  const kk::SimdOp& op = kk::simd_exchange(v);
   T acc = T(0);
-  for (unsigned l = 0; l <= kk::lane(); ++l) acc = acc + kk::slot<T>(s, l);
+  for (unsigned l = 0; l <= kk::lane(); ++l) acc = acc + kk::slot(op, l, T(0));
   return acc;
 }
 template <typename T>
 inline T simd_prefix_exclusive_sum(T v) {
-  auto s = kk::simd_exchange(v);
+  const kk::SimdOp& op = kk::simd_exchange(v);
   T acc = T(0);
-  for (unsigned l = 0; l < kk::lane(); ++l) acc = acc + kk::slot<T>(s, l);
+  for (unsigned l = 0; l < kk::lane(); ++l) acc = acc + kk::slot(op, l, T(0));
   return acc;
 }
 

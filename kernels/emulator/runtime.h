@@ -40,6 +40,12 @@ struct Fiber {
   unsigned simd_ops;     // simdgroup operations entered
 };
 
+// One simdgroup operation in flight: the lanes' values and which lanes took part.
+struct SimdOp {
+  unsigned char slots[kLanes][kSlot];
+  uint32_t lanes;
+};
+
 struct Runtime {
   // dispatch
   uvec3 grid, tg, groups, group, size;  // size: threads in this (possibly partial) group
@@ -52,8 +58,8 @@ struct Runtime {
   size_t stack_bytes;
   unsigned cur;
   ucontext_t sched;
-  // simdgroup exchange: [simdgroup][parity][lane][bytes]
-  unsigned char (*xchg)[2][kLanes][kSlot];
+  // simdgroup exchange: [simdgroup][parity]
+  struct SimdOp* xchg;
   // threadgroup memory (this module's bss)
   char* tg_lo;
   char* tg_hi;
@@ -87,22 +93,26 @@ inline bool lane_live(unsigned sg, unsigned l) {
 }
 
 // A simdgroup operation: publish this lane's value, wait for the other live lanes, then
-// return the exchange slots of this operation (double-buffered by operation parity).
+// return the operation's record (double-buffered by operation parity, so a lane that runs
+// ahead into the next operation cannot overwrite values others still read).
 template <typename T>
-unsigned char (*simd_exchange(const T& v))[kSlot] {
+const SimdOp& simd_exchange(const T& v) {
   static_assert(sizeof(T) <= kSlot, "simdgroup value too large for the emulator");
   Fiber& f = me();
-  unsigned parity = f.simd_ops++ & 1;
-  auto slots = rt->xchg[simdgroup()][parity];
-  std::memcpy(slots[lane()], &v, sizeof(T));
+  SimdOp& op = rt->xchg[2 * simdgroup() + (f.simd_ops++ & 1)];
+  std::memcpy(op.slots[lane()], &v, sizeof(T));
   block(AT_SIMD);
-  return slots;
+  return op;
 }
 
+inline bool took_part(const SimdOp& op, unsigned l) { return l < kLanes && (op.lanes >> l) & 1; }
+
+// Lane l's value; a lane that did not take part reads as `fallback`.
 template <typename T>
-T slot(unsigned char (*slots)[kSlot], unsigned l) {
+T slot(const SimdOp& op, unsigned l, T fallback) {
+  if (!took_part(op, l)) return fallback;
   T v;
-  std::memcpy(&v, slots[l % kLanes], sizeof(T));
+  std::memcpy(&v, op.slots[l], sizeof(T));
   return v;
 }
 
@@ -155,8 +165,12 @@ inline bool release_simdgroups() {
       fail("simdgroup operation with inactive lanes (not portable to CUDA full-mask shuffles)");
       return false;
     }
+    SimdOp& op = rt->xchg[2 * sg + ((ops - 1) & 1)];
+    op.lanes = 0;
     for (unsigned l = 0; l < kLanes; ++l) {
-      if (lane_live(sg, l)) rt->fibers[sg * kLanes + l].state = RUNNABLE;
+      if (!lane_live(sg, l)) continue;
+      rt->fibers[sg * kLanes + l].state = RUNNABLE;
+      op.lanes |= 1u << l;
     }
     any = true;
   }
@@ -305,7 +319,7 @@ inline int launch(void (*entry)(), const unsigned* grid, const unsigned* tg, int
   r.stacks = static_cast<char*>(mem);
   Fiber* fibers = new Fiber[max_threads];
   unsigned* order = new unsigned[max_threads];
-  auto xchg = new unsigned char[ceil_div(max_threads, kLanes)][2][kLanes][kSlot];
+  SimdOp* xchg = new SimdOp[2 * ceil_div(max_threads, kLanes)];
   r.fibers = fibers;
   r.xchg = xchg;
   for (unsigned gz = 0; gz < r.groups.z && !err[0]; ++gz) {

@@ -1,6 +1,6 @@
 """End-to-end prefill and decode tokens/s: kimi_k3 vs mlx-lm's kimi_k3, same weights, one run.
 
-    python benchmarks/bench_e2e_cpu.py --preset small --out docs/bench_e2e_cpu.md
+    python benchmarks/bench_e2e.py --preset small --out docs/bench_e2e.md
 """
 
 from __future__ import annotations

@@ -1,0 +1,353 @@
+"""The expert pack: routed experts laid out for streaming reads from an SSD.
+
+A converted model directory holds ``experts/index.json`` and pack files
+``experts/experts-00001-of-000NN.pack``. A pack file is a run of records in (layer, expert)
+order, one per routed expert; every record starts at a multiple of ``ALIGN`` (4096) bytes and
+is zero-padded to the next multiple, so one aligned read fetches one expert. A record holds
+the expert's six tensors back to back, the bytes exactly as in the published checkpoint:
+
+    w1.weight  (experts.E.w1.weight_packed)  u8 [I, D/2]  read as uint32 [I, D/8]
+    w1.scales  (experts.E.w1.weight_scale)   u8 [I, D/32]
+    w2.weight  (experts.E.w2.weight_packed)  u8 [D, I/2]  read as uint32 [D, I/8]
+    w2.scales  (experts.E.w2.weight_scale)   u8 [D, I/32]
+    w3.weight, w3.scales                     like w1
+
+The packed bytes viewed as uint32 are MLX ``mode="mxfp4"`` weights (see ``kimi_k3.experts``).
+``index.json`` (format ``kimi-k3-expert-pack``, version 1) names the files and, per MoE layer,
+each tensor's offset, byte count, dtype and shape within a record, and each expert's
+``[file number, offset, crc32]``. docs/converter.md describes the layout in full.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kimi_k3.checkpoint import CheckpointError, write_text_atomic
+
+ALIGN = 4096
+PACK_DIR = "experts"
+INDEX = "index.json"
+FORMAT, VERSION = "kimi-k3-expert-pack", 1
+# Record order, and the published tensor each record slot holds.
+TENSORS = ("w1.weight", "w1.scales", "w2.weight", "w2.scales", "w3.weight", "w3.scales")
+SOURCE = {"weight": "weight_packed", "scales": "weight_scale"}
+_NP = {"uint32": np.uint32, "uint8": np.uint8}
+
+
+class PackError(CheckpointError):
+    """An expert pack that is missing, malformed or corrupted; names the file and record."""
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def source_name(name: str) -> str:
+    """``w1.weight`` -> ``w1.weight_packed``: the published tensor a record slot holds."""
+    w, kind = name.split(".")
+    return f"{w}.{SOURCE[kind]}"
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Where one expert's six tensors sit within its record (the same for a whole layer)."""
+
+    tensors: dict  # name -> {"offset", "nbytes", "dtype", "shape"}
+    data_bytes: int  # bytes of tensor data (what the crc32 covers)
+
+    @property
+    def record_bytes(self) -> int:
+        return aligned(self.data_bytes)
+
+    @classmethod
+    def from_published(cls, shapes: dict[str, tuple], where: str = "") -> RecordLayout:
+        """Build from the published u8 shapes keyed ``w1.weight_packed``, ``w1.weight_scale``...
+
+        Shapes: ``wN.weight_packed`` [O, I/2] and ``wN.weight_scale`` [O, I/32] (I % 32 == 0).
+        """
+        tensors, offset = {}, 0
+        for name in TENSORS:
+            src = source_name(name)
+            if src not in shapes:
+                raise PackError(f"{where}: expert tensor {src} is missing")
+            shape = tuple(shapes[src])
+            if len(shape) != 2:
+                raise PackError(f"{where}: expert tensor {src} has shape {list(shape)}, want 2-D")
+            nbytes = shape[0] * shape[1]
+            if name.endswith(".weight"):
+                if shape[1] % 16:
+                    raise PackError(f"{where}: expert tensor {src} has {shape[1]} bytes per "
+                                    "row; MXFP4 rows are whole groups of 32 codes (16 bytes)")
+                dtype, view = "uint32", [shape[0], shape[1] // 4]
+            else:
+                packed = shapes[source_name(name.replace("scales", "weight"))]
+                if shape != (packed[0], packed[1] // 16):
+                    raise PackError(f"{where}: expert tensor {src} has shape {list(shape)}, "
+                                    f"expected {[packed[0], packed[1] // 16]} (one scale per "
+                                    "32 codes)")
+                dtype, view = "uint8", list(shape)
+            tensors[name] = {"offset": offset, "nbytes": nbytes, "dtype": dtype, "shape": view}
+            offset += nbytes
+        return cls(tensors, offset)
+
+    def to_json(self) -> dict:
+        return {"data_bytes": self.data_bytes, "record_bytes": self.record_bytes,
+                "tensors": self.tensors}
+
+
+def file_name(i: int, n: int) -> str:
+    return f"experts-{i + 1:05d}-of-{n:05d}.pack"
+
+
+def plan_files(layers: dict[int, tuple[RecordLayout, int]], file_bytes: int) -> list[list]:
+    """Split the records, in (layer, expert) order, into files of at most ``file_bytes``.
+
+    ``layers`` maps a layer to ``(layout, num_experts)``. A record never straddles two files;
+    a file holds at least one record. Returns per file the list of ``(layer, expert)``.
+    """
+    files, current, size = [], [], 0
+    for layer in sorted(layers):
+        layout, n = layers[layer]
+        for e in range(n):
+            if current and size + layout.record_bytes > file_bytes:
+                files.append(current)
+                current, size = [], 0
+            current.append((layer, e))
+            size += layout.record_bytes
+    if current:
+        files.append(current)
+    return files
+
+
+class RecordWriter:
+    """Appends page-aligned records to a binary file, hashing the whole file as it goes."""
+
+    def __init__(self, f):
+        self.f = f
+        self.size = 0
+        self.sha256 = hashlib.sha256()
+
+    def add(self, data) -> tuple[int, int]:
+        """Write one record's data bytes plus padding; returns ``(offset, crc32)``."""
+        offset, n = self.size, len(data)
+        pad = bytes(aligned(n) - n)
+        self.f.write(data)
+        self.f.write(pad)
+        self.sha256.update(data)
+        self.sha256.update(pad)
+        self.size += n + len(pad)
+        return offset, zlib.crc32(data)
+
+
+def index_json(layouts: dict[int, RecordLayout], files: list[str], file_bytes: list[int],
+               records: dict[tuple[int, int], tuple[int, int, int]]) -> dict:
+    """The ``index.json`` document. ``records[(layer, e)] = (file number, offset, crc32)``."""
+    counts = Counter(layer for layer, _ in records)
+    layers = {}
+    for layer in sorted(layouts):
+        n = counts[layer]
+        entry = layouts[layer].to_json()
+        entry["records"] = [list(records[(layer, e)]) for e in range(n)]
+        layers[str(layer)] = entry
+    return {"format": FORMAT, "version": VERSION, "align": ALIGN, "checksum": "crc32",
+            "files": files, "file_bytes": file_bytes, "layers": layers}
+
+
+def write_pack(out: str | Path, experts: dict[int, list[dict]], file_bytes: int = 4 << 30
+               ) -> Path:
+    """Write a whole pack from in-memory experts (tests, small models); returns the pack dir.
+
+    ``experts[layer][e]`` maps the published names (``w1.weight_packed``, ...) to u8 arrays.
+    The converter streams instead, with the same pieces (``plan_files``, ``RecordWriter``).
+    """
+    pack = Path(out) / PACK_DIR
+    pack.mkdir(parents=True, exist_ok=True)
+    layouts = {l: RecordLayout.from_published({k: v.shape for k, v in ex[0].items()}, f"layer {l}")
+               for l, ex in experts.items()}
+    plan = plan_files({l: (layouts[l], len(ex)) for l, ex in experts.items()}, file_bytes)
+    names = [file_name(i, len(plan)) for i in range(len(plan))]
+    records, sizes = {}, []
+    for i, recs in enumerate(plan):
+        with open(pack / names[i], "wb") as f:
+            w = RecordWriter(f)
+            for layer, e in recs:
+                data = b"".join(np.ascontiguousarray(experts[layer][e][source_name(t)]).tobytes()
+                                for t in TENSORS)
+                records[(layer, e)] = (i, *w.add(data))
+        sizes.append(w.size)
+    doc = index_json(layouts, names, sizes, records)
+    write_text_atomic(pack / INDEX, json.dumps(doc, separators=(",", ":")))
+    return pack
+
+
+def is_pack_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a converted model directory (or its ``experts`` dir) with a pack."""
+    path = Path(path)
+    return (path / PACK_DIR / INDEX).is_file() or (
+        path.name == PACK_DIR and (path / INDEX).is_file()
+    )
+
+
+class ExpertPack:
+    """Read-only access to an expert pack: byte ranges for the streamer, arrays for loaders.
+
+    ``path`` is the converted model directory or its ``experts`` directory. Reads use
+    ``os.pread`` on file descriptors opened once, so they are safe from several threads.
+    """
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        self.dir = path / PACK_DIR if (path / PACK_DIR / INDEX).is_file() else path
+        file = self.dir / INDEX
+        try:
+            doc = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise PackError(f"{file}: no expert pack index (not a converted model?)") from None
+        except json.JSONDecodeError as e:
+            raise PackError(f"{file}: not valid JSON ({e})") from None
+        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+            raise PackError(f"{file}: format {doc.get('format')!r} version "
+                            f"{doc.get('version')!r}, expected {FORMAT!r} version {VERSION}")
+        self.index_file = file
+        self.files = [self.dir / name for name in doc["files"]]
+        self.file_bytes = doc["file_bytes"]
+        self._layers = {int(l): v for l, v in doc["layers"].items()}
+        self._fds: dict[int, int] = {}
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._layers)
+
+    def _layer(self, layer: int) -> dict:
+        try:
+            return self._layers[layer]
+        except KeyError:
+            raise PackError(f"{self.index_file}: layer {layer} has no routed experts in the "
+                            f"pack (layers {self.layers[0]}..{self.layers[-1]})") from None
+
+    def num_experts(self, layer: int) -> int:
+        return len(self._layer(layer)["records"])
+
+    def _entry(self, layer: int, expert: int) -> list:
+        recs = self._layer(layer)["records"]
+        if not 0 <= expert < len(recs):
+            raise PackError(f"{self.index_file}: layer {layer} has no expert {expert} "
+                            f"({len(recs)} experts)")
+        return recs[expert]
+
+    def record(self, layer: int, expert: int) -> tuple[Path, int, int]:
+        """``(file, offset, nbytes)`` of one expert's data; ``offset`` is a multiple of 4096."""
+        f, offset, _ = self._entry(layer, expert)
+        return self.files[f], offset, self._layer(layer)["data_bytes"]
+
+    def checksum(self, layer: int, expert: int) -> int:
+        """crc32 (``zlib.crc32``) of the record's data bytes."""
+        return self._entry(layer, expert)[2]
+
+    def layout(self, layer: int) -> dict:
+        """Per tensor name: ``{"offset", "nbytes", "dtype", "shape"}`` within a record."""
+        return self._layer(layer)["tensors"]
+
+    def record_bytes(self, layer: int) -> int:
+        """A record's size including padding (its data size rounded up to 4096)."""
+        return self._layer(layer)["record_bytes"]
+
+    def decode(self, layer: int, buf) -> dict[str, np.ndarray]:
+        """Split one record's bytes into the six arrays (zero-copy views of ``buf``).
+
+        Shapes (MXFP4, mlx ``mode="mxfp4"``): ``w1.weight``/``w3.weight`` uint32 [I, D/8],
+        ``w1.scales``/``w3.scales`` uint8 [I, D/32], ``w2.weight`` uint32 [D, I/8],
+        ``w2.scales`` uint8 [D, I/32].
+        """
+        raw = np.frombuffer(buf, dtype=np.uint8)
+        out = {}
+        for name, t in self.layout(layer).items():
+            a = raw[t["offset"] : t["offset"] + t["nbytes"]]
+            out[name] = a.view(_NP[t["dtype"]]).reshape(t["shape"])
+        return out
+
+    def _fd(self, f: int) -> int:
+        fd = self._fds.get(f)
+        if fd is None:
+            try:
+                fd = os.open(self.files[f], os.O_RDONLY)
+            except FileNotFoundError:
+                raise PackError(f"{self.files[f]}: expert pack file is missing") from None
+            fd = self._fds.setdefault(f, fd)
+        return fd
+
+    def read_bytes(self, layer: int, expert: int) -> bytes:
+        """One record's data bytes (one ``pread``)."""
+        f, offset, _ = self._entry(layer, expert)
+        n = self._layer(layer)["data_bytes"]
+        data = os.pread(self._fd(f), n, offset)
+        if len(data) != n:
+            raise PackError(f"{self.files[f]}: truncated: layer {layer} expert {expert} needs "
+                            f"bytes {offset}..{offset + n}")
+        return data
+
+    def read(self, layer: int, expert: int, verify: bool = False) -> dict[str, np.ndarray]:
+        """One expert's six arrays (see ``decode``); ``verify`` checks its crc32 first."""
+        data = self.read_bytes(layer, expert)
+        if verify:
+            self._check(layer, expert, data)
+        return self.decode(layer, data)
+
+    def read_layer(self, layer: int) -> dict[str, np.ndarray]:
+        """All experts of one layer stacked: name -> [E, ...] (what ``ResidentExperts`` holds)."""
+        lay, n = self.layout(layer), self.num_experts(layer)
+        out = {k: np.empty([n, *t["shape"]], _NP[t["dtype"]]) for k, t in lay.items()}
+        for e in range(n):
+            for k, a in self.read(layer, e).items():
+                out[k][e] = a
+        return out
+
+    def _check(self, layer: int, expert: int, data: bytes):
+        if zlib.crc32(data) != self.checksum(layer, expert):
+            f, offset, _ = self.record(layer, expert)
+            raise PackError(f"{f}: checksum mismatch in the record of layer {layer} expert "
+                            f"{expert} (bytes {offset}..{offset + len(data)}): the pack is "
+                            "corrupted; reconvert or re-copy this file")
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> int:
+        """Re-read every record and check its crc32 and every file's size; returns the count.
+
+        Raises ``PackError`` naming the file, layer and expert of the first bad record.
+        """
+        for f, size in zip(self.files, self.file_bytes):
+            if not f.is_file():
+                raise PackError(f"{f}: expert pack file is missing")
+            if f.stat().st_size != size:
+                raise PackError(f"{f}: {f.stat().st_size} bytes, the index says {size}")
+        count = 0
+        for layer in self.layers:
+            for e in range(self.num_experts(layer)):
+                data = self.read_bytes(layer, e)
+                self._check(layer, e, data)
+                count += 1
+                if progress:
+                    progress(self.record_bytes(layer))
+        return count
+
+    def records(self) -> Iterable[tuple[int, int]]:
+        for layer in self.layers:
+            for e in range(self.num_experts(layer)):
+                yield layer, e
+
+    def close(self):
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self):
+        if hasattr(self, "_fds"):
+            self.close()

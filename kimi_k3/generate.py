@@ -1,0 +1,377 @@
+"""``python -m kimi_k3.generate``: chat with or complete text from Kimi K3.
+
+Chat prompts are encoded with ``kimi_k3.chat.encode_chat`` (only the XTML markers become
+special ids, so a typed ``<|open|>`` stays text) and handed to mlx-lm's ``stream_generate``
+as token ids. Text streams to stdout; loading progress, notices, the stats line and errors
+go to stderr. Exit codes: 0 done, 1 error, 2 bad arguments, 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+import kimi_k3
+from kimi_k3.chat import (
+    END,
+    Element,
+    close_tag,
+    encode_chat,
+    encode_segments,
+    parse_segments,
+    segments_from_ids,
+)
+from kimi_k3.checkpoint import CheckpointError
+from kimi_k3.config import ConfigError
+
+DEFAULT_PROMPT = "Hello! Who are you?"
+INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """Bad input the user can fix; printed as one ``error:`` line."""
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kimi_k3.generate",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint directory: the published layout, the converter's, or an "
+                        "mlx-lm converted one (default: the built-in random-weight demo model)")
+    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
+                   help="the user message ('-' reads it from stdin)")
+    p.add_argument("--system", default=None, help="system message (chat mode)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=True,
+                      help="wrap the prompt in the chat format (default)")
+    mode.add_argument("--raw", dest="chat", action="store_false",
+                      help="encode the prompt as is (special-token names become special ids)")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
+                   help="open the reply with a think section (default) or go straight to "
+                        "the response")
+    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--expert-cache-gb", type=float, default=None,
+                   help="stream routed experts from disk into a cache of this many GB "
+                        "(default: the demo model streams 25%% of its experts; other models "
+                        "keep experts resident)")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--max-context", type=int, default=None,
+                   help="cap on prompt + reply tokens (default: max_position_embeddings)")
+    p.add_argument("--interactive", "-i", action="store_true",
+                   help="a chat loop on stdin that keeps its prompt cache across turns")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    for name in ("max_tokens", "prefill_step_size", "max_context"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return _fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    try:
+        model, tokenizer = load_for_cli(args.model, args.expert_cache_gb)
+        if args.seed is not None:
+            mx.random.seed(args.seed)
+        if args.interactive:
+            return chat_loop(model, tokenizer, args)
+        return run_once(model, tokenizer, args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return INTERRUPTED
+    except (UserError, FileNotFoundError, ConfigError, CheckpointError) as e:
+        return _fail(str(e))
+    except OSError as e:
+        return _fail(f"disk error: {e}")
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+# Loading.
+
+
+def load_for_cli(path: Path | None, expert_cache_gb: float | None):
+    """``(model, tokenizer)`` with a loading bar on stderr; no path means the demo model."""
+    from kimi_k3 import default_model
+
+    if path is None:
+        path = default_model.ensure_default_model()
+        print(default_model.NOTICE, file=sys.stderr)
+        if expert_cache_gb is None:
+            expert_cache_gb = default_model.default_cache_gb(path)
+    kimi_k3.check_checkpoint(path)
+    if expert_cache_gb is not None:
+        _check_streaming()
+    tic = time.perf_counter()
+    model, tokenizer = kimi_k3.load(path, expert_cache_gb=expert_cache_gb, lazy=True)
+    materialize(model, Bar("loading", sys.stderr))
+    where = "resident" if expert_cache_gb is None else f"streamed, {expert_cache_gb:.3g} GB cache"
+    print(f"loaded {path} in {time.perf_counter() - tic:.1f}s (experts {where})",
+          file=sys.stderr)
+    return model, tokenizer
+
+
+def _check_streaming():
+    try:
+        from kimi_k3.streaming import attach_streamer  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"--expert-cache-gb needs kimi_k3.streaming, which is not available "
+                        f"({e})") from None
+
+
+def materialize(model, bar: Bar):
+    """Evaluate the lazily loaded parameters one layer at a time, advancing ``bar`` by bytes."""
+    groups: dict[str, list] = {}
+    for name, a in tree_flatten(model.parameters()):
+        parts = name.split(".")
+        key = ".".join(parts[:4]) if ".layers." in name else parts[-2]
+        groups.setdefault(key, []).append(a)
+    bar.total = sum(a.nbytes for arrays in groups.values() for a in arrays)
+    for arrays in groups.values():
+        mx.eval(arrays)
+        bar.update(sum(a.nbytes for a in arrays))
+    bar.close()
+
+
+class Bar:
+    """A one-line byte progress bar; redrawn in place on a terminal, printed once otherwise."""
+
+    def __init__(self, label: str, stream, width: int = 30):
+        self.label, self.stream, self.width = label, stream, width
+        self.total, self.done = 0, 0
+        self.tty = stream.isatty()
+
+    def update(self, n: int):
+        self.done += n
+        if self.tty:
+            self.stream.write("\r" + self._line())
+            self.stream.flush()
+
+    def close(self):
+        self.stream.write(("\r" if self.tty else "") + self._line() + "\n")
+        self.stream.flush()
+
+    def _line(self) -> str:
+        frac = self.done / self.total if self.total else 1.0
+        filled = round(frac * self.width)
+        return (f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {frac:4.0%} "
+                f"{self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB")
+
+
+# Prompts.
+
+
+def read_prompt(text: str) -> str:
+    return sys.stdin.read() if text == "-" else text
+
+
+def context_limit(model, max_context: int | None) -> int:
+    limit = model.args.max_position_embeddings
+    return min(limit, max_context) if max_context else limit
+
+
+def check_room(n_prompt: int, in_cache: int, limit: int, max_tokens: int) -> int:
+    """The reply budget left under the context ``limit``; ``UserError`` if none is left."""
+    used = in_cache + n_prompt
+    if used >= limit:
+        held = f" ({in_cache} already in the conversation)" if in_cache else ""
+        raise UserError(f"the prompt is {n_prompt} tokens{held}, but the context holds "
+                        f"{limit} (max_position_embeddings or --max-context), leaving no room "
+                        "for a reply")
+    return min(max_tokens, limit - used)
+
+
+def prompt_ids(tokenizer, args) -> list[int]:
+    text = read_prompt(args.prompt)
+    if not args.chat:
+        return tokenizer.encode(text, add_special_tokens=False)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": text})
+    return encode_chat(tokenizer, messages, thinking=args.thinking)
+
+
+# Generation.
+
+
+@dataclass
+class Reply:
+    tokens: list[int] = field(default_factory=list)
+    last: object = None  # the last mlx-lm GenerationResponse
+    prompt_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finish_reason == "stop"
+
+
+def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, reply: Reply):
+    """Stream a reply to ``ids`` on stdout, filling ``reply`` as tokens arrive.
+
+    ``cache`` is extended in place: afterwards it holds ``ids`` and every token of
+    ``reply.tokens`` (mlx-lm steps the model on each token before yielding it).
+    """
+    _reset_expert_stats(model)
+    reply.prompt_tokens = len(ids)
+    sampler = make_sampler(args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler,
+                             prompt_cache=cache, prefill_step_size=args.prefill_step_size):
+        reply.tokens.append(r.token)
+        reply.last = r
+        sys.stdout.write(r.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def run_once(model, tokenizer, args) -> int:
+    ids = prompt_ids(tokenizer, args)
+    if not ids:
+        raise UserError("the prompt is empty")
+    max_tokens = check_room(len(ids), 0, context_limit(model, args.max_context), args.max_tokens)
+    return _generate_reporting(model, tokenizer, ids, args, model.make_cache(), max_tokens,
+                               Reply())
+
+
+def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply: Reply) -> int:
+    """``generate`` with the stats line after it, also after Ctrl-C or a disk error."""
+    try:
+        generate(model, tokenizer, ids, args, cache, max_tokens, reply)
+    except KeyboardInterrupt:
+        print(f"\n{stats_line(model, reply)} (interrupted)", file=sys.stderr)
+        return INTERRUPTED
+    except (OSError, CheckpointError) as e:
+        sys.stdout.write("\n")
+        return _fail(f"reading experts from disk failed mid-generation: {e}")
+    print(stats_line(model, reply), file=sys.stderr)
+    return 0
+
+
+def stats_line(model, reply: Reply) -> str:
+    r = reply.last
+    if r is None:
+        parts = [f"prompt: {reply.prompt_tokens} tokens, not finished",
+                 f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB"]
+    else:
+        parts = [f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s",
+                 f"generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s",
+                 f"peak memory: {r.peak_memory:.3f} GB"]
+    return "stats: " + " | ".join(parts + [_expert_stats(model)])
+
+
+def _expert_stats(model) -> str:
+    stats = _get_expert_stats(model)
+    if stats is None:
+        return "experts: resident"
+    rate = stats.get("hit_rate", math.nan)
+    return f"experts: {rate:.1%} hit rate, {stats.get('bytes_read', 0) / 1e9:.3f} GB read"
+
+
+def _get_expert_stats(model) -> dict | None:
+    try:
+        from kimi_k3.streaming import get_stats
+    except ImportError:
+        return None
+    return get_stats(model)
+
+
+def _reset_expert_stats(model):
+    try:
+        from kimi_k3.streaming import reset_stats
+    except ImportError:
+        return
+    reset_stats(model)
+
+
+# Interactive chat.
+
+
+@dataclass
+class ChatSession:
+    """A conversation whose prompt cache persists across turns.
+
+    The cache holds exactly ``history``: each turn feeds only what is new (the closing of a
+    cut-off previous reply, then the user message and the assistant opening).
+    """
+
+    model: object
+    tokenizer: object
+    system: str | None = None
+    thinking: bool = True
+    history: list[int] = field(default_factory=list)
+    cache: list = field(default=None)
+
+    def __post_init__(self):
+        self.cache = self.model.make_cache()
+
+    def turn_ids(self, text: str, last_reply: list[int]) -> list[int]:
+        first = not self.history
+        messages = [{"role": "system", "content": self.system}] if first and self.system else []
+        messages.append({"role": "user", "content": text})
+        closing = close_reply(self.tokenizer, last_reply, self.thinking) if last_reply else []
+        return closing + encode_chat(self.tokenizer, messages, thinking=self.thinking)
+
+
+def close_reply(tokenizer, reply: list[int], thinking: bool) -> list[int]:
+    """Ids that close what a cut-off reply left open, then ``<|end_of_msg|>``.
+
+    A finished reply (ended by ``<|end_of_msg|>``) needs none.
+    """
+    tree = parse_segments(segments_from_ids(tokenizer, reply),
+                          ["message", "think" if thinking else "response"])
+    if tree.closed:
+        return []
+    open_tags, node = [], tree
+    while (kids := [c for c in node.children if isinstance(c, Element)]) and not kids[-1].closed:
+        node = kids[-1]
+        open_tags.append(node.tag)
+    segments = [s for tag in reversed(open_tags) for s in close_tag(tag)] + [(END, True)]
+    return encode_segments(tokenizer, segments)
+
+
+def chat_loop(model, tokenizer, args) -> int:
+    """Read user messages from stdin until EOF or ``/exit``; ``/reset`` clears the history."""
+    session = ChatSession(model, tokenizer, args.system, args.thinking)
+    limit = context_limit(model, args.max_context)
+    last: list[int] = []
+    print("chat: type a message; /reset starts over, /exit or Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            text = input(">> ")
+        except EOFError:
+            return 0
+        if text.strip() == "/exit":
+            return 0
+        if text.strip() == "/reset":
+            session, last = ChatSession(model, tokenizer, args.system, args.thinking), []
+            continue
+        ids = session.turn_ids(text, last)
+        try:
+            max_tokens = check_room(len(ids), len(session.history), limit, args.max_tokens)
+        except UserError as e:
+            print(f"error: {e}; /reset to start over", file=sys.stderr)
+            continue
+        reply = Reply()
+        code = _generate_reporting(model, tokenizer, ids, args, session.cache, max_tokens, reply)
+        if code:
+            return code
+        session.history += ids + reply.tokens
+        last = reply.tokens
+
+
+if __name__ == "__main__":
+    sys.exit(main())
