@@ -191,6 +191,7 @@ _ARRAY_DECL = re.compile(r"^\s*[\w:<>, ]+?\s+\w+\s*(\[[^\]]+\]\s*)+$")
 
 def check_threadgroup_declarations(text: str) -> None:
     """The shim turns ``threadgroup`` into ``static``: fine for arrays, wrong for pointers."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", text, flags=re.S)
     for m in _THREADGROUP_DECL.finditer(text):
         if not _ARRAY_DECL.match(m.group(1)):
             raise ValueError(

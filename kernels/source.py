@@ -71,6 +71,7 @@ _BARRIER_ARGS = {"BARRIER": "mem_flags::mem_threadgroup", "SIMD_BARRIER": "mem_f
 
 # Helpers the CUDA spellings rely on; prepended to the header of every CUDA kernel.
 CUDA_PRELUDE = """
+typedef unsigned int uint;
 template <typename T> __device__ inline T kk_warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -190,3 +191,73 @@ class Kernel:
     def __call__(self, backend: str, **launch):
         """Launch on ``backend`` with ``mx.fast.metal_kernel``'s call arguments."""
         return self.get(backend)(**launch)
+
+
+CUDA_TYPES = {
+    mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.bool_: "bool",
+    mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+    mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+}
+
+# What MLX's cuda_kernel puts before the kernel, with standard CUDA headers standing in for
+# its device utils header (which defines Shape and Strides as fixed-size arrays).
+_CUDA_UNIT_HEAD = """#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cstdint>
+#define inf cuda::std::numeric_limits<float>::infinity()
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, 10>;
+using Strides = cuda::std::array<int64_t, 10>;
+}
+"""
+
+
+def cuda_kernel_name(name: str, template) -> str:
+    """The function name MLX's cuda_kernel gives an instantiation."""
+    out = "custom_kernel_" + name
+    for _, arg in template:
+        if isinstance(arg, bool):
+            out += "_t" if arg else "_f"
+        elif isinstance(arg, mx.Dtype):
+            from .metal_emulator import TYPES
+
+            out += "_" + TYPES[arg][0]
+        else:
+            out += f"_{int(arg)}"
+    return out
+
+
+def cuda_translation_unit(kernel: Kernel, inst: Instance) -> str:
+    """A .cu file with what ``mx.fast.cuda_kernel`` compiles for this instance (MLX's
+    build_kernel: header, then the ``__global__`` function in ``mlx::core::cu`` with the
+    template arguments as ``constexpr`` / ``using`` lines at the top of the body)."""
+    body = kernel.source("cuda")
+    params = []
+    for name, dt in zip(kernel.input_names, inst.input_dtypes):
+        params.append(f"    const {CUDA_TYPES[dt]}* {name}")
+        for suffix, type_ in (("shape", "Shape"), ("strides", "Strides"), ("ndim", "int")):
+            if f"{name}_{suffix}" in body:
+                params.append(f"    const __grid_constant__ {type_} {name}_{suffix}")
+    params += [f"    {CUDA_TYPES[dt]}* {n}" for n, dt in zip(kernel.output_names, inst.output_dtypes)]
+    consts = []
+    for name, arg in inst.template:
+        if isinstance(arg, bool):
+            consts.append(f"  constexpr bool {name} = {str(arg).lower()};")
+        elif isinstance(arg, mx.Dtype):
+            consts.append(f"  using {name} = {CUDA_TYPES[arg]};")
+        else:
+            consts.append(f"  constexpr int {name} = {int(arg)};")
+    return (
+        _CUDA_UNIT_HEAD
+        + render_header(kernel.header, "cuda")
+        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        + f"__global__ void {cuda_kernel_name(kernel.name, inst.template)}(\n"
+        + ",\n".join(params)
+        + ") {\n"
+        + ("\n".join(consts) + "\n\n" if consts else "")
+        + body
+        + "\n}\n\n} // namespace mlx::core::cu\n"
+    )

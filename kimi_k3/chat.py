@@ -101,6 +101,8 @@ def _normalize_call(call: dict) -> dict:
         args = json.loads(args)
     if not isinstance(args, dict):
         raise ValueError(f"tool call arguments must be a JSON object, got {args!r}")
+    if not isinstance(fn.get("name"), str):
+        raise ValueError(f"tool call has no name: {call!r}")
     return {"name": fn["name"], "arguments": args, "id": call.get("id")}
 
 
@@ -212,9 +214,16 @@ def render_messages(
     return segs
 
 
-def render_text(messages: Sequence[dict], **kwargs) -> str:
+def render_text(
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    thinking: bool = True,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
     """The conversation as one string, for display and golden tests (markers inline)."""
-    return "".join(text for text, _ in render_messages(messages, **kwargs))
+    segs = render_messages(messages, tools, thinking, add_generation_prompt, continue_final_message)
+    return "".join(text for text, _ in segs)
 
 
 def encode_ordinary(tokenizer, text: str) -> list[int]:
@@ -255,9 +264,17 @@ def encode_segments(tokenizer, segments: Sequence[Segment]) -> list[int]:
     return ids
 
 
-def encode_chat(tokenizer, messages: Sequence[dict], **kwargs) -> list[int]:
-    """Token ids of a conversation (``render_messages`` arguments); no BOS."""
-    return encode_segments(tokenizer, render_messages(messages, **kwargs))
+def encode_chat(
+    tokenizer,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    thinking: bool = True,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """Token ids of a conversation (see ``render_messages``); no BOS."""
+    segs = render_messages(messages, tools, thinking, add_generation_prompt, continue_final_message)
+    return encode_segments(tokenizer, segs)
 
 
 # Parsing a generated reply.

@@ -106,8 +106,9 @@ def _fail(message: str) -> int:
 # Loading.
 
 
-def load_for_cli(path: Path | None, expert_cache_gb: float | None):
-    """``(model, tokenizer)`` with a loading bar on stderr; no path means the demo model."""
+def resolve_model(path: Path | None, expert_cache_gb: float | None):
+    """``(path, expert_cache_gb)`` after defaults: no path means the demo model (built on
+    first use, a notice on stderr) with its streaming budget. Checks the directory."""
     from kimi_k3 import default_model
 
     if path is None:
@@ -118,6 +119,12 @@ def load_for_cli(path: Path | None, expert_cache_gb: float | None):
     kimi_k3.check_checkpoint(path)
     if expert_cache_gb is not None:
         _check_streaming()
+    return path, expert_cache_gb
+
+
+def load_for_cli(path: Path | None, expert_cache_gb: float | None):
+    """``(model, tokenizer)`` with a loading bar on stderr (see ``resolve_model``)."""
+    path, expert_cache_gb = resolve_model(path, expert_cache_gb)
     tic = time.perf_counter()
     model, tokenizer = kimi_k3.load(path, expert_cache_gb=expert_cache_gb, lazy=True)
     materialize(model, Bar("loading", sys.stderr))

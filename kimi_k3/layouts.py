@@ -164,5 +164,16 @@ def _dense(parts: dict, name: str, base: str, in_dims: int) -> mx.array:
     if b is None:
         raise CheckpointError(f"{base}self_attn.{name}: only affine quantization (scales and "
                               "biases) is supported for embed_q/unembed_out")
-    bits = w.shape[-1] * 32 // in_dims
-    return mx.dequantize(w, s, b, group_size=in_dims // s.shape[-1], bits=bits)
+    spec = {"group_size": in_dims // s.shape[-1], "bits": w.shape[-1] * 32 // in_dims}
+    return dequantize_f32(w, s, b, spec)
+
+
+def dequantize_f32(w: mx.array, scales: mx.array, biases: mx.array | None, spec: dict):
+    """Dequantize exactly: float scales and biases are widened first (mlx computes in their
+    dtype), so the fp32 result equals what a quantized matmul uses."""
+    if mx.issubdtype(scales.dtype, mx.floating):
+        scales = scales.astype(mx.float32)
+    if biases is not None:
+        biases = biases.astype(mx.float32)
+    return mx.dequantize(w, scales, biases, group_size=spec["group_size"], bits=spec["bits"],
+                         mode=spec.get("mode", "affine"), dtype=mx.float32)

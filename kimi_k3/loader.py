@@ -1,11 +1,13 @@
-"""Load Kimi K3 straight from the published checkpoint layout (or this project's own).
+"""Load Kimi K3 from the published layout, this project's converted one, or mlx-lm's.
 
 Dense tensors are read lazily (``mx.load`` on validated shards); the compressed-tensors
 MXFP4 experts become MLX ``mxfp4`` arrays by viewing their bytes, never re-quantized.
+``kimi_k3.layouts`` tells the layouts apart and maps mlx-lm's names into this tree.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,9 +16,12 @@ from mlx.utils import tree_flatten
 
 from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
 from kimi_k3.config import ModelArgs
+from kimi_k3.expert_pack import ExpertPack
+from kimi_k3.layouts import dequantize_f32, detect, from_mlx_lm, read_args
 from kimi_k3.model import KEEP_FP32, Model, sanitize_weights
 
 _IGNORED = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
+_EXPERTS = re.compile(r"\.experts\.|\.switch_mlp\.")  # published/mlx-lm routed experts
 
 
 def load_model(
@@ -29,7 +34,8 @@ def load_model(
     """Build Kimi K3 from a checkpoint directory.
 
     Args:
-        path: directory with ``config.json`` and safetensors shards (+ index).
+        path: directory with ``config.json`` and safetensors shards (+ index), in any layout
+            of ``kimi_k3.layouts.detect``: published, converted (expert pack) or mlx-lm.
         dtype: dtype of the dense floating weights (bf16 default; fp32 for tests).
             ``A_log``, ``dt_bias``, conv kernels and router correction biases stay fp32.
         expert_cache_gb: ``None`` keeps every routed expert resident; a number streams
@@ -38,11 +44,16 @@ def load_model(
         stream_options: passed to the expert streamer (policy, prefetch, ...).
     """
     path = Path(path)
-    args = ModelArgs.from_path(path)
+    layout = detect(path)
+    args = read_args(path, layout)
     index = CheckpointIndex(path)
     model = Model(args)
     stream = expert_cache_gb is not None
     raw = _read_tensors(index, skip_experts=stream)
+    if layout == "mlx-lm":
+        raw = from_mlx_lm(args, raw)
+    elif layout == "pack" and not stream:
+        raw.update(_pack_experts(path))
     quantize_dense(model, args, raw)
     weights = sanitize_weights(args, raw)
     if stream:
@@ -63,7 +74,7 @@ def _read_tensors(index: CheckpointIndex, skip_experts: bool) -> dict:
         except Exception as e:  # mlx raises RuntimeError/ValueError with no file name
             raise CheckpointError(f"{file}: cannot be read as safetensors ({e})") from None
         for name, a in arrays.items():
-            if name.startswith(_IGNORED) or (skip_experts and ".experts." in name):
+            if name.startswith(_IGNORED) or (skip_experts and _EXPERTS.search(name)):
                 continue
             out[name] = a
     return out
@@ -95,23 +106,57 @@ def quantize_dense(model: Model, args: ModelArgs, weights: dict):
     """Swap in ``QuantizedLinear`` where the checkpoint holds MLX-quantized dense weights.
 
     Parameters come from the config's ``quantization`` entry (per-path overrides first),
-    falling back to what the stored shapes imply.
+    falling back to what the stored tensors imply. A quantized weight whose module cannot be
+    quantized (the MoE router) is dequantized into ``weights`` instead.
     """
-    q = args.quantization
-    if not q:
-        return
+    q = args.quantization or {}
     names = {k.rsplit(".", 1)[0] for k in weights if k.endswith(".scales") and ".experts." not in k}
+    if not names:
+        return
+    modules = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+
+    def spec(path: str) -> dict:
+        if isinstance(q.get(path), dict):
+            return q[path]
+        return _infer_quant(path, modules[path].weight.shape[-1], weights)
+
+    for path in sorted(names):
+        if path in modules and not hasattr(modules[path], "to_quantized"):
+            sp = spec(path)
+            w, s, b = (weights.pop(f"{path}.{k}", None) for k in ("weight", "scales", "biases"))
+            weights[f"{path}.weight"] = dequantize_f32(w, s, b, sp)
 
     def predicate(path: str, module: nn.Module):
         if path not in names or not hasattr(module, "to_quantized"):
             return False
-        spec = q.get(path)
-        if isinstance(spec, dict):
-            return spec
-        w, s = weights[f"{path}.weight"], weights[f"{path}.scales"]
-        in_dims = module.weight.shape[-1]
-        return {"group_size": in_dims // s.shape[-1], "bits": w.shape[-1] * 32 // in_dims,
-                "mode": q.get("mode", "affine")}
+        return spec(path)
 
     nn.quantize(model, group_size=q.get("group_size", 64), bits=q.get("bits", 4),
                 mode=q.get("mode", "affine"), class_predicate=predicate)
+
+
+_MODES = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # modes without biases
+
+
+def _infer_quant(path: str, in_dims: int, weights: dict) -> dict:
+    """Quantization parameters of a stored weight from its shapes (affine iff it has biases)."""
+    w, s = weights[f"{path}.weight"], weights[f"{path}.scales"]
+    group_size, bits = in_dims // s.shape[-1], w.shape[-1] * 32 // in_dims
+    if f"{path}.biases" in weights:
+        return {"group_size": group_size, "bits": bits, "mode": "affine"}
+    if (bits, group_size) not in _MODES:
+        raise CheckpointError(f"tensor {path}.weight: {bits}-bit groups of {group_size} without "
+                              "biases match no MLX quantization mode")
+    return {"group_size": group_size, "bits": bits, "mode": _MODES[(bits, group_size)]}
+
+
+def _pack_experts(path: Path) -> dict:
+    """Every layer's routed experts from the expert pack, stacked for ``ResidentExperts``."""
+    pack = ExpertPack(path)
+    out = {}
+    for layer in pack.layers:
+        base = f"language_model.model.layers.{layer}.block_sparse_moe.experts."
+        for name, a in pack.read_layer(layer).items():
+            out[base + name] = mx.array(a)
+    pack.close()
+    return out

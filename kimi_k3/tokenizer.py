@@ -180,6 +180,8 @@ def read_special_tokens(path: str | Path, n_ranks: int) -> list[str]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
     for key, entry in decoder.items():
+        if not key.isdigit() or not isinstance(entry, dict) or "content" not in entry:
+            raise ValueError(f"{path}: bad added_tokens_decoder entry {key!r}: {entry!r}")
         token_id = int(key)
         if not n_ranks <= token_id < n_ranks + NUM_SPECIAL_TOKENS:
             raise ValueError(
@@ -280,7 +282,10 @@ def load_backend(path: str | Path, cache: bool = True) -> tuple[Tokenizer, list[
         return build_backend(ranks, specials), ranks, specials
     cached = cache_dir() / f"tokenizer-{_cache_key((path / RANK_FILE).read_bytes(), specials)}.json"
     if cached.is_file():
-        return Tokenizer.from_file(str(cached)), ranks, specials
+        try:
+            return Tokenizer.from_file(str(cached)), ranks, specials
+        except Exception:  # tokenizers raises a bare Exception for a bad file: rebuild it
+            pass
     backend = build_backend(ranks, specials)
     try:
         _write_atomic(cached, backend.to_str())
@@ -293,8 +298,9 @@ class ByteStreamingDetokenizer(StreamingDetokenizer):
     """Streams token bytes through an incremental UTF-8 decoder.
 
     A character split over tokens is held back until its last byte arrives, so ``text`` is
-    always a prefix of ``decode(tokens)`` and equals it after ``finalize``. Unlike mlx-lm's
-    BPE detokenizer it never drops a leading space.
+    always a prefix of ``decode(tokens)`` and equals it after ``finalize``; like ``decode``,
+    ids past the vocabulary add nothing. Unlike mlx-lm's ``BPEStreamingDetokenizer`` it never
+    drops a leading space and decodes byte 0.
     """
 
     def __init__(self, token_bytes: list[bytes]):
@@ -309,7 +315,8 @@ class ByteStreamingDetokenizer(StreamingDetokenizer):
 
     def add_token(self, token):
         self.tokens.append(token)
-        self.text += self._decoder.decode(self._token_bytes[token])
+        if token < len(self._token_bytes):
+            self.text += self._decoder.decode(self._token_bytes[token])
 
     def finalize(self):
         self.text += self._decoder.decode(b"", final=True)
@@ -320,6 +327,8 @@ class KimiTokenizerWrapper(TokenizerWrapper):
 
     ``apply_chat_template(..., tokenize=True)`` encodes through ``chat.encode_chat``, so a
     ``<|open|>`` typed by a user stays text; ``tokenize=False`` returns the display string.
+    Defaults follow Hugging Face's (no generation prompt unless asked); ``enable_thinking``
+    and ``thinking`` are synonyms, on by default.
     """
 
     def apply_chat_template(
@@ -327,7 +336,7 @@ class KimiTokenizerWrapper(TokenizerWrapper):
         messages,
         tools=None,
         tokenize: bool = True,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = False,
         continue_final_message: bool = False,
         enable_thinking: bool | None = None,
         thinking: bool | None = None,

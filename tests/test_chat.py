@@ -296,11 +296,15 @@ def test_encode_ordinary_changes_no_state(tok):
 
 def test_wrapper_chat_template(tok):
     msgs = [SYSTEM, {"role": "user", "content": "a <|open|> b"}]
-    assert tok.apply_chat_template(msgs) == encode_chat(tok, msgs)
-    assert tok.apply_chat_template(msgs, tokenize=False) == render_text(msgs)
-    assert tok.apply_chat_template(msgs, enable_thinking=False, tokenize=False).endswith(
-        PROMPT_RESPONSE
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True) == encode_chat(tok, msgs)
+    assert tok.apply_chat_template(msgs) == encode_chat(tok, msgs, add_generation_prompt=False)
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == (
+        render_text(msgs)
     )
+    no_think = tok.apply_chat_template(
+        msgs, add_generation_prompt=True, enable_thinking=False, tokenize=False
+    )
+    assert no_think.endswith(PROMPT_RESPONSE)
     prefill = [*msgs, {"role": "assistant", "content": "Sure"}]
     text = tok.apply_chat_template(prefill, continue_final_message=True, tokenize=False)
     assert text.endswith(PROMPT_RESPONSE + "Sure")

@@ -351,6 +351,11 @@ def test_streaming_holds_split_characters(synth):
 TRICKY_BYTES = [0x41, 0x20, 0x00, 0x80, 0xBF, 0xC3, 0xE4, 0xF0, 0x9F, 0xFF, 0xED, 0xA0]
 
 
+def test_streaming_ids_past_vocabulary(synth):
+    tok = load_tokenizer(synth)
+    assert stream(tok, [104, 5000, 105])[0] == tok.decode([104, 5000, 105]) == "hi"
+
+
 def test_streaming_invalid_utf8_matches_decode(synth):
     """Broken byte sequences decode to the same replacement characters both ways."""
     tok = load_tokenizer(synth)
@@ -376,7 +381,8 @@ def test_mlx_lm_stream_generate(small):
     mx.random.seed(0)
     model = llama.Model(args)
     mx.eval(model.parameters())
-    prompt = tok.apply_chat_template([{"role": "user", "content": "你好, stream!"}])
+    messages = [{"role": "user", "content": "你好, stream!"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
     responses = list(stream_generate(model, tok, prompt, max_tokens=48))
     tokens = [r.token for r in responses if r.token not in tok.eos_token_ids]
     assert "".join(r.text for r in responses) == tok.decode(tokens)
@@ -396,6 +402,9 @@ def test_cache(synth, tmp_path, monkeypatch):
     assert (
         second.encode(text) == first.encode(text) == load_tokenizer(synth, cache=False).encode(text)
     )
+    files[0].write_text("{corrupt")
+    assert load_tokenizer(synth).encode(text) == first.encode(text)
+    assert json.loads(files[0].read_text())["model"]["type"] == "BPE"
 
     changed = tmp_path / "changed"
     write_synthetic_tokenizer(changed, 1024)
@@ -454,6 +463,9 @@ def test_bad_config(small, tmp_path):
         json.dumps({"added_tokens_decoder": {"5": {"content": "x", "special": True}}})
     )
     with pytest.raises(ValueError, match="outside the special range"):
+        load_tokenizer(tmp_path)
+    config.write_text(json.dumps({"added_tokens_decoder": {"770": {"special": True}}}))
+    with pytest.raises(ValueError, match="bad added_tokens_decoder entry '770'"):
         load_tokenizer(tmp_path)
     config.write_text(json.dumps({"added_tokens_decoder": {}}))
     with pytest.raises(ValueError, match="missing from the tokenizer config"):

@@ -1,0 +1,672 @@
+"""Convert the published Kimi K3 checkpoint into this project's fast local layout.
+
+    python -m kimi_k3.convert --hf-path IN --out OUT [--dense-bits 4|8|16] [--verify]
+
+OUT gets the dense weights (MLX affine-quantized, or bf16 with ``--dense-bits 16``) in
+safetensors shards under this module tree's names, the routed experts copied bit-exactly
+into an expert pack (``kimi_k3.expert_pack``), ``config.json`` with MLX's ``quantization``
+entry, the tokenizer files, and ``kimi_k3_manifest.json`` (versions, settings, sha256 per
+file), written last. Memory stays bounded by one chunk of one tensor (``--chunk-mb``) plus
+one expert record per worker, whatever the checkpoint's size. Every output file is written
+under a temporary name and renamed when complete; a rerun after an interruption skips the
+files already complete (``.kimi_k3_convert_state.json`` records them with their checksums).
+docs/converter.md describes the layout and the guarantees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import struct
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from kimi_k3 import expert_pack as ep
+from kimi_k3.checkpoint import DTYPE_SIZE, NP_DTYPE, CheckpointError, CheckpointIndex, TensorInfo
+from kimi_k3.checkpoint import write_text_atomic
+from kimi_k3.config import ConfigError, ModelArgs
+from kimi_k3.layouts import detect
+from kimi_k3.model import Model, sanitize_weights
+
+MANIFEST = "kimi_k3_manifest.json"
+STATE = ".kimi_k3_convert_state.json"
+FORMAT, VERSION = "kimi-k3-converted", 1
+# Tests only: SIGKILL this process once it has converted this many source bytes.
+KILL_ENV = "KIMI_K3_CONVERT_KILL_AFTER_BYTES"
+_EXPERT = re.compile(r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\."
+                     r"(w[123]\.weight_(?:packed|scale))$")
+_IGNORED = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
+_MX = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
+_ST = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint32: "U32"}
+_NOT_COPIED = ("config.json", "model.safetensors.index.json", MANIFEST)
+_COPIED = (".json", ".model", ".py", ".jinja")
+
+
+class ConvertError(CheckpointError):
+    """The output directory cannot take this conversion (other settings, foreign files)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What decides the output bytes (a rerun must use the same to resume)."""
+
+    dense_bits: int = 4
+    group_size: int = 64
+    shard_bytes: int = 4 << 30
+    pack_file_bytes: int = 4 << 30
+
+
+@dataclass
+class DenseItem:
+    """One source tensor and the output tensors it becomes (in write order)."""
+
+    source: TensorInfo
+    name: str  # this tree's name (the weight's, when quantized)
+    shape: tuple
+    spec: dict | None  # MLX quantization parameters, or None to keep it as it is
+
+    @property
+    def outputs(self) -> list[tuple[str, str, tuple]]:
+        dt = self.source.dtype
+        if self.spec is None:
+            return [(self.name, dt, self.shape)]
+        o, i = self.shape
+        path, groups = self.name[: -len(".weight")], (o, i // self.spec["group_size"])
+        return [(self.name, "U32", (o, i * self.spec["bits"] // 32)),
+                (f"{path}.scales", dt, groups), (f"{path}.biases", dt, groups)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(s)) * DTYPE_SIZE[d] for _, d, s in self.outputs)
+
+
+@dataclass
+class Plan:
+    """Every output file and what goes in it, computed from the source headers alone."""
+
+    shards: list[list[DenseItem]]
+    quantization: dict | None
+    layouts: dict[int, ep.RecordLayout]
+    experts: dict[int, list[list[TensorInfo]]]  # layer -> expert -> six sources (TENSORS order)
+    pack_files: list[list[tuple[int, int]]]
+
+    @property
+    def shard_names(self) -> list[str]:
+        n = len(self.shards)
+        return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    @property
+    def pack_names(self) -> list[str]:
+        n = len(self.pack_files)
+        return [f"{ep.PACK_DIR}/{ep.file_name(i, n)}" for i in range(n)]
+
+    def source_bytes(self, rel: str) -> int:
+        """Source bytes a large output file is made from (the progress unit)."""
+        if rel in self.shard_names:
+            return sum(it.source.nbytes for it in self.shards[self.shard_names.index(rel)])
+        recs = self.pack_files[self.pack_names.index(rel)]
+        return sum(self.layouts[layer].data_bytes for layer, _ in recs)
+
+
+# ---- planning -----------------------------------------------------------------------------
+
+
+def make_plan(src: CheckpointIndex, args: ModelArgs, settings: Settings) -> Plan:
+    """Validate the source against the model and lay out every output file."""
+    dense, experts = [], {}
+    for name, info in src.tensors.items():
+        if name.startswith(_IGNORED):
+            continue
+        if m := _EXPERT.match(name):
+            layer, e = int(m.group(1)), int(m.group(2))
+            experts.setdefault(layer, {}).setdefault(e, {})[m.group(3)] = info
+        else:
+            dense.append(info)
+    items, quantization = _plan_dense(src, args, settings, dense)
+    shards, size = [[]], 0
+    for it in items:
+        if shards[-1] and size + it.nbytes > settings.shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += it.nbytes
+    layouts, sources = _plan_experts(src, args, experts)
+    pack = ep.plan_files({l: (layouts[l], args.num_experts) for l in layouts},
+                         settings.pack_file_bytes)
+    return Plan(shards, quantization, layouts, sources, pack)
+
+
+def _plan_dense(src, args, settings, infos) -> tuple[list[DenseItem], dict | None]:
+    model = Model(args)  # a skeleton: its arrays are lazy and never evaluated
+    modules = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+    params = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())
+              if ".experts." not in k}
+    bits, gs = settings.dense_bits, settings.group_size
+    quant = None if bits == 16 else {"group_size": gs, "bits": bits, "mode": "affine"}
+    items = []
+    for info in sorted(infos, key=lambda t: (t.file.name, t.start)):
+        ((name, value),) = sanitize_weights(args, {info.name: _placeholder(info)}).items()
+        want = params.pop(name, None)
+        if want is None:
+            raise CheckpointError(f"{info.file}: tensor {info.name} is not part of Kimi K3 as "
+                                  "configured")
+        if tuple(value.shape) != want:
+            raise CheckpointError(f"{info.file}: tensor {info.name} has shape "
+                                  f"{list(info.shape)}, expected {list(want)}")
+        path = name[: -len(".weight")] if name.endswith(".weight") else None
+        spec = _quant_spec(model, quant, path, modules.get(path))
+        items.append(DenseItem(info, name, want, spec))
+    if params:
+        first = sorted(params)[0]
+        raise CheckpointError(f"{src.path}: tensor {first} is missing from the checkpoint "
+                              f"({len(params)} missing)")
+    return items, quant
+
+
+def _placeholder(info: TensorInfo) -> mx.array:
+    return mx.zeros(info.shape, _MX.get(info.dtype, mx.uint8))  # lazy: shape only
+
+
+def _quant_spec(model: Model, quant: dict | None, path: str | None, module) -> dict | None:
+    """``Model.quant_predicate`` decides; a weight whose rows do not split into whole groups
+    stays as it is (recorded as ``path: false`` in the config)."""
+    if quant is None or module is None or "weight" not in module:
+        return None
+    want = model.quant_predicate(path, module)
+    if not want:
+        return None
+    spec = {k: quant[k] for k in ("group_size", "bits", "mode")}
+    if isinstance(want, dict):
+        spec.update(want)
+        quant[path] = spec
+    if module.weight.ndim != 2 or module.weight.shape[-1] % spec["group_size"]:
+        quant[path] = False
+        return None
+    return spec
+
+
+def _plan_experts(src, args, found: dict) -> tuple[dict, dict]:
+    moe = [i for i in range(args.num_hidden_layers) if args.is_moe(i)]
+    for layer in sorted(set(found) - set(moe)):
+        raise CheckpointError(f"{src.path}: layer {layer} has routed experts but is not a MoE "
+                              "layer in config.json")
+    I, Dl = args.moe_intermediate_size, args.routed_expert_hidden_size
+    want = {"w1.weight_packed": (I, Dl // 2), "w1.weight_scale": (I, Dl // 32),
+            "w2.weight_packed": (Dl, I // 2), "w2.weight_scale": (Dl, I // 32),
+            "w3.weight_packed": (I, Dl // 2), "w3.weight_scale": (I, Dl // 32)}
+    layouts, sources = {}, {}
+    for layer in moe:
+        base = f"language_model.model.layers.{layer}.block_sparse_moe.experts"
+        per = found.get(layer, {})
+        extra = sorted(set(per) - set(range(args.num_experts)))
+        if extra:
+            raise CheckpointError(f"{src.path}: tensor {base}.{extra[0]}.w1.weight_packed is "
+                                  f"beyond num_experts={args.num_experts}")
+        rows = []
+        for e in range(args.num_experts):
+            six = per.get(e, {})
+            for short, shape in want.items():
+                t = six.get(short)
+                if t is None:
+                    raise CheckpointError(f"{src.path}: tensor {base}.{e}.{short} is missing "
+                                          "from the checkpoint")
+                if t.dtype != "U8" or tuple(t.shape) != shape:
+                    raise CheckpointError(f"{t.file}: tensor {t.name} is {t.dtype}"
+                                          f"{list(t.shape)}, expected U8{list(shape)} (MXFP4)")
+            rows.append([six[ep.source_name(n)] for n in ep.TENSORS])
+        layouts[layer] = ep.RecordLayout.from_published(want, base)
+        sources[layer] = rows
+    return layouts, sources
+
+
+def fingerprint(src: CheckpointIndex, config_text: str, settings: Settings) -> str:
+    """What makes two runs produce the same bytes: source headers, config, settings, code."""
+    h = hashlib.sha256()
+    h.update(json.dumps([dataclasses.asdict(settings), _versions(), config_text]).encode())
+    for name in sorted(src.tensors):
+        t = src.tensors[name]
+        h.update(f"{name}|{t.file.name}|{t.dtype}|{t.shape}|{t.start}|{t.end}\n".encode())
+    return h.hexdigest()
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("kimi-k3")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return {"kimi_k3": ours, "mlx": mx.__version__}
+
+
+# ---- progress -----------------------------------------------------------------------------
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1000
+    return ""
+
+
+class Progress:
+    """A plain-stderr progress line: bytes done of total, rate and ETA (thread-safe)."""
+
+    def __init__(self, label: str, total: int, done: int = 0, stream=None):
+        self.label, self.total, self.done = label, total, done
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.start, self.start_done, self.last = time.monotonic(), done, 0.0
+        self.lock = threading.Lock()
+        kill = os.environ.get(KILL_ENV)
+        self.kill_at = done + int(kill) if kill else None
+
+    def update(self, n: int):
+        with self.lock:
+            self.done += n
+            if self.kill_at is not None and self.done >= self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            now = time.monotonic()
+            if now - self.last >= (0.25 if self.tty else 10.0):
+                self.last = now
+                self._show(now)
+
+    def _show(self, now: float, end: str | None = None):
+        rate = (self.done - self.start_done) / max(now - self.start, 1e-9)
+        left = (self.total - self.done) / rate if rate > 0 else float("inf")
+        eta = "--" if left == float("inf") else time.strftime("%H:%M:%S", time.gmtime(left))
+        pct = 100.0 * self.done / max(self.total, 1)
+        line = (f"{self.label}: {_fmt_bytes(self.done)} / {_fmt_bytes(self.total)} "
+                f"({pct:.1f}%)  {_fmt_bytes(rate)}/s  ETA {eta}")
+        self.stream.write(("\r" + line + "\x1b[K" if self.tty else line)
+                          + (end or ("" if self.tty else "\n")))
+        self.stream.flush()
+
+    def close(self):
+        with self.lock:
+            self._show(time.monotonic(), end="\n")
+
+
+# ---- conversion ---------------------------------------------------------------------------
+
+
+class _Run:
+    def __init__(self, src, out, plan, settings, fp, chunk_bytes, workers, config):
+        self.src, self.out, self.plan, self.settings = src, out, plan, settings
+        self.fp, self.chunk_bytes, self.workers, self.config = fp, chunk_bytes, workers, config
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.fds: dict[Path, int] = {}
+        self.state = self._load_state()
+
+    def _load_state(self) -> dict:
+        file = self.out / STATE
+        if not file.exists():
+            return {"fingerprint": self.fp, "done": {}}
+        state = json.loads(file.read_text())
+        if state.get("fingerprint") != self.fp:
+            raise ConvertError(f"{self.out}: holds a partial conversion from another source or "
+                               "with other settings; delete it or choose another --out")
+        # A file counts as done only if it is there with its recorded size.
+        done = {rel: d for rel, d in state["done"].items()
+                if (self.out / rel).is_file() and (self.out / rel).stat().st_size == d["bytes"]}
+        return {"fingerprint": self.fp, "done": done}
+
+    def _mark_done(self, rel: str, record: dict):
+        with self.lock:
+            self.state["done"][rel] = record
+            write_text_atomic(self.out / STATE, json.dumps(self.state, separators=(",", ":")))
+
+    @contextlib.contextmanager
+    def _atomic(self, rel: str):
+        final = self.out / rel
+        tmp = final.with_name(f".{final.name}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, final)
+
+    def _pread(self, file: Path, offset: int, n: int) -> bytes:
+        with self.lock:
+            fd = self.fds.get(file)
+            if fd is None:
+                fd = self.fds[file] = os.open(file, os.O_RDONLY)
+        data = os.pread(fd, n, offset)
+        if len(data) != n:
+            raise CheckpointError(f"{file}: short read at byte {offset} (file truncated?)")
+        return data
+
+    def run(self, progress: Progress):
+        todo_shards = [i for i, rel in enumerate(self.plan.shard_names)
+                       if rel not in self.state["done"]]
+        todo_packs = [i for i, rel in enumerate(self.plan.pack_names)
+                      if rel not in self.state["done"]]
+        (self.out / ep.PACK_DIR).mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(max(1, self.workers)) as pool:
+            futures = [pool.submit(self._pack_file, i, progress) for i in todo_packs]
+            try:
+                for i in todo_shards:  # MLX work stays on this thread
+                    self._dense_shard(i, progress)
+                for f in futures:
+                    f.result()
+            except BaseException:
+                self.stop.set()
+                raise
+        for fd in self.fds.values():
+            os.close(fd)
+
+    # -- the expert pack
+
+    def _pack_file(self, i: int, progress: Progress):
+        rel = self.plan.pack_names[i]
+        with self._atomic(rel) as f:
+            w, crcs = ep.RecordWriter(f), []
+            for layer, e in self.plan.pack_files[i]:
+                if self.stop.is_set():
+                    raise InterruptedError("stopped")
+                data = self._read_expert(self.plan.experts[layer][e])
+                crcs.append(w.add(data)[1])
+                progress.update(len(data))
+        self._mark_done(rel, {"bytes": w.size, "sha256": w.sha256.hexdigest(), "crc32": crcs})
+
+    def _read_expert(self, six: list[TensorInfo]) -> bytes:
+        """One expert's six tensors: one read when they lie back to back (as published)."""
+        if all(a.file == b.file and a.end == b.start for a, b in zip(six, six[1:])):
+            return self._pread(six[0].file, six[0].start, six[-1].end - six[0].start)
+        return b"".join(self._pread(t.file, t.start, t.nbytes) for t in six)
+
+    # -- the dense shards
+
+    def _dense_shard(self, i: int, progress: Progress):
+        rel, items = self.plan.shard_names[i], self.plan.shards[i]
+        header, offset = {}, 0
+        for it in items:
+            for name, dtype, shape in it.outputs:
+                n = int(np.prod(shape)) * DTYPE_SIZE[dtype]
+                header[name] = {"dtype": dtype, "shape": list(shape),
+                                "data_offsets": [offset, offset + n]}
+                offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * ((-len(raw)) % 8)
+        sha, size = hashlib.sha256(), 0
+        with self._atomic(rel) as f:
+            for data, consumed in self._shard_bytes(raw, items):
+                f.write(data)
+                sha.update(data)
+                size += len(data)
+                if consumed:
+                    progress.update(consumed)
+        if size != 8 + len(raw) + offset:
+            raise AssertionError(f"{rel}: wrote {size} bytes, planned {8 + len(raw) + offset}")
+        self._mark_done(rel, {"bytes": size, "sha256": sha.hexdigest()})
+
+    def _shard_bytes(self, header: bytes, items: list[DenseItem]):
+        yield struct.pack("<Q", len(header)) + header, 0
+        for it in items:
+            if it.spec is not None:
+                yield from self._quantized(it)
+            elif tuple(it.source.shape) == it.shape:
+                t = it.source
+                for a in range(t.start, t.end, self.chunk_bytes):
+                    n = min(self.chunk_bytes, t.end - a)
+                    yield self._pread(t.file, a, n), n
+            else:  # renamed and reshaped (A_log padding): tiny, done whole
+                t = it.source
+                value = _to_mx(self._pread(t.file, t.start, t.nbytes), t.dtype, t.shape)
+                ((_, value),) = sanitize_weights(self.config, {t.name: value}).items()
+                yield _to_bytes(value), t.nbytes
+
+    def _quantized(self, it: DenseItem):
+        """Affine-quantize row blocks of at most ``chunk_bytes``: weight bytes stream out
+        block by block; scales and biases (1/16 of the source at 4-bit) follow at the end."""
+        t, spec = it.source, it.spec
+        rows, cols = t.shape
+        row_bytes = cols * DTYPE_SIZE[t.dtype]
+        step = max(1, self.chunk_bytes // row_bytes)
+        scales, biases = [], []
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            w = _to_mx(self._pread(t.file, t.start + r * row_bytes, n * row_bytes), t.dtype,
+                       (n, cols))
+            q, s, b = mx.quantize(w, group_size=spec["group_size"], bits=spec["bits"],
+                                  mode=spec["mode"])
+            scales.append(_to_bytes(s))
+            biases.append(_to_bytes(b))
+            data = _to_bytes(q)
+            del w, q, s, b
+            mx.clear_cache()
+            yield data, n * row_bytes
+        yield b"".join(scales), 0
+        yield b"".join(biases), 0
+
+    # -- the small files, then the manifest
+
+    def finish(self, hf_path: Path) -> dict:
+        done = self.state["done"]
+        weight_map = {name: rel for rel, items in zip(self.plan.shard_names, self.plan.shards)
+                      for it in items for name, _, _ in it.outputs}
+        total = sum(it.nbytes for items in self.plan.shards for it in items)
+        write_text_atomic(self.out / "model.safetensors.index.json", json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        self._pack_index()
+        config = json.loads((hf_path / "config.json").read_text())
+        if self.plan.quantization:
+            config["quantization"] = self.plan.quantization
+        write_text_atomic(self.out / "config.json", json.dumps(config, indent=1))
+        for f in _aux_files(hf_path):
+            tmp = self.out / f".{f.name}.tmp"
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, self.out / f.name)
+        files = {rel: {"bytes": d["bytes"], "sha256": d["sha256"]} for rel, d in done.items()}
+        small = ["model.safetensors.index.json", f"{ep.PACK_DIR}/{ep.INDEX}", "config.json",
+                 *(f.name for f in _aux_files(hf_path))]
+        for rel in small:
+            files[rel] = {"bytes": (self.out / rel).stat().st_size,
+                          "sha256": _sha256_file(self.out / rel)}
+        manifest = {"format": FORMAT, "version": VERSION, "versions": _versions(),
+                    "source": str(hf_path), "fingerprint": self.fp,
+                    "settings": dataclasses.asdict(self.settings),
+                    "quantization": self.plan.quantization,
+                    "files": dict(sorted(files.items()))}
+        write_text_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1))
+        (self.out / STATE).unlink(missing_ok=True)
+        return manifest
+
+    def _pack_index(self):
+        records, sizes = {}, []
+        for i, (rel, recs) in enumerate(zip(self.plan.pack_names, self.plan.pack_files)):
+            crcs, offset = self.state["done"][rel]["crc32"], 0
+            for (layer, e), crc in zip(recs, crcs):
+                records[(layer, e)] = (i, offset, crc)
+                offset += self.plan.layouts[layer].record_bytes
+            sizes.append(offset)
+        names = [Path(r).name for r in self.plan.pack_names]
+        doc = ep.index_json(self.plan.layouts, names, sizes, records)
+        write_text_atomic(self.out / ep.PACK_DIR / ep.INDEX,
+                          json.dumps(doc, separators=(",", ":")))
+
+
+def _to_mx(buf: bytes, dtype: str, shape: tuple) -> mx.array:
+    a = np.frombuffer(buf, dtype=NP_DTYPE[dtype]).reshape(shape)
+    return mx.array(a).view(mx.bfloat16) if dtype == "BF16" else mx.array(a)
+
+
+def _to_bytes(a: mx.array) -> bytes:
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a).tobytes()
+
+
+def _aux_files(hf_path: Path) -> list[Path]:
+    """Tokenizer and other small files copied as they are (not the shards or the index)."""
+    return sorted(f for f in hf_path.iterdir() if f.is_file() and f.suffix in _COPIED
+                  and f.name not in _NOT_COPIED)
+
+
+def _sha256_file(file: Path, progress: Progress | None = None) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+            if progress:
+                progress.update(len(block))
+    return h.hexdigest()
+
+
+def _check_out(out: Path, fp: str) -> str:
+    """``"new"``, ``"resume"`` or ``"done"``; refuses a directory holding anything else."""
+    if (out / MANIFEST).is_file():
+        if json.loads((out / MANIFEST).read_text()).get("fingerprint") != fp:
+            raise ConvertError(f"{out}: holds a conversion from another source or with other "
+                               "settings; delete it or choose another --out")
+        return "done"
+    if (out / STATE).is_file():
+        return "resume"
+    if out.exists() and any(out.iterdir()):
+        raise ConvertError(f"{out}: exists and is not empty (and holds no conversion to "
+                           "resume); choose an empty or new --out")
+    return "new"
+
+
+def convert(hf_path: str | Path, out: str | Path, settings: Settings = Settings(),
+            verify: bool = False, workers: int = 4, chunk_bytes: int = 256 << 20,
+            stream=None) -> dict:
+    """Convert (or resume converting) ``hf_path`` into ``out``; returns the manifest."""
+    hf_path, out = Path(hf_path), Path(out)
+    stream = stream or sys.stderr
+    if settings.dense_bits not in (4, 8, 16):
+        raise ConvertError(f"--dense-bits {settings.dense_bits}: use 4, 8 or 16")
+    layout = detect(hf_path)
+    if layout != "published":
+        raise ConvertError(f"{hf_path}: is in the {layout!r} layout; convert from the published "
+                           "checkpoint (the converted and mlx-lm layouts load directly)")
+    config_text = (hf_path / "config.json").read_text()
+    args = ModelArgs.from_path(hf_path)
+    src = CheckpointIndex(hf_path)
+    fp = fingerprint(src, config_text, settings)
+    status = _check_out(out, fp)
+    if status == "done":
+        stream.write(f"{out}: already converted (manifest matches)\n")
+    else:
+        plan = make_plan(src, args, settings)
+        out.mkdir(parents=True, exist_ok=True)
+        run = _Run(src, out, plan, settings, fp, chunk_bytes, workers, args)
+        if status == "new":
+            run._mark_done_none = write_text_atomic(out / STATE, json.dumps(run.state))
+        large = plan.shard_names + plan.pack_names
+        total = sum(plan.source_bytes(r) for r in large)
+        done = sum(plan.source_bytes(r) for r in large if r in run.state["done"])
+        stream.write(f"converting {hf_path} -> {out}: dense {settings.dense_bits}-bit, "
+                     f"{len(plan.shards)} dense shards, {len(plan.pack_files)} pack files, "
+                     f"{_fmt_bytes(total)}\n")
+        if done:
+            n = sum(r in run.state["done"] for r in large)
+            stream.write(f"resuming: {n} of {len(large)} files already complete\n")
+        progress = Progress("converting", total, done, stream)
+        start = time.monotonic()
+        run.run(progress)
+        progress.close()
+        run.finish(hf_path)
+        secs = time.monotonic() - start
+        stream.write(f"converted {_fmt_bytes(total - done)} in {secs:.1f} s; peak RSS "
+                     f"{peak_rss_mb():.0f} MB\n")
+    if verify:
+        verify_output(out, workers, stream)
+    return json.loads((out / MANIFEST).read_text())
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MB (ru_maxrss: KB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+
+
+def verify_output(out: str | Path, workers: int = 4, stream=None) -> int:
+    """Re-read every file of a converted directory: sha256 of each file against the manifest,
+    crc32 of every expert record. Raises ``CheckpointError`` naming the first bad file."""
+    out, stream = Path(out), stream or sys.stderr
+    file = out / MANIFEST
+    if not file.is_file():
+        raise ConvertError(f"{file}: no manifest (conversion not finished?)")
+    files = json.loads(file.read_text())["files"]
+    for rel, meta in files.items():
+        if not (out / rel).is_file():
+            raise CheckpointError(f"{out / rel}: missing (listed in {MANIFEST})")
+        if (out / rel).stat().st_size != meta["bytes"]:
+            raise CheckpointError(f"{out / rel}: {(out / rel).stat().st_size} bytes, the "
+                                  f"manifest says {meta['bytes']}")
+    progress = Progress("verifying", sum(m["bytes"] for m in files.values()), stream=stream)
+    pack = ep.ExpertPack(out)
+    pack_rel = {f"{ep.PACK_DIR}/{f.name}": i for i, f in enumerate(pack.files)}
+
+    def check(rel: str):
+        if rel in pack_rel:
+            got = pack.verify_file(pack_rel[rel], progress.update)
+        else:
+            got = _sha256_file(out / rel, progress)
+        if got != files[rel]["sha256"]:
+            raise CheckpointError(f"{out / rel}: sha256 does not match the manifest: the file "
+                                  "is corrupted; reconvert (or re-copy) it")
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for f in [pool.submit(check, rel) for rel in files]:
+            f.result()
+    pack.close()
+    progress.close()
+    stream.write(f"verified {len(files)} files and {sum(1 for _ in pack.records())} expert "
+                 "records\n")
+    return len(files)
+
+
+def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(
+        prog="python -m kimi_k3.convert", description=__doc__.splitlines()[0])
+    parser.add_argument("--hf-path", required=True, help="the published checkpoint directory")
+    parser.add_argument("--out", required=True, help="output directory (new, or to resume)")
+    parser.add_argument("--dense-bits", type=int, default=4, choices=(4, 8, 16),
+                        help="dense weights: MLX affine 4 or 8 bit, or 16 (kept bf16)")
+    parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    parser.add_argument("--verify", action="store_true",
+                        help="re-read every output file and check its checksums")
+    parser.add_argument("--shard-mb", type=int, default=4096, help="dense shard size limit")
+    parser.add_argument("--pack-file-mb", type=int, default=4096,
+                        help="expert pack file size limit")
+    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                        help="pack files written (and files verified) in parallel")
+    parser.add_argument("--chunk-mb", type=int, default=256,
+                        help="source bytes quantized or copied at once (bounds memory)")
+    return parser
+
+
+def main(argv=None) -> int:
+    a = setup_arg_parser().parse_args(argv)
+    settings = Settings(a.dense_bits, a.group_size, a.shard_mb << 20, a.pack_file_mb << 20)
+    try:
+        convert(a.hf_path, a.out, settings, a.verify, a.workers, a.chunk_mb << 20)
+    except (CheckpointError, ConfigError, FileNotFoundError) as e:
+        print(f"kimi_k3.convert: error: {e}", file=sys.stderr)
+        return 1
+    return 0

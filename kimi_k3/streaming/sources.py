@@ -1,0 +1,237 @@
+"""Where one routed expert's bytes live: the published shards, an expert pack, or mlx-lm.
+
+A source answers ``extents(layer, expert)``: the file byte ranges to read, each listing the
+cache tensors its bytes fill, back to back. Every layout holds the same MXFP4 bytes (see
+``kimi_k3.experts``), so the streamer copies them into its slots without conversion.
+Errors name the file and the tensor (or the layer and expert).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
+from kimi_k3.config import ModelArgs
+from kimi_k3.model import expert_keys
+
+# The six cache tensors of one expert, in the order of the published shards and the pack.
+TENSORS = ("w1.weight", "w1.scales", "w2.weight", "w2.scales", "w3.weight", "w3.scales")
+_PUBLISHED = {"weight_packed": "weight", "weight_scale": "scales"}
+_MLX_LM = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One contiguous byte range of ``file``; ``pieces`` = (tensor, nbytes) back to back."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    pieces: tuple
+
+
+def expert_layout(args: ModelArgs) -> dict[str, tuple[tuple, type]]:
+    """Per cache tensor of one expert: ``(shape, numpy dtype)`` (MLX ``mode="mxfp4"``).
+
+    Shapes: ``w1``/``w3``: weight uint32 [I, Dl/8], scales uint8 [I, Dl/32]; ``w2``: weight
+    uint32 [Dl, I/8], scales uint8 [Dl, I/32] (Dl = routed_expert_hidden_size, I =
+    moe_intermediate_size).
+    """
+    Dl, I = args.routed_expert_hidden_size, args.moe_intermediate_size
+    dims = {"w1": (I, Dl), "w2": (Dl, I), "w3": (I, Dl)}
+    out = {}
+    for name in TENSORS:
+        w, kind = name.split(".")
+        o, i = dims[w]
+        out[name] = ((o, i // 8), np.uint32) if kind == "weight" else ((o, i // 32), np.uint8)
+    return out
+
+
+def tensor_bytes(layout: dict, name: str) -> int:
+    shape, dtype = layout[name]
+    return int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def _runs(parts: list[tuple]) -> tuple[Extent, ...]:
+    """Merge ``(file, start, nbytes, tensor)`` parts into extents of back-to-back bytes."""
+    out = []
+    for file, start, n, name in sorted(parts, key=lambda p: (str(p[0]), p[1])):
+        if out and out[-1][0] == file and out[-1][1] + out[-1][2] == start:
+            out[-1][2] += n
+            out[-1][3].append((name, n))
+        else:
+            out.append([file, start, n, [(name, n)]])
+    return tuple(Extent(f, s, n, tuple(p)) for f, s, n, p in out)
+
+
+class ShardSource:
+    """The published layout: ``experts.E.wN.{weight_packed,weight_scale}`` in the shards.
+
+    An expert whose six tensors sit back to back in one shard is one extent (one read);
+    otherwise each contiguous run is its own extent.
+    """
+
+    kind = "shards"
+
+    def __init__(self, index: CheckpointIndex, layout: dict, layers: list[int], num_experts: int):
+        self.index, self.layout = index, layout
+        self.split_experts = 0  # experts that need more than one read
+        for layer in layers:
+            for e in range(num_experts):
+                self.split_experts += len(self.extents(layer, e, check=True)) > 1
+        self.files = index.files
+
+    def extents(self, layer: int, expert: int, check: bool = False) -> tuple[Extent, ...]:
+        parts = []
+        for key in expert_keys(layer, expert):
+            t = self.index[key]  # raises CheckpointError naming the missing tensor
+            w, kind = key.rsplit(".", 2)[-2:]
+            name = f"{w}.{_PUBLISHED[kind]}"
+            if check:
+                shape, dtype = self.layout[name]
+                width = shape[1] * np.dtype(dtype).itemsize
+                if t.dtype != "U8" or t.shape != (shape[0], width):
+                    raise CheckpointError(f"{t.file}: tensor {key} is {t.dtype}{list(t.shape)}, "
+                                          f"expected U8{[shape[0], width]}")
+            parts.append((t.file, t.start, t.nbytes, name))
+        return _runs(parts)
+
+    def checksum(self, layer: int, expert: int) -> int | None:
+        return None
+
+
+class MlxLmSource:
+    """mlx-lm's layout: experts stacked ``[E, ...]`` per tensor in ``mlp.switch_mlp``.
+
+    Expert ``e`` of a stacked tensor is the byte slice ``start + e * n .. start + (e+1) * n``:
+    six reads per expert (the six stacked tensors are apart in the file).
+    """
+
+    kind = "mlx-lm"
+
+    def __init__(self, index: CheckpointIndex, layout: dict, layers: list[int], num_experts: int):
+        self.layout, self.tensors = layout, {}
+        for layer in layers:
+            for name in TENSORS:
+                w, kind = name.split(".")
+                key = f"{mlx_lm_prefix(layer)}{_MLX_LM[w]}.{kind}"
+                t = index[key]
+                shape, dtype = layout[name]
+                want = "U32" if dtype == np.uint32 else "U8"
+                if t.dtype != want or t.shape != (num_experts, *shape):
+                    raise CheckpointError(f"{t.file}: tensor {key} is {t.dtype}{list(t.shape)}, "
+                                          f"expected {want}{[num_experts, *shape]} (mxfp4)")
+                biases = f"{mlx_lm_prefix(layer)}{_MLX_LM[w]}.biases"
+                if biases in index:
+                    raise CheckpointError(f"{index[biases].file}: tensor {biases}: affine-"
+                                          "quantized experts; only mxfp4 experts are streamed")
+                self.tensors[(layer, name)] = t
+        self.files = sorted({t.file for t in self.tensors.values()})
+
+    def extents(self, layer: int, expert: int) -> tuple[Extent, ...]:
+        out = []
+        for name in TENSORS:
+            t = self.tensors[(layer, name)]
+            n = t.nbytes // t.shape[0]
+            out.append(Extent(t.file, t.start + expert * n, n, ((name, n),)))
+        return tuple(sorted(out, key=lambda x: (str(x.file), x.offset)))
+
+    def checksum(self, layer: int, expert: int) -> int | None:
+        return None
+
+
+def mlx_lm_prefix(layer: int) -> str:
+    return f"language_model.model.layers.{layer}.mlp.switch_mlp."
+
+
+class PackSource:
+    """This project's expert pack (``kimi_k3.expert_pack``): one page-aligned record per
+    expert, so one aligned read per expert, with a crc32 per record."""
+
+    kind = "pack"
+
+    def __init__(self, path: Path, layout: dict, layers: list[int], num_experts: int):
+        from kimi_k3.expert_pack import ExpertPack
+
+        self.pack = ExpertPack(path)
+        self.records = {}
+        for layer in layers:
+            n = self.pack.num_experts(layer)  # raises PackError for a missing layer
+            if n != num_experts:
+                raise CheckpointError(f"{self.pack.index_file}: layer {layer} has {n} experts, "
+                                      f"the config says {num_experts}")
+            self.records[layer] = self._record_layout(layer, layout)
+        self.files = self.pack.files
+
+    def _record_layout(self, layer: int, layout: dict) -> tuple[tuple, int]:
+        """The record's pieces in offset order, checked against ``layout``."""
+        lay = self.pack.layout(layer)
+        pieces, end = [], 0
+        for name in sorted(lay, key=lambda k: lay[k]["offset"]):
+            t = lay[name]
+            if name not in layout:
+                raise CheckpointError(f"{self.pack.index_file}: layer {layer}: unknown record "
+                                      f"tensor {name}")
+            shape, dtype = layout[name]
+            if (t["dtype"], tuple(t["shape"])) != (np.dtype(dtype).name, shape):
+                raise CheckpointError(f"{self.pack.index_file}: layer {layer} tensor {name} is "
+                                      f"{t['dtype']}{t['shape']}, expected "
+                                      f"{np.dtype(dtype).name}{list(shape)}")
+            if t["offset"] != end:
+                raise CheckpointError(f"{self.pack.index_file}: layer {layer} tensor {name} "
+                                      f"starts at {t['offset']}, expected {end} (back to back)")
+            pieces.append((name, t["nbytes"]))
+            end += t["nbytes"]
+        if sorted(lay) != sorted(layout):
+            raise CheckpointError(f"{self.pack.index_file}: layer {layer} records hold "
+                                  f"{sorted(lay)}, expected {sorted(layout)}")
+        return tuple(pieces), end
+
+    def extents(self, layer: int, expert: int) -> tuple[Extent, ...]:
+        file, offset, _ = self.pack.record(layer, expert)
+        pieces, nbytes = self.records[layer]
+        return (Extent(file, offset, nbytes, pieces),)
+
+    def checksum(self, layer: int, expert: int) -> int | None:
+        return self.pack.checksum(layer, expert)
+
+
+SOURCES = ("auto", "shards", "pack", "mlx-lm")
+
+
+def open_source(path: Path, index: CheckpointIndex | None, args: ModelArgs, layers: list[int],
+                kind: str = "auto"):
+    """The expert source of a model directory: ``kind`` one of ``SOURCES``.
+
+    ``auto`` picks the expert pack when ``path`` has one, else the published per-expert
+    tensors, else mlx-lm's stacked ``switch_mlp`` tensors.
+    """
+    from kimi_k3.expert_pack import is_pack_dir
+
+    if kind not in SOURCES:
+        raise ValueError(f"source={kind!r}: expected one of {SOURCES}")
+    layout, E = expert_layout(args), args.num_experts
+    if kind == "auto":
+        kind = _detect(path, index, layers[0], is_pack_dir(path))
+    if kind == "pack":
+        return PackSource(path, layout, layers, E)
+    index = index if index is not None else CheckpointIndex(path)
+    if kind == "shards":
+        return ShardSource(index, layout, layers, E)
+    return MlxLmSource(index, layout, layers, E)
+
+
+def _detect(path: Path, index: CheckpointIndex | None, layer: int, has_pack: bool) -> str:
+    if has_pack:
+        return "pack"
+    index = index if index is not None else CheckpointIndex(path)
+    if expert_keys(layer, 0)[0] in index:
+        return "shards"
+    if f"{mlx_lm_prefix(layer)}gate_proj.weight" in index:
+        return "mlx-lm"
+    raise CheckpointError(f"{path}: no routed experts found for layer {layer}: neither an "
+                          "expert pack (experts/index.json), nor published experts."
+                          f"E.w1.weight_packed, nor mlx-lm switch_mlp tensors")

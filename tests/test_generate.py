@@ -1,0 +1,244 @@
+"""``python -m kimi_k3.generate`` end to end, the chat session's cache, the default model."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm import stream_generate
+
+import kimi_k3
+from kimi_k3 import default_model
+from kimi_k3.chat import encode_chat, encode_segments, render_text
+from kimi_k3.generate import (
+    ChatSession,
+    Reply,
+    close_reply,
+    generate,
+    main,
+    setup_arg_parser,
+)
+
+STATS = re.compile(r"stats: prompt: (\d+) tokens, [\d.]+ tok/s \| generation: (\d+) tokens, "
+                   r"[\d.]+ tok/s \| peak memory: [\d.]+ GB \| experts: (.*)")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt):
+    return kimi_k3.load(tiny_ckpt)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIMI_K3_CACHE", str(tmp_path / "cache"))
+
+
+def run_cli(*args, stdin=None, env=None, timeout=120):
+    """The CLI in a subprocess; output decoded without newline translation (a token may
+    be a lone ``\\r``)."""
+    out = subprocess.run([sys.executable, "-m", "kimi_k3.generate", *map(str, args)],
+                         input=stdin and stdin.encode(), capture_output=True, timeout=timeout,
+                         env={**os.environ, **(env or {})})
+    out.stdout, out.stderr = out.stdout.decode(), out.stderr.decode()
+    return out
+
+
+def expected_text(model, tokenizer, ids, max_tokens):
+    return "".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens))
+
+
+def test_chat_end_to_end(tiny_ckpt, tiny):
+    """Text on stdout equals greedy mlx-lm generation from ``encode_chat`` ids; a typed
+    marker stays text (the prompt count is that of ``encode_chat``, not of the string)."""
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Say <|open|> please"}]
+    ids = encode_chat(tiny[1], messages)
+    assert len(ids) != len(tiny[1].encode(render_text(messages)))
+    out = run_cli("--model", tiny_ckpt, "--system", "Be brief.", "--prompt",
+                  "Say <|open|> please", "--max-tokens", 12)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expected_text(*tiny, ids, 12) + "\n"
+    stats = STATS.search(out.stderr)
+    assert stats, out.stderr
+    assert int(stats[1]) == len(ids) and 1 <= int(stats[2]) <= 12
+    assert stats[3] == "resident"
+    assert "loading [" in out.stderr and "100%" in out.stderr
+
+
+def test_raw_and_no_thinking(tiny_ckpt, tiny):
+    out = run_cli("--model", tiny_ckpt, "--raw", "--prompt", "Once upon a time",
+                  "--max-tokens", 5)
+    assert out.returncode == 0, out.stderr
+    ids = tiny[1].encode("Once upon a time", add_special_tokens=False)
+    assert int(STATS.search(out.stderr)[1]) == len(ids)
+    assert out.stdout == expected_text(*tiny, ids, 5) + "\n"
+    out = run_cli("--model", tiny_ckpt, "--no-thinking", "--prompt", "Hi", "--max-tokens", 3)
+    ids = encode_chat(tiny[1], [{"role": "user", "content": "Hi"}], thinking=False)
+    assert out.returncode == 0 and int(STATS.search(out.stderr)[1]) == len(ids)
+
+
+@pytest.fixture
+def long_context_ckpt(tiny_ckpt, tmp_path):
+    """The tiny checkpoint (files linked) with max_position_embeddings = 40."""
+    out = tmp_path / "short"
+    out.mkdir()
+    for f in tiny_ckpt.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 40
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _broken(tiny_ckpt, tmp_path):
+    out = tmp_path / "broken"
+    out.mkdir()
+    for f in tiny_ckpt.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    shard = sorted(out.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return out, shard
+
+
+def _not_k3(tmp_path):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    return tmp_path / "llama"
+
+
+@pytest.mark.parametrize("case", ["missing", "not-k3", "broken", "too-long", "max-context"])
+def test_bad_input(case, tiny_ckpt, tmp_path, long_context_ckpt):
+    """One ``error:`` line on stderr naming the problem, exit code 1, nothing on stdout."""
+    prompt = ["--prompt", "a prompt of a few words, more than forty tokens in chat form"]
+    if case == "missing":
+        args, want = ["--model", tmp_path / "nowhere"], r"nowhere: no such model directory"
+    elif case == "not-k3":
+        args, want = ["--model", _not_k3(tmp_path)], r"model_type is 'llama', not 'kimi_k3'"
+    elif case == "broken":
+        path, shard = _broken(tiny_ckpt, tmp_path)
+        args, want = ["--model", path], rf"{re.escape(str(shard))}: truncated"
+    elif case == "too-long":
+        args, want = ["--model", long_context_ckpt], r"the context holds 40 "
+    else:
+        args, want = ["--model", tiny_ckpt, "--max-context", 16], r"the context holds 16 "
+    out = run_cli(*args, *prompt)
+    assert out.returncode == 1
+    assert out.stdout == ""
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(want, errors[0]), out.stderr
+
+
+def test_max_context_caps_the_reply(tiny_ckpt, tiny):
+    ids = encode_chat(tiny[1], [{"role": "user", "content": "Hi"}])
+    out = run_cli("--model", tiny_ckpt, "--prompt", "Hi", "--max-tokens", 50,
+                  "--max-context", len(ids) + 3)
+    stats = STATS.search(out.stderr)
+    assert out.returncode == 0 and int(stats[2]) <= 3
+
+
+@pytest.mark.parametrize("argv", [["--max-tokens", "lots"], ["--chat", "--raw"]])
+def test_bad_arguments_exit_2(argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+
+
+def test_nonpositive_limits(capsys):
+    assert main(["--max-tokens", "0"]) == 1
+    assert capsys.readouterr().err == "error: --max-tokens must be at least 1, got 0\n"
+
+
+def test_ctrl_c_prints_stats_and_exits_130(tiny_ckpt):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kimi_k3.generate", "--model", str(tiny_ckpt),
+         "--max-tokens", "1000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.read(1)  # text is streaming
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert STATS.search(err) and "(interrupted)" in err
+
+
+def test_interactive_keeps_the_cache(tiny_ckpt, tiny):
+    """Two turns on stdin: the second feeds only the closing of the first reply plus the new
+    message, not the whole conversation."""
+    out = run_cli("--model", tiny_ckpt, "-i", "--max-tokens", 6, stdin="first\nsecond\n")
+    assert out.returncode == 0, out.stderr
+    stats = STATS.findall(out.stderr)
+    assert len(stats) == 2
+    first = encode_chat(tiny[1], [{"role": "user", "content": "first"}])
+    assert int(stats[0][0]) == len(first)
+    second = encode_chat(tiny[1], [{"role": "user", "content": "second"}])
+    assert len(second) <= int(stats[1][0]) < len(first) + 6 + len(second)
+
+
+def _turn(session, text, last, capsys):
+    reply = Reply()
+    ids = session.turn_ids(text, last)
+    args = setup_arg_parser().parse_args(["--max-tokens", "7"])
+    generate(session.model, session.tokenizer, ids, args, session.cache, 7, reply)
+    capsys.readouterr()
+    session.history += ids + reply.tokens
+    return ids, reply.tokens
+
+
+def test_session_continues_like_a_fresh_run(tiny_ckpt, capsys):
+    """Turn 2 on the kept cache gives the tokens a fresh run over the whole history gives
+    (fp32: in bf16 the different prefill split may flip a near-tie)."""
+    model, tok = kimi_k3.load(tiny_ckpt, dtype=mx.float32)
+    session = ChatSession(model, tok, system="sys", thinking=True)
+    ids1, reply1 = _turn(session, "hello", [], capsys)
+    ids2, reply2 = _turn(session, "and then?", reply1, capsys)
+    system = encode_chat(tok, [{"role": "system", "content": "sys"}], add_generation_prompt=False)
+    assert ids1[: len(system)] == system and ids2[: len(system)] != system
+    fresh = [r.token for r in stream_generate(model, tok, ids1 + reply1 + ids2, max_tokens=7)]
+    assert reply2 == fresh
+    mla = next(c for layer, c in zip(model.layers, session.cache, strict=True)
+               if not layer.is_linear)
+    assert mla.offset == len(session.history)  # the cache holds exactly the history
+
+
+def test_close_reply(tiny):
+    tok = tiny[1]
+    cut = encode_segments(tok, [("I think", False), ("<|close|>", True), ("think", False),
+                                ("<|sep|>", True), ("<|open|>", True), ("response", False),
+                                ("<|sep|>", True), ("Hel", False)])
+    closing = close_reply(tok, cut, thinking=True)
+    assert tok.decode(closing) == ("<|close|>response<|sep|><|close|>message<|sep|>"
+                                   "<|end_of_msg|>")
+    done = cut + close_reply(tok, cut, thinking=True)
+    assert close_reply(tok, done, thinking=True) == []
+    assert tok.decode(close_reply(tok, [], thinking=False)) == (
+        "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")
+
+
+def test_default_model_is_built_once(tmp_path):
+    path = default_model.ensure_default_model()
+    assert path.parent == tmp_path / "cache" and path.name.startswith("default-")
+    mtime = (path / "config.json").stat().st_mtime_ns
+    assert default_model.ensure_default_model() == path
+    assert (path / "config.json").stat().st_mtime_ns == mtime
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
+    experts = default_model.expert_bytes(path)
+    assert 0 < default_model.default_cache_gb(path) * 1e9 < experts / 2
+
+
+def test_default_model_cli_streams_experts(tmp_path):
+    """No --model: built fresh under $KIMI_K3_CACHE, says its weights are random, and the
+    stats show experts read from disk."""
+    out = run_cli("--max-tokens", 40, env={"KIMI_K3_CACHE": str(tmp_path / "fresh")})
+    assert out.returncode == 0, out.stderr
+    assert default_model.NOTICE in out.stderr and "random" in default_model.NOTICE
+    assert list((tmp_path / "fresh").glob("default-*/config.json"))
+    experts = STATS.search(out.stderr)[3]
+    rate, read = re.fullmatch(r"([\d.]+)% hit rate, ([\d.]+) GB read", experts).groups()
+    assert float(read) > 0 and float(rate) < 100
