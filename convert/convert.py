@@ -39,8 +39,14 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from kimi_k3 import expert_pack as ep
-from kimi_k3.checkpoint import DTYPE_SIZE, NP_DTYPE, CheckpointError, CheckpointIndex, TensorInfo
-from kimi_k3.checkpoint import write_text_atomic
+from kimi_k3.checkpoint import (
+    DTYPE_SIZE,
+    NP_DTYPE,
+    CheckpointError,
+    CheckpointIndex,
+    TensorInfo,
+    write_text_atomic,
+)
 from kimi_k3.config import ConfigError, ModelArgs
 from kimi_k3.layouts import detect
 from kimi_k3.model import Model, sanitize_weights
@@ -333,7 +339,10 @@ class _Run:
     def _mark_done(self, rel: str, record: dict):
         with self.lock:
             self.state["done"][rel] = record
-            write_text_atomic(self.out / STATE, json.dumps(self.state, separators=(",", ":")))
+            self.save_state()
+
+    def save_state(self):
+        write_text_atomic(self.out / STATE, json.dumps(self.state, separators=(",", ":")))
 
     @contextlib.contextmanager
     def _atomic(self, rel: str):
@@ -394,7 +403,7 @@ class _Run:
 
     def _read_expert(self, six: list[TensorInfo]) -> bytes:
         """One expert's six tensors: one read when they lie back to back (as published)."""
-        if all(a.file == b.file and a.end == b.start for a, b in zip(six, six[1:])):
+        if all(a.file == b.file and a.end == b.start for a, b in zip(six, six[1:], strict=False)):
             return self._pread(six[0].file, six[0].start, six[-1].end - six[0].start)
         return b"".join(self._pread(t.file, t.start, t.nbytes) for t in six)
 
@@ -466,8 +475,9 @@ class _Run:
 
     def finish(self, hf_path: Path) -> dict:
         done = self.state["done"]
-        weight_map = {name: rel for rel, items in zip(self.plan.shard_names, self.plan.shards)
-                      for it in items for name, _, _ in it.outputs}
+        shards = zip(self.plan.shard_names, self.plan.shards, strict=True)
+        weight_map = {name: rel for rel, items in shards for it in items
+                      for name, _, _ in it.outputs}
         total = sum(it.nbytes for items in self.plan.shards for it in items)
         write_text_atomic(self.out / "model.safetensors.index.json", json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
@@ -497,9 +507,10 @@ class _Run:
 
     def _pack_index(self):
         records, sizes = {}, []
-        for i, (rel, recs) in enumerate(zip(self.plan.pack_names, self.plan.pack_files)):
+        files = zip(self.plan.pack_names, self.plan.pack_files, strict=True)
+        for i, (rel, recs) in enumerate(files):
             crcs, offset = self.state["done"][rel]["crc32"], 0
-            for (layer, e), crc in zip(recs, crcs):
+            for (layer, e), crc in zip(recs, crcs, strict=True):
                 records[(layer, e)] = (i, offset, crc)
                 offset += self.plan.layouts[layer].record_bytes
             sizes.append(offset)
@@ -574,8 +585,7 @@ def convert(hf_path: str | Path, out: str | Path, settings: Settings = Settings(
         plan = make_plan(src, args, settings)
         out.mkdir(parents=True, exist_ok=True)
         run = _Run(src, out, plan, settings, fp, chunk_bytes, workers, args)
-        if status == "new":
-            run._mark_done_none = write_text_atomic(out / STATE, json.dumps(run.state))
+        run.save_state()
         large = plan.shard_names + plan.pack_names
         total = sum(plan.source_bytes(r) for r in large)
         done = sum(plan.source_bytes(r) for r in large if r in run.state["done"])
@@ -651,21 +661,22 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     parser.add_argument("--verify", action="store_true",
                         help="re-read every output file and check its checksums")
-    parser.add_argument("--shard-mb", type=int, default=4096, help="dense shard size limit")
-    parser.add_argument("--pack-file-mb", type=int, default=4096,
+    parser.add_argument("--shard-mb", type=float, default=4096, help="dense shard size limit")
+    parser.add_argument("--pack-file-mb", type=float, default=4096,
                         help="expert pack file size limit")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                         help="pack files written (and files verified) in parallel")
-    parser.add_argument("--chunk-mb", type=int, default=256,
+    parser.add_argument("--chunk-mb", type=float, default=256,
                         help="source bytes quantized or copied at once (bounds memory)")
     return parser
 
 
 def main(argv=None) -> int:
     a = setup_arg_parser().parse_args(argv)
-    settings = Settings(a.dense_bits, a.group_size, a.shard_mb << 20, a.pack_file_mb << 20)
+    mb = 1 << 20
+    settings = Settings(a.dense_bits, a.group_size, int(a.shard_mb * mb), int(a.pack_file_mb * mb))
     try:
-        convert(a.hf_path, a.out, settings, a.verify, a.workers, a.chunk_mb << 20)
+        convert(a.hf_path, a.out, settings, a.verify, a.workers, max(1, int(a.chunk_mb * mb)))
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"kimi_k3.convert: error: {e}", file=sys.stderr)
         return 1

@@ -208,4 +208,4 @@ elif sweep:
            ylabel="hit rate", ylim=(0, 1))
     fig.tight_layout()
     fig.savefig(PLOTS / "cache_hit_rate.png", dpi=120)
-    print(dict(zip(fractions, np.round(hit_rates, 3))))
+    print(dict(zip(fractions, np.round(hit_rates, 3), strict=True)))

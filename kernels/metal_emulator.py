@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 SHIM_DIR = Path(__file__).parent / "emulator"
-CXXFLAGS = ["-O2", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-w"]
+CXXFLAGS = ["-O2", "-U_FORTIFY_SOURCE", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-w"]
 MAX_CONSTANT_ARRAY_SIZE = 8  # inputs with fewer elements go to the constant address space
 THREADGROUP_MEMORY = 32 * 1024 + 64  # Apple GPUs: 32 KB, plus the C runtime's few bss bytes
 CANARY = 4096  # bytes of 0xFF around every buffer: reads past the end see NaN

@@ -48,6 +48,7 @@ WORDS = {
 # function-like word: (Metal, CUDA) spelling of the callee
 CALLS = {
     "BARRIER": ("threadgroup_barrier", "__syncthreads"),
+    "BARRIER_DEVICE": ("threadgroup_barrier", "__syncthreads"),
     "SIMD_BARRIER": ("simdgroup_barrier", "__syncwarp"),
     "SIMD_SUM": ("metal::simd_sum", "kk_warp_sum"),
     "SIMD_MAX": ("metal::simd_max", "kk_warp_max"),
@@ -67,7 +68,11 @@ CALLS = {
 }
 
 # Barrier words take no arguments in the dialect; Metal needs the memory flags.
-_BARRIER_ARGS = {"BARRIER": "mem_flags::mem_threadgroup", "SIMD_BARRIER": "mem_flags::mem_threadgroup"}
+_BARRIER_ARGS = {
+    "BARRIER": "mem_flags::mem_threadgroup",
+    "BARRIER_DEVICE": "mem_flags::mem_device | mem_flags::mem_threadgroup",
+    "SIMD_BARRIER": "mem_flags::mem_threadgroup",
+}
 
 # Helpers the CUDA spellings rely on; prepended to the header of every CUDA kernel.
 CUDA_PRELUDE = """

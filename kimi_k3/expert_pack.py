@@ -318,25 +318,49 @@ class ExpertPack:
                             f"{expert} (bytes {offset}..{offset + len(data)}): the pack is "
                             "corrupted; reconvert or re-copy this file")
 
-    def verify(self, progress: Callable[[int], None] | None = None) -> int:
-        """Re-read every record and check its crc32 and every file's size; returns the count.
+    def verify_file(self, f: int, progress: Callable[[int], None] | None = None) -> str:
+        """Re-read pack file ``f`` in order: check its size and every record's crc32.
 
-        Raises ``PackError`` naming the file, layer and expert of the first bad record.
+        Returns the file's sha256 (hex). Raises ``PackError`` naming the file, layer and
+        expert of the first bad record.
         """
-        for f, size in zip(self.files, self.file_bytes):
-            if not f.is_file():
-                raise PackError(f"{f}: expert pack file is missing")
-            if f.stat().st_size != size:
-                raise PackError(f"{f}: {f.stat().st_size} bytes, the index says {size}")
-        count = 0
-        for layer in self.layers:
-            for e in range(self.num_experts(layer)):
-                data = self.read_bytes(layer, e)
-                self._check(layer, e, data)
-                count += 1
-                if progress:
-                    progress(self.record_bytes(layer))
-        return count
+        path, size = self.files[f], self.file_bytes[f]
+        if not path.is_file():
+            raise PackError(f"{path}: expert pack file is missing")
+        if path.stat().st_size != size:
+            raise PackError(f"{path}: {path.stat().st_size} bytes, the index says {size}")
+        sha, pos, fd = hashlib.sha256(), 0, self._fd(f)
+        for offset, layer, e in self._by_file()[f]:
+            n, padded = self._layer(layer)["data_bytes"], self.record_bytes(layer)
+            if offset != pos:
+                raise PackError(f"{self.index_file}: layer {layer} expert {e} starts at byte "
+                                f"{offset} of {path.name}, expected {pos}")
+            data = os.pread(fd, padded, offset)
+            if len(data) != padded:
+                raise PackError(f"{path}: truncated in the record of layer {layer} expert {e}")
+            self._check(layer, e, data[:n])
+            sha.update(data)
+            pos += padded
+            if progress:
+                progress(padded)
+        if pos != size:
+            raise PackError(f"{path}: records end at byte {pos}, the file has {size}")
+        return sha.hexdigest()
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> int:
+        """``verify_file`` for every file; returns the number of records checked."""
+        for f in range(len(self.files)):
+            self.verify_file(f, progress)
+        return sum(len(r) for r in self._by_file().values())
+
+    def _by_file(self) -> dict[int, list[tuple[int, int, int]]]:
+        if not hasattr(self, "_files_records"):
+            by: dict[int, list] = {f: [] for f in range(len(self.files))}
+            for layer, e in self.records():
+                f, offset, _ = self._entry(layer, e)
+                by[f].append((offset, layer, e))
+            self._files_records = {f: sorted(v) for f, v in by.items()}
+        return self._files_records
 
     def records(self) -> Iterable[tuple[int, int]]:
         for layer in self.layers:

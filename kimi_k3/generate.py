@@ -9,7 +9,7 @@ go to stderr. Exit codes: 0 done, 1 error, 2 bad arguments, 130 interrupted (Ctr
 from __future__ import annotations
 
 import argparse
-import math
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,10 +30,17 @@ from kimi_k3.chat import (
     parse_segments,
     segments_from_ids,
 )
-from kimi_k3.checkpoint import CheckpointError
+from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
 from kimi_k3.config import ConfigError
+from kimi_k3.expert_pack import PACK_DIR
+from kimi_k3.streaming import get_stats, reset_stats
+from kimi_k3.streaming.cache import available_memory, default_cache_gb
 
 DEFAULT_PROMPT = "Hello! Who are you?"
+# Published and mlx-lm names of routed-expert tensors; a converted checkpoint keeps its
+# experts in PACK_DIR instead.
+EXPERT_TENSOR = re.compile(r"\.experts\.|\.switch_mlp\.")
+RESERVE_GB = 4.0  # memory left for the OS, activations and KV caches
 INTERRUPTED = 130
 
 
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             return _fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
-        model, tokenizer = load_for_cli(args.model, args.expert_cache_gb)
+        model, tokenizer = load_for_cli(*resolve_model(args.model, args.expert_cache_gb))
         if args.seed is not None:
             mx.random.seed(args.seed)
         if args.interactive:
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError, ConfigError, CheckpointError) as e:
         return _fail(str(e))
     except OSError as e:
-        return _fail(f"disk error: {e}")
+        return _fail(str(e))
 
 
 def _fail(message: str) -> int:
@@ -117,14 +124,29 @@ def resolve_model(path: Path | None, expert_cache_gb: float | None):
         if expert_cache_gb is None:
             expert_cache_gb = default_model.default_cache_gb(path)
     kimi_k3.check_checkpoint(path)
-    if expert_cache_gb is not None:
-        _check_streaming()
+    if expert_cache_gb is None:
+        expert_cache_gb = auto_expert_cache_gb(Path(path))
     return path, expert_cache_gb
 
 
-def load_for_cli(path: Path | None, expert_cache_gb: float | None):
-    """``(model, tokenizer)`` with a loading bar on stderr (see ``resolve_model``)."""
-    path, expert_cache_gb = resolve_model(path, expert_cache_gb)
+def auto_expert_cache_gb(path: Path) -> float | None:
+    """``None`` (experts resident) when the whole checkpoint fits in the memory available
+    with ``RESERVE_GB`` to spare; else the streamer's budget for what the dense weights
+    leave (``kimi_k3.streaming.default_cache_gb``), announced on stderr."""
+    tensors = CheckpointIndex(path).tensors
+    dense = sum(t.nbytes for n, t in tensors.items() if not EXPERT_TENSOR.search(n))
+    experts = sum(t.nbytes for t in tensors.values()) - dense
+    experts += sum(f.stat().st_size for f in (path / PACK_DIR).glob("*.pack"))
+    if dense + experts + RESERVE_GB * 1e9 < available_memory():
+        return None
+    budget = default_cache_gb(dense, reserve_gb=RESERVE_GB)
+    print(f"the experts ({experts / 1e9:.1f} GB) do not fit in memory: streaming them through "
+          f"a {budget:.1f} GB cache (--expert-cache-gb sets its size)", file=sys.stderr)
+    return budget
+
+
+def load_for_cli(path: Path, expert_cache_gb: float | None):
+    """``(model, tokenizer)`` with a loading bar on stderr (arguments from ``resolve_model``)."""
     tic = time.perf_counter()
     model, tokenizer = kimi_k3.load(path, expert_cache_gb=expert_cache_gb, lazy=True)
     materialize(model, Bar("loading", sys.stderr))
@@ -132,14 +154,6 @@ def load_for_cli(path: Path | None, expert_cache_gb: float | None):
     print(f"loaded {path} in {time.perf_counter() - tic:.1f}s (experts {where})",
           file=sys.stderr)
     return model, tokenizer
-
-
-def _check_streaming():
-    try:
-        from kimi_k3.streaming import attach_streamer  # noqa: F401
-    except ImportError as e:
-        raise UserError(f"--expert-cache-gb needs kimi_k3.streaming, which is not available "
-                        f"({e})") from None
 
 
 def materialize(model, bar: Bar):
@@ -177,8 +191,9 @@ class Bar:
     def _line(self) -> str:
         frac = self.done / self.total if self.total else 1.0
         filled = round(frac * self.width)
+        unit, scale = ("GB", 1e9) if self.total >= 1e9 else ("MB", 1e6)
         return (f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {frac:4.0%} "
-                f"{self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB")
+                f"{self.done / scale:.2f}/{self.total / scale:.2f} {unit}")
 
 
 # Prompts.
@@ -233,7 +248,7 @@ def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, rep
     ``cache`` is extended in place: afterwards it holds ``ids`` and every token of
     ``reply.tokens`` (mlx-lm steps the model on each token before yielding it).
     """
-    _reset_expert_stats(model)
+    reset_stats(model)
     reply.prompt_tokens = len(ids)
     sampler = make_sampler(args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler,
@@ -281,27 +296,12 @@ def stats_line(model, reply: Reply) -> str:
 
 
 def _expert_stats(model) -> str:
-    stats = _get_expert_stats(model)
+    stats = get_stats(model)
     if stats is None:
         return "experts: resident"
-    rate = stats.get("hit_rate", math.nan)
-    return f"experts: {rate:.1%} hit rate, {stats.get('bytes_read', 0) / 1e9:.3f} GB read"
-
-
-def _get_expert_stats(model) -> dict | None:
-    try:
-        from kimi_k3.streaming import get_stats
-    except ImportError:
-        return None
-    return get_stats(model)
-
-
-def _reset_expert_stats(model):
-    try:
-        from kimi_k3.streaming import reset_stats
-    except ImportError:
-        return
-    reset_stats(model)
+    rate = stats["hit_rate"]
+    rate = "no" if rate is None else f"{rate:.1%}"
+    return f"experts: {rate} hit rate, {stats['bytes_read'] / 1e9:.3f} GB read"
 
 
 # Interactive chat.

@@ -49,7 +49,9 @@ def detect(path: str | Path) -> str:
     """Which layout ``path`` holds: ``"published"``, ``"pack"`` or ``"mlx-lm"``."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory")
+        raise FileNotFoundError(f"{path}: no such model directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'config.json'}: no config.json (not a model directory?)")
     if is_pack_dir(path):
         return "pack"
     if any(m in n for n in tensor_names(path) for m in _MLX_LM_MARKS):
@@ -134,11 +136,11 @@ def _unfuse(args: ModelArgs, base: str, parts: dict) -> dict:
     out = {}
     for kind in ("weight", "scales", "biases"):
         if f"qkv_proj.{kind}" in parts:
-            for name, a in zip("qkv", mx.split(parts[f"qkv_proj.{kind}"], 3, axis=0)):
+            for name, a in zip("qkv", mx.split(parts[f"qkv_proj.{kind}"], 3, axis=0), strict=True):
                 out[f"{base}self_attn.{name}_proj.{kind}"] = a
     convs = {}
     if "qkv_conv.conv.weight" in parts:
-        convs = dict(zip("qkv", mx.split(parts["qkv_conv.conv.weight"], 3, axis=0)))
+        convs = dict(zip("qkv", mx.split(parts["qkv_conv.conv.weight"], 3, axis=0), strict=True))
     for name in "qkv":
         convs.setdefault(name, parts.get(f"{name}_conv.conv.weight"))
         if convs[name] is not None:

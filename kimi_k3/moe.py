@@ -49,8 +49,11 @@ class LatentMoE(nn.Module):
     """Stable LatentMoE: experts work in a latent space; the weighted sum is normalised.
 
     ``out = up(RMSNorm(sum_e w_e * expert_e(down(x)))) + shared(x)``. ``experts`` is an
-    expert store (see ``kimi_k3.experts``); the resident one by default.
+    expert store (see ``kimi_k3.experts``); the resident one by default. ``route_hook``, if
+    set, is called as ``route_hook(self, x)`` with the routed input before the experts run.
     """
+
+    route_hook = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -73,6 +76,8 @@ class LatentMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         inds, weights = self.gate(flat)
+        if self.route_hook is not None:  # the expert streamer's prefetch (kimi_k3.streaming)
+            self.route_hook(self, flat)
         z = self.routed_expert_down_proj(flat)
         y = self.experts(z, inds, weights).astype(x.dtype)
         y = self.routed_expert_up_proj(self.routed_expert_norm(y))

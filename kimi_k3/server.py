@@ -8,8 +8,8 @@ cache and SSE streaming) with this project's model provider plugged in:
   every request is served by it whatever ``model`` name the client sends;
 - chat requests are encoded by the Kimi tokenizer's ``apply_chat_template``, which calls
   ``kimi_k3.chat.encode_chat`` (markers as special ids, message text always plain);
-- requests are served one at a time: mlx-lm's batching left-pads prompts and masks the
-  padding in attention, which the KDA layers' recurrent state cannot skip.
+- requests are served one at a time: mlx-lm's batching left-pads prompts and relies on the
+  model to mask the padding, and these KDA and MLA layers take no padding mask.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``"stream": true``), ``GET /v1/models``, ``GET /health``. Binds 127.0.0.1 by default.

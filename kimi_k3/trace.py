@@ -200,10 +200,10 @@ def _attn_res_call(t: Trace, key: tuple):
 
 
 def _moe_call(t: Trace):
-    def record(call, module, x):
+    def record(call, module, x, *args, **kwargs):
         t._moe_batch = x.shape[0] if x.ndim == 3 else 1
         try:
-            return call(module, x)
+            return call(module, x, *args, **kwargs)
         finally:
             t._moe_batch = None
 
@@ -211,8 +211,8 @@ def _moe_call(t: Trace):
 
 
 def _router_call(t: Trace, layer: int):
-    def record(call, module, x):
-        inds, weights = call(module, x)
+    def record(call, module, x, *args, **kwargs):
+        inds, weights = call(module, x, *args, **kwargs)
         B = t._moe_batch or 1
         k = inds.shape[-1]
         t._add(("routing", layer, "inds"), inds.reshape(B, -1, k)[t.seq])

@@ -20,6 +20,7 @@ from kimi_k3.generate import (
     close_reply,
     generate,
     main,
+    run_once,
     setup_arg_parser,
 )
 
@@ -242,3 +243,22 @@ def test_default_model_cli_streams_experts(tmp_path):
     experts = STATS.search(out.stderr)[3]
     rate, read = re.fullmatch(r"([\d.]+)% hit rate, ([\d.]+) GB read", experts).groups()
     assert float(read) > 0 and float(rate) < 100
+
+
+def test_disk_error_mid_generation(tiny_ckpt, tmp_path, capsys):
+    """A shard cut short after loading: the streamer's read fails and the CLI's generation
+    path ends with one error line naming the file."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    for f in tiny_ckpt.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    model, tok = kimi_k3.load(path, expert_cache_gb=0.001)
+    for shard in path.glob("model-*.safetensors"):
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+    args = setup_arg_parser().parse_args(["--prompt", "Hi", "--max-tokens", "5"])
+    assert run_once(model, tok, args) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "error: reading experts from disk failed mid-generation: ")
+    assert str(path) in err[0]

@@ -196,7 +196,7 @@ def test_untraced_model_is_unchanged(model):
     steps_after = [model(ids[:, :6], cache=cache), model(ids[:, 6:7], cache=cache)]
     assert mx.array_equal(inside, before).item()
     assert mx.array_equal(model(ids), before).item()
-    for a, b in zip(steps_after, steps_before):
+    for a, b in zip(steps_after, steps_before, strict=True):
         assert mx.array_equal(a, b).item()
 
 

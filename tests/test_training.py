@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import pytest
 from mlx.utils import tree_flatten
 
 from kimi_k3.loader import load_model
@@ -19,6 +20,12 @@ from train_tiny import fixed_batch, freeze_experts, loss_fn, train  # noqa: E402
 # Layer 0 starts the first AttnRes block with no snapshot yet: its attention-side mix
 # returns the embedding as it is, so its weights take no part in the loss.
 UNUSED = ("language_model.model.layers.0.self_attention_res.",)
+
+
+@pytest.fixture(autouse=True)
+def reference_path(monkeypatch):
+    """Custom GPU kernels have no backward pass; the dispatchers honour this switch."""
+    monkeypatch.setenv("KIMI_K3_REFERENCE", "1")
 
 
 def _batch(seq: int) -> mx.array:

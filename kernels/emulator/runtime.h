@@ -11,6 +11,7 @@
 #pragma once
 
 #include <link.h>
+#include <setjmp.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 
@@ -32,7 +33,9 @@ constexpr int kSlot = 16;  // bytes a lane can exchange in one simdgroup operati
 constexpr size_t kStack = 256 * 1024;
 
 struct Fiber {
-  ucontext_t ctx;
+  ucontext_t ctx;  // its first entry (makecontext)
+  jmp_buf jb;      // where it yielded (later entries)
+  bool started;
   State state;
   unsigned lin;          // thread_index_in_threadgroup
   uvec3 pos;             // thread_position_in_threadgroup
@@ -57,7 +60,7 @@ struct Runtime {
   char* stacks;
   size_t stack_bytes;
   unsigned cur;
-  ucontext_t sched;
+  jmp_buf sched;
   // simdgroup exchange: [simdgroup][parity]
   struct SimdOp* xchg;
   // threadgroup memory (this module's bss)
@@ -68,6 +71,7 @@ struct Runtime {
   int errlen;
 };
 
+// Switches use _setjmp/_longjmp (no signal-mask syscall); ucontext only starts a fiber.
 // Initialised, so it lives in .data: the bss segment is threadgroup memory and gets poisoned.
 static Runtime* rt = reinterpret_cast<Runtime*>(1);
 
@@ -76,7 +80,7 @@ inline Fiber& me() { return rt->fibers[rt->cur]; }
 inline void block(State s) {
   Fiber& f = me();
   f.state = s;
-  swapcontext(&f.ctx, &rt->sched);
+  if (!_setjmp(f.jb)) _longjmp(rt->sched, 1);
 }
 
 inline void barrier() {
@@ -213,6 +217,7 @@ inline void run_group(unsigned* order) {
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_main, 0);
     f.state = RUNNABLE;
+    f.started = false;
     f.barriers = f.simd_ops = 0;
     f.lin = t;
     f.pos = {t % rt->size.x, (t / rt->size.x) % rt->size.y, t / (rt->size.x * rt->size.y)};
@@ -230,7 +235,14 @@ inline void run_group(unsigned* order) {
       unsigned t = order[i];
       if (rt->fibers[t].state != RUNNABLE) continue;
       rt->cur = t;
-      swapcontext(&rt->sched, &rt->fibers[t].ctx);
+      if (!_setjmp(rt->sched)) {
+        Fiber& f = rt->fibers[t];
+        if (!f.started) {
+          f.started = true;
+          setcontext(&f.ctx);
+        }
+        _longjmp(f.jb, 1);
+      }
     }
     if (rt->err[0]) return;
     if (release_simdgroups()) continue;

@@ -50,9 +50,9 @@ def expert_layout(args: ModelArgs) -> dict[str, tuple[tuple, type]]:
     return out
 
 
-def tensor_bytes(layout: dict, name: str) -> int:
-    shape, dtype = layout[name]
-    return int(np.prod(shape)) * np.dtype(dtype).itemsize
+def expert_bytes(layout: dict) -> int:
+    """Bytes of one expert's six tensors (17,547,264 for K3)."""
+    return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in layout.values())
 
 
 def _runs(parts: list[tuple]) -> tuple[Extent, ...]:

@@ -1,0 +1,130 @@
+"""What ``kimi_k3.trace`` costs: tokens/s never imported, imported, after a trace exited, and
+inside a trace.
+
+    python benchmarks/bench_trace.py --preset small --out bench_trace.md
+
+Each state runs in its own Python process (an import cannot be undone); the states take
+turns, ``--rounds`` times, and the table gives each one's best run: other work on the
+machine only ever slows a run down, so the fastest is the least disturbed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+STATES = {
+    "never": "kimi_k3.trace never imported",
+    "imported": "kimi_k3.trace imported, no trace",
+    "after": "after a trace has exited",
+    "traced": "inside a trace (recording)",
+}
+
+
+def measure(model, prompt: mx.array, decode: int, repeats: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of each of ``repeats`` runs after one warm-up."""
+    pre, dec = [], []
+    for i in range(repeats + 1):
+        cache = model.make_cache()
+        t = time.perf_counter()
+        logits = model(prompt, cache=cache)
+        mx.eval(logits)
+        t_pre = time.perf_counter() - t
+        tok = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        t = time.perf_counter()
+        for _ in range(decode):
+            tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
+            mx.eval(tok)
+        if i:  # the first run warms up
+            pre.append(prompt.shape[1] / t_pre)
+            dec.append(decode / (time.perf_counter() - t))
+    return pre, dec
+
+
+def child(state: str, path: str, prompt_tokens: int, decode: int, repeats: int):
+    from kimi_k3.loader import load_model
+
+    model = load_model(path, dtype=mx.float32)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 700, (1, prompt_tokens)))
+    context = nullcontext()
+    if state != "never":
+        from kimi_k3.trace import trace
+
+        if state == "after":
+            with trace(model):
+                mx.eval(model(prompt[:, :8]))
+        elif state == "traced":
+            context = trace(model)
+    assert ("kimi_k3.trace" in sys.modules) == (state != "never")
+    with context:
+        pre, dec = measure(model, prompt, decode, repeats)
+    print(json.dumps({"prefill": pre, "decode": dec}))
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per process")
+    parser.add_argument("--rounds", type=int, default=3, help="processes per state")
+    parser.add_argument("--out", help="also write the table here")
+    parser.add_argument("--child", nargs=2, metavar=("STATE", "PATH"), help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    if args.child:
+        return child(*args.child, args.prompt_tokens, args.decode_tokens, args.repeats)
+    from kimi_k3.convert.synth import write_checkpoint
+
+    results: dict[str, list[dict]] = {s: [] for s in STATES}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(write_checkpoint(Path(tmp) / "ckpt", args.preset, tokenizer=False))
+        for _ in range(args.rounds):
+            for state in STATES:
+                cmd = [sys.executable, __file__, "--child", state, path,
+                       "--prompt-tokens", str(args.prompt_tokens),
+                       "--decode-tokens", str(args.decode_tokens),
+                       "--repeats", str(args.repeats)]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                results[state].append(json.loads(out.splitlines()[-1]))
+    best = {s: {k: max(x for r in rs for x in r[k]) for k in ("prefill", "decode")}
+            for s, rs in results.items()}
+    device = f"{mx.default_device()} ({platform.machine()}, mlx {mx.__version__})"
+    command = "python benchmarks/bench_trace.py " + " ".join(argv or sys.argv[1:])
+    lines = [
+        f"### Tracing cost, synthetic `{args.preset}` preset, float32, {device}",
+        "",
+        f"Command: `{command}`",
+        f"Prompt {args.prompt_tokens} tokens in one call, then {args.decode_tokens} greedy "
+        f"decode steps; per state the best of {args.rounds} processes x {args.repeats} runs "
+        "(each process warms up first).",
+        "",
+        "| state | prefill tok/s | vs never | decode tok/s | vs never |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    base = best["never"]
+    for state, label in STATES.items():
+        pre, dec = best[state]["prefill"], best[state]["decode"]
+        lines.append(f"| {label} | {pre:.1f} | {pre / base['prefill']:.3f} | {dec:.1f} | "
+                     f"{dec / base['decode']:.3f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""Parallel expert reads: reader threads, page-aligned buffers, direct I/O, checked files.
+
+An SSD reaches its rated bandwidth only with many reads in flight, so a pool of threads (16
+to 32) keeps the queue full; ``os.preadv`` and numpy copies release the GIL. Direct I/O
+(``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS) keeps the page cache from holding a second
+copy of experts the streamer caches itself; it needs page-aligned buffers, offsets and
+lengths, so a direct read lands in the thread's aligned buffer and is copied once into the
+cache slot. A buffered read scatters straight into the slot (``preadv``).
+
+Every failure names the file and the expert: a file that vanished, changed size or mtime,
+stopped being a regular file, ended early, failed with an I/O error, held a bad checksum,
+or did not answer within the timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import mmap
+import os
+import queue
+import stat
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from kimi_k3.checkpoint import CheckpointError
+
+ALIGN = 4096  # direct I/O alignment: offsets, lengths and buffer addresses
+DEMAND, PREFETCH, STOP = 0, 1, 2  # queue priorities
+
+
+class ExpertReadError(CheckpointError):
+    """Reading a routed expert failed; the message names the file and (layer, expert)."""
+
+
+def _open(path: Path, direct: bool) -> tuple[int, bool]:
+    """``(fd, aligned)``: ``aligned`` when reads must use page-aligned buffers."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        except OSError as e:  # a filesystem without direct I/O (tmpfs): read buffered
+            if e.errno != errno.EINVAL:
+                raise
+    fd = os.open(path, os.O_RDONLY)
+    if direct and sys.platform == "darwin":
+        fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
+        return fd, True
+    return fd, False
+
+
+class FileTable:
+    """The files experts are read from, opened once and checked before every read.
+
+    A file that vanished, is no longer a regular file, or whose size or mtime differs from
+    when streaming started raises ``ExpertReadError``; once the original is back (same size
+    and mtime: moved back, or copied with ``cp -p``) reads go on, reopening it if needed.
+    """
+
+    def __init__(self, files, direct: bool):
+        self.direct = direct
+        self.lock = threading.Lock()
+        self.expected = {}
+        for f in files:
+            try:
+                st = os.stat(f)
+            except OSError as e:
+                raise ExpertReadError(f"{f}: cannot stat expert file ({e.strerror})") from None
+            self.expected[Path(f)] = (st.st_size, st.st_mtime_ns)
+        self.fds: dict[Path, tuple[int, bool, int]] = {}  # path -> (fd, aligned, inode)
+        self.retired: list[int] = []  # replaced fds, closed with the table (a read may use one)
+
+    def fd(self, path: Path, what: str) -> tuple[int, bool]:
+        """An open fd for ``path`` after checking it is the file streaming started with."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise ExpertReadError(f"{path}: file vanished while streaming ({what})") from None
+        except OSError as e:
+            raise ExpertReadError(f"{path}: cannot stat ({e.strerror}) reading {what}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ExpertReadError(f"{path}: no longer a regular file ({what})")
+        size, mtime = self.expected[path]
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            raise ExpertReadError(
+                f"{path}: changed while streaming ({what}): {st.st_size} bytes, mtime "
+                f"{st.st_mtime_ns} (was {size} bytes, mtime {mtime}); restore the original "
+                "file or reload the model")
+        with self.lock:
+            entry = self.fds.get(path)
+            if entry is None or entry[2] != st.st_ino:
+                if entry is not None:
+                    self.retired.append(entry[0])
+                try:
+                    entry = (*_open(path, self.direct), st.st_ino)
+                except OSError as e:
+                    raise ExpertReadError(f"{path}: cannot open ({e.strerror}) for {what}") from None
+                self.fds[path] = entry
+            return entry[0], entry[1]
+
+    @property
+    def direct_io(self) -> bool | None:
+        """Whether the files opened so far use direct I/O (None before the first read)."""
+        with self.lock:
+            flags = {aligned for _, aligned, _ in self.fds.values()}
+        return None if not flags else all(flags)
+
+    def close(self):
+        with self.lock:
+            for fd in [e[0] for e in self.fds.values()] + self.retired:
+                os.close(fd)
+            self.fds.clear()
+            self.retired.clear()
+
+
+class ReadJob:
+    """One expert to read into ``dest`` (tensor -> writable uint8 array); a future.
+
+    Shapes: ``dest[name]`` 1-D uint8 with the tensor's byte count.
+    """
+
+    def __init__(self, layer: int, expert: int, extents, dest: dict, checksum: int | None):
+        self.layer, self.expert, self.extents, self.dest = layer, expert, extents, dest
+        self.checksum = checksum
+        self.nbytes = sum(e.nbytes for e in extents)
+        self.done = threading.Event()
+        self.error: ExpertReadError | None = None
+
+    @property
+    def what(self) -> str:
+        return f"layer {self.layer} expert {self.expert}"
+
+    def wait(self, timeout: float):
+        """Block until read; raises ``ExpertReadError`` on failure or after ``timeout`` s."""
+        if not self.done.wait(max(timeout, 0.0)):
+            raise ExpertReadError(f"{self.extents[0].file}: no answer after {timeout:.1f} s "
+                                  f"reading {self.what} (read_timeout)")
+        if self.error is not None:
+            raise self.error
+
+
+class Meter:
+    """Bytes read and the wall time during which at least one read was in flight."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.active, self.t0, self.busy, self.bytes, self.reads = 0, 0.0, 0.0, 0, 0
+
+    def start(self):
+        with self.lock:
+            if self.active == 0:
+                self.t0 = time.perf_counter()
+            self.active += 1
+
+    def stop(self, nbytes: int):
+        with self.lock:
+            self.active -= 1
+            self.bytes += nbytes
+            self.reads += 1
+            if self.active == 0:
+                self.busy += time.perf_counter() - self.t0
+
+    def snapshot(self) -> tuple[int, int, float]:
+        """``(bytes, reads, busy seconds)`` so far."""
+        with self.lock:
+            busy = self.busy + (time.perf_counter() - self.t0 if self.active else 0.0)
+            return self.bytes, self.reads, busy
+
+
+class _Buffer:
+    """A thread's page-aligned read buffer (anonymous mmap), grown on demand."""
+
+    def __init__(self):
+        self.map, self.array = None, None
+
+    def get(self, n: int) -> np.ndarray:
+        if self.map is None or len(self.map) < n:
+            self.map = mmap.mmap(-1, n)
+            self.array = np.frombuffer(self.map, dtype=np.uint8)
+        return self.array[:n]
+
+
+def _pread_into(fd: int, views: list, offset: int, need: int, aligned: bool) -> int:
+    """``preadv`` until ``need`` bytes are in ``views`` or the file ends; returns the count."""
+    got = 0
+    while got < need:
+        n = os.preadv(fd, views, offset + got)
+        if n == 0:
+            break
+        got += n
+        if aligned and got % ALIGN:  # a direct read that ends inside a block hit the end
+            break
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if views and n:
+            views[0] = views[0][n:]
+    return got
+
+
+def _short(ext, what: str, got: int) -> ExpertReadError:
+    return ExpertReadError(f"{ext.file}: short read of {what}: needs bytes {ext.offset}.."
+                           f"{ext.offset + ext.nbytes}, got {got} (truncated?)")
+
+
+def _read_extent(job: ReadJob, ext, fd: int, aligned: bool, buf: _Buffer, crc: int) -> int:
+    """Read one extent into the job's destinations; returns the running crc32."""
+    dests = [job.dest[name] for name, _ in ext.pieces]
+    if not aligned:
+        got = _pread_into(fd, list(dests), ext.offset, ext.nbytes, False)
+        if got < ext.nbytes:
+            raise _short(ext, job.what, got)
+        if job.checksum is not None:
+            for d in dests:
+                crc = zlib.crc32(d, crc)
+        return crc
+    start = ext.offset - ext.offset % ALIGN
+    skip = ext.offset - start
+    need = skip + ext.nbytes
+    view = buf.get(-(-need // ALIGN) * ALIGN)
+    got = _pread_into(fd, [view], start, need, True)
+    if got < need:
+        raise _short(ext, job.what, max(got - skip, 0))
+    data = view[skip:need]
+    if job.checksum is not None:
+        crc = zlib.crc32(data, crc)
+    pos = 0
+    for d, (_, n) in zip(dests, ext.pieces):
+        np.copyto(d, data[pos : pos + n])  # the one copy: aligned buffer -> cache slot
+        pos += n
+    return crc
+
+
+def read_job(job: ReadJob, files: FileTable, buf: _Buffer):
+    """Read every extent of ``job``; raises ``ExpertReadError`` naming file and expert."""
+    crc = 0
+    for ext in job.extents:
+        fd, aligned = files.fd(ext.file, job.what)
+        try:
+            crc = _read_extent(job, ext, fd, aligned, buf, crc)
+        except OSError as e:
+            raise ExpertReadError(f"{ext.file}: I/O error reading {job.what} (bytes "
+                                  f"{ext.offset}..{ext.offset + ext.nbytes}): {e}") from None
+    if job.checksum is not None and crc != job.checksum:
+        ext = job.extents[0]
+        raise ExpertReadError(f"{ext.file}: checksum mismatch for {job.what} (bytes "
+                              f"{ext.offset}..{ext.offset + job.nbytes}): the file is corrupted")
+
+
+def _worker(jobs: queue.PriorityQueue, files: FileTable, meter: Meter):
+    buf = _Buffer()
+    while True:
+        job = jobs.get()[2]
+        if job is None:
+            return
+        meter.start()
+        ok = False
+        try:
+            read_job(job, files, buf)
+            ok = True
+        except ExpertReadError as e:
+            job.error = e
+        except Exception as e:  # never leave a waiter without an answer
+            job.error = ExpertReadError(f"{job.extents[0].file}: reading {job.what} failed: "
+                                        f"{type(e).__name__}: {e}")
+        finally:
+            meter.stop(job.nbytes if ok else 0)
+            job.done.set()
+
+
+class ReadPool:
+    """Reader threads serving ``ReadJob``s: demand reads before prefetches, and within one
+    submission in file-offset order (sequential runs for the drive)."""
+
+    def __init__(self, files: FileTable, threads: int):
+        self.files = files
+        self.queue: queue.PriorityQueue = queue.PriorityQueue()
+        self.seq = itertools.count()
+        self.meter = Meter()
+        self.threads = [
+            threading.Thread(target=_worker, args=(self.queue, files, self.meter), daemon=True,
+                             name=f"kimi-k3-expert-reader-{i}")
+            for i in range(threads)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, jobs: list[ReadJob], priority: int = DEMAND):
+        for job in sorted(jobs, key=lambda j: (str(j.extents[0].file), j.extents[0].offset)):
+            self.queue.put((priority, next(self.seq), job))
+
+    def close(self, timeout: float = 5.0):
+        """Stop the threads once queued reads are done (a stuck read is left behind)."""
+        for _ in self.threads:
+            self.queue.put((STOP, next(self.seq), None))
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(deadline - time.monotonic(), 0.0))
+        if not any(t.is_alive() for t in self.threads):
+            self.files.close()

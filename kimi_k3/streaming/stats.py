@@ -1,0 +1,84 @@
+"""Streaming counters: cache hits and misses, bytes and time in reads, prefetch accuracy.
+
+Counted per MoE call over distinct experts (a prefill chunk needing expert 7 for ten tokens
+counts it once). A *hit* is an expert needing no demand read: resident, or already being
+read ahead by the prefetcher. A *pass* is one model call (it starts at the first MoE layer).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+_COUNTS = ("hits", "misses", "prefetch_issued", "prefetch_hits", "prefetch_bytes",
+           "predicted_needed", "predicted_right", "tokens", "passes")
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+class StreamStats:
+    """Cumulative counters plus the current pass; ``snapshot()`` is what ``get_stats`` returns."""
+
+    def __init__(self, meter, info: dict):
+        self.meter, self.info = meter, info
+        self.reset()
+
+    def reset(self):
+        self.c: Counter = Counter()
+        self.wait = 0.0
+        self.span = 0.0
+        self.io0 = self.meter.snapshot()
+        self.pass_t0 = self.pass_end = None
+        self.mark = self._now()
+
+    def add(self, **counts):
+        self.c.update(counts)
+
+    def waited(self, seconds: float):
+        self.wait += seconds
+
+    def begin_pass(self, tokens: int):
+        now = time.perf_counter()
+        if self.pass_t0 is not None:
+            self.span += self.pass_end - self.pass_t0
+        self.pass_t0 = self.pass_end = now
+        self.mark = self._now()
+        self.add(tokens=tokens, passes=1)
+
+    def end_call(self):
+        self.pass_end = time.perf_counter()
+
+    def _now(self) -> dict:
+        nbytes, reads, busy = self.meter.snapshot()
+        span = self.span + (self.pass_end - self.pass_t0 if self.pass_t0 is not None else 0.0)
+        return {**{k: self.c[k] for k in _COUNTS}, "bytes_read": nbytes - self.io0[0],
+                "reads": reads - self.io0[1], "read_seconds": busy - self.io0[2],
+                "wait_seconds": self.wait, "span_seconds": span}
+
+    @staticmethod
+    def _derived(d: dict) -> dict:
+        d["hit_rate"] = _ratio(d["hits"], d["hits"] + d["misses"])
+        d["read_gbps"] = _ratio(d["bytes_read"] / 1e9, d["read_seconds"])
+        d["compute_seconds"] = max(d["span_seconds"] - d["wait_seconds"], 0.0)
+        d["prefetch_accuracy"] = _ratio(d["prefetch_hits"], d["prefetch_issued"])
+        d["prediction_recall"] = _ratio(d["predicted_right"], d["predicted_needed"])
+        return d
+
+    def snapshot(self) -> dict:
+        """Cumulative counters, per-token averages and the current (last) pass.
+
+        Times: ``read_seconds`` = wall time with any read in flight (so ``read_gbps`` is the
+        drive rate achieved); ``wait_seconds`` = time the model blocked on reads;
+        ``span_seconds`` = first MoE layer to last MoE layer, summed over passes;
+        ``compute_seconds`` = span minus wait.
+        """
+        now = self._now()
+        out = self._derived(dict(now))
+        tokens = now["tokens"]
+        out["per_token"] = {k: _ratio(now[k], tokens) for k in (
+            "hits", "misses", "bytes_read", "read_seconds", "wait_seconds", "span_seconds")}
+        out["last_pass"] = self._derived({k: now[k] - self.mark[k] for k in now})
+        out.update(self.info)
+        return out

@@ -1,0 +1,392 @@
+"""The streamed expert store: a drop-in for ``ResidentExperts`` that reads experts on demand.
+
+Per MoE call: route (the host needs the indices), find each distinct expert in the layer's
+slots, read the misses in parallel into free or evicted slots, then run ``expert_glu`` on
+the slot pool with slot indices. The pool is six stacked arrays per layer (the layout the
+kernels read); a miss is written into its slot in place through a numpy view of the MLX
+buffer, so a hit costs no copy, a miss at most one, and a slot update never copies the pool.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kimi_k3.checkpoint import CheckpointIndex
+from kimi_k3.experts import EXPERT_TENSORS, expert_glu
+from kimi_k3.streaming.cache import GB, POLICIES, SlotCache, make_policy, slots_per_layer
+from kimi_k3.streaming.io import ALIGN, PREFETCH, ExpertReadError, FileTable, ReadJob, ReadPool
+from kimi_k3.streaming.sources import SOURCES, expert_bytes, expert_layout, open_source
+from kimi_k3.streaming.stats import StreamStats
+
+_MX = {np.uint32: mx.uint32, np.uint8: mx.uint8}
+
+
+@dataclass
+class StreamOptions:
+    """What ``attach_streamer(**options)`` accepts.
+
+    policy: ``"lru"`` or ``"lfu"`` (frequency-aware, with ageing; ``lfu_half_life`` uses).
+    prefetch: read layer L+1's predicted experts while layer L computes (the prediction is
+        layer L+1's router applied to layer L's MoE input).
+    overlap: evaluate the latent ``z`` while this layer's misses are read.
+    io_threads: reader threads (reads in flight). direct_io: ``O_DIRECT``/``F_NOCACHE``.
+    read_timeout: seconds to wait for one call's reads before raising.
+    source: ``"auto"``, ``"shards"``, ``"pack"`` or ``"mlx-lm"``.
+    verify_checksums: check each expert-pack record's crc32 on every read.
+    write_mode: ``"auto"``, ``"view"`` (write slots through a numpy view of the MLX buffer)
+        or ``"mlx"`` (``pool[slot] = array``, for backends whose buffers are not host views).
+    """
+
+    policy: str = "lru"
+    prefetch: bool = False
+    overlap: bool = False
+    io_threads: int = 16
+    direct_io: bool = True
+    read_timeout: float = 60.0
+    source: str = "auto"
+    verify_checksums: bool = False
+    write_mode: str = "auto"
+    lfu_half_life: int | None = None
+
+    def __post_init__(self):
+        for key, ok in (("policy", self.policy in POLICIES), ("source", self.source in SOURCES),
+                        ("write_mode", self.write_mode in ("auto", "view", "mlx")),
+                        ("io_threads", self.io_threads >= 1),
+                        ("read_timeout", self.read_timeout > 0)):
+            if not ok:
+                raise ValueError(f"stream option {key}={getattr(self, key)!r} is not valid")
+
+
+class SlotPool:
+    """One layer's slots: per cache tensor an MLX array [slots, ...] the kernels read.
+
+    ``dest(slot)`` gives the writable bytes of one slot per tensor; in ``view`` mode they
+    are the pool's own memory, in ``mlx`` mode scratch buffers that ``commit`` assigns with
+    ``pool[slot] = ...`` (MLX donates the pool buffer, so that too updates in place).
+    """
+
+    def __init__(self, layout: dict, slots: int, write_mode: str):
+        self.arrays = {n: mx.zeros((slots, *shape), dtype=_MX[dt]) for n, (shape, dt) in
+                       layout.items()}
+        mx.eval(list(self.arrays.values()))
+        self.layout, self.last_out = layout, None
+        self.views = _host_views(self.arrays) if write_mode != "mlx" else None
+        if self.views is None and write_mode == "view":
+            raise RuntimeError("write_mode='view': this MLX backend does not expose array "
+                               "memory to the host; use write_mode='mlx'")
+        self.w = {w: (self.arrays[f"{w}.weight"], self.arrays[f"{w}.scales"])
+                  for w in EXPERT_TENSORS}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def dest(self, slot: int) -> dict:
+        if self.views is not None:
+            return {n: v[slot] for n, v in self.views.items()}
+        return {n: np.empty(v.nbytes // v.shape[0], np.uint8) for n, v in self.arrays.items()}
+
+    def commit(self, slot: int, dest: dict):
+        if self.views is not None:
+            return
+        for n, (shape, dt) in self.layout.items():
+            self.arrays[n][slot] = mx.array(dest[n].view(dt).reshape(shape))
+
+    def settle(self):
+        """Finish any computation still reading the pool before its bytes change."""
+        if self.last_out is not None:
+            mx.eval(self.last_out)
+            self.last_out = None
+
+
+def _host_views(arrays: dict) -> dict | None:
+    """uint8 [slots, bytes] numpy views sharing each array's memory, or None if the backend
+    hands out copies (checked by writing through the view and reading back with MLX)."""
+    views = {}
+    for n, a in arrays.items():
+        try:
+            v = np.asarray(memoryview(a)).view(np.uint8).reshape(a.shape[0], -1)
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        if not v.flags.writeable:
+            return None
+        v.flat[-1] = 1
+        seen = a.reshape(-1)[-1].item()
+        v.flat[-1] = 0
+        if seen == 0:
+            return None
+        views[n] = v
+    return views
+
+
+class StreamedExperts(nn.Module):
+    """One MoE layer's routed experts streamed from disk; called like ``ResidentExperts``.
+
+    Holds no MLX parameters (the pool lives outside the module tree).
+    """
+
+    def __init__(self, streamer: Streamer, layer: int, slots: int, act: tuple):
+        super().__init__()
+        self.streamer, self.layer, self.act = streamer, layer, act
+        self.pool = SlotPool(streamer.layout, slots, streamer.opts.write_mode)
+        self.cache = SlotCache(slots, make_policy(streamer.opts.policy, streamer.num_experts,
+                                                  slots, streamer.opts.lfu_half_life))
+
+    def __call__(self, z: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
+        """Shapes: z [N, Dl]; inds [N, k] int; weights [N, k]. Returns fp32 [N, Dl]."""
+        return self.streamer.run(self, z, inds, weights)
+
+
+class Streamer:
+    """Shared by every layer's store: the source, the reader pool, options and counters."""
+
+    def __init__(self, source, layout: dict, moes: dict, slots: int, opts: StreamOptions,
+                 budget_bytes: int, args):
+        self.source, self.layout, self.opts = source, layout, opts
+        self.num_experts, self.top_k = args.num_experts, args.num_experts_per_token
+        self.files = FileTable(source.files, opts.direct_io)
+        self.io = ReadPool(self.files, opts.io_threads)
+        self.order = sorted(moes)
+        self.next = dict(zip(self.order, self.order[1:]))
+        self.routers = {layer: moe.gate for layer, moe in moes.items()}
+        # The model owns the stores; a weak map here leaves no cycle, so a dropped model
+        # frees its pools and stops its reader threads (``weakref.finalize`` below).
+        self.stores = weakref.WeakValueDictionary()
+        act = (args.activation_situ_beta, args.activation_situ_linear_beta)
+        for layer, moe in moes.items():
+            moe.experts = self.stores[layer] = StreamedExperts(self, layer, slots, act)
+            moe.route_hook = self.note_input if opts.prefetch else None
+        self.x: dict[int, mx.array] = {}  # MoE input per layer, for the prefetch prediction
+        self.predicted: dict[int, np.ndarray] = {}
+        max_read = max(e.nbytes for e in source.extents(self.order[0], 0))
+        info = {
+            "budget_bytes": budget_bytes,
+            "cache_bytes": sum(s.pool.nbytes for s in self.stores.values()),
+            "expert_bytes": expert_bytes(layout), "slots_per_layer": slots,
+            "layers": len(self.order), "source": source.kind, "policy": opts.policy,
+            "prefetch": opts.prefetch, "overlap": opts.overlap, "io_threads": opts.io_threads,
+            # aligned read buffers, one per thread (direct I/O only)
+            "overhead_bytes": opts.io_threads * (max_read + 2 * ALIGN) if opts.direct_io else 0,
+        }
+        self.stats = StreamStats(self.io.meter, info)
+        weakref.finalize(self, self.io.close, 1.0)
+
+    def note_input(self, moe, x: mx.array):
+        """``LatentMoE.route_hook``: keep layer L's MoE input to predict layer L+1."""
+        self.x[moe.layer_index] = x
+
+    def run(self, store: StreamedExperts, z, inds, weights) -> mx.array:
+        layer = store.layer
+        x = self.x.pop(layer, None)
+        nxt = self.next.get(layer)
+        pred = self.routers[nxt](x)[0] if nxt is not None and x is not None else None
+        mx.eval(inds if pred is None else [inds, pred])
+        ids = np.array(inds)
+        if layer == self.order[0]:
+            self.stats.begin_pass(ids.shape[0])
+        uniq = np.unique(ids)
+        self._score(layer, uniq)
+        ahead = (nxt, np.array(pred)) if pred is not None else None
+        if len(uniq) <= store.cache.slots:
+            slots = self._fetch(store, uniq, ahead, z)
+            slot_inds = mx.array(slots[np.searchsorted(uniq, ids)].astype(np.int32))
+            y = expert_glu(z, store.pool.w, slot_inds, weights, *store.act)
+        else:
+            y = self._grouped(store, z, ids, uniq, weights, ahead)
+        store.pool.last_out = y
+        self.stats.end_call()
+        return y
+
+    def _fetch(self, store, experts: np.ndarray, ahead, z=None) -> np.ndarray:
+        """Make ``experts`` resident (reading misses) and return their slots."""
+        slots, waits = self._request(store, experts)
+        if ahead is not None:
+            self._prefetch(*ahead)
+        if self.opts.overlap and z is not None and waits:
+            mx.async_eval(z)
+        self._wait(store, waits)
+        store.cache.policy.use(experts)
+        return slots
+
+    def _request(self, store, experts: np.ndarray) -> tuple[np.ndarray, list]:
+        """Slots for ``experts``; demand reads submitted for the misses. Returns the slots
+        and the ``(slot, job)`` reads to wait for (misses, and experts being read ahead)."""
+        cache = store.cache
+        self._reap(store)
+        slots = cache.lookup(experts)
+        known = slots >= 0
+        waits = [(int(s), cache.jobs[s]) for s in slots[known] if s in cache.jobs]
+        used_ahead = [s for s in slots[known] if s in cache.prefetched]
+        cache.prefetched.difference_update(used_ahead)
+        self.stats.add(hits=int(known.sum()), misses=int((~known).sum()),
+                       prefetch_hits=len(used_ahead))
+        missing = experts[~known]
+        if len(missing):
+            pinned = set(slots[known].tolist())
+            if cache.room(pinned) < len(missing):
+                self._make_room(store, pinned, len(missing))
+            store.pool.settle()
+            new = cache.assign(missing, pinned)
+            jobs = self._jobs(store, missing, new)
+            self.io.submit(jobs)
+            slots[~known] = new
+            waits += list(zip(new.tolist(), jobs))
+        return slots, waits
+
+    def _jobs(self, store, experts, slots) -> list[ReadJob]:
+        jobs = []
+        for e, s in zip(experts.tolist(), slots.tolist()):
+            checksum = self.source.checksum(store.layer, e) if self.opts.verify_checksums else None
+            job = ReadJob(store.layer, e, self.source.extents(store.layer, e),
+                          store.pool.dest(s), checksum)
+            store.cache.jobs[s] = job
+            jobs.append(job)
+        return jobs
+
+    def _prefetch(self, layer: int, pred: np.ndarray):
+        """Read ahead layer ``layer``'s predicted experts (most often predicted first)."""
+        store = self.stores[layer]
+        cache = store.cache
+        experts, counts = np.unique(pred, return_counts=True)
+        experts = experts[np.argsort(-counts, kind="stable")][: cache.slots]
+        self.predicted[layer] = experts
+        self._reap(store)
+        have = cache.lookup(experts)
+        pinned = set(have[have >= 0].tolist())
+        missing = experts[have < 0][: cache.room(pinned)]
+        if not len(missing):
+            return
+        store.pool.settle()
+        new = cache.assign(missing, pinned)
+        cache.policy.loaded(missing)
+        cache.prefetched.update(new.tolist())
+        jobs = self._jobs(store, missing, new)
+        self.io.submit(jobs, PREFETCH)
+        self.stats.add(prefetch_issued=len(jobs), prefetch_bytes=sum(j.nbytes for j in jobs))
+
+    def _score(self, layer: int, needed: np.ndarray):
+        pred = self.predicted.pop(layer, None)
+        if pred is not None:
+            self.stats.add(predicted_needed=len(needed),
+                           predicted_right=len(np.intersect1d(needed, pred)))
+
+    def _wait(self, store, waits: list):
+        """Wait for reads; a failed read frees its slot, a timed-out one holds it."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.opts.read_timeout
+        error = None
+        for slot, job in waits:
+            try:
+                job.wait(deadline - time.perf_counter())
+            except Exception as e:  # ExpertReadError: keep the first, settle every slot
+                error = error or e
+                if job.done.is_set():
+                    store.cache.release(slot)
+                else:
+                    store.cache.hold(slot, job)
+                continue
+            self._landed(store, slot, job)
+        self.stats.waited(time.perf_counter() - t0)
+        if error is not None:
+            raise error
+
+    def _make_room(self, store, pinned: set, need: int):
+        """Slots are held by reads ahead or by reads that timed out: let them end."""
+        self._wait(store, list(store.cache.jobs.items()))
+        deadline = time.perf_counter() + self.opts.read_timeout
+        for job in list(store.cache.zombies.values()):
+            job.done.wait(max(deadline - time.perf_counter(), 0.0))
+        store.cache.reap()
+        if store.cache.room(pinned) < need:
+            raise ExpertReadError(f"layer {store.layer}: {len(store.cache.zombies)} cache slots "
+                                  "are held by reads that never answered; the drive is stuck")
+
+    def _landed(self, store, slot: int, job):
+        if store.cache.jobs.get(slot) is job:
+            del store.cache.jobs[slot]
+            store.pool.commit(slot, job.dest)
+
+    def _reap(self, store):
+        """Settle reads that ended on their own (reads ahead): keep good ones, drop failed."""
+        cache = store.cache
+        cache.reap()
+        for slot, job in list(cache.jobs.items()):
+            if job.done.is_set():
+                if job.error is None:
+                    self._landed(store, slot, job)
+                else:
+                    cache.release(slot)
+
+    def _grouped(self, store, z, ids, uniq, weights, ahead) -> mx.array:
+        """A chunk needing more experts than the layer has slots: groups of at most
+        ``slots`` experts (resident ones first), each evaluated before the next overwrites
+        slots. Per-(token, choice) outputs are summed exactly as ``expert_glu`` does."""
+        N, k = ids.shape
+        flat = ids.reshape(-1)
+        resident = store.cache.lookup(uniq) >= 0
+        order = np.concatenate([uniq[resident], uniq[~resident]])
+        Y = mx.zeros((N * k, z.shape[-1]), mx.float32)
+        for i in range(0, len(order), store.cache.slots):
+            group = np.sort(order[i : i + store.cache.slots])
+            slots = self._fetch(store, group, ahead if i == 0 else None)
+            rows = np.flatnonzero(np.isin(flat, group))
+            sl = slots[np.searchsorted(group, flat[rows])].astype(np.int32)[:, None]
+            out = expert_glu(z[mx.array(rows // k)], store.pool.w, mx.array(sl),
+                             mx.ones(sl.shape, mx.float32), *store.act)
+            Y = Y.at[mx.array(rows)].add(out)
+            mx.eval(Y)
+        return (Y.reshape(N, k, -1) * weights.astype(mx.float32)[..., None]).sum(axis=1)
+
+    def clear(self):
+        """Empty every layer's cache (reads in flight finish first)."""
+        for store in self.stores.values():
+            self._wait(store, list(store.cache.jobs.items()))
+            store.cache.clear()
+
+    def close(self):
+        self.io.close()
+
+
+def moe_blocks(model) -> dict:
+    """``{layer index: LatentMoE}`` of a Kimi K3 model."""
+    return {layer.block_sparse_moe.layer_index: layer.block_sparse_moe
+            for layer in model.layers if "block_sparse_moe" in layer}
+
+
+def attach_streamer(model, path: str | Path, index: CheckpointIndex | None,
+                    expert_cache_gb: float, **options) -> Streamer:
+    """Replace every MoE layer's resident experts by a streamed store reading from ``path``.
+
+    Works before the dense weights are loaded (``kimi_k3.load_model`` calls it so) or on a
+    loaded model (the resident experts are dropped). ``expert_cache_gb`` (1e9 bytes) is
+    split evenly into per-layer slots, at least top-k per layer. ``options``: see
+    ``StreamOptions``.
+    """
+    opts = StreamOptions(**options)
+    moes = moe_blocks(model)
+    if not moes:
+        raise ValueError("attach_streamer: the model has no MoE layers")
+    args = model.args
+    old = find_streamer(model)
+    if old is not None:
+        old.close()
+    layout = expert_layout(args)
+    source = open_source(Path(path), index, args, sorted(moes), opts.source)
+    budget = round(expert_cache_gb * GB)
+    slots = slots_per_layer(budget, expert_bytes(layout), len(moes), args.num_experts_per_token,
+                            args.num_experts)
+    return Streamer(source, layout, moes, slots, opts, budget, args)
+
+
+def find_streamer(model) -> Streamer | None:
+    for moe in moe_blocks(model).values():
+        if isinstance(moe.experts, StreamedExperts):
+            return moe.experts.streamer
+    return None

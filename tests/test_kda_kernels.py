@@ -1,0 +1,167 @@
+"""KDA kernels (Metal rendering, run by the emulator) against the pure-MLX reference."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kimi_k3.kda import kda_mix, kda_mix_reference
+from kimi_k3.kernels import dispatch, kda_decode, kda_prefill
+
+FLA = Path(__file__).parent / "data" / "kda_fla_vectors.npz"
+W = 4
+
+
+def layer(H, K, seed=0):
+    mx.random.seed(seed)
+    P = H * K
+    return dict(
+        q_conv=mx.random.normal((P, 1, W)) * 0.5, k_conv=mx.random.normal((P, 1, W)) * 0.5,
+        v_conv=mx.random.normal((P, 1, W)) * 0.5, A_log=mx.random.normal((H,)) * 0.5,
+        dt_bias=mx.random.normal((P,)), o_norm=1 + 0.1 * mx.random.normal((K,)),
+        heads=H, head_dim=K, lower_bound=-5.0, eps=1e-5,
+    )
+
+
+def activations(B, T, H, K, dtype, with_state, seed=1):
+    mx.random.seed(seed)
+    P = H * K
+    x = [mx.random.normal((B, T, P)).astype(dtype) for _ in range(4)]
+    b_logits = mx.random.normal((B, T, H)).astype(dtype)
+    gate = mx.random.normal((B, T, P)).astype(dtype)
+    conv = mx.random.normal((B, W - 1, 3 * P)).astype(dtype) if with_state else None
+    state = mx.random.normal((B, H, K, K)) * 0.1 if with_state else None
+    return (*x, b_logits, gate, conv, state)
+
+
+def rel_err(a, b):
+    a, b = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (a, b))
+    return np.sqrt(((a - b) ** 2).mean()) / max(np.sqrt((b**2).mean()), 1e-30)
+
+
+def check(out, ref, dtype):
+    """Outputs, conv window (exact: it is copies) and fp32 state."""
+    y_tol = 1e-5 if dtype == mx.float32 else 1e-2
+    assert out[0].dtype == ref[0].dtype and out[0].shape == ref[0].shape
+    assert rel_err(out[0], ref[0]) < y_tol
+    assert mx.array_equal(out[1], ref[1])
+    assert out[2].dtype == mx.float32 and rel_err(out[2], ref[2]) < 1e-5
+
+
+DTYPES = [mx.float32, mx.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_state", [True, False])
+@pytest.mark.parametrize("B, H, K", [(2, 3, 32), (1, 2, 64), (1, 96, 128)])
+def test_decode_matches_reference(B, H, K, dtype, with_state):
+    p = layer(H, K)
+    args = activations(B, 1, H, K, dtype, with_state)
+    check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_state", [True, False])
+@pytest.mark.parametrize("T", [7, 63, 64, 65, 257, 1000])
+def test_prefill_matches_reference(T, dtype, with_state):
+    p = layer(2, 32)
+    args = activations(1, T, 2, 32, dtype, with_state)
+    check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), dtype)
+
+
+@pytest.mark.parametrize("B, T, H, K", [(2, 65, 2, 64), (1, 130, 3, 96), (1, 65, 96, 128)])
+def test_prefill_other_shapes(B, T, H, K):
+    p = layer(H, K)
+    args = activations(B, T, H, K, mx.float32, True)
+    check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+
+
+@pytest.mark.parametrize("case", ["T64_H3_K32_V32", "T130_H4_K128_V128_h0"])
+def test_chunk_kernels_match_fla(case):
+    """An oracle nobody here wrote: flash-linear-attention's naive recurrence."""
+    data = np.load(FLA)
+    get = lambda n: mx.array(data[f"{case}/{n}"])  # noqa: E731
+    K = data[f"{case}/q"].shape[-1]
+    h0 = get("h0") if f"{case}/h0" in data else None
+    o, S = kda_prefill.kda_chunk("emulator", get("q") * K**-0.5, get("k"), get("v"), get("g"),
+                                 get("beta"), h0)
+    assert rel_err(o, get("o")) < 1e-5 and rel_err(S, get("S")) < 1e-5
+
+
+def test_state_carries_across_calls():
+    p = layer(2, 32)
+    args = activations(1, 100, 2, 32, mx.float32, True)
+    ref = kda_mix_reference(p, *args)
+    first = [a[:, :37] for a in args[:6]]
+    y1, conv, state = kda_prefill.kda_prefill("emulator", p, *first, *args[6:])
+    y2, conv, state = kda_prefill.kda_prefill("emulator", p, *[a[:, 37:] for a in args[:6]], conv, state)
+    check((mx.concatenate([y1, y2], axis=1), conv, state), ref, mx.float32)
+
+
+def test_kda_mix_dispatches_to_the_kernels(monkeypatch):
+    """The model's entry point, prefill then decode, with kernels vs the reference chain."""
+    p = layer(2, 64)
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    x = activations(1, 68, 2, 64, mx.bfloat16, False)
+    assert dispatch.kda_mix_kernel(p, x[0][:, :1], None, None).func is kda_decode.kda_decode
+    assert dispatch.kda_mix_kernel(p, x[0], None, None).func is kda_prefill.kda_prefill
+    got = ref = (None, None)
+    for lo, hi in [(0, 65), (65, 66), (66, 67), (67, 68)]:
+        step = [a[:, lo:hi] for a in x[:6]]
+        got_y, *got = kda_mix(p, *step, *got)
+        ref_y, *ref = kda_mix_reference(p, *step, *ref)
+        check((got_y, *got), (ref_y, *ref), mx.bfloat16)
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "none")
+    assert dispatch.kda_mix_kernel(p, x[0], None, None) is None
+
+
+def test_dispatch_keeps_the_reference_where_kernels_do_not_apply(monkeypatch):
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    x = mx.zeros((1, 1, 2 * 48))
+    assert dispatch.kda_mix_kernel(layer(2, 48), x, None, None) is None  # head_dim % 32
+    assert dispatch.kda_mix_kernel(layer(2, 32), x.astype(mx.float16)[..., :64], None, None) is None
+    monkeypatch.delenv("KIMI_K3_KERNEL_BACKEND")
+    assert dispatch.kda_mix_kernel(layer(2, 32), x[..., :64], None, None) is None  # CPU
+
+
+def broken(kernel, old, new):
+    assert kernel.body.count(old) == 1, old
+    return replace(kernel, name=kernel.name + "_broken", body=kernel.body.replace(old, new),
+                   _built={})
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("  s_part[r * K + v] = pred;\n  s_part[(R + r) * K + v] = oq;\n  BARRIER();",
+         "  s_part[r * K + v] = pred;\n  s_part[(R + r) * K + v] = oq;"),
+        ("s[j] = S[row * K + v] * s_alpha[row];", "s[j] = S[row * K + v + 1] * s_alpha[row];"),
+    ],
+    ids=["missing-barrier", "off-by-one"],
+)
+def test_a_broken_decode_kernel_fails(monkeypatch, old, new):
+    monkeypatch.setattr(kda_decode, "KDA_DECODE", broken(kda_decode.KDA_DECODE, old, new))
+    p = layer(2, 64)
+    args = activations(1, 1, 2, 64, mx.float32, True)
+    with pytest.raises(AssertionError):
+        check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("      sm[OG + e] = ok ? g[src] : 0.0f;\n    }\n    BARRIER();",
+         "      sm[OG + e] = ok ? g[src] : 0.0f;\n    }"),
+        ("for (uint j = 0; j <= i; ++j) o_i +=", "for (uint j = 0; j < i; ++j) o_i +="),
+    ],
+    ids=["missing-barrier", "off-by-one"],
+)
+def test_a_broken_prefill_kernel_fails(monkeypatch, old, new):
+    name = "KDA_CHUNK_PREP" if "sm[OG" in old else "KDA_CHUNK_STATE"
+    monkeypatch.setattr(kda_prefill, name, broken(getattr(kda_prefill, name), old, new))
+    p = layer(2, 32)
+    args = activations(1, 65, 2, 32, mx.float32, True)
+    with pytest.raises(AssertionError):
+        check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)

@@ -1,0 +1,186 @@
+"""MXFP4 expert kernels (decode and grouped prefill) on the Metal emulator.
+
+The oracle dequantizes with ``numpy_ref.mxfp4_decode`` (written from the OCP spec, not from
+the kernels) and does the matmuls and SiTU-GLU in float64; MLX's ``expert_glu_reference``
+(``gather_qmm``) is checked against the same oracle. The helpers here are shared with
+``tests/cuda/test_mxfp4_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import rel_err
+from numpy_ref import mxfp4_decode, situ_glu
+
+from kimi_k3.experts import expert_glu, expert_glu_reference
+from kimi_k3.kernels import dispatch
+from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
+from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, group_by_expert, tile_tokens_for
+
+BETA, CAP = 4.0, 25.0
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+TOL = 2e-6  # kernel vs float64 oracle, RMS-relative; fp32 accumulation over <= 3584 terms
+
+
+def random_experts(E: int, D: int, I: int, seed: int) -> dict:
+    """A numpy stack of ``E`` random MXFP4 experts in MLX's layout, every code equally likely.
+
+    Scales put gate/up near unit variance for unit inputs, spread over 5 octaves so some rows
+    saturate SiTU's tanh and a few reach the up branch's cap.
+    """
+    r = np.random.default_rng(seed)
+
+    def quant(rows, cols):
+        wq = r.integers(0, 2**32, (E, rows, cols // 8), dtype=np.uint32)
+        base = 127 - int(np.round(np.log2(np.sqrt(cols) * 2.9)))
+        sc = r.integers(base - 2, base + 3, (E, rows, cols // 32)).astype(np.uint8)
+        return wq, sc
+
+    return {"w1": quant(I, D), "w3": quant(I, D), "w2": quant(D, I)}
+
+
+def routing(N: int, E: int, k: int, seed: int):
+    """``k`` distinct experts per token and positive weights summing to 1 (numpy)."""
+    r = np.random.default_rng(seed + 1)
+    inds = np.stack([r.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
+    wts = r.random((N, k)) + 0.1
+    return inds, (wts / wts.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def oracle(z: np.ndarray, w: dict, inds: np.ndarray, wts: np.ndarray) -> np.ndarray:
+    """Dequantize (float64), then ``sum_k w_k * down(situ(gate z) * cap*tanh(up z / cap))``."""
+    z = z.astype(np.float64)
+    out = np.zeros_like(z)
+    for e in np.unique(inds):
+        w1, w2, w3 = (mxfp4_decode(w[n][0][e].view(np.uint8), w[n][1][e]) for n in ("w1", "w2", "w3"))
+        tok, choice = np.nonzero(inds == e)
+        h = situ_glu(z[tok] @ w1.T, z[tok] @ w3.T, BETA, CAP)
+        np.add.at(out, tok, wts[tok, choice, None] * (h @ w2.T))
+    return out
+
+
+def case(E, D, I, N, k, dtype, seed=0):
+    """MLX inputs for one case, and the oracle's output on exactly those (rounded) inputs."""
+    w = random_experts(E, D, I, seed)
+    inds, wts = routing(N, E, k, seed)
+    z = mx.array(np.random.default_rng(seed + 2).standard_normal((N, D)), dtype=DTYPES[dtype])
+    want = oracle(np.array(z.astype(mx.float32)), w, inds, wts)
+    wm = {n: (mx.array(q), mx.array(s)) for n, (q, s) in w.items()}
+    return (z, wm, mx.array(inds), mx.array(wts), BETA, CAP), want
+
+
+# (experts, D, I, tokens, top-k, dtype): one expert; a row narrower than the 32 lanes (D = 32,
+# 64); a row of 40 words, so the last lane pass is partial (D = 320); top-16; K3's dims.
+DECODE_CASES = [
+    (1, 32, 32, 1, 1, "float32"),
+    (5, 64, 96, 3, 2, "float32"),
+    (7, 320, 224, 17, 4, "bfloat16"),
+    (20, 64, 96, 1, 16, "float16"),
+    (9, 96, 64, 64, 3, "bfloat16"),
+    (16, 3584, 3072, 1, 16, "bfloat16"),
+]
+
+# (experts, D, I, tokens, top-k, dtype, pairs per tile): I = 288 and D = 320 leave the last
+# block of output rows partial; 257 tokens over 6 experts cut each expert's run into 9+ tiles.
+PREFILL_CASES = [
+    (1, 32, 32, 1, 1, "float32", 16),
+    (5, 64, 96, 3, 2, "float32", 16),
+    (7, 320, 288, 17, 4, "bfloat16", 32),
+    (20, 64, 96, 64, 16, "float16", 64),
+    (6, 96, 64, 257, 3, "float32", 16),
+    (64, 64, 64, 257, 8, "bfloat16", None),
+    (6, 3584, 3072, 3, 2, "bfloat16", 16),
+]
+
+
+@pytest.mark.parametrize("E,D,I,N,k,dtype", DECODE_CASES)
+def test_decode_matches_oracle(E, D, I, N, k, dtype):
+    args, want = case(E, D, I, N, k, dtype)
+    got = expert_glu_decode(*args, backend="emulator")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("E,D,I,N,k,dtype,tm", PREFILL_CASES)
+def test_prefill_matches_oracle(E, D, I, N, k, dtype, tm):
+    args, want = case(E, D, I, N, k, dtype)
+    got = expert_glu_prefill(*args, tile_tokens=tm, backend="emulator")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("E,D,I,N,k", [(5, 64, 96, 3, 2), (6, 96, 64, 257, 3)])
+def test_oracle_matches_mlx_reference(E, D, I, N, k):
+    """The oracle and MLX's quantized ops agree, so both judge the kernels alike."""
+    args, want = case(E, D, I, N, k, "float32")
+    assert rel_err(expert_glu_reference(*args), want) < TOL
+
+
+def test_reads_cache_slots_as_given():
+    """The streamer's layout: experts at scattered slots of a larger pool, a view with an
+    offset, ``inds`` remapped to slots. Same bits as the stacked experts."""
+    (z, w, inds, wts, beta, cap), _ = case(6, 64, 96, 17, 4, "float32")
+    slots = np.random.default_rng(3).permutation(10)[:6]  # expert e lives in slot slots[e]
+    pool = {}
+    for n, arrs in w.items():
+        pool[n] = []
+        for a in arrs:
+            big = mx.zeros((12, *a.shape[1:]), dtype=a.dtype)
+            big[mx.array(slots + 1)] = a
+            pool[n].append(big[1:11])  # an offset view, as a cache slice would be
+    slot_inds = mx.array(slots)[inds]
+    for fn in (expert_glu_decode, expert_glu_prefill):
+        want = fn(z, w, inds, wts, beta, cap, backend="emulator")
+        got = fn(z, pool, slot_inds, wts, beta, cap, backend="emulator")
+        assert np.array_equal(np.array(got), np.array(want)), fn.__name__
+
+
+def _tiles_numpy(flat: np.ndarray, tm: int) -> list[tuple[int, int, int]]:
+    order = np.argsort(flat, kind="stable")
+    ids = flat[order]
+    out = []
+    for e in np.unique(ids):
+        lo, hi = np.searchsorted(ids, e), np.searchsorted(ids, e, side="right")
+        out += [(s, min(tm, hi - s), int(e)) for s in range(lo, hi, tm)]
+    return out
+
+
+@pytest.mark.parametrize("P,E,tm", [(1, 1, 16), (7, 3, 16), (100, 5, 16), (257, 64, 32), (300, 4, 64)])
+def test_group_by_expert_tiles(P, E, tm):
+    flat = np.random.default_rng(P).integers(0, E, P).astype(np.int32)
+    order, tiles = group_by_expert(mx.array(flat), E, tm)
+    order, tiles = np.array(order), np.array(tiles)
+    assert np.array_equal(np.sort(order), np.arange(P))
+    assert np.all(np.diff(flat[order]) >= 0)  # sorted by expert
+    want = _tiles_numpy(flat, tm)
+    assert len(tiles) == min(P, (P + min(E, P) * (tm - 1)) // tm) >= len(want)
+    assert [tuple(t) for t in tiles[: len(want)]] == want
+    assert not tiles[len(want) :].any()  # unused tiles are empty
+
+
+def test_tile_tokens_for():
+    assert tile_tokens_for(16, 64) == 16  # decode-like: one pair per expert
+    assert tile_tokens_for(512 * 16, 896) == 16  # 9 pairs per expert
+    assert tile_tokens_for(2048 * 16, 896) == 64  # 37 pairs per expert
+    assert tile_tokens_for(4096 * 16, 64) == 64
+
+
+def test_dispatcher(monkeypatch):
+    (z, w, inds, wts, beta, cap), want = case(5, 64, 96, 3, 2, "float32")
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    monkeypatch.delenv("KIMI_K3_REFERENCE", raising=False)
+    assert dispatch.expert_glu_kernel(z, w, inds).func is expert_glu_decode
+    many = mx.zeros((dispatch.EXPERT_DECODE_MAX_PAIRS // 2 + 1, 2), dtype=mx.int32)
+    assert dispatch.expert_glu_kernel(mx.zeros((many.shape[0], 64)), w, many).func is expert_glu_prefill
+    assert rel_err(expert_glu(z, w, inds, wts, beta, cap), want) < TOL
+    assert dispatch.expert_glu_kernel(z.astype(mx.int32), w, inds) is None
+    assert dispatch.expert_glu_kernel(z[:, :32], w, inds) is None  # w1 does not fit D = 32
+    for value in ("1", "experts"):
+        monkeypatch.setenv("KIMI_K3_REFERENCE", value)
+        assert dispatch.expert_glu_kernel(z, w, inds) is None
+    monkeypatch.setenv("KIMI_K3_REFERENCE", "kda")
+    assert dispatch.expert_glu_kernel(z, w, inds) is not None
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "none")
+    assert dispatch.expert_glu_kernel(z, w, inds) is None

@@ -1,0 +1,263 @@
+"""Streamed experts against resident ones: the same logits bit for bit at any budget,
+counters that match an independent cache simulation, and memory within the budget."""
+
+import gc
+from collections import OrderedDict
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import kimi_k3.experts
+from kimi_k3.config import ModelArgs
+from kimi_k3.loader import load_model
+from kimi_k3.streaming import attach_streamer, clear_cache, get_stats, reset_stats
+from kimi_k3.streaming.sources import expert_bytes, expert_layout
+
+PROMPT = mx.array(np.random.default_rng(7).integers(0, 1500, (1, 16)))
+STEPS = 6
+
+
+def greedy(model, prompt, steps):
+    """Prefill, then ``steps`` greedy tokens; returns the last-position logits of each call."""
+    cache = model.make_cache()
+    out = [model(prompt, cache=cache)[:, -1]]
+    for _ in range(steps):
+        out.append(model(mx.argmax(out[-1], axis=-1)[:, None], cache=cache)[:, -1])
+    logits = mx.stack(out, axis=1)
+    mx.eval(logits)
+    return logits
+
+
+def budget_gb(path, slots: int) -> float:
+    """The budget that gives every MoE layer ``slots`` slots."""
+    args = ModelArgs.from_path(path)
+    layers = args.num_hidden_layers - args.first_k_dense_replace
+    return slots * layers * expert_bytes(expert_layout(args)) / 1e9
+
+
+@pytest.fixture(scope="module")
+def small(ckpt_factory):
+    return ckpt_factory("small", num_experts=64)  # 5 MoE layers, top-4 of 64, 26 KB experts
+
+
+@pytest.fixture(scope="module")
+def reference(small):
+    return greedy(load_model(small, dtype=mx.float32), PROMPT, STEPS)
+
+
+def _check_accounting(stats):
+    """Every read is one whole expert: demand reads are the misses, the rest prefetches."""
+    assert stats["bytes_read"] == (stats["misses"] + stats["prefetch_issued"]) * stats[
+        "expert_bytes"]
+    assert stats["cache_bytes"] <= stats["budget_bytes"]
+
+
+@pytest.mark.parametrize("slots", [64, 16, 4], ids=["100%", "25%", "top-k"])
+def test_streamed_logits_equal_resident(small, reference, slots):
+    """Bitwise equal fp32 logits over a 16-token prefill and 6 greedy steps; with 16 and 4
+    slots the prefill needs more experts than a layer holds and runs in groups."""
+    model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, slots))
+    logits = greedy(model, PROMPT, STEPS)
+    assert mx.array_equal(logits, reference).item()
+    stats = get_stats(model)
+    assert stats["slots_per_layer"] == slots and stats["source"] == "shards"
+    assert stats["tokens"] == 16 + STEPS and stats["passes"] == 1 + STEPS
+    assert stats["misses"] > 0 and stats["read_gbps"] > 0
+    _check_accounting(stats)
+    assert not any(k for k, _ in tree_flatten(model.parameters()) if ".experts." in k)
+
+
+@pytest.mark.parametrize("opts", [
+    {"prefetch": True}, {"policy": "lfu"}, {"overlap": True}, {"write_mode": "mlx"},
+    {"direct_io": False}, {"io_threads": 1}, {"prefetch": True, "policy": "lfu"},
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_options_never_change_the_output(small, reference, opts):
+    model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 16), **opts)
+    assert mx.array_equal(greedy(model, PROMPT, STEPS), reference).item()
+    stats = get_stats(model)
+    _check_accounting(stats)
+    if opts.get("prefetch"):
+        assert 0 < stats["prefetch_hits"] <= stats["prefetch_issued"]
+        assert 0.0 < stats["prediction_recall"] <= 1.0
+    else:
+        assert stats["prefetch_issued"] == 0 and stats["prediction_recall"] is None
+
+
+def _routing_trace(model, tokens) -> list[list[np.ndarray]]:
+    """Per call, per MoE layer, the sorted distinct experts the resident model routes to."""
+    calls = []
+    glu = kimi_k3.experts.expert_glu
+
+    def record(z, w, inds, weights, beta, cap):
+        calls[-1].append(np.unique(np.array(inds)))
+        return glu(z, w, inds, weights, beta, cap)
+
+    kimi_k3.experts.expert_glu = record
+    try:
+        cache = model.make_cache()
+        for t in tokens:
+            calls.append([])
+            mx.eval(model(mx.array([[t]]), cache=cache))
+    finally:
+        kimi_k3.experts.expert_glu = glu
+    return calls
+
+
+def _simulate(trace, slots: int, policy: str) -> tuple[int, int]:
+    """Hits and misses of per-layer caches of ``slots`` experts, written independently of the
+    streamer: LRU as an OrderedDict; LFU as counts halved every 4*slots uses, ties to LRU."""
+    hits = misses = 0
+    layers = len(trace[0])
+    state = [{"lru": OrderedDict(), "freq": {}, "last": {}, "clock": 0, "uses": 0}
+             for _ in range(layers)]
+    for call in trace:
+        for st, need in zip(state, call):
+            need = need.tolist()
+            cached = st["lru"]
+            hit = [e for e in need if e in cached]
+            miss = [e for e in need if e not in cached]
+            hits, misses = hits + len(hit), misses + len(miss)
+            over = len(cached) + len(miss) - slots
+            cand = [e for e in cached if e not in need]  # LRU order, oldest first
+            if policy == "lfu":
+                cand.sort(key=lambda e: (st["freq"].get(e, 0.0), st["last"][e]))
+            for e in cand[:max(over, 0)]:
+                del cached[e]
+            for e in need:  # ascending ids: the streamer's tie order
+                cached[e] = True
+                cached.move_to_end(e)
+                st["clock"] += 1
+                st["last"][e] = st["clock"]
+                st["freq"][e] = st["freq"].get(e, 0.0) + 1
+            st["uses"] += len(need)
+            while st["uses"] >= 4 * slots:
+                st["freq"] = {e: f / 2 for e, f in st["freq"].items()}
+                st["uses"] -= 4 * slots
+    return hits, misses
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("slots", [4, 9])
+def test_counters_match_a_cache_simulation(small, policy, slots):
+    """Token-by-token decode of 24 tokens: hits and misses equal an independent simulation
+    of the policy on the resident model's routing (so eviction does what it says)."""
+    tokens = np.random.default_rng(3).integers(0, 1500, 24).tolist()
+    trace = _routing_trace(load_model(small, dtype=mx.float32), tokens)
+    model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, slots),
+                       policy=policy)
+    cache = model.make_cache()
+    for t in tokens:
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    stats = get_stats(model)
+    assert (stats["hits"], stats["misses"]) == _simulate(trace, slots, policy)
+    _check_accounting(stats)
+
+
+@pytest.mark.parametrize("slots", [64, 4])
+def test_prefill_reads_each_distinct_expert_once(small, slots):
+    """A cold 16-token prefill reads every distinct expert of each layer exactly once, also
+    when the chunk needs more experts than the layer's slots (groups)."""
+    glu, seen = kimi_k3.experts.expert_glu, []
+
+    def record(z, w, inds, weights, beta, cap):
+        seen.append(len(np.unique(np.array(inds))))
+        return glu(z, w, inds, weights, beta, cap)
+
+    kimi_k3.experts.expert_glu = record
+    try:
+        mx.eval(load_model(small, dtype=mx.float32)(PROMPT))
+    finally:
+        kimi_k3.experts.expert_glu = glu
+    model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, slots))
+    mx.eval(model(PROMPT))
+    stats = get_stats(model)
+    assert max(seen) > 4 * 4  # a chunk needs more experts than 4 slots hold
+    assert (stats["hits"], stats["misses"]) == (0, sum(seen))
+    _check_accounting(stats)
+
+
+def test_stats_api(small, tiny_ckpt):
+    assert get_stats(load_model(tiny_ckpt, dtype=mx.float32)) is None
+    model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 8))
+    greedy(model, PROMPT, 2)
+    stats = get_stats(model)
+    for key in ("hits", "misses", "hit_rate", "bytes_read", "read_seconds", "read_gbps",
+                "prefetch_hits", "prefetch_issued", "prefetch_accuracy", "cache_bytes",
+                "budget_bytes", "wait_seconds", "compute_seconds", "per_token", "last_pass"):
+        assert key in stats, key
+    assert stats["hit_rate"] == stats["hits"] / (stats["hits"] + stats["misses"])
+    assert stats["per_token"]["bytes_read"] == stats["bytes_read"] / stats["tokens"]
+    assert stats["last_pass"]["tokens"] == 1 and stats["last_pass"]["passes"] == 1
+    reset_stats(model)
+    zero = get_stats(model)
+    assert (zero["hits"], zero["misses"], zero["bytes_read"], zero["tokens"]) == (0, 0, 0, 0)
+    # An emptied cache: one token misses its 4 experts in each of the 5 MoE layers.
+    clear_cache(model)
+    mx.eval(model(PROMPT[:, :1], cache=model.make_cache()))
+    stats = get_stats(model)
+    assert (stats["hits"], stats["misses"]) == (0, 20)
+
+
+def test_budget_below_top_k_per_layer_is_refused(small):
+    with pytest.raises(ValueError, match="5 MoE layers x top-4 need at least 20"):
+        load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 4) * 0.99)
+
+
+def test_attach_to_a_loaded_model_drops_resident_experts(small, reference):
+    model = load_model(small, dtype=mx.float32)
+    before = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    attach_streamer(model, small, None, budget_gb(small, 16))
+    after = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert before - after == 5 * 64 * get_stats(model)["expert_bytes"]
+    assert mx.array_equal(greedy(model, PROMPT, STEPS), reference).item()
+
+
+def _rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) in bytes."""
+    vals = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                vals[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return vals["VmRSS"], vals["VmHWM"]
+
+
+def _peak_during(fn) -> tuple[int, int, int, int]:
+    """(MLX active before, MLX peak, RSS before, RSS peak) around ``fn()``."""
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    active, rss = mx.get_active_memory(), _rss()[0]
+    fn()
+    return active, mx.get_peak_memory(), rss, _rss()[1]
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"),
+                    reason="needs Linux /proc to reset the peak RSS")
+def test_memory_stays_within_dense_plus_budget(ckpt_factory):
+    """Experts 4x the budget (53 MB of experts, 13 MB budget). Streamed: MLX memory after
+    loading is the dense weights plus the pools, and the peak during generation grows by no
+    more than the resident model's activations plus the grouped-prefill buffers (+1 MB);
+    the process RSS grows by no more than that, the read buffers and 16 MB."""
+    path = ckpt_factory("small", num_hidden_layers=3, full=(3,), num_experts=64,
+                        routed_expert_hidden_size=512, moe_intermediate_size=512)
+    run = lambda m: greedy(m, PROMPT, 4)  # noqa: E731
+    resident = load_model(path, dtype=mx.float32)
+    all_experts = 2 * 64 * expert_bytes(expert_layout(resident.args))
+    r_active, r_peak, _, _ = _peak_during(lambda: run(resident))
+    del resident
+    model = load_model(path, dtype=mx.float32, expert_cache_gb=all_experts / 4 / 1e9)
+    stats = get_stats(model)
+    dense = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert stats["cache_bytes"] <= stats["budget_bytes"] == all_experts // 4
+    run(model)  # warm: MLX caches compiled kernels and buffers
+    active, peak, rss, rss_peak = _peak_during(lambda: run(model))
+    assert active <= dense + stats["cache_bytes"] + (1 << 20)
+    grouped = 2 * 16 * 4 * 512 * 4  # [N*k, Dl] fp32 sums, two alive at once
+    activations = (r_peak - r_active) + grouped + (1 << 20)
+    assert peak - active <= activations
+    assert rss_peak - rss <= activations + stats["overhead_bytes"] + (16 << 20)

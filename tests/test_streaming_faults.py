@@ -1,0 +1,150 @@
+"""Faults while streaming: a clear error naming the file and the expert, no hang, and the
+model goes on (bit-exact) once the file is back."""
+
+import errno
+import os
+import shutil
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kimi_k3.streaming.io as sio
+from kimi_k3.checkpoint import CheckpointIndex
+from kimi_k3.config import ModelArgs
+from kimi_k3.expert_pack import write_pack
+from kimi_k3.loader import load_model
+from kimi_k3.model import expert_keys
+from kimi_k3.streaming import ExpertReadError, attach_streamer, clear_cache
+from kimi_k3.streaming.sources import expert_bytes, expert_layout
+
+PROMPT = mx.array(np.random.default_rng(5).integers(0, 700, (1, 8)))
+WHO = r"layer \d+ expert \d+"
+
+
+def _min_gb(args) -> float:
+    layers = args.num_hidden_layers - args.first_k_dense_replace
+    return layers * args.num_experts_per_token * expert_bytes(expert_layout(args)) / 1e9
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    out = load_model(tiny_ckpt, dtype=mx.float32)(PROMPT)
+    mx.eval(out)
+    return out
+
+
+@pytest.fixture
+def streamed(tiny_ckpt, tmp_path):
+    """A private copy of the tiny checkpoint, streamed with top-k slots per layer."""
+    path = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    args = ModelArgs.from_path(path)
+    model = load_model(path, dtype=mx.float32, expert_cache_gb=_min_gb(args), read_timeout=5.0)
+    (shard,) = CheckpointIndex(path).files
+    return model, shard
+
+
+def _fails(model, match):
+    """The next call (on an empty cache) raises ``ExpertReadError`` matching ``match``,
+    within the read timeout (no hang)."""
+    clear_cache(model)
+    t0 = time.perf_counter()
+    with pytest.raises(ExpertReadError, match=match):
+        mx.eval(model(PROMPT))
+    assert time.perf_counter() - t0 < 10.0
+
+
+def _recovers(model, reference):
+    clear_cache(model)
+    assert mx.array_equal(model(PROMPT), reference).item()
+
+
+def test_truncated_shard(streamed, reference, tmp_path):
+    model, shard = streamed
+    _recovers(model, reference)
+    backup = shutil.copy2(shard, tmp_path / "backup")
+    os.truncate(shard, shard.stat().st_size // 2)
+    _fails(model, rf"{shard}: changed while streaming \({WHO}\)")
+    shutil.copy2(backup, shard)  # same bytes, same mtime: the original is back
+    _recovers(model, reference)
+
+
+def test_shard_deleted_mid_run(streamed, reference, tmp_path):
+    model, shard = streamed
+    _recovers(model, reference)
+    os.rename(shard, tmp_path / "moved")
+    _fails(model, rf"{shard}: file vanished while streaming \({WHO}\)")
+    os.rename(tmp_path / "moved", shard)
+    _recovers(model, reference)
+
+
+def test_shard_replaced_by_a_directory(streamed, reference, tmp_path):
+    """Unreadable even for root: the path is now a directory."""
+    model, shard = streamed
+    os.rename(shard, tmp_path / "moved")
+    os.mkdir(shard)
+    _fails(model, rf"{shard}: no longer a regular file \({WHO}\)")
+    os.rmdir(shard)
+    os.rename(tmp_path / "moved", shard)
+    _recovers(model, reference)
+
+
+def test_io_error(streamed, reference, monkeypatch):
+    model, shard = streamed
+    real = os.preadv
+
+    def eio(fd, buffers, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(sio.os, "preadv", eio)
+    _fails(model, rf"{shard}: I/O error reading {WHO} \(bytes \d+\.\.\d+\): .*Input/output")
+    monkeypatch.setattr(sio.os, "preadv", real)
+    _recovers(model, reference)
+
+
+def test_stuck_read_times_out_and_later_recovers(tiny_ckpt, reference, monkeypatch):
+    """A read that never answers: ``read_timeout`` turns it into an error; its slot stays
+    held until the read ends, then the model goes on."""
+    model = load_model(tiny_ckpt, dtype=mx.float32)
+    attach_streamer(model, tiny_ckpt, None, _min_gb(model.args), read_timeout=0.5)
+    gate, real = threading.Event(), sio._pread_into
+
+    def stuck(*args):
+        gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(sio, "_pread_into", stuck)
+    t0 = time.perf_counter()
+    with pytest.raises(ExpertReadError, match=rf"no answer after 0\.5 s reading {WHO}"):
+        mx.eval(model(PROMPT))
+    assert time.perf_counter() - t0 < 5.0
+    monkeypatch.setattr(sio, "_pread_into", real)
+    gate.set()
+    _recovers(model, reference)
+
+
+def test_corrupted_pack_record_fails_its_checksum(tiny_ckpt, reference, tmp_path):
+    args = ModelArgs.from_path(tiny_ckpt)
+    index = CheckpointIndex(tiny_ckpt)
+    experts = {layer: [{k.split("experts.")[1].split(".", 1)[1]: index.read_numpy(k)
+                        for k in expert_keys(layer, e)} for e in range(args.num_experts)]
+               for layer in range(1, args.num_hidden_layers)}
+    pack_dir = write_pack(tmp_path, experts)
+    (pack_file,) = pack_dir.glob("*.pack")
+    model = load_model(tiny_ckpt, dtype=mx.float32)
+    attach_streamer(model, tmp_path, None, _min_gb(args), verify_checksums=True)
+    _recovers(model, reference)
+    good = pack_file.read_bytes()
+    stat = pack_file.stat()
+    bad = bytearray(good)
+    for e in range(args.num_experts):  # one flipped byte in every layer-1 record
+        offset = model.layers[1].block_sparse_moe.experts.streamer.source.extents(1, e)[0].offset
+        bad[offset + 100] ^= 0xFF
+    pack_file.write_bytes(bytes(bad))
+    os.utime(pack_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size and mtime
+    _fails(model, rf"{pack_file}: checksum mismatch for layer 1 expert \d+ .*corrupted")
+    pack_file.write_bytes(good)
+    os.utime(pack_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    _recovers(model, reference)
