@@ -19,6 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from kimi_k3.experts import expert_glu_reference
+from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
+from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, tile_tokens_for
 
 BETA, CAP = 4.0, 25.0
 
@@ -32,8 +34,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--prefill-experts", type=int, default=896, help="one layer's experts")
     p.add_argument("--prefill-tokens", type=int, nargs="+", default=[512, 4096])
-    p.add_argument("--tiles", type=int, nargs="*", default=[8, 16, 32, 64],
-                   help="prefill tokens-per-tile values to sweep besides the default")
+    p.add_argument(
+        "--tiles",
+        type=int,
+        nargs="*",
+        default=[16, 32, 64],
+        help="prefill tokens-per-tile values to sweep besides the default",
+    )
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM datasheet peak")
     p.add_argument("--calls", type=int, default=20, help="calls per timed batch")
     p.add_argument("--repeats", type=int, default=5, help="timed batches (best is reported)")
@@ -119,19 +126,43 @@ class Table:
         return "\n".join(lines)
 
 
-def attempt(table: Table, label: str, fn):
-    """Run one comparator; a failure becomes a row with the error, not an abort."""
+def attempt(table: Table, label: str, fn, *args):
+    """``fn(*args)`` for one comparator; a failure becomes a row with the error, not an abort."""
     try:
-        return fn()
+        return fn(*args)
     except Exception as e:  # noqa: BLE001 - every comparator failure is reported, none fatal
         traceback.print_exc()
         table.add(label, "FAILED", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", "", "")
         return None
 
 
-def bench_decode(args, table: Table, copy: float | None):
-    from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
+def decode_row(table, label, fn, inputs, nbytes, args, copy):
+    t = time_batch(fn, inputs, args.repeats)
+    gbps = nbytes / t / 1e9
+    of_copy = f"{100 * gbps / copy:.0f}% of copy" if copy else "copy n/a"
+    of_peak = f"{100 * gbps / args.peak_gbps:.0f}% of peak, {of_copy}"
+    table.add(label, f"{t * 1e3:.3f} ms", f"{gbps:.0f} GB/s", of_peak, "")
+    return t
 
+
+def prefill_row(table, label, fn, inputs, tokens, args):
+    t = time_batch(fn, inputs, args.repeats)
+    table.add(label, f"{t * 1e3:.2f} ms", f"{tokens / t:.0f} tok/s", "", "")
+    return t
+
+
+def compare(table, label, ours, ref, t_ours, t_ref, inputs):
+    """A speed-up row with the relative error of ours against the reference on one input."""
+    if t_ours and t_ref:
+        err = rel_err(ours(*inputs[0]), ref(*inputs[0]))
+        table.add(label, f"{t_ref / t_ours:.2f}x faster", "", "", f"rel err {err:.1e}")
+
+
+def with_tile(tile):
+    return lambda *a: expert_glu_prefill(*a, tile_tokens=tile)
+
+
+def bench_decode(args, table: Table, copy: float | None):
     dtype = getattr(mx, args.dtype)
     w = random_experts(args.decode_experts, args.dim, args.hidden, args.seed)
     rng = np.random.default_rng(args.seed)
@@ -142,29 +173,30 @@ def bench_decode(args, table: Table, copy: float | None):
             inds, weights = routing(n, args.decode_experts, args.topk, rng)
             z = mx.random.normal((n, args.dim)).astype(dtype)
             inputs.append((z, w, inds, weights, BETA, CAP))
-        mx.eval([a[:4:2] for a in inputs])
-        distinct = np.mean([len(np.unique(np.array(a[2]))) for a in inputs])
-        nbytes = distinct * per_expert
-
-        def row(label, fn):
-            t = time_batch(fn, inputs, args.repeats)
-            gbps = nbytes / t / 1e9
-            of_copy = f"{100 * gbps / copy:.0f}%" if copy else "n/a"
-            table.add(f"decode N={n}: {label}", f"{t * 1e3:.3f} ms", f"{gbps:.0f} GB/s",
-                      f"{100 * gbps / args.peak_gbps:.0f}% of peak, {of_copy} of copy", "")
-            return t
-
-        t_ref = attempt(table, f"decode N={n}: gather_qmm", lambda: row("gather_qmm", expert_glu_reference))
-        t_ker = attempt(table, f"decode N={n}: kernel", lambda: row("kernel", expert_glu_decode))
-        if t_ref and t_ker:
-            err = rel_err(expert_glu_decode(*inputs[0]), expert_glu_reference(*inputs[0]))
-            table.add(f"decode N={n}: kernel vs gather_qmm", f"{t_ref / t_ker:.2f}x faster",
-                      "", "", f"rel err {err:.1e}")
+        mx.eval([a[:4] for a in inputs])
+        nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
+        timed = {}
+        for name, fn in (
+            ("gather_qmm", expert_glu_reference),
+            ("decode kernel", expert_glu_decode),
+            ("prefill kernel", expert_glu_prefill),
+        ):
+            label = f"decode N={n}: {name}"
+            timed[name] = attempt(
+                table, label, decode_row, table, label, fn, inputs, nbytes, args, copy
+            )
+        compare(
+            table,
+            f"decode N={n}: decode kernel vs gather_qmm",
+            expert_glu_decode,
+            expert_glu_reference,
+            timed["decode kernel"],
+            timed["gather_qmm"],
+            inputs,
+        )
 
 
 def bench_prefill(args, table: Table):
-    from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, tile_tokens_for
-
     dtype = getattr(mx, args.dtype)
     w = random_experts(args.prefill_experts, args.dim, args.hidden, args.seed + 1)
     rng = np.random.default_rng(args.seed + 1)
@@ -174,39 +206,45 @@ def bench_prefill(args, table: Table):
         mx.eval(z, inds, weights)
         inputs = [(z, w, inds, weights, BETA, CAP)] * max(1, args.calls // 10)
         default = tile_tokens_for(n * args.topk, args.prefill_experts)
-
-        def row(label, fn):
-            t = time_batch(fn, inputs, args.repeats)
-            table.add(f"prefill N={n}: {label}", f"{t * 1e3:.2f} ms", f"{n / t:.0f} tok/s", "", "")
-            return t
-
-        t_ref = attempt(table, f"prefill N={n}: gather_qmm",
-                        lambda: row("gather_qmm (sorted)", expert_glu_reference))
-        ker = {}
+        label = f"prefill N={n}: gather_qmm (sorted)"
+        t_ref = attempt(
+            table, label, prefill_row, table, label, expert_glu_reference, inputs, n, args
+        )
+        timed = {}
         for tile in sorted({default, *args.tiles}):
-            label = f"kernel, {tile} tokens/tile" + (" (default)" if tile == default else "")
-
-            def run(tile=tile):
-                return lambda *a: expert_glu_prefill(*a, tile_tokens=tile)
-
-            ker[tile] = attempt(table, f"prefill N={n}: {label}", lambda: row(label, run()))
-        if t_ref and ker.get(default):
-            err = rel_err(expert_glu_prefill(*inputs[0]), expert_glu_reference(*inputs[0]))
-            table.add(f"prefill N={n}: default kernel vs gather_qmm",
-                      f"{t_ref / ker[default]:.2f}x faster", "", "", f"rel err {err:.1e}")
+            label = f"prefill N={n}: kernel, {tile} pairs/tile" + (
+                " (default)" if tile == default else ""
+            )
+            timed[tile] = attempt(
+                table, label, prefill_row, table, label, with_tile(tile), inputs, n, args
+            )
+        compare(
+            table,
+            f"prefill N={n}: default kernel vs gather_qmm",
+            expert_glu_prefill,
+            expert_glu_reference,
+            timed.get(default),
+            t_ref,
+            inputs,
+        )
 
 
 def main():
     args = setup_arg_parser().parse_args()
     print(f"mlx {mx.__version__}, device {mx.default_device()}, dtype {args.dtype}", flush=True)
     table = Table()
-    copy = attempt(table, "device copy", lambda: copy_gbps(2 << 30, args.repeats))
+    copy = attempt(table, "device copy", copy_gbps, 2 << 30, args.repeats)
     if copy:
-        table.add("device copy (2 GiB, read + write)", "", f"{copy:.0f} GB/s",
-                  f"{100 * copy / args.peak_gbps:.0f}% of peak", "")
-    attempt(table, "decode", lambda: bench_decode(args, table, copy))
+        table.add(
+            "device copy (2 GiB, read + write)",
+            "",
+            f"{copy:.0f} GB/s",
+            f"{100 * copy / args.peak_gbps:.0f}% of peak",
+            "",
+        )
+    attempt(table, "decode", bench_decode, args, table, copy)
     mx.clear_cache()
-    attempt(table, "prefill", lambda: bench_prefill(args, table))
+    attempt(table, "prefill", bench_prefill, args, table)
     header = ("case", "time", "rate", "of HBM", "check")
     md = (
         f"MXFP4 experts, D={args.dim}, I={args.hidden}, top-{args.topk}, {args.dtype} inputs, "

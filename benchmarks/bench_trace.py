@@ -4,8 +4,8 @@ inside a trace.
     python benchmarks/bench_trace.py --preset small --out bench_trace.md
 
 Each state runs in its own Python process (an import cannot be undone); the states take
-turns, ``--rounds`` times, and the table gives each one's best run: other work on the
-machine only ever slows a run down, so the fastest is the least disturbed.
+turns, ``--rounds`` times. The table gives wall-clock tokens/s (the best run) and tokens
+per second of the process's CPU time (the median), which stays steady on a shared machine.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,24 +32,32 @@ STATES = {
 }
 
 
-def measure(model, prompt: mx.array, decode: int, repeats: int) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of each of ``repeats`` runs after one warm-up."""
-    pre, dec = [], []
+def measure(model, prompt: mx.array, decode: int, repeats: int) -> dict[str, list[float]]:
+    """Tokens per second of wall-clock time and of this process's CPU time (all threads),
+    for prefill and decode, in each of ``repeats`` runs after one warm-up.
+
+    CPU time barely moves when other processes compete for the cores; wall-clock does.
+    """
+    out: dict[str, list[float]] = {k: [] for k in ("prefill", "decode", "prefill_cpu",
+                                                   "decode_cpu")}
     for i in range(repeats + 1):
         cache = model.make_cache()
-        t = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         logits = model(prompt, cache=cache)
         mx.eval(logits)
-        t_pre = time.perf_counter() - t
+        pre = (time.perf_counter() - wall, time.process_time() - cpu)
         tok = mx.argmax(logits[:, -1], axis=-1)[:, None]
-        t = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(decode):
             tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
             mx.eval(tok)
+        dec = (time.perf_counter() - wall, time.process_time() - cpu)
         if i:  # the first run warms up
-            pre.append(prompt.shape[1] / t_pre)
-            dec.append(decode / (time.perf_counter() - t))
-    return pre, dec
+            out["prefill"].append(prompt.shape[1] / pre[0])
+            out["prefill_cpu"].append(prompt.shape[1] / pre[1])
+            out["decode"].append(decode / dec[0])
+            out["decode_cpu"].append(decode / dec[1])
+    return out
 
 
 def child(state: str, path: str, prompt_tokens: int, decode: int, repeats: int):
@@ -67,8 +76,7 @@ def child(state: str, path: str, prompt_tokens: int, decode: int, repeats: int):
             context = trace(model)
     assert ("kimi_k3.trace" in sys.modules) == (state != "never")
     with context:
-        pre, dec = measure(model, prompt, decode, repeats)
-    print(json.dumps({"prefill": pre, "decode": dec}))
+        print(json.dumps(measure(model, prompt, decode, repeats)))
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -92,16 +100,16 @@ def main(argv=None):
     results: dict[str, list[dict]] = {s: [] for s in STATES}
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_checkpoint(Path(tmp) / "ckpt", args.preset, tokenizer=False))
-        for _ in range(args.rounds):
-            for state in STATES:
+        for r in range(args.rounds):
+            order = list(STATES)[r % len(STATES):] + list(STATES)[: r % len(STATES)]
+            for state in order:  # a different state goes first each round
                 cmd = [sys.executable, __file__, "--child", state, path,
                        "--prompt-tokens", str(args.prompt_tokens),
                        "--decode-tokens", str(args.decode_tokens),
                        "--repeats", str(args.repeats)]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                 results[state].append(json.loads(out.splitlines()[-1]))
-    best = {s: {k: max(x for r in rs for x in r[k]) for k in ("prefill", "decode")}
-            for s, rs in results.items()}
+    runs = {s: {k: [x for r in rs for x in r[k]] for k in rs[0]} for s, rs in results.items()}
     device = f"{mx.default_device()} ({platform.machine()}, mlx {mx.__version__})"
     command = "python benchmarks/bench_trace.py " + " ".join(argv or sys.argv[1:])
     lines = [
@@ -109,17 +117,22 @@ def main(argv=None):
         "",
         f"Command: `{command}`",
         f"Prompt {args.prompt_tokens} tokens in one call, then {args.decode_tokens} greedy "
-        f"decode steps; per state the best of {args.rounds} processes x {args.repeats} runs "
-        "(each process warms up first).",
+        f"decode steps; {args.rounds} processes x {args.repeats} runs per state (each "
+        "process warms up first). Wall: the best run (other work only slows a run down). "
+        "CPU: tokens per second of the process's CPU time, median.",
         "",
-        "| state | prefill tok/s | vs never | decode tok/s | vs never |",
-        "|---|---:|---:|---:|---:|",
+        "| state | prefill tok/s wall | CPU | vs never (CPU) | decode tok/s wall | CPU | "
+        "vs never (CPU) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    base = best["never"]
+    base = {k: statistics.median(runs["never"][k]) for k in ("prefill_cpu", "decode_cpu")}
     for state, label in STATES.items():
-        pre, dec = best[state]["prefill"], best[state]["decode"]
-        lines.append(f"| {label} | {pre:.1f} | {pre / base['prefill']:.3f} | {dec:.1f} | "
-                     f"{dec / base['decode']:.3f} |")
+        r = runs[state]
+        cells = []
+        for k in ("prefill", "decode"):
+            cpu = statistics.median(r[f"{k}_cpu"])
+            cells += [f"{max(r[k]):.1f}", f"{cpu:.1f}", f"{cpu / base[f'{k}_cpu']:.3f}"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -562,10 +562,23 @@ def _check_out(out: Path, fp: str) -> str:
     return "new"
 
 
+def describe(plan: Plan) -> str:
+    """What a conversion writes: file counts and sizes."""
+    dense = sum(it.nbytes for items in plan.shards for it in items)
+    pack = sum(plan.layouts[l].record_bytes for f in plan.pack_files for l, _ in f)
+    quantized = sum(it.spec is not None for items in plan.shards for it in items)
+    return (f"dense: {len(plan.shards)} shards, {_fmt_bytes(dense)} ({quantized} quantized "
+            f"weights); experts: {len(plan.pack_files)} pack files, {_fmt_bytes(pack)}; "
+            f"total {_fmt_bytes(dense + pack)}")
+
+
 def convert(hf_path: str | Path, out: str | Path, settings: Settings = Settings(),
             verify: bool = False, workers: int = 4, chunk_bytes: int = 256 << 20,
-            stream=None) -> dict:
-    """Convert (or resume converting) ``hf_path`` into ``out``; returns the manifest."""
+            stream=None, dry_run: bool = False) -> dict | None:
+    """Convert (or resume converting) ``hf_path`` into ``out``; returns the manifest.
+
+    ``dry_run`` validates the source, prints what would be written and returns None.
+    """
     hf_path, out = Path(hf_path), Path(out)
     stream = stream or sys.stderr
     if settings.dense_bits not in (4, 8, 16):
@@ -579,6 +592,9 @@ def convert(hf_path: str | Path, out: str | Path, settings: Settings = Settings(
     src = CheckpointIndex(hf_path)
     fp = fingerprint(src, config_text, settings)
     status = _check_out(out, fp)
+    if dry_run:
+        stream.write(describe(make_plan(src, args, settings)) + "\n")
+        return None
     if status == "done":
         stream.write(f"{out}: already converted (manifest matches)\n")
     else:
@@ -589,9 +605,8 @@ def convert(hf_path: str | Path, out: str | Path, settings: Settings = Settings(
         large = plan.shard_names + plan.pack_names
         total = sum(plan.source_bytes(r) for r in large)
         done = sum(plan.source_bytes(r) for r in large if r in run.state["done"])
-        stream.write(f"converting {hf_path} -> {out}: dense {settings.dense_bits}-bit, "
-                     f"{len(plan.shards)} dense shards, {len(plan.pack_files)} pack files, "
-                     f"{_fmt_bytes(total)}\n")
+        stream.write(f"converting {hf_path} -> {out} ({_fmt_bytes(total)}), dense "
+                     f"{settings.dense_bits}-bit: {describe(plan)}\n")
         if done:
             n = sum(r in run.state["done"] for r in large)
             stream.write(f"resuming: {n} of {len(large)} files already complete\n")
@@ -661,6 +676,8 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     parser.add_argument("--verify", action="store_true",
                         help="re-read every output file and check its checksums")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the source and print what would be written (sizes)")
     parser.add_argument("--shard-mb", type=float, default=4096, help="dense shard size limit")
     parser.add_argument("--pack-file-mb", type=float, default=4096,
                         help="expert pack file size limit")
@@ -676,7 +693,8 @@ def main(argv=None) -> int:
     mb = 1 << 20
     settings = Settings(a.dense_bits, a.group_size, int(a.shard_mb * mb), int(a.pack_file_mb * mb))
     try:
-        convert(a.hf_path, a.out, settings, a.verify, a.workers, max(1, int(a.chunk_mb * mb)))
+        convert(a.hf_path, a.out, settings, a.verify, a.workers, max(1, int(a.chunk_mb * mb)),
+                dry_run=a.dry_run)
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"kimi_k3.convert: error: {e}", file=sys.stderr)
         return 1

@@ -179,9 +179,11 @@ fig.savefig(PLOTS / "mla_entropy.png", dpi=120)
 
 # %% [markdown]
 # ## Expert cache: hit rate against budget
-# Load the model again with experts streamed from disk into caches of a few sizes, run the
-# same prompt, and read the streamer's counters. Skipped for a real checkpoint unless
-# `KIMI_K3_SWEEP=1` (each point reloads the model).
+# Load the model again with experts streamed from disk into caches of a few sizes and run
+# the same prompt under a trace, whose `expert_cache` splits the streamer's counters per
+# call: the prefill (which needs nearly every expert once) and the decode steps, where the
+# cache lives on short-range reuse. Skipped for a real checkpoint unless `KIMI_K3_SWEEP=1`
+# (each point reloads the model).
 
 # %%
 try:
@@ -196,16 +198,23 @@ elif sweep:
     expert_bytes = sum(info.nbytes for name, info in index.tensors.items()
                        if ".experts." in name)
     fractions = [0.25, 0.5, 0.75, 1.0]
-    hit_rates = []
+    rates = {"prefill": [], "decode": []}
     for f in fractions:
         streamed = load_model(MODEL, dtype=DTYPE, expert_cache_gb=f * expert_bytes / 1e9)
-        generate(streamed, prompt, DECODE_STEPS)
-        hit_rates.append(get_stats(streamed)["hit_rate"])
+        with trace(streamed) as ts:
+            generate(streamed, prompt, DECODE_STEPS)
+        hits, misses = ts.expert_cache["hits"], ts.expert_cache["misses"]
+        for name, calls in (("prefill", slice(0, 1)), ("decode", slice(1, None))):
+            rates[name].append(hits[calls].sum() / max(hits[calls].sum() + misses[calls].sum(), 1))
         del streamed
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([100 * f for f in fractions], hit_rates, "o-")
+    for name, r in rates.items():
+        ax.plot([100 * f for f in fractions], r, "o-", label=name)
     ax.set(title="expert cache hit rate", xlabel="budget (% of all expert bytes)",
            ylabel="hit rate", ylim=(0, 1))
+    ax.legend()
     fig.tight_layout()
     fig.savefig(PLOTS / "cache_hit_rate.png", dpi=120)
-    print(dict(zip(fractions, np.round(hit_rates, 3), strict=True)))
+    for i, f in enumerate(fractions):
+        print(f"budget {f:.0%}: prefill hit rate {rates['prefill'][i]:.3f}, "
+              f"decode hit rate {rates['decode'][i]:.3f}")

@@ -28,13 +28,14 @@ CHUNK = 64
 
 PREP_BODY = """
   constexpr int C = 64;             // chunk
-  constexpr int DT = 16;            // channels per tile
+  constexpr int DT = 16;            // channels per pass-1 tile
   constexpr int NT = 256;           // threads
-  // sm regions. Pass 1: q, k, G tiles, sub-block left factors, right factors, scan partials.
-  constexpr int OQ = 0, OK = 1024, OG = 2048, OLQ = 3072, OLK = 3328, ORK = 3584, OSEG = 4608;
-  // Solve and pass 2: L and X = (I + L)^-1 packed strictly-lower (row i at i(i-1)/2), tile.
-  constexpr int OL = 0, OX = 2016, OTILE = 0;
-  SHARED float sm[4864];
+  constexpr int RQ = DT / 4 + 1;    // float4 per padded tile row (the pad avoids bank conflicts)
+  // sm4 regions, in float4. Pass 1: q, k, G tiles; left factors of a sub-block; right factors;
+  // scan partials. Pass 2: L, one row of 16 float4 per chunk row (zero on and above the diagonal).
+  constexpr int OQ = 0, OK = C * RQ, OG = 2 * C * RQ, OLQ = 3 * C * RQ, OLK = OLQ + 16 * RQ;
+  constexpr int ORK = OLK + 16 * RQ, OSEG = ORK + C * RQ, OL = 0;
+  SHARED float4 sm4[OSEG + 64];
   SHARED float s_beta[C];
 
   const int T = dims[0];
@@ -49,11 +50,8 @@ PREP_BODY = """
   const size_t tok = (size_t)H * K;                 // token stride of q, k, v, g
   const size_t in0 = ((size_t)b * T + t0) * tok + h * K;
   const size_t ch = (size_t)bh * N + n;
-  DEVICE float* A_out = Aqk + ch * C * C;
   DEVICE float* W_out = Wc + ch * C * K;
   DEVICE float* U_out = Uc + ch * C * K;
-  DEVICE float* Q_out = Qd + ch * C * K;
-  DEVICE float* K_out = Kd + ch * C * K;
 
   if (t < C) s_beta[t] = (int)t < rows ? beta[((size_t)b * T + t0 + t) * H + h] : 0.0f;
 
@@ -66,59 +64,59 @@ PREP_BODY = """
     accq[e] = 0.0f;
     acck[e] = 0.0f;
   }
+  const uint row = t / 4;       // this thread's tile row and float4 column
+  const uint dq = t % 4;
 
   for (int d0 = 0; d0 < K; d0 += DT) {
-    for (uint e = t; e < C * DT; e += NT) {
-      const uint i = e / DT;
-      const size_t src = in0 + i * tok + d0 + e % DT;
-      const bool ok = (int)i < rows;
-      sm[OQ + e] = ok ? q[src] : 0.0f;
-      sm[OK + e] = ok ? k[src] : 0.0f;
-      sm[OG + e] = ok ? g[src] : 0.0f;
+    {
+      const size_t src = in0 + row * tok + d0 + 4 * dq;
+      const bool ok = (int)row < rows;
+      sm4[OQ + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(q + src) : kk_zero4();
+      sm4[OK + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(k + src) : kk_zero4();
+      sm4[OG + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(g + src) : kk_zero4();
     }
     BARRIER();
-    {  // cumulative sum down each column: 16 segments of 4 rows per column
-      const uint d = t % DT;
-      const uint seg = t / DT;
-      float run = 0.0f;
-      for (int r = 0; r < 4; ++r) run += sm[OG + (seg * 4 + r) * DT + d];
-      sm[OSEG + seg * DT + d] = run;
-      BARRIER();
-      float off = 0.0f;
-      for (uint s2 = 0; s2 < seg; ++s2) off += sm[OSEG + s2 * DT + d];
-      for (int r = 0; r < 4; ++r) {
-        const uint idx = OG + (seg * 4 + r) * DT + d;
-        off += sm[idx];
-        sm[idx] = off;
+    // Cumulative sum down the rows: 16 segments of 4 rows, one thread per (segment, float4).
+    if (t < 64) {
+      float4 run = kk_zero4();
+      for (uint r = 0; r < 4; ++r) run = kk_add4(run, sm4[OG + (4 * row + r) * RQ + dq]);
+      sm4[OSEG + t] = run;
+    }
+    BARRIER();
+    if (t < 64) {
+      float4 off = kk_zero4();
+      for (uint s2 = 0; s2 < row; ++s2) off = kk_add4(off, sm4[OSEG + 4 * s2 + dq]);
+      for (uint r = 0; r < 4; ++r) {
+        off = kk_add4(off, sm4[OG + (4 * row + r) * RQ + dq]);
+        sm4[OG + (4 * row + r) * RQ + dq] = off;
       }
     }
     BARRIER();
-    for (uint e = t; e < C * DT; e += NT) {
-      const uint i = e / DT;
-      const uint d = e % DT;
-      const float G = sm[OG + e];
-      const float G_last = sm[OG + (C - 1) * DT + d];
-      const size_t o = i * K + d0 + d;
-      Q_out[o] = sm[OQ + e] * EXP(G);
-      K_out[o] = sm[OK + e] * EXP(G_last - G);
-      W_out[o] = s_beta[i] * sm[OK + e] * EXP(G);   // beta exp(G) k, solved in pass 2
+    {
+      const float4 G = sm4[OG + row * RQ + dq];
+      const float4 G_last = sm4[OG + (C - 1) * RQ + dq];
+      const float4 eG = kk_exp4(G);
+      const float4 kv = sm4[OK + row * RQ + dq];
+      const size_t o = ch * C * K + row * K + d0 + 4 * dq;
+      *reinterpret_cast<DEVICE float4*>(Qd + o) = kk_mul4(sm4[OQ + row * RQ + dq], eG);
+      *reinterpret_cast<DEVICE float4*>(Kd + o) = kk_mul4(kv, kk_exp4(kk_sub4(G_last, G)));
+      // beta exp(G) k, solved into W in pass 2
+      *reinterpret_cast<DEVICE float4*>(Wc + o) = kk_scale4(s_beta[row], kk_mul4(kv, eG));
+      if (t < 4) *reinterpret_cast<DEVICE float4*>(decay + ch * K + d0 + 4 * t) = kk_exp4(G_last);
     }
-    if (t < DT) decay[ch * K + d0 + t] = EXP(sm[OG + (C - 1) * DT + t]);
 
 #pragma unroll
     for (int I = 0; I < 4; ++I) {
       const int r0 = I * 16;              // reference row of sub-block I
-      {
-        const uint e = t;                 // 16 rows x DT = NT left factors
-        const uint i = r0 + e / DT;
-        const uint d = e % DT;
-        const float f = EXP(sm[OG + i * DT + d] - sm[OG + r0 * DT + d]);
-        sm[OLQ + e] = sm[OQ + i * DT + d] * f;
-        sm[OLK + e] = sm[OK + i * DT + d] * f;
+      if (t < 64) {                       // left factors exp(G_i - G_r) of its 16 rows
+        const uint i = r0 + row;
+        const float4 f = kk_exp4(kk_sub4(sm4[OG + i * RQ + dq], sm4[OG + r0 * RQ + dq]));
+        sm4[OLQ + row * RQ + dq] = kk_mul4(sm4[OQ + i * RQ + dq], f);
+        sm4[OLK + row * RQ + dq] = kk_mul4(sm4[OK + i * RQ + dq], f);
       }
-      for (uint e = t; e < (uint)(r0 + 16) * DT; e += NT) {
-        const uint d = e % DT;
-        sm[ORK + e] = sm[OK + e] * EXP(sm[OG + r0 * DT + d] - sm[OG + e]);
+      if ((int)row < r0 + 16) {           // right factors exp(G_r - G_j), columns up to its end
+        const float4 f = kk_exp4(kk_sub4(sm4[OG + r0 * RQ + dq], sm4[OG + row * RQ + dq]));
+        sm4[ORK + row * RQ + dq] = kk_mul4(sm4[OK + row * RQ + dq], f);
       }
       BARRIER();
 #pragma unroll
@@ -126,10 +124,11 @@ PREP_BODY = """
         if (m <= I) {
           const uint j = m * 16 + jj;
           float aq = 0.0f, ak = 0.0f;
-          for (int d = 0; d < DT; ++d) {
-            const float rk = sm[ORK + j * DT + d];
-            aq += sm[OLQ + ii * DT + d] * rk;
-            ak += sm[OLK + ii * DT + d] * rk;
+#pragma unroll
+          for (int c = 0; c < DT / 4; ++c) {
+            const float4 rk = sm4[ORK + j * RQ + c];
+            aq += kk_dot4(sm4[OLQ + ii * RQ + c], rk);
+            ak += kk_dot4(sm4[OLK + ii * RQ + c], rk);
           }
           accq[I * 4 + m] += aq;
           acck[I * 4 + m] += ak;
@@ -139,83 +138,86 @@ PREP_BODY = """
     }
   }
 
-  // Aqk (lower, with the diagonal) out; L = beta_i * (k scores), strictly lower, to sm.
+  // Aqk (lower, with the diagonal) out; L = beta_i * (k scores), strictly lower, to sm4.
+#define KK_SET_L(i, j, val)                                  \\
+  switch ((j) & 3) {                                         \\
+    case 0: sm4[OL + (i) * 16 + (j) / 4].x = (val); break;   \\
+    case 1: sm4[OL + (i) * 16 + (j) / 4].y = (val); break;   \\
+    case 2: sm4[OL + (i) * 16 + (j) / 4].z = (val); break;   \\
+    default: sm4[OL + (i) * 16 + (j) / 4].w = (val); break;  \\
+  }
 #pragma unroll
   for (int I = 0; I < 4; ++I) {
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const uint i = I * 16 + ii;
       const uint j = m * 16 + jj;
-      A_out[i * C + j] = j <= i ? accq[I * 4 + m] : 0.0f;
-      if (j < i) sm[OL + i * (i - 1) / 2 + j] = s_beta[i] * acck[I * 4 + m];
+      Aqk[ch * C * C + i * C + j] = j <= i ? accq[I * 4 + m] : 0.0f;
+      KK_SET_L(i, j, j < i ? s_beta[i] * acck[I * 4 + m] : 0.0f);
     }
   }
-  BARRIER();
-  if (t < C) {  // X = (I + L)^-1 by forward substitution, one column per thread
-    const uint c = t;
-    for (uint i = c + 1; i < C; ++i) {
-      float acc = sm[OL + i * (i - 1) / 2 + c];
-      for (uint j = c + 1; j < i; ++j) acc += sm[OL + i * (i - 1) / 2 + j] * sm[OX + j * (j - 1) / 2 + c];
-      sm[OX + i * (i - 1) / 2 + c] = -acc;
-    }
-  }
-  // Pass 2: W = X (beta exp(G) k) in place, U = X (beta v). Each thread reloads the W
-  // elements it wrote in pass 1 (same e -> thread mapping); the device barrier is for clarity.
+#undef KK_SET_L
+  // Pass 1 wrote W_out (beta exp(G) k) by rows; pass 2 reads it by columns.
   BARRIER_DEVICE();
-  for (int pass = 0; pass < 2; ++pass) {
-    DEVICE float* out = pass == 0 ? W_out : U_out;
-    for (int d0 = 0; d0 < K; d0 += DT) {
-      for (uint e = t; e < C * DT; e += NT) {
-        const uint i = e / DT;
-        const uint d = e % DT;
-        if (pass == 0) {
-          sm[OTILE + e] = W_out[i * K + d0 + d];
-        } else {
-          sm[OTILE + e] = (int)i < rows ? s_beta[i] * v[in0 + i * tok + d0 + d] : 0.0f;
-        }
-      }
-      BARRIER();
-      for (uint e = t; e < C * DT; e += NT) {
-        const uint i = e / DT;
-        const uint d = e % DT;
-        float acc = sm[OTILE + e];
-        for (uint j = 0; j < i; ++j) acc += sm[OX + i * (i - 1) / 2 + j] * sm[OTILE + j * DT + d];
-        out[i * K + d0 + d] = acc;
-      }
-      BARRIER();
+
+  // Pass 2: solve (I + L) X = RHS down the chunk, one column per thread, the column in
+  // registers: W (RHS = beta exp(G) k) for t < K, U (RHS = beta v) for K <= t < 2K.
+  if ((int)t < 2 * K) {
+    const uint d = t % K;
+    const bool is_w = (int)t < K;
+    DEVICE float* out = is_w ? W_out : U_out;
+    float x[C];
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      x[i] = is_w ? W_out[i * K + d] : (i < rows ? s_beta[i] * v[in0 + i * tok + d] : 0.0f);
     }
+#pragma unroll
+    for (int i = 1; i < C; ++i) {
+      float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+      for (int j4 = 0; j4 < (i + 3) / 4; ++j4) {   // L is zero from the diagonal on
+        const float4 l = sm4[OL + i * 16 + j4];
+        a0 += l.x * x[4 * j4] + l.y * x[4 * j4 + 1];
+        a1 += l.z * x[4 * j4 + 2] + l.w * x[4 * j4 + 3];
+      }
+      x[i] -= a0 + a1;
+    }
+#pragma unroll
+    for (int i = 0; i < C; ++i) out[i * K + d] = x[i];
   }
 """
 
 STATE_BODY = """
   constexpr int C = 64;
-  constexpr int VT = 32;            // state columns per threadgroup: one per lane
-  constexpr int R = K / KR;         // row groups (simdgroups), KR rows each
-  constexpr int NT = R * 32;
-  constexpr int RB = 4;             // chunk rows staged per step
-  SHARED float sW[RB * K];
-  SHARED float sQ[RB * K];
-  SHARED float sKd[RB * K];
-  SHARED float s_part[2 * R * RB * VT];
-  SHARED float sV[C * VT];          // V' of the chunk
-  SHARED float sO[C * VT];          // Qd S of the chunk
+  constexpr int VT = 32;            // state columns per threadgroup
+  constexpr int NT = 128;           // threads: 16 row groups x 8 column quads
+  constexpr int KM = K / 16;        // state rows per thread (a multiple of 4)
+  constexpr int ST = 8;             // rows staged per step
+  constexpr int CP = C / 4 + 1;     // float4 per padded staged row of C values
+  SHARED float4 sS[K * VT / 4];     // S of the chunk start [K][VT]
+  SHARED float4 sV[C * VT / 4];     // V' [C][VT]
+  SHARED float4 st[2 * ST * CP];    // staged W^T and Qd^T slices, A^T slices, Kd rows
 
   const int T = dims[0];
   const int N = dims[1];
   const uint t = THREAD_INDEX;
-  const uint rg = t / 32;
-  const uint lane = t % 32;
+  const uint tr = t / 8;            // row group: chunk rows 4tr.., state rows KM tr..
+  const uint tc = t % 8;            // column quad: columns 4tc.. of the tile
   const uint nvt = K / VT;
   const uint vt = GROUP_POS.x % nvt;
   const uint bh = GROUP_POS.x / nvt;
   const uint b = bh / H;
   const uint h = bh % H;
-  const uint v = vt * VT + lane;
+  const uint col = vt * VT + 4 * tc;      // first state column of this thread
+  const uint i0 = 4 * tr;
+  const uint k0 = KM * tr;
 
-  float s[KR];
-  float acc[KR];
-  const DEVICE float* S0 = state + (size_t)bh * K * K;
-  for (int j = 0; j < KR; ++j) s[j] = S0[(rg * KR + j) * K + v];
+  float4 S[KM];
+#pragma unroll
+  for (int a = 0; a < KM; ++a) {
+    S[a] = *reinterpret_cast<const DEVICE float4*>(state + ((size_t)bh * K + k0 + a) * K + col);
+    sS[(k0 + a) * (VT / 4) + tc] = S[a];
+  }
 
   for (int n = 0; n < N; ++n) {
     const size_t ch = (size_t)bh * N + n;
@@ -224,55 +226,106 @@ STATE_BODY = """
     const DEVICE float* Kn = Kd + ch * C * K;
     const DEVICE float* Un = Uc + ch * C * K;
     const DEVICE float* An = Aqk + ch * C * C;
-    for (int j = 0; j < KR; ++j) acc[j] = 0.0f;
-    for (int i0 = 0; i0 < C; i0 += RB) {
-      for (uint e = t; e < RB * K; e += NT) {
-        sW[e] = Wn[i0 * K + e];
-        sQ[e] = Qn[i0 * K + e];
-        sKd[e] = Kn[i0 * K + e];
+
+    // P1 = W S and P2 = Qd S for rows i0.. and columns col..: W^T, Qd^T staged ST rows at a time.
+    float4 P1[4];
+    float4 P2[4];
+    for (int a = 0; a < 4; ++a) {
+      P1[a] = kk_zero4();
+      P2[a] = kk_zero4();
+    }
+    for (int s0 = 0; s0 < K; s0 += ST) {
+      {
+        const uint kk = t % ST;           // one float4 (4 chunk rows) of each transpose
+        const uint iq = t / ST;
+        const uint base = 4 * iq * K + s0 + kk;
+        st[kk * CP + iq] = FLOAT4(Wn[base], Wn[base + K], Wn[base + 2 * K], Wn[base + 3 * K]);
+        st[(ST + kk) * CP + iq] = FLOAT4(Qn[base], Qn[base + K], Qn[base + 2 * K], Qn[base + 3 * K]);
       }
       BARRIER();
-      for (int ib = 0; ib < RB; ++ib) {  // this row group's part of (W S) and (Qd S)
-        float pw = 0.0f, pq = 0.0f;
-        for (int j = 0; j < KR; ++j) {
-          pw += sW[ib * K + rg * KR + j] * s[j];
-          pq += sQ[ib * K + rg * KR + j] * s[j];
-        }
-        s_part[(rg * RB + ib) * VT + lane] = pw;
-        s_part[((R + rg) * RB + ib) * VT + lane] = pq;
-      }
-      BARRIER();
-      for (uint e = t; e < RB * VT; e += NT) {
-        const uint ib = e / VT;
-        const uint l = e % VT;
-        const uint i = i0 + ib;
-        float pw = 0.0f, pq = 0.0f;
-        for (int r2 = 0; r2 < R; ++r2) {
-          pw += s_part[(r2 * RB + ib) * VT + l];
-          pq += s_part[((R + r2) * RB + ib) * VT + l];
-        }
-        sV[i * VT + l] = Un[i * K + vt * VT + l] - pw;
-        sO[i * VT + l] = pq;
-      }
-      BARRIER();
-      for (int ib = 0; ib < RB; ++ib) {  // Kd^T V' for this thread's rows
-        const float vv = sV[(i0 + ib) * VT + lane];
-        for (int j = 0; j < KR; ++j) acc[j] += sKd[ib * K + rg * KR + j] * vv;
+#pragma unroll
+      for (int kk = 0; kk < ST; ++kk) {
+        const float4 w = st[kk * CP + tr];
+        const float4 q4 = st[(ST + kk) * CP + tr];
+        const float4 s = sS[(s0 + kk) * (VT / 4) + tc];
+        P1[0] = kk_fma4(w.x, s, P1[0]);
+        P1[1] = kk_fma4(w.y, s, P1[1]);
+        P1[2] = kk_fma4(w.z, s, P1[2]);
+        P1[3] = kk_fma4(w.w, s, P1[3]);
+        P2[0] = kk_fma4(q4.x, s, P2[0]);
+        P2[1] = kk_fma4(q4.y, s, P2[1]);
+        P2[2] = kk_fma4(q4.z, s, P2[2]);
+        P2[3] = kk_fma4(q4.w, s, P2[3]);
       }
       BARRIER();
     }
-    for (uint i = rg; i < C; i += R) {
-      float o_i = sO[i * VT + lane];
-      for (uint j = 0; j <= i; ++j) o_i += An[i * C + j] * sV[j * VT + lane];
-      const int tk = n * C + i;
-      if (tk < T) o[(((size_t)b * T + tk) * H + h) * K + v] = o_i;
+    for (int a = 0; a < 4; ++a) {   // V' = U - W S
+      const float4 u = *reinterpret_cast<const DEVICE float4*>(Un + (i0 + a) * K + col);
+      sV[(i0 + a) * (VT / 4) + tc] = kk_sub4(u, P1[a]);
     }
-    const DEVICE float* dn = decay + ch * K;
-    for (int j = 0; j < KR; ++j) s[j] = dn[rg * KR + j] * s[j] + acc[j];
-    BARRIER();
+    // O = Qd S + Aqk V' (Aqk is zero above the diagonal): A^T staged ST columns at a time.
+    for (int j0 = 0; j0 < C; j0 += ST) {
+      {
+        const uint jj = t % ST;
+        const uint iq = t / ST;
+        const uint base = 4 * iq * C + j0 + jj;
+        st[jj * CP + iq] = FLOAT4(An[base], An[base + C], An[base + 2 * C], An[base + 3 * C]);
+      }
+      BARRIER();
+      if (j0 <= (int)i0 + 3) {
+#pragma unroll
+        for (int jj = 0; jj < ST; ++jj) {
+          const float4 a4 = st[jj * CP + tr];
+          const float4 v4 = sV[(j0 + jj) * (VT / 4) + tc];
+          P2[0] = kk_fma4(a4.x, v4, P2[0]);
+          P2[1] = kk_fma4(a4.y, v4, P2[1]);
+          P2[2] = kk_fma4(a4.z, v4, P2[2]);
+          P2[3] = kk_fma4(a4.w, v4, P2[3]);
+        }
+      }
+      BARRIER();
+    }
+    for (int a = 0; a < 4; ++a) {
+      const int tk = n * C + i0 + a;
+      if (tk < T) *reinterpret_cast<DEVICE float4*>(o + (((size_t)b * T + tk) * H + h) * K + col) = P2[a];
+    }
+    // S = decay S + Kd^T V': Kd staged ST rows at a time.
+    {
+      const float4* unused = nullptr;
+      (void)unused;
+    }
+#pragma unroll
+    for (int a4 = 0; a4 < KM / 4; ++a4) {
+      const float4 dk = *reinterpret_cast<const DEVICE float4*>(decay + ch * K + k0 + 4 * a4);
+      S[4 * a4] = kk_scale4(dk.x, S[4 * a4]);
+      S[4 * a4 + 1] = kk_scale4(dk.y, S[4 * a4 + 1]);
+      S[4 * a4 + 2] = kk_scale4(dk.z, S[4 * a4 + 2]);
+      S[4 * a4 + 3] = kk_scale4(dk.w, S[4 * a4 + 3]);
+    }
+    for (int i0s = 0; i0s < C; i0s += ST) {
+      for (uint e = t; e < ST * K / 4; e += NT) {
+        st[e] = *reinterpret_cast<const DEVICE float4*>(Kn + i0s * K + 4 * e);
+      }
+      BARRIER();
+#pragma unroll
+      for (int ii = 0; ii < ST; ++ii) {
+        const float4 v4 = sV[(i0s + ii) * (VT / 4) + tc];
+#pragma unroll
+        for (int a4 = 0; a4 < KM / 4; ++a4) {
+          const float4 kd = st[ii * (K / 4) + k0 / 4 + a4];
+          S[4 * a4] = kk_fma4(kd.x, v4, S[4 * a4]);
+          S[4 * a4 + 1] = kk_fma4(kd.y, v4, S[4 * a4 + 1]);
+          S[4 * a4 + 2] = kk_fma4(kd.z, v4, S[4 * a4 + 2]);
+          S[4 * a4 + 3] = kk_fma4(kd.w, v4, S[4 * a4 + 3]);
+        }
+      }
+      BARRIER();
+    }
+    for (int a = 0; a < KM; ++a) sS[(k0 + a) * (VT / 4) + tc] = S[a];
   }
-  DEVICE float* S1 = state_out + (size_t)bh * K * K;
-  for (int j = 0; j < KR; ++j) S1[(rg * KR + j) * K + v] = s[j];
+  for (int a = 0; a < KM; ++a) {
+    *reinterpret_cast<DEVICE float4*>(state_out + ((size_t)bh * K + k0 + a) * K + col) = S[a];
+  }
 """
 
 STATE_ROWS = 32  # KR of kda_chunk_state: state rows per thread

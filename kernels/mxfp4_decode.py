@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .source import Instance, Kernel, backend as default_backend
+from .source import Instance, Kernel
+from .source import backend as default_backend
 
 # Shared with mxfp4_prefill: the E2M1 table entry for a code, SiTU-GLU, and one word's dot
 # product with 8 latent values held as two float4 (the table is the body's `lut` array).
@@ -173,8 +174,14 @@ U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 
 def gate_up_template(dtype, D, I, K):
-    return [("T", dtype), ("D", D), ("I", I), ("K", K), ("R", GATE_UP_ROWS),
-            ("NSG", GATE_UP_SIMDGROUPS)]
+    return [
+        ("T", dtype),
+        ("D", D),
+        ("I", I),
+        ("K", K),
+        ("R", GATE_UP_ROWS),
+        ("NSG", GATE_UP_SIMDGROUPS),
+    ]
 
 
 def down_template(D, I, K):
@@ -255,9 +262,17 @@ def eligible(z, w, inds) -> bool:
     (q1, e1), (q3, e3), (q2, e2) = w["w1"], w["w3"], w["w2"]
     E, I = q1.shape[:2]
     shapes_ok = (
-        q1.shape == q3.shape == (E, I, D // 8) and e1.shape == e3.shape == (E, I, D // 32)
-        and q2.shape == (E, D, I // 8) and e2.shape == (E, D, I // 32)
+        q1.shape == q3.shape == (E, I, D // 8)
+        and e1.shape == e3.shape == (E, I, D // 32)
+        and q2.shape == (E, D, I // 8)
+        and e2.shape == (E, D, I // 32)
     )
     dtypes_ok = all(q.dtype == U32 and e.dtype == U8 for q, e in (w["w1"], w["w3"], w["w2"]))
-    return (shapes_ok and dtypes_ok and D % 32 == 0 and I % 32 == 0 and 4 * D <= 28 * 1024
-            and inds.shape[0] == N)
+    return (
+        shapes_ok
+        and dtypes_ok
+        and D % 32 == 0
+        and I % 32 == 0
+        and 4 * D <= 28 * 1024
+        and inds.shape[0] == N
+    )

@@ -5,10 +5,11 @@ into tiles of ``TM`` pairs. ``mxfp4_grouped`` runs one threadgroup of 256 thread
 block of output rows), so a block of weight rows is read once per tile of tokens:
 
 - per 32-wide group of the reduction axis, the tile's inputs go to threadgroup memory
-  (``xs``: 32 x TM, fp32), and each staging thread loads one 16-byte group of 4 weight rows;
-- per word of that group (8 values), the staged rows are decoded (E2M1 table, E8M0 scale)
-  into ``ws`` (8 x 8*TX, fp32), and every thread accumulates its RT tokens x 8 rows in
-  registers from ``xs`` and ``ws``.
+  (``xs``: 32 x TM, fp32), and each thread reads the scales of 4 weight rows;
+- per word of that group (8 values), the threads read and decode the word of their 4 rows
+  (E2M1 table, E8M0 scale; the threads sharing 4 rows split the 8 codes) into ``ws``
+  (8 x 8*TX, fp32), and
+  every thread accumulates its RT tokens x 8 rows in registers from ``xs`` and ``ws``.
 
 Launch 1 (``NMAT = 2``) computes gate and up of the same rows (slab 0 = w1, slab 1 = w3) and
 writes SiTU-GLU ``h`` [P, I] in sorted order; launch 2 (``NMAT = 1``, two slabs of w2 rows)
@@ -22,7 +23,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .mxfp4_decode import HEADER, K3, act_params
-from .source import Instance, Kernel, backend as default_backend
+from .source import Instance, Kernel
+from .source import backend as default_backend
 
 BODY = """
   constexpr int W = KD / 8;           // uint32 words per weight row
@@ -46,10 +48,14 @@ BODY = """
   const uint ty = tid / TX;
   const uint rbase = GROUP_POS.y * BN;
 
-  // Staging thread tid < 2*TX owns weight rows 4*tid .. 4*tid+3 of the 2 slabs.
-  const bool stager = tid < 2 * TX;
-  const uint slab = tid / TX;
-  const uint srow = rbase + (NMAT == 2 ? 0 : slab * SLAB) + 4 * (tid % TX);
+  // Staging: 2*TX groups of 4 weight rows (two slabs); SPLIT threads share a group, each
+  // decoding JS of the 8 codes of every word, so all threads take part.
+  constexpr int SPLIT = 256 / (2 * TX);
+  constexpr int JS = 8 / SPLIT;
+  const uint stage = tid % (2 * TX);
+  const uint jpart = tid / (2 * TX);
+  const uint slab = stage / TX;
+  const uint srow = rbase + (NMAT == 2 ? 0 : slab * SLAB) + 4 * (stage % TX);
   const DEVICE uint32_t* wq = (NMAT == 2 && slab == 1 ? wb : wa) + (expert * NOUT + srow) * W;
   const DEVICE uint8_t* wsc = (NMAT == 2 && slab == 1 ? sb : sa) + (expert * NOUT + srow) * G;
 
@@ -61,17 +67,9 @@ BODY = """
   }
 
   for (int g = 0; g < G; ++g) {
-    uint4 q[4];
     float sc[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      q[r].x = q[r].y = q[r].z = q[r].w = 0u;
-      sc[r] = 0.0f;
-      if (stager && srow + r < NOUT) {
-        q[r] = *(const DEVICE uint4*)(wq + r * W + 4 * g);
-        sc[r] = kk_e8m0(wsc[r * G + g]);
-      }
-    }
+    for (int r = 0; r < 4; ++r) sc[r] = srow + r < NOUT ? kk_e8m0(wsc[r * G + g]) : 0.0f;
     float4 xv[(XQ + 255) / 256];
 #pragma unroll
     for (int s = 0; s < (XQ + 255) / 256; ++s) {
@@ -99,21 +97,19 @@ BODY = """
 #pragma unroll
     for (int word = 0; word < 4; ++word) {
       if (word > 0) BARRIER();        // the previous word's readers are done
-      if (stager) {
-        uint u[4];
+      uint u[4];  // after the group's first word, L1 hits: a row's 16 bytes share a sector
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          u[r] = word == 0 ? q[r].x : word == 1 ? q[r].y : word == 2 ? q[r].z : q[r].w;
-        }
+      for (int r = 0; r < 4; ++r) {
+        u[r] = srow + r < NOUT ? wq[r * W + 4 * g + word] >> (4 * JS * jpart) : 0u;
+      }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          float4 d;
-          d.x = lut[(u[0] >> (4 * j)) & 15u] * sc[0];
-          d.y = lut[(u[1] >> (4 * j)) & 15u] * sc[1];
-          d.z = lut[(u[2] >> (4 * j)) & 15u] * sc[2];
-          d.w = lut[(u[3] >> (4 * j)) & 15u] * sc[3];
-          ws[j * 2 * TX + tid] = d;
-        }
+      for (int j = 0; j < JS; ++j) {
+        float4 d;
+        d.x = lut[(u[0] >> (4 * j)) & 15u] * sc[0];
+        d.y = lut[(u[1] >> (4 * j)) & 15u] * sc[1];
+        d.z = lut[(u[2] >> (4 * j)) & 15u] * sc[2];
+        d.w = lut[(u[3] >> (4 * j)) & 15u] * sc[3];
+        ws[(JS * jpart + j) * 2 * TX + stage] = d;
       }
       BARRIER();
 #pragma unroll
@@ -177,8 +173,14 @@ U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 
 def template(dtype, KD: int, NOUT: int, NMAT: int, TM: int):
-    return [("T", dtype), ("KD", KD), ("NOUT", NOUT), ("NMAT", NMAT), ("TM", TM),
-            ("RT", TILE_SHAPES[TM])]
+    return [
+        ("T", dtype),
+        ("KD", KD),
+        ("NOUT", NOUT),
+        ("NMAT", NMAT),
+        ("TM", TM),
+        ("RT", TILE_SHAPES[TM]),
+    ]
 
 
 def rows_per_group(NMAT: int, TM: int) -> int:
@@ -191,22 +193,34 @@ def _instances():
     out = []
     for TM in TILE_SHAPES:
         for dt in (mx.bfloat16, mx.float16, mx.float32):
-            out.append(Instance([dt, I32, I32, U32, U8, U32, U8, F32, F32], [F32],
-                                template(dt, K3["D"], K3["I"], 2, TM)))
-        out.append(Instance([F32, I32, I32, U32, U8, U32, U8, F32, F32], [F32],
-                            template(F32, K3["I"], K3["D"], 1, TM)))
+            out.append(
+                Instance(
+                    [dt, I32, I32, U32, U8, U32, U8, F32, F32],
+                    [F32],
+                    template(dt, K3["D"], K3["I"], 2, TM),
+                )
+            )
+        out.append(
+            Instance(
+                [F32, I32, I32, U32, U8, U32, U8, F32, F32],
+                [F32],
+                template(F32, K3["I"], K3["D"], 1, TM),
+            )
+        )
     return out
 
 
-MXFP4_GROUPED = Kernel("mxfp4_grouped", INPUTS, ["out"], BODY, header=HEADER,
-                       instances=_instances())
+MXFP4_GROUPED = Kernel(
+    "mxfp4_grouped", INPUTS, ["out"], BODY, header=HEADER, instances=_instances()
+)
 
 
 def tile_tokens_for(pairs: int, experts: int) -> int:
-    """Pairs per tile for ``pairs`` spread over ``experts``: the smallest tile that holds an
-    expert's expected run, so few tile slots go empty (flat routing assumed)."""
+    """Pairs per tile for ``pairs`` spread over ``experts`` (flat routing assumed): 16 when an
+    expert's expected run fits, else 32 (64 needs 144 registers a thread on sm_90, so one
+    threadgroup per multiprocessor; the benchmark sweeps it)."""
     per_expert = pairs / max(1, min(experts, pairs))
-    return next((tm for tm in sorted(TILE_SHAPES) if per_expert <= tm), max(TILE_SHAPES))
+    return 16 if per_expert <= 16 else 32
 
 
 def group_by_expert(flat: mx.array, num_experts: int, tm: int):
@@ -222,8 +236,9 @@ def group_by_expert(flat: mx.array, num_experts: int, tm: int):
     pos = mx.arange(P, dtype=I32)
     first = mx.concatenate([mx.array([True]), ids[1:] != ids[:-1]])
     run_start = mx.cummax(mx.where(first, pos, 0))
-    run_end = mx.cummin(mx.concatenate([mx.where(first[1:], pos[1:], P), mx.array([P], I32)]),
-                        reverse=True)
+    run_end = mx.cummin(
+        mx.concatenate([mx.where(first[1:], pos[1:], P), mx.array([P], I32)]), reverse=True
+    )
     opens = (pos - run_start) % tm == 0
     n_tiles = min(P, (P + min(num_experts, P) * (tm - 1)) // tm)
     slot = mx.where(opens, mx.cumsum(opens.astype(I32)) - 1, n_tiles)  # n_tiles: discarded
@@ -233,8 +248,9 @@ def group_by_expert(flat: mx.array, num_experts: int, tm: int):
     return order, tiles[:n_tiles]
 
 
-def expert_glu_prefill(z, w, inds, weights, beta, cap, tile_tokens: int | None = None,
-                       backend: str | None = None):
+def expert_glu_prefill(
+    z, w, inds, weights, beta, cap, tile_tokens: int | None = None, backend: str | None = None
+):
     """``kimi_k3.experts.expert_glu_reference`` as two grouped GEMMs, for many tokens.
 
     Shapes: z [N, D]; w as ``expert_glu_reference`` (leading axis: experts or cache slots);

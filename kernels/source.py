@@ -57,6 +57,7 @@ CALLS = {
     "SIMD_SHUFFLE_XOR": ("metal::simd_shuffle_xor", "kk_warp_shuffle_xor"),
     "SIMD_SHUFFLE_DOWN": ("metal::simd_shuffle_down", "kk_warp_shuffle_down"),
     "SIMD_BROADCAST": ("metal::simd_broadcast", "kk_warp_shuffle"),
+    "FLOAT4": ("float4", "make_float4"),
     "EXP": ("metal::exp", "expf"),
     "LOG": ("metal::log", "logf"),
     "SQRT": ("metal::sqrt", "sqrtf"),
@@ -98,6 +99,21 @@ template <typename T> __device__ inline T kk_warp_shuffle_xor(T v, int mask) {
 template <typename T> __device__ inline T kk_warp_shuffle_down(T v, int delta) {
   return __shfl_down_sync(0xffffffffu, v, delta);
 }
+"""
+
+# float4 arithmetic both backends accept (CUDA's float4 has no operators). Add to a
+# kernel's header when its body uses them.
+VEC4_HELPERS = """
+HELPER float4 kk_add4(float4 a, float4 b) { a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w; return a; }
+HELPER float4 kk_sub4(float4 a, float4 b) { a.x -= b.x; a.y -= b.y; a.z -= b.z; a.w -= b.w; return a; }
+HELPER float4 kk_mul4(float4 a, float4 b) { a.x *= b.x; a.y *= b.y; a.z *= b.z; a.w *= b.w; return a; }
+HELPER float4 kk_scale4(float s, float4 a) { a.x *= s; a.y *= s; a.z *= s; a.w *= s; return a; }
+HELPER float4 kk_fma4(float s, float4 a, float4 acc) {
+  acc.x += s * a.x; acc.y += s * a.y; acc.z += s * a.z; acc.w += s * a.w; return acc;
+}
+HELPER float kk_dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+HELPER float4 kk_exp4(float4 a) { return FLOAT4(EXP(a.x), EXP(a.y), EXP(a.z), EXP(a.w)); }
+HELPER float4 kk_zero4() { return FLOAT4(0.0f, 0.0f, 0.0f, 0.0f); }
 """
 
 _WORD_RE = re.compile(r"\b(" + "|".join(sorted(WORDS, key=len, reverse=True)) + r")\b")
@@ -235,10 +251,9 @@ def cuda_kernel_name(name: str, template) -> str:
     return out
 
 
-def cuda_translation_unit(kernel: Kernel, inst: Instance) -> str:
-    """A .cu file with what ``mx.fast.cuda_kernel`` compiles for this instance (MLX's
-    build_kernel: header, then the ``__global__`` function in ``mlx::core::cu`` with the
-    template arguments as ``constexpr`` / ``using`` lines at the top of the body)."""
+def cuda_function(kernel: Kernel, inst: Instance) -> str:
+    """The ``__global__`` function ``mx.fast.cuda_kernel`` generates for this instance (MLX's
+    build_kernel: template arguments become ``constexpr`` / ``using`` lines in the body)."""
     body = kernel.source("cuda")
     params = []
     for name, dt in zip(kernel.input_names, inst.input_dtypes):
@@ -256,13 +271,23 @@ def cuda_translation_unit(kernel: Kernel, inst: Instance) -> str:
         else:
             consts.append(f"  constexpr int {name} = {int(arg)};")
     return (
-        _CUDA_UNIT_HEAD
-        + render_header(kernel.header, "cuda")
-        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-        + f"__global__ void {cuda_kernel_name(kernel.name, inst.template)}(\n"
+        f"__global__ void {cuda_kernel_name(kernel.name, inst.template)}(\n"
         + ",\n".join(params)
         + ") {\n"
         + ("\n".join(consts) + "\n\n" if consts else "")
         + body
-        + "\n}\n\n} // namespace mlx::core::cu\n"
+        + "\n}\n"
+    )
+
+
+def cuda_translation_unit(kernel: Kernel, instances=None) -> str:
+    """A .cu file with what ``mx.fast.cuda_kernel`` compiles for each instance (default: all
+    of the kernel's), standard CUDA headers standing in for MLX's device utils header."""
+    functions = {cuda_function(kernel, inst) for inst in instances or kernel.instances}
+    return (
+        _CUDA_UNIT_HEAD
+        + render_header(kernel.header, "cuda")
+        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        + "\n".join(sorted(functions))
+        + "\n} // namespace mlx::core::cu\n"
     )

@@ -28,10 +28,7 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        try:
-            module = importlib.import_module(_LAZY[name])
-        except ModuleNotFoundError as e:
-            raise AttributeError(f"kimi_k3.{name} is not available ({e})") from None
+        module = importlib.import_module(_LAZY[name])
         # Importing kimi_k3.trace binds the submodule to this name; rebind the function.
         globals()[name] = value = getattr(module, name)
         return value
@@ -46,9 +43,10 @@ def check_checkpoint(path: str | Path) -> dict:
     """
     from kimi_k3.config import ConfigError
 
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such model directory")
+        what = "not a directory" if path.exists() else "no such model directory"
+        raise FileNotFoundError(f"{path}: {what}")
     file = path / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no config.json (not a model directory?)")
@@ -79,7 +77,8 @@ def load(
     Args:
         path: a checkpoint directory: the published layout, this project's converted
             layout, or an mlx-lm converted one.
-        tokenizer_config: ``{"eos_token": str | list}`` adds stop tokens; no other keys.
+        tokenizer_config: ``{"eos_token": str | list}`` adds stop tokens
+            (``trust_remote_code`` is ignored); no other keys.
         model_config: overrides for keys that change no tensor shape
             (``RUNTIME_CONFIG_KEYS``); anything else belongs in ``config.json``.
         dtype: dense weight dtype (``mx.bfloat16`` when ``None``).
@@ -100,22 +99,25 @@ def load(
     from kimi_k3.tokenizer import load_tokenizer
 
     config = check_checkpoint(path)
+    path = Path(path).expanduser()
+    overrides = _check_model_config(model_config or {})
     model = load_model(path, dtype=dtype or mx.bfloat16, expert_cache_gb=expert_cache_gb,
                        lazy=lazy, **stream_options)
-    _apply_model_config(model, model_config or {})
+    for key, value in overrides.items():
+        setattr(model.args, key, value)
     tokenizer = load_tokenizer(path)
     _apply_tokenizer_config(tokenizer, tokenizer_config or {})
     return (model, tokenizer, config) if return_config else (model, tokenizer)
 
 
-def _apply_model_config(model, overrides: dict):
+def _check_model_config(overrides: dict) -> dict:
     from kimi_k3.config import ConfigError
 
-    for key, value in overrides.items():
+    for key in overrides:
         if key not in RUNTIME_CONFIG_KEYS:
             raise ConfigError(f"model_config key {key!r} cannot be changed after the "
                               f"checkpoint is read; only {list(RUNTIME_CONFIG_KEYS)}")
-        setattr(model.args, key, value)
+    return overrides
 
 
 def _apply_tokenizer_config(tokenizer, config: dict):

@@ -50,7 +50,7 @@ class UserError(Exception):
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kimi_k3.generate",
-                                description=__doc__.split("\n")[0])
+                                description="Chat with or complete text from Kimi K3.")
     p.add_argument("--model", type=Path, default=None,
                    help="checkpoint directory: the published layout, the converter's, or an "
                         "mlx-lm converted one (default: the built-in random-weight demo model)")
@@ -73,8 +73,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--expert-cache-gb", type=float, default=None,
                    help="stream routed experts from disk into a cache of this many GB "
-                        "(default: the demo model streams 25%% of its experts; other models "
-                        "keep experts resident)")
+                        "(default: experts resident if the whole checkpoint fits in memory, "
+                        "else a cache sized from free memory; the demo model caches 25%% of "
+                        "its experts)")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--max-context", type=int, default=None,
                    help="cap on prompt + reply tokens (default: max_position_embeddings)")
@@ -99,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return INTERRUPTED
-    except (UserError, FileNotFoundError, ConfigError, CheckpointError) as e:
-        return _fail(str(e))
-    except OSError as e:
+    except (UserError, ConfigError, CheckpointError, OSError) as e:
         return _fail(str(e))
 
 
@@ -203,25 +202,30 @@ def read_prompt(text: str) -> str:
     return sys.stdin.read() if text == "-" else text
 
 
-def context_limit(model, max_context: int | None) -> int:
+def context_limit(model, max_context: int | None) -> tuple[int, str]:
+    """The context size in tokens and where it comes from."""
     limit = model.args.max_position_embeddings
-    return min(limit, max_context) if max_context else limit
+    if max_context and max_context < limit:
+        return max_context, "--max-context"
+    return limit, "max_position_embeddings"
 
 
-def check_room(n_prompt: int, in_cache: int, limit: int, max_tokens: int) -> int:
-    """The reply budget left under the context ``limit``; ``UserError`` if none is left."""
+def check_room(n_prompt: int, in_cache: int, context: tuple[int, str], max_tokens: int) -> int:
+    """The reply budget left in the ``context``; ``UserError`` if none is left."""
+    limit, source = context
     used = in_cache + n_prompt
     if used >= limit:
         held = f" ({in_cache} already in the conversation)" if in_cache else ""
         raise UserError(f"the prompt is {n_prompt} tokens{held}, but the context holds "
-                        f"{limit} (max_position_embeddings or --max-context), leaving no room "
-                        "for a reply")
+                        f"{limit} ({source}), leaving no room for a reply")
     return min(max_tokens, limit - used)
 
 
 def prompt_ids(tokenizer, args) -> list[int]:
     text = read_prompt(args.prompt)
     if not args.chat:
+        if args.system:
+            raise UserError("--system needs --chat")
         return tokenizer.encode(text, add_special_tokens=False)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": text})
@@ -236,10 +240,6 @@ class Reply:
     tokens: list[int] = field(default_factory=list)
     last: object = None  # the last mlx-lm GenerationResponse
     prompt_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.last is not None and self.last.finish_reason == "stop"
 
 
 def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, reply: Reply):
@@ -286,7 +286,7 @@ def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply: R
 def stats_line(model, reply: Reply) -> str:
     r = reply.last
     if r is None:
-        parts = [f"prompt: {reply.prompt_tokens} tokens, not finished",
+        parts = [f"prompt: {reply.prompt_tokens} tokens, prefill not finished",
                  f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB"]
     else:
         parts = [f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s",
@@ -307,7 +307,6 @@ def _expert_stats(model) -> str:
 # Interactive chat.
 
 
-@dataclass
 class ChatSession:
     """A conversation whose prompt cache persists across turns.
 
@@ -315,22 +314,24 @@ class ChatSession:
     cut-off previous reply, then the user message and the assistant opening).
     """
 
-    model: object
-    tokenizer: object
-    system: str | None = None
-    thinking: bool = True
-    history: list[int] = field(default_factory=list)
-    cache: list = field(default=None)
+    def __init__(self, model, tokenizer, system: str | None = None, thinking: bool = True):
+        self.model, self.tokenizer, self.system, self.thinking = model, tokenizer, system, thinking
+        self.cache = model.make_cache()
+        self.history: list[int] = []
+        self.last_reply: list[int] = []
 
-    def __post_init__(self):
-        self.cache = self.model.make_cache()
-
-    def turn_ids(self, text: str, last_reply: list[int]) -> list[int]:
+    def turn_ids(self, text: str) -> list[int]:
+        """The ids to feed for the user message ``text``."""
         first = not self.history
         messages = [{"role": "system", "content": self.system}] if first and self.system else []
         messages.append({"role": "user", "content": text})
-        closing = close_reply(self.tokenizer, last_reply, self.thinking) if last_reply else []
+        closing = close_reply(self.tokenizer, self.last_reply, self.thinking) if not first else []
         return closing + encode_chat(self.tokenizer, messages, thinking=self.thinking)
+
+    def record(self, ids: list[int], reply: list[int]):
+        """Note a turn fed ``ids`` and produced ``reply`` (both now in the cache)."""
+        self.history += ids + reply
+        self.last_reply = reply
 
 
 def close_reply(tokenizer, reply: list[int], thinking: bool) -> list[int]:
@@ -353,8 +354,7 @@ def close_reply(tokenizer, reply: list[int], thinking: bool) -> list[int]:
 def chat_loop(model, tokenizer, args) -> int:
     """Read user messages from stdin until EOF or ``/exit``; ``/reset`` clears the history."""
     session = ChatSession(model, tokenizer, args.system, args.thinking)
-    limit = context_limit(model, args.max_context)
-    last: list[int] = []
+    context = context_limit(model, args.max_context)
     print("chat: type a message; /reset starts over, /exit or Ctrl-D quits", file=sys.stderr)
     while True:
         try:
@@ -364,11 +364,11 @@ def chat_loop(model, tokenizer, args) -> int:
         if text.strip() == "/exit":
             return 0
         if text.strip() == "/reset":
-            session, last = ChatSession(model, tokenizer, args.system, args.thinking), []
+            session = ChatSession(model, tokenizer, args.system, args.thinking)
             continue
-        ids = session.turn_ids(text, last)
+        ids = session.turn_ids(text)
         try:
-            max_tokens = check_room(len(ids), len(session.history), limit, args.max_tokens)
+            max_tokens = check_room(len(ids), len(session.history), context, args.max_tokens)
         except UserError as e:
             print(f"error: {e}; /reset to start over", file=sys.stderr)
             continue
@@ -376,8 +376,7 @@ def chat_loop(model, tokenizer, args) -> int:
         code = _generate_reporting(model, tokenizer, ids, args, session.cache, max_tokens, reply)
         if code:
             return code
-        session.history += ids + reply.tokens
-        last = reply.tokens
+        session.record(ids, reply.tokens)
 
 
 if __name__ == "__main__":

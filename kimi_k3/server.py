@@ -73,7 +73,7 @@ class KimiAPIHandler(APIHandler):
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kimi_k3.server",
-                                description=__doc__.split("\n")[0])
+                                description="An OpenAI-compatible HTTP server for Kimi K3.")
     p.add_argument("--model", type=Path, default=None,
                    help="checkpoint directory (default: the built-in random-weight demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         provider = KimiModelProvider(args)
         provider.load("default_model")
         httpd = _bind(args.host, args.port)
-    except (UserError, FileNotFoundError, ConfigError, CheckpointError, OSError) as e:
+    except (UserError, ConfigError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

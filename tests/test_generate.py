@@ -1,8 +1,10 @@
 """``python -m kimi_k3.generate`` end to end, the chat session's cache, the default model."""
 
+import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,10 +12,13 @@ import sys
 import mlx.core as mx
 import pytest
 from mlx_lm import stream_generate
+from mlx_lm.utils import load_model as mlx_lm_load_model
+from mlx_lm.utils import save_config, save_model
 
 import kimi_k3
 from kimi_k3 import default_model
 from kimi_k3.chat import encode_chat, encode_segments, render_text
+from kimi_k3.convert.convert import Settings, convert
 from kimi_k3.generate import (
     ChatSession,
     Reply,
@@ -70,16 +75,18 @@ def test_chat_end_to_end(tiny_ckpt, tiny):
     assert "loading [" in out.stderr and "100%" in out.stderr
 
 
-def test_raw_and_no_thinking(tiny_ckpt, tiny):
-    out = run_cli("--model", tiny_ckpt, "--raw", "--prompt", "Once upon a time",
-                  "--max-tokens", 5)
-    assert out.returncode == 0, out.stderr
+def test_raw_and_no_thinking(tiny_ckpt, tiny, capsys):
+    """In process (``main``), the same path as the subprocess runs."""
+    assert main(["--model", str(tiny_ckpt), "--raw", "--prompt", "Once upon a time",
+                 "--max-tokens", "5"]) == 0
+    out = capsys.readouterr()
     ids = tiny[1].encode("Once upon a time", add_special_tokens=False)
-    assert int(STATS.search(out.stderr)[1]) == len(ids)
-    assert out.stdout == expected_text(*tiny, ids, 5) + "\n"
-    out = run_cli("--model", tiny_ckpt, "--no-thinking", "--prompt", "Hi", "--max-tokens", 3)
+    assert int(STATS.search(out.err)[1]) == len(ids)
+    assert out.out == expected_text(*tiny, ids, 5) + "\n"
+    assert main(["--model", str(tiny_ckpt), "--no-thinking", "--prompt", "Hi",
+                 "--max-tokens", "3"]) == 0
     ids = encode_chat(tiny[1], [{"role": "user", "content": "Hi"}], thinking=False)
-    assert out.returncode == 0 and int(STATS.search(out.stderr)[1]) == len(ids)
+    assert int(STATS.search(capsys.readouterr().err)[1]) == len(ids)
 
 
 @pytest.fixture
@@ -112,7 +119,7 @@ def _not_k3(tmp_path):
     return tmp_path / "llama"
 
 
-@pytest.mark.parametrize("case", ["missing", "not-k3", "broken", "too-long", "max-context"])
+@pytest.mark.parametrize("case", ["missing", "not-k3", "broken", "too-long"])
 def test_bad_input(case, tiny_ckpt, tmp_path, long_context_ckpt):
     """One ``error:`` line on stderr naming the problem, exit code 1, nothing on stdout."""
     prompt = ["--prompt", "a prompt of a few words, more than forty tokens in chat form"]
@@ -123,10 +130,8 @@ def test_bad_input(case, tiny_ckpt, tmp_path, long_context_ckpt):
     elif case == "broken":
         path, shard = _broken(tiny_ckpt, tmp_path)
         args, want = ["--model", path], rf"{re.escape(str(shard))}: truncated"
-    elif case == "too-long":
-        args, want = ["--model", long_context_ckpt], r"the context holds 40 "
     else:
-        args, want = ["--model", tiny_ckpt, "--max-context", 16], r"the context holds 16 "
+        args, want = ["--model", long_context_ckpt], r"holds 40 \(max_position_embeddings\)"
     out = run_cli(*args, *prompt)
     assert out.returncode == 1
     assert out.stdout == ""
@@ -134,12 +139,16 @@ def test_bad_input(case, tiny_ckpt, tmp_path, long_context_ckpt):
     assert len(errors) == 1 and re.search(want, errors[0]), out.stderr
 
 
-def test_max_context_caps_the_reply(tiny_ckpt, tiny):
+def test_max_context(tiny_ckpt, tiny, capsys):
+    """--max-context caps the reply, and refuses a prompt that leaves no room."""
     ids = encode_chat(tiny[1], [{"role": "user", "content": "Hi"}])
-    out = run_cli("--model", tiny_ckpt, "--prompt", "Hi", "--max-tokens", 50,
-                  "--max-context", len(ids) + 3)
-    stats = STATS.search(out.stderr)
-    assert out.returncode == 0 and int(stats[2]) <= 3
+    argv = ["--model", str(tiny_ckpt), "--prompt", "Hi", "--max-tokens", "50", "--max-context"]
+    assert main(argv + [str(len(ids) + 3)]) == 0
+    assert int(STATS.search(capsys.readouterr().err)[2]) <= 3
+    assert main(argv + [str(len(ids))]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: the prompt is {len(ids)} tokens, but the context holds {len(ids)} "
+        "(--max-context), leaving no room for a reply")
 
 
 @pytest.mark.parametrize("argv", [["--max-tokens", "lots"], ["--chat", "--raw"]])
@@ -182,13 +191,13 @@ def test_interactive_keeps_the_cache(tiny_ckpt, tiny):
     assert len(second) <= int(stats[1][0]) < len(first) + 6 + len(second)
 
 
-def _turn(session, text, last, capsys):
+def _turn(session, text, capsys):
     reply = Reply()
-    ids = session.turn_ids(text, last)
+    ids = session.turn_ids(text)
     args = setup_arg_parser().parse_args(["--max-tokens", "7"])
     generate(session.model, session.tokenizer, ids, args, session.cache, 7, reply)
     capsys.readouterr()
-    session.history += ids + reply.tokens
+    session.record(ids, reply.tokens)
     return ids, reply.tokens
 
 
@@ -197,8 +206,8 @@ def test_session_continues_like_a_fresh_run(tiny_ckpt, capsys):
     (fp32: in bf16 the different prefill split may flip a near-tie)."""
     model, tok = kimi_k3.load(tiny_ckpt, dtype=mx.float32)
     session = ChatSession(model, tok, system="sys", thinking=True)
-    ids1, reply1 = _turn(session, "hello", [], capsys)
-    ids2, reply2 = _turn(session, "and then?", reply1, capsys)
+    ids1, reply1 = _turn(session, "hello", capsys)
+    ids2, reply2 = _turn(session, "and then?", capsys)
     system = encode_chat(tok, [{"role": "system", "content": "sys"}], add_generation_prompt=False)
     assert ids1[: len(system)] == system and ids2[: len(system)] != system
     fresh = [r.token for r in stream_generate(model, tok, ids1 + reply1 + ids2, max_tokens=7)]
@@ -262,3 +271,48 @@ def test_disk_error_mid_generation(tiny_ckpt, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(
         "error: reading experts from disk failed mid-generation: ")
     assert str(path) in err[0]
+
+
+def test_system_needs_chat(tiny_ckpt, capsys):
+    assert main(["--model", str(tiny_ckpt), "--raw", "--system", "x"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "error: --system needs --chat"
+
+
+def _in_layout(tiny_ckpt, out, layout):
+    if layout == "pack":
+        convert(tiny_ckpt, out, Settings(dense_bits=16), stream=io.StringIO())
+        return
+    model, config = mlx_lm_load_model(tiny_ckpt)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copy(tiny_ckpt / name, out)
+
+
+@pytest.mark.parametrize("layout", ["pack", "mlx-lm"])
+def test_converted_layouts(layout, tiny_ckpt, tiny, tmp_path, capsys):
+    """The converter's layout (bf16 dense: the same weights, the same text) and an mlx-lm
+    directory run, experts resident and streamed."""
+    out = tmp_path / layout
+    _in_layout(tiny_ckpt, out, layout)
+    ids = encode_chat(tiny[1], [{"role": "user", "content": "Hi"}])
+    for extra, where in (([], "resident"), (["--expert-cache-gb", "0.001"], "hit rate")):
+        assert main(["--model", str(out), "--prompt", "Hi", "--max-tokens", "6", *extra]) == 0
+        got = capsys.readouterr()
+        assert int(STATS.search(got.err)[1]) == len(ids) and where in got.err
+        if layout == "pack":
+            assert got.out == expected_text(*tiny, ids, 6) + "\n"
+
+
+def test_auto_budget_streams_what_does_not_fit(tiny_ckpt, monkeypatch, capsys):
+    """Without --expert-cache-gb: resident when the checkpoint fits in free memory, else
+    streamed, with a notice."""
+    import kimi_k3.generate as gen
+
+    assert gen.resolve_model(tiny_ckpt, None) == (tiny_ckpt, None)
+    monkeypatch.setattr(gen, "available_memory", lambda: 1000)
+    monkeypatch.setattr(gen, "default_cache_gb", lambda dense, reserve_gb: 0.5)
+    assert gen.resolve_model(tiny_ckpt, None) == (tiny_ckpt, 0.5)
+    assert "do not fit in memory: streaming them through a 0.5 GB cache" in (
+        capsys.readouterr().err)
+    assert gen.resolve_model(tiny_ckpt, 2.0) == (tiny_ckpt, 2.0)

@@ -2,6 +2,8 @@
 functions drive the model as they drive mlx-lm's own."""
 
 import json
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -93,3 +95,11 @@ def test_saved_prompt_cache_continues_like_an_uninterrupted_run(loaded, tmp_path
     resumed = tokens(model, tok, more, 8, loaded_cache)
     assert resumed == tokens(model, tok, history + more, 8)
     assert resumed == tokens(model, tok, more, 8, cache)
+
+
+def test_import_is_cheap_and_exports_lazily():
+    code = ("import sys, kimi_k3; heavy = [m for m in ('mlx.core', 'mlx_lm', 'transformers') "
+            "if m in sys.modules]; assert not heavy, heavy; "
+            "assert callable(kimi_k3.trace) and kimi_k3.ModelArgs.__name__ == 'ModelArgs'; "
+            "import kimi_k3.trace; assert callable(kimi_k3.trace)")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -121,3 +121,11 @@ def test_models_lists_the_checkpoint(server, tiny_ckpt):
     with urllib.request.urlopen(f"{server}/v1/models", timeout=10) as r:
         models = json.load(r)["data"]
     assert [m["id"] for m in models] == [str(tiny_ckpt.resolve())]
+
+
+def test_bad_model_fails_before_listening(tmp_path, capsys):
+    from kimi_k3.server import main
+
+    assert main(["--model", str(tmp_path / "nowhere"), "--port", str(_free_port())]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: {tmp_path / 'nowhere'}: no such model directory"]

@@ -113,7 +113,7 @@ def _simulate(trace, slots: int, policy: str) -> tuple[int, int]:
     state = [{"lru": OrderedDict(), "freq": {}, "last": {}, "clock": 0, "uses": 0}
              for _ in range(layers)]
     for call in trace:
-        for st, need in zip(state, call):
+        for st, need in zip(state, call, strict=True):
             need = need.tolist()
             cached = st["lru"]
             hit = [e for e in need if e in cached]
@@ -236,6 +236,11 @@ def _peak_during(fn) -> tuple[int, int, int, int]:
     return active, mx.get_peak_memory(), rss, _rss()[1]
 
 
+def _resident_peak(path):
+    resident = load_model(path, dtype=mx.float32)
+    return _peak_during(lambda: greedy(resident, PROMPT, 4))
+
+
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"),
                     reason="needs Linux /proc to reset the peak RSS")
 def test_memory_stays_within_dense_plus_budget(ckpt_factory):
@@ -245,17 +250,14 @@ def test_memory_stays_within_dense_plus_budget(ckpt_factory):
     the process RSS grows by no more than that, the read buffers and 16 MB."""
     path = ckpt_factory("small", num_hidden_layers=3, full=(3,), num_experts=64,
                         routed_expert_hidden_size=512, moe_intermediate_size=512)
-    run = lambda m: greedy(m, PROMPT, 4)  # noqa: E731
-    resident = load_model(path, dtype=mx.float32)
-    all_experts = 2 * 64 * expert_bytes(expert_layout(resident.args))
-    r_active, r_peak, _, _ = _peak_during(lambda: run(resident))
-    del resident
+    all_experts = 2 * 64 * expert_bytes(expert_layout(ModelArgs.from_path(path)))
+    r_active, r_peak, _, _ = _resident_peak(path)
     model = load_model(path, dtype=mx.float32, expert_cache_gb=all_experts / 4 / 1e9)
     stats = get_stats(model)
     dense = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     assert stats["cache_bytes"] <= stats["budget_bytes"] == all_experts // 4
-    run(model)  # warm: MLX caches compiled kernels and buffers
-    active, peak, rss, rss_peak = _peak_during(lambda: run(model))
+    greedy(model, PROMPT, 4)  # warm: MLX caches compiled kernels and buffers
+    active, peak, rss, rss_peak = _peak_during(lambda: greedy(model, PROMPT, 4))
     assert active <= dense + stats["cache_bytes"] + (1 << 20)
     grouped = 2 * 16 * 4 * 512 * 4  # [N*k, Dl] fp32 sums, two alive at once
     activations = (r_peak - r_active) + grouped + (1 << 20)

@@ -63,7 +63,8 @@ def test_lfu_without_ageing_would_keep_the_old_favourite():
 def test_slot_cache_free_slots_first_then_policy_victims():
     c = SlotCache(3, LRU(10))
     s = c.assign(_ids(1, 2, 3), pinned=set())
-    assert sorted(s.tolist()) == [0, 1, 2] and c.slot_of == dict(zip([1, 2, 3], s.tolist()))
+    assert sorted(s.tolist()) == [0, 1, 2]
+    assert c.slot_of == dict(zip([1, 2, 3], s.tolist(), strict=True))
     c.policy.use(_ids(1, 2, 3))
     c.policy.use(_ids(1))
     s4 = c.assign(_ids(4), pinned=set())  # LRU victim: 2

@@ -24,7 +24,7 @@ def get_stats(model) -> dict | None:
     wait_seconds, compute_seconds, prefetch_hits, prefetch_issued, prefetch_accuracy,
     prediction_recall, cache_bytes, budget_bytes, tokens, per_token and last_pass."""
     streamer = find_streamer(model)
-    return None if streamer is None else streamer.stats.snapshot()
+    return None if streamer is None else streamer.snapshot()
 
 
 def reset_stats(model):

@@ -99,7 +99,7 @@ class FileTable:
                 try:
                     entry = (*_open(path, self.direct), st.st_ino)
                 except OSError as e:
-                    raise ExpertReadError(f"{path}: cannot open ({e.strerror}) for {what}") from None
+                    raise ExpertReadError(f"{path}: cannot open ({e.strerror}), {what}") from None
                 self.fds[path] = entry
             return entry[0], entry[1]
 
@@ -230,7 +230,7 @@ def _read_extent(job: ReadJob, ext, fd: int, aligned: bool, buf: _Buffer, crc: i
     if job.checksum is not None:
         crc = zlib.crc32(data, crc)
     pos = 0
-    for d, (_, n) in zip(dests, ext.pieces):
+    for d, (_, n) in zip(dests, ext.pieces, strict=True):
         np.copyto(d, data[pos : pos + n])  # the one copy: aligned buffer -> cache slot
         pos += n
     return crc

@@ -154,7 +154,7 @@ class Streamer:
         self.files = FileTable(source.files, opts.direct_io)
         self.io = ReadPool(self.files, opts.io_threads)
         self.order = sorted(moes)
-        self.next = dict(zip(self.order, self.order[1:]))
+        self.next = dict(zip(self.order, self.order[1:], strict=False))
         self.routers = {layer: moe.gate for layer, moe in moes.items()}
         # The model owns the stores; a weak map here leaves no cycle, so a dropped model
         # frees its pools and stops its reader threads (``weakref.finalize`` below).
@@ -237,12 +237,12 @@ class Streamer:
             jobs = self._jobs(store, missing, new)
             self.io.submit(jobs)
             slots[~known] = new
-            waits += list(zip(new.tolist(), jobs))
+            waits += list(zip(new.tolist(), jobs, strict=True))
         return slots, waits
 
     def _jobs(self, store, experts, slots) -> list[ReadJob]:
         jobs = []
-        for e, s in zip(experts.tolist(), slots.tolist()):
+        for e, s in zip(experts.tolist(), slots.tolist(), strict=True):
             checksum = self.source.checksum(store.layer, e) if self.opts.verify_checksums else None
             job = ReadJob(store.layer, e, self.source.extents(store.layer, e),
                           store.pool.dest(s), checksum)
@@ -343,6 +343,20 @@ class Streamer:
             Y = Y.at[mx.array(rows)].add(out)
             mx.eval(Y)
         return (Y.reshape(N, k, -1) * weights.astype(mx.float32)[..., None]).sum(axis=1)
+
+    def snapshot(self) -> dict:
+        """The counters (``StreamStats.snapshot``) and whether reads bypass the page cache."""
+        return {**self.stats.snapshot(), "direct_io": self.files.direct_io}
+
+    def preload(self, layer: int, experts) -> None:
+        """Make ``experts`` of MoE ``layer`` resident now (warm-up, benchmarks); counted in
+        the stats like a call that needs them."""
+        store = self.stores[layer]
+        experts = np.unique(np.asarray(experts, np.int64))
+        if len(experts) > store.cache.slots:
+            raise ValueError(f"preload: {len(experts)} experts, layer {layer} has "
+                             f"{store.cache.slots} slots")
+        self._fetch(store, experts, None)
 
     def clear(self):
         """Empty every layer's cache (reads in flight finish first)."""

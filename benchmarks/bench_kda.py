@@ -1,0 +1,208 @@
+"""KDA kernels at Kimi K3's shape (96 heads x 128) against the alternatives, one run on a GPU.
+
+Decode (one token, one layer): our single-launch kernel (the whole mixer: conv window, SiLU,
+L2 norms, gates, state update and readout, output RMSNorm and gate) against the time the fp32
+state takes to read and write at the memory bandwidth, ``mx.fast.gated_delta_update``
+(scalar gate, recurrence only), mlx-lm's ``gated_delta_update`` (per-channel gate, recurrence
+only) and the pure-MLX reference mixer. Prefill (T = 1024, 8192): our chunk kernels (the
+recurrence) and our whole mixer against fla's Triton ``chunk_kda`` (torch on the same GPU,
+bf16 q/k/v as fla is usually run, fp32 gate) and the pure-MLX chunked reference. Every
+comparator runs in its own try/except: a failure is a row that says so.
+
+    python -m benchmarks.bench_kda --out bench_kda.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import traceback
+
+import mlx.core as mx
+
+from kimi_k3.kda import kda_chunked, kda_mix_reference, l2norm
+from kimi_k3.kernels import kda_decode, kda_prefill, source
+
+H, K, W = 96, 128, 4
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--repeats", type=int, default=20, help="timed runs (median)")
+    parser.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200 HBM3e)")
+    parser.add_argument("--skip-slow", action="store_true", help="skip comparators over 1 s")
+    return parser
+
+
+def median_time(run, repeats: int) -> float:
+    """Median seconds of ``run()`` after two warm-ups; fewer repeats when a run is slow."""
+    for _ in range(2):
+        run()
+    first = time.perf_counter()
+    run()
+    once = time.perf_counter() - first
+    n = max(1, min(repeats, int(2.0 / max(once, 1e-6))))
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def mlx_run(fn):
+    def run():
+        mx.eval(fn())
+        mx.synchronize()
+
+    return run
+
+
+def layer():
+    P = H * K
+    return dict(
+        q_conv=mx.random.normal((P, 1, W)) * 0.5, k_conv=mx.random.normal((P, 1, W)) * 0.5,
+        v_conv=mx.random.normal((P, 1, W)) * 0.5, A_log=mx.random.normal((H,)) * 0.5,
+        dt_bias=mx.random.normal((P,)), o_norm=mx.ones((K,)), heads=H, head_dim=K,
+        lower_bound=-5.0, eps=1e-5,
+    )
+
+
+def mixer_inputs(T: int, dtype=mx.bfloat16):
+    P = H * K
+    xs = [mx.random.normal((1, T, P)).astype(dtype) for _ in range(4)]
+    conv = mx.random.normal((1, W - 1, 3 * P)).astype(dtype)
+    state = mx.random.normal((1, H, K, K)) * 0.05
+    return (*xs, mx.random.normal((1, T, H)).astype(dtype), mx.random.normal((1, T, P)).astype(dtype),
+            conv, state)
+
+
+def recurrence_inputs(T: int):
+    q = l2norm(mx.random.normal((1, T, H, K))) * K**-0.5
+    k = l2norm(mx.random.normal((1, T, H, K)))
+    v = mx.random.normal((1, T, H, K))
+    g = -5.0 * mx.sigmoid(mx.random.normal((1, T, H, K)) + 2.0)
+    beta = mx.sigmoid(mx.random.normal((1, T, H)))
+    state = mx.random.normal((1, H, K, K)) * 0.05
+    mx.eval(q, k, v, g, beta, state)
+    return q, k, v, g, beta, state
+
+
+def decode_cases(backend, bandwidth):
+    p, x = layer(), mixer_inputs(1)
+    q, k, v, g, beta, state = recurrence_inputs(1)
+    state_vk = state.swapaxes(-1, -2)
+    gamma = mx.exp(g.mean(-1))
+    a = mx.random.normal((1, 1, H, K))
+    mx.eval(p, x, state_vk, gamma, a)
+
+    def mlx_lm_path():
+        from mlx_lm.models.gated_delta import gated_delta_update
+
+        return gated_delta_update(q, k, v, a, x[4], p["A_log"].reshape(H, 1),
+                                  p["dt_bias"].reshape(H, K), state_vk, lower_bound=-5.0)
+
+    limit = 2 * state.nbytes / bandwidth
+    return [
+        ("ours: kda_decode (whole mixer, 1 launch)", mlx_run(lambda: kda_decode.kda_decode(backend, p, *x))),
+        ("state read + write at bandwidth", limit),
+        ("mx.fast.gated_delta_update (scalar gate)",
+         mlx_run(lambda: mx.fast.gated_delta_update(q, k, v, gamma, beta, state_vk))),
+        ("mlx-lm gated_delta_update (vector gate)", mlx_run(mlx_lm_path)),
+        ("pure-MLX reference mixer", mlx_run(lambda: kda_mix_reference(p, *x))),
+    ]
+
+
+def fla_run(T: int):
+    import torch
+    from fla.ops.kda import chunk_kda
+
+    dev = "cuda"
+    q = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev), dim=-1)
+    v = torch.randn(1, T, H, K, device=dev)
+    g = -5.0 * torch.sigmoid(torch.randn(1, T, H, K, device=dev) + 2.0)
+    beta = torch.sigmoid(torch.randn(1, T, H, device=dev))
+    h0 = torch.randn(1, H, K, K, device=dev) * 0.05
+    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
+
+    def run():
+        with torch.inference_mode():
+            chunk_kda(q, k, v, g, beta, scale=K**-0.5, initial_state=h0, output_final_state=True)
+        torch.cuda.synchronize()
+
+    return run
+
+
+def prefill_cases(backend, T: int, skip_slow: bool):
+    p, x = layer(), mixer_inputs(T)
+    r = recurrence_inputs(T)
+    mx.eval(p, x)
+    cases = [
+        ("ours: chunk kernels (recurrence)", mlx_run(lambda: kda_prefill.kda_chunk(backend, *r))),
+        ("ours: kda_prefill (whole mixer)", mlx_run(lambda: kda_prefill.kda_prefill(backend, p, *x))),
+        ("fla chunk_kda (Triton, bf16 q/k/v)", lambda: fla_run(T)),
+        ("pure-MLX kda_chunked (recurrence)", mlx_run(lambda: kda_chunked(*r))),
+    ]
+    if not skip_slow:
+        gamma = mx.exp(r[3].mean(-1))
+        state_vk = r[5].swapaxes(-1, -2)
+        cases.append(("mx.fast.gated_delta_update (scalar gate)",
+                      mlx_run(lambda: mx.fast.gated_delta_update(*r[:3], gamma, r[4], state_vk))))
+    return cases
+
+
+def measure(cases, repeats):
+    """[(name, microseconds or None, note)] with each comparator isolated."""
+    rows = []
+    for name, run in cases:
+        if isinstance(run, float):
+            rows.append((name, run * 1e6, "bound, not measured"))
+            continue
+        try:
+            if name.startswith("fla"):
+                run = run()
+            rows.append((name, median_time(run, repeats) * 1e6, ""))
+        except Exception as e:  # a comparator failing is a result, not a crash
+            traceback.print_exc()
+            rows.append((name, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+    return rows
+
+
+def table(sections) -> str:
+    lines = ["| case | implementation | time (us) | time / ours | note |", "|---|---|---:|---:|---|"]
+    for case, rows in sections:
+        ours = rows[0][1]
+        for name, us, note in rows:
+            t = f"{us:,.1f}" if us is not None else "-"
+            ratio = f"{us / ours:.2f}x" if us and ours and name != rows[0][0] else ""
+            lines.append(f"| {case} | {name} | {t} | {ratio} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    backend = source.backend()
+    if backend is None:
+        raise SystemExit("no kernel backend here (needs Metal or CUDA)")
+    mx.random.seed(0)
+    sections = [("decode, 1 token, 1 layer", measure(decode_cases(backend, args.bandwidth), args.repeats))]
+    for T in args.lengths:
+        sections.append((f"prefill T={T}", measure(prefill_cases(backend, T, args.skip_slow), args.repeats)))
+    try:
+        device = mx.device_info().get("device_name", "")
+    except Exception:
+        device = str(mx.default_device())
+    text = f"KDA at {H} heads x {K}, backend {backend}, {device}, MLX {mx.__version__}\n\n"
+    text += table(sections)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
