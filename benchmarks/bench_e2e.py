@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from kimi_k3.convert.synth import write_checkpoint
+from kimi_k3.convert.synth import parse_override, write_checkpoint
 from kimi_k3.loader import load_model
 
 
@@ -62,10 +62,15 @@ def main(argv=None):
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a synthetic preset key (e.g. vocab_size=32768)")
+    ap.add_argument("--expert-cache-gb", type=float, default=None,
+                    help="also time this project with experts streamed into a cache this big")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    overrides = dict(parse_override(s) for s in args.set)
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(Path(tmp) / "ckpt", args.preset, tokenizer=False)
+        path = write_checkpoint(Path(tmp) / "ckpt", args.preset, tokenizer=False, **overrides)
         vocab = 700
         prompt = mx.array(np.random.default_rng(0).integers(0, vocab, (1, args.prompt_tokens)))
         rows = []
@@ -74,10 +79,15 @@ def main(argv=None):
             ours = load_model(path, dtype=dtype)
             ref, _ = mlx_lm_load_model(path)
             ref.set_dtype(dtype)
-            for label, model in (("kimi_k3 (this project)", ours), ("mlx-lm kimi_k3", ref)):
+            runs = [("kimi_k3 (this project)", ours), ("mlx-lm kimi_k3", ref)]
+            if args.expert_cache_gb is not None:
+                streamed = load_model(path, dtype=dtype, expert_cache_gb=args.expert_cache_gb)
+                runs.append((f"kimi_k3, experts streamed ({args.expert_cache_gb} GB cache)",
+                             streamed))
+            for label, model in runs:
                 pre, dec = measure(model, prompt, args.decode_tokens, args.repeats)
                 rows.append((name, label, pre, dec))
-            del ours, ref
+            del ours, ref, runs
     device = f"{mx.default_device()} ({platform.machine()}, mlx {mx.__version__})"
     lines = [
         f"### End-to-end, synthetic `{args.preset}` preset, {device}",

@@ -64,10 +64,16 @@ def mlx_run(fn):
 def layer():
     P = H * K
     return dict(
-        q_conv=mx.random.normal((P, 1, W)) * 0.5, k_conv=mx.random.normal((P, 1, W)) * 0.5,
-        v_conv=mx.random.normal((P, 1, W)) * 0.5, A_log=mx.random.normal((H,)) * 0.5,
-        dt_bias=mx.random.normal((P,)), o_norm=mx.ones((K,)), heads=H, head_dim=K,
-        lower_bound=-5.0, eps=1e-5,
+        q_conv=mx.random.normal((P, 1, W)) * 0.5,
+        k_conv=mx.random.normal((P, 1, W)) * 0.5,
+        v_conv=mx.random.normal((P, 1, W)) * 0.5,
+        A_log=mx.random.normal((H,)) * 0.5,
+        dt_bias=mx.random.normal((P,)),
+        o_norm=mx.ones((K,)),
+        heads=H,
+        head_dim=K,
+        lower_bound=-5.0,
+        eps=1e-5,
     )
 
 
@@ -76,8 +82,13 @@ def mixer_inputs(T: int, dtype=mx.bfloat16):
     xs = [mx.random.normal((1, T, P)).astype(dtype) for _ in range(4)]
     conv = mx.random.normal((1, W - 1, 3 * P)).astype(dtype)
     state = mx.random.normal((1, H, K, K)) * 0.05
-    return (*xs, mx.random.normal((1, T, H)).astype(dtype), mx.random.normal((1, T, P)).astype(dtype),
-            conv, state)
+    return (
+        *xs,
+        mx.random.normal((1, T, H)).astype(dtype),
+        mx.random.normal((1, T, P)).astype(dtype),
+        conv,
+        state,
+    )
 
 
 def recurrence_inputs(T: int):
@@ -102,21 +113,35 @@ def decode_cases(backend, bandwidth):
     def mlx_lm_path():
         from mlx_lm.models.gated_delta import gated_delta_update
 
-        return gated_delta_update(q, k, v, a, x[4], p["A_log"].reshape(H, 1),
-                                  p["dt_bias"].reshape(H, K), state_vk, lower_bound=-5.0)
+        return gated_delta_update(
+            q,
+            k,
+            v,
+            a,
+            x[4],
+            p["A_log"].reshape(H, 1),
+            p["dt_bias"].reshape(H, K),
+            state_vk,
+            lower_bound=-5.0,
+        )
 
     limit = 2 * state.nbytes / bandwidth
     return [
-        ("ours: kda_decode (whole mixer, 1 launch)", mlx_run(lambda: kda_decode.kda_decode(backend, p, *x))),
+        (
+            "ours: kda_decode (whole mixer, 1 launch)",
+            mlx_run(lambda: kda_decode.kda_decode(backend, p, *x)),
+        ),
         ("state read + write at bandwidth", limit),
-        ("mx.fast.gated_delta_update (scalar gate)",
-         mlx_run(lambda: mx.fast.gated_delta_update(q, k, v, gamma, beta, state_vk))),
+        (
+            "mx.fast.gated_delta_update (scalar gate)",
+            mlx_run(lambda: mx.fast.gated_delta_update(q, k, v, gamma, beta, state_vk)),
+        ),
         ("mlx-lm gated_delta_update (vector gate)", mlx_run(mlx_lm_path)),
         ("pure-MLX reference mixer", mlx_run(lambda: kda_mix_reference(p, *x))),
     ]
 
 
-def fla_run(T: int):
+def fla_run(T: int, bf16: bool = True):
     import torch
     from fla.ops.kda import chunk_kda
 
@@ -127,7 +152,8 @@ def fla_run(T: int):
     g = -5.0 * torch.sigmoid(torch.randn(1, T, H, K, device=dev) + 2.0)
     beta = torch.sigmoid(torch.randn(1, T, H, device=dev))
     h0 = torch.randn(1, H, K, K, device=dev) * 0.05
-    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
+    if bf16:
+        q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
 
     def run():
         with torch.inference_mode():
@@ -143,15 +169,23 @@ def prefill_cases(backend, T: int, skip_slow: bool):
     mx.eval(p, x)
     cases = [
         ("ours: chunk kernels (recurrence)", mlx_run(lambda: kda_prefill.kda_chunk(backend, *r))),
-        ("ours: kda_prefill (whole mixer)", mlx_run(lambda: kda_prefill.kda_prefill(backend, p, *x))),
+        (
+            "ours: kda_prefill (whole mixer)",
+            mlx_run(lambda: kda_prefill.kda_prefill(backend, p, *x)),
+        ),
         ("fla chunk_kda (Triton, bf16 q/k/v)", lambda: fla_run(T)),
+        ("fla chunk_kda (Triton, fp32)", lambda: fla_run(T, bf16=False)),
         ("pure-MLX kda_chunked (recurrence)", mlx_run(lambda: kda_chunked(*r))),
     ]
     if not skip_slow:
         gamma = mx.exp(r[3].mean(-1))
         state_vk = r[5].swapaxes(-1, -2)
-        cases.append(("mx.fast.gated_delta_update (scalar gate)",
-                      mlx_run(lambda: mx.fast.gated_delta_update(*r[:3], gamma, r[4], state_vk))))
+        cases.append(
+            (
+                "mx.fast.gated_delta_update (scalar gate)",
+                mlx_run(lambda: mx.fast.gated_delta_update(*r[:3], gamma, r[4], state_vk)),
+            )
+        )
     return cases
 
 
@@ -173,7 +207,10 @@ def measure(cases, repeats):
 
 
 def table(sections) -> str:
-    lines = ["| case | implementation | time (us) | time / ours | note |", "|---|---|---:|---:|---|"]
+    lines = [
+        "| case | implementation | time (us) | time / ours | note |",
+        "|---|---|---:|---:|---|",
+    ]
     for case, rows in sections:
         ours = rows[0][1]
         for name, us, note in rows:
@@ -189,9 +226,13 @@ def main(argv=None):
     if backend is None:
         raise SystemExit("no kernel backend here (needs Metal or CUDA)")
     mx.random.seed(0)
-    sections = [("decode, 1 token, 1 layer", measure(decode_cases(backend, args.bandwidth), args.repeats))]
+    sections = [
+        ("decode, 1 token, 1 layer", measure(decode_cases(backend, args.bandwidth), args.repeats))
+    ]
     for T in args.lengths:
-        sections.append((f"prefill T={T}", measure(prefill_cases(backend, T, args.skip_slow), args.repeats)))
+        sections.append(
+            (f"prefill T={T}", measure(prefill_cases(backend, T, args.skip_slow), args.repeats))
+        )
     try:
         device = mx.device_info().get("device_name", "")
     except Exception:

@@ -379,6 +379,9 @@ class _Run:
             try:
                 for i in todo_shards:  # MLX work stays on this thread
                     self._dense_shard(i, progress)
+                    for f in futures:  # a failed pack file stops the run now
+                        if f.done() and f.exception():
+                            f.result()
                 for f in futures:
                     f.result()
             except BaseException:
@@ -698,4 +701,8 @@ def main(argv=None) -> int:
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"kimi_k3.convert: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\nkimi_k3.convert: interrupted; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
     return 0

@@ -216,7 +216,7 @@ def write_checkpoint(out: str | Path, preset: str | dict = "tiny", seed: int = 0
     return out
 
 
-def _parse_override(text: str):
+def parse_override(text: str):
     key, _, value = text.partition("=")
     try:
         return key, json.loads(value)
@@ -237,6 +237,6 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
 
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    overrides = dict(_parse_override(s) for s in args.set)
+    overrides = dict(parse_override(s) for s in args.set)
     out = write_checkpoint(args.out, args.preset, args.seed, args.shard_mb, **overrides)
     print(f"wrote a random-weight {args.preset} Kimi K3 checkpoint to {out}")

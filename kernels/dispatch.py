@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-
 KDA_DTYPES = (mx.float32, mx.bfloat16)
 
 

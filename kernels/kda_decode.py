@@ -123,8 +123,23 @@ BODY = """
   }
 """
 
-INPUTS = ["x_q", "x_k", "x_v", "g_raw", "b_logits", "gate", "conv_state", "state",
-          "q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm", "params"]
+INPUTS = [
+    "x_q",
+    "x_k",
+    "x_v",
+    "g_raw",
+    "b_logits",
+    "gate",
+    "conv_state",
+    "state",
+    "q_conv",
+    "k_conv",
+    "v_conv",
+    "A_log",
+    "dt_bias",
+    "o_norm",
+    "params",
+]
 OUTPUTS = ["y", "conv_out", "state_out"]
 
 
@@ -138,7 +153,10 @@ def template(dtype, H, K, W):
 
 
 KDA_DECODE = Kernel(
-    "kda_decode", INPUTS, OUTPUTS, BODY,
+    "kda_decode",
+    INPUTS,
+    OUTPUTS,
+    BODY,
     instances=[_instance(dt, 96, 128) for dt in (mx.bfloat16, mx.float32)],
 )
 
@@ -147,6 +165,10 @@ def eligible(heads: int, head_dim: int) -> bool:
     """Shapes the kernel serves: whole simdgroups and at most 1024 threads."""
     kr = min(head_dim, ROWS_PER_THREAD)
     return head_dim % 32 == 0 and head_dim % kr == 0 and head_dim * head_dim // kr <= 1024
+
+
+def _as(x: mx.array, dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 _PARAMS: dict = {}
@@ -173,9 +195,10 @@ def kda_decode(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv
         conv_state = mx.zeros((B, W - 1, 3 * P), dtype=dt)
     if state is None:
         state = mx.zeros((B, H, K, K), dtype=mx.float32)
-    f32 = [p[n].astype(mx.float32) for n in ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm")]
-    acts = [a.astype(dt) for a in (x_q, x_k, x_v, g_raw, b_logits, gate, conv_state)]
-    inputs = acts + [state.astype(mx.float32)] + f32 + [_params(p["lower_bound"], p["eps"])]
+    names = ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm")
+    f32 = [_as(p[n], mx.float32) for n in names]
+    acts = [_as(a, dt) for a in (x_q, x_k, x_v, g_raw, b_logits, gate, conv_state)]
+    inputs = acts + [_as(state, mx.float32)] + f32 + [_params(p["lower_bound"], p["eps"])]
     tpl = template(dt, H, K, W)
     nt = K * K // tpl[-1][1]
     y, conv_out, state_out = KDA_DECODE(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .source import Instance, Kernel
+from .source import VEC4_HELPERS, Instance, Kernel
 
 CHUNK = 64
 
@@ -240,7 +240,8 @@ STATE_BODY = """
         const uint iq = t / ST;
         const uint base = 4 * iq * K + s0 + kk;
         st[kk * CP + iq] = FLOAT4(Wn[base], Wn[base + K], Wn[base + 2 * K], Wn[base + 3 * K]);
-        st[(ST + kk) * CP + iq] = FLOAT4(Qn[base], Qn[base + K], Qn[base + 2 * K], Qn[base + 3 * K]);
+        st[(ST + kk) * CP + iq] =
+            FLOAT4(Qn[base], Qn[base + K], Qn[base + 2 * K], Qn[base + 3 * K]);
       }
       BARRIER();
 #pragma unroll
@@ -287,13 +288,10 @@ STATE_BODY = """
     }
     for (int a = 0; a < 4; ++a) {
       const int tk = n * C + i0 + a;
-      if (tk < T) *reinterpret_cast<DEVICE float4*>(o + (((size_t)b * T + tk) * H + h) * K + col) = P2[a];
+      const size_t at = (((size_t)b * T + tk) * H + h) * K + col;
+      if (tk < T) *reinterpret_cast<DEVICE float4*>(o + at) = P2[a];
     }
     // S = decay S + Kd^T V': Kd staged ST rows at a time.
-    {
-      const float4* unused = nullptr;
-      (void)unused;
-    }
 #pragma unroll
     for (int a4 = 0; a4 < KM / 4; ++a4) {
       const float4 dk = *reinterpret_cast<const DEVICE float4*>(decay + ch * K + k0 + 4 * a4);
@@ -328,34 +326,38 @@ STATE_BODY = """
   }
 """
 
-STATE_ROWS = 32  # KR of kda_chunk_state: state rows per thread
-
 
 def _prep_instance(H, K):
     return Instance([mx.float32] * 5 + [mx.int32], [mx.float32] * 6, [("H", H), ("K", K)])
 
 
 def _state_instance(H, K):
-    f32 = mx.float32
-    return Instance([f32] * 7 + [mx.int32], [f32, f32], [("H", H), ("K", K), ("KR", STATE_ROWS)])
+    return Instance([mx.float32] * 7 + [mx.int32], [mx.float32] * 2, [("H", H), ("K", K)])
 
 
 KDA_CHUNK_PREP = Kernel(
-    "kda_chunk_prep", ["q", "k", "v", "g", "beta", "dims"],
-    ["Aqk", "Wc", "Uc", "Qd", "Kd", "decay"], PREP_BODY,
+    "kda_chunk_prep",
+    ["q", "k", "v", "g", "beta", "dims"],
+    ["Aqk", "Wc", "Uc", "Qd", "Kd", "decay"],
+    PREP_BODY,
+    header=VEC4_HELPERS,
     instances=[_prep_instance(96, 128)],
 )
 
 KDA_CHUNK_STATE = Kernel(
-    "kda_chunk_state", ["Aqk", "Wc", "Uc", "Qd", "Kd", "decay", "state", "dims"],
-    ["o", "state_out"], STATE_BODY,
+    "kda_chunk_state",
+    ["Aqk", "Wc", "Uc", "Qd", "Kd", "decay", "state", "dims"],
+    ["o", "state_out"],
+    STATE_BODY,
+    header=VEC4_HELPERS,
     instances=[_state_instance(96, 128)],
 )
 
 
 def eligible(heads: int, head_dim: int) -> bool:
-    """Shapes the kernels serve: head_dim a multiple of 32 (whole lanes and tiles), up to 256."""
-    return head_dim % 32 == 0 and head_dim <= 256
+    """Shapes the kernels serve: head_dim 64 or 128 (float4 tiles of 16 rows, 32 KB of
+    threadgroup memory)."""
+    return head_dim in (64, 128)
 
 
 def kda_chunk(backend: str, q, k, v, g, beta, state):
@@ -365,9 +367,11 @@ def kda_chunk(backend: str, q, k, v, g, beta, state):
     state: [B, H, K, K] fp32 or None. Returns (o [B, T, H, K] fp32, state fp32).
     """
     B, T, H, K = k.shape
+    if not eligible(H, K) or v.shape[-1] != K:
+        raise ValueError(f"kda_chunk kernels need K == V in (64, 128), got {K}, {v.shape[-1]}")
     N = -(-T // CHUNK)
     f32 = mx.float32
-    q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x if x.dtype == f32 else x.astype(f32) for x in (q, k, v, g, beta))
     if state is None:
         state = mx.zeros((B, H, K, K), dtype=f32)
     dims = mx.array([T, N], dtype=mx.int32)
@@ -381,15 +385,14 @@ def kda_chunk(backend: str, q, k, v, g, beta, state):
         threadgroup=(256, 1, 1),
         template=[("H", H), ("K", K)],
     )
-    nt = K // STATE_ROWS * 32
     o, state = KDA_CHUNK_STATE(
         backend,
         inputs=[*prep, state.astype(f32), dims],
         output_shapes=[(B, T, H, K), (B, H, K, K)],
         output_dtypes=[f32, f32],
-        grid=(nt * B * H * (K // 32), 1, 1),
-        threadgroup=(nt, 1, 1),
-        template=[("H", H), ("K", K), ("KR", STATE_ROWS)],
+        grid=(128 * B * H * (K // 32), 1, 1),
+        threadgroup=(128, 1, 1),
+        template=[("H", H), ("K", K)],
     )
     return o, state
 

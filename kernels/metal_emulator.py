@@ -137,7 +137,10 @@ def kernel_name(name: str, inputs, output_dtypes, template) -> str:
 
 
 def shape_infos(source: str, input_names) -> list[tuple[bool, bool, bool]]:
-    return [(f"{n}_shape" in source, f"{n}_strides" in source, f"{n}_ndim" in source) for n in input_names]
+    return [
+        (f"{n}_shape" in source, f"{n}_strides" in source, f"{n}_ndim" in source)
+        for n in input_names
+    ]
 
 
 def attributes(source: str) -> list[tuple[str, str]]:
@@ -145,30 +148,48 @@ def attributes(source: str) -> list[tuple[str, str]]:
     return [(a, t) for a, t in ATTRIBUTES if a in source]
 
 
-def metal_source(fname, header, source, input_names, inputs, output_names, output_dtypes,
-                 template, atomic_outputs) -> str:
+def metal_source(
+    fname,
+    header,
+    source,
+    input_names,
+    inputs,
+    output_names,
+    output_dtypes,
+    template,
+    atomic_outputs,
+) -> str:
     """The Metal source MLX compiles for this call (its write_signature + instantiation)."""
     text = header
     if template:
-        kinds = ["typename" if isinstance(a, mx.Dtype) else "bool" if isinstance(a, bool) else "int"
-                 for _, a in template]
-        text += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, template)) + ">\n"
+        kinds = [
+            "typename" if isinstance(a, mx.Dtype) else "bool" if isinstance(a, bool) else "int"
+            for _, a in template
+        ]
+        params = (f"{k} {n}" for k, (n, _) in zip(kinds, template, strict=True))
+        text += "template <" + ", ".join(params) + ">\n"
     text += f"[[kernel]] void {fname}(\n"
     attrs = attributes(source)
     index = 0
-    for name, x, info in zip(input_names, inputs, shape_infos(source, input_names)):
+    for name, x, info in zip(input_names, inputs, shape_infos(source, input_names), strict=True):
         space = "constant" if x.size < MAX_CONSTANT_ARRAY_SIZE else "device"
         ref = "&" if x.ndim == 0 else "*"
         text += f"  const {space} {TYPES[x.dtype][0]}{ref} {name} [[buffer({index})]],\n"
         index += 1
         if x.ndim > 0:
-            for present, decl in zip(info, ("const constant int* {}_shape",
-                                            "const constant int64_t* {}_strides",
-                                            "const constant int& {}_ndim")):
+            for present, decl in zip(
+                info,
+                (
+                    "const constant int* {}_shape",
+                    "const constant int64_t* {}_strides",
+                    "const constant int& {}_ndim",
+                ),
+                strict=True,
+            ):
                 if present:
                     text += "  " + decl.format(name) + f" [[buffer({index})]],\n"
                     index += 1
-    for name, dt in zip(output_names, output_dtypes):
+    for name, dt in zip(output_names, output_dtypes, strict=True):
         type_ = TYPES[dt][0]
         type_ = f"atomic<{type_}>" if atomic_outputs else type_
         text += f"  device {type_}* {name} [[buffer({index})]]"
@@ -204,14 +225,16 @@ def _entry_code(fname, inputs, input_names, source, output_dtypes, template, ato
     """The C++ that calls the kernel for the current fiber, and the exported launcher."""
     args = []
     k = 0
-    for name, x, info in zip(input_names, inputs, shape_infos(source, input_names)):
+    for x, info in zip(inputs, shape_infos(source, input_names), strict=True):
         type_ = TYPES[x.dtype][0]
         args.append(f"*({type_}*)kk_bufs[{k}]" if x.ndim == 0 else f"({type_}*)kk_bufs[{k}]")
         k += 1
         if x.ndim > 0:
-            for present, type_ in zip(info, ("int*", "int64_t*", "int&")):
+            for present, type_ in zip(info, ("int*", "int64_t*", "int&"), strict=True):
                 if present:
-                    args.append(f"*(int*)kk_bufs[{k}]" if type_ == "int&" else f"({type_})kk_bufs[{k}]")
+                    args.append(
+                        f"*(int*)kk_bufs[{k}]" if type_ == "int&" else f"({type_})kk_bufs[{k}]"
+                    )
                     k += 1
     for dt in output_dtypes:
         type_ = f"atomic<{TYPES[dt][0]}>" if atomic else TYPES[dt][0]
@@ -222,8 +245,8 @@ def _entry_code(fname, inputs, input_names, source, output_dtypes, template, ato
     return (
         "\nstatic void** kk_bufs = (void**)1;  // initialised: bss is threadgroup memory\n"
         f"static void kk_entry() {{ {call}(\n      " + ",\n      ".join(args) + "); }\n"
-        'extern "C" int kk_launch(void** bufs, const unsigned* grid, const unsigned* tg, int strict,\n'
-        "                         unsigned tg_limit, char* err, int errlen) {\n"
+        'extern "C" int kk_launch(void** bufs, const unsigned* grid, const unsigned* tg,\n'
+        "                         int strict, unsigned tg_limit, char* err, int errlen) {\n"
         "  kk_bufs = bufs;\n"
         "  return kk::launch(kk_entry, grid, tg, strict, tg_limit, err, errlen);\n}\n"
     )
@@ -279,9 +302,18 @@ def _from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
 class MetalKernel:
     """The emulator's stand-in for the object ``mx.fast.metal_kernel`` returns."""
 
-    def __init__(self, name, input_names, output_names, source, header="",
-                 ensure_row_contiguous=True, atomic_outputs=False, compile_options=None,
-                 strict=False):
+    def __init__(
+        self,
+        name,
+        input_names,
+        output_names,
+        source,
+        header="",
+        ensure_row_contiguous=True,
+        atomic_outputs=False,
+        compile_options=None,
+        strict=False,
+    ):
         if not output_names:
             raise ValueError("[metal_kernel] Must specify at least one output.")
         self.name, self.source, self.header = name, source, header
@@ -293,8 +325,17 @@ class MetalKernel:
     def generated_source(self, inputs, output_dtypes, template=()) -> str:
         """The exact Metal source MLX would compile for these inputs."""
         fname = kernel_name(self.name, inputs, output_dtypes, template)
-        return metal_source(fname, self.header, self.source, self.input_names, inputs,
-                            self.output_names, output_dtypes, template, self.atomic_outputs)
+        return metal_source(
+            fname,
+            self.header,
+            self.source,
+            self.input_names,
+            inputs,
+            self.output_names,
+            output_dtypes,
+            template,
+            self.atomic_outputs,
+        )
 
     def _library(self, inputs, output_dtypes, template) -> ctypes.CDLL:
         text = self.generated_source(inputs, output_dtypes, template)
@@ -302,30 +343,53 @@ class MetalKernel:
             check_threadgroup_declarations(self.header + self.source)
             fname = kernel_name(self.name, inputs, output_dtypes, template)
             unit = '#include "metal_shim.h"\n' + text
-            unit += _entry_code(fname, inputs, self.input_names, self.source, output_dtypes,
-                                template, self.atomic_outputs)
+            unit += _entry_code(
+                fname,
+                inputs,
+                self.input_names,
+                self.source,
+                output_dtypes,
+                template,
+                self.atomic_outputs,
+            )
             self._libs[text] = _compile(unit)
         return self._libs[text]
 
-    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
-                 template=None, init_value=None, verbose=False, stream=None):
+    def __call__(
+        self,
+        *,
+        inputs,
+        output_shapes,
+        output_dtypes,
+        grid,
+        threadgroup,
+        template=None,
+        init_value=None,
+        verbose=False,
+        stream=None,
+    ):
         template = list(template or [])
         inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
         if len(inputs) != len(self.input_names):
-            raise ValueError(f"[metal_kernel] Expected `inputs` to have size {len(self.input_names)}")
+            raise ValueError(
+                f"[metal_kernel] Expected `inputs` to have size {len(self.input_names)}"
+            )
         if verbose:
             print(self.generated_source(inputs, output_dtypes, template))
         lib = self._library(inputs, output_dtypes, template)
         buffers = []
-        for x, info in zip(inputs, shape_infos(self.source, self.input_names)):
+        for x, info in zip(inputs, shape_infos(self.source, self.input_names), strict=True):
             buffers.append(_Buffer(_to_numpy(x)))
             if x.ndim > 0:
                 strides = np.cumprod((1,) + tuple(x.shape[::-1]))[:-1][::-1]
-                extra = (np.array(x.shape, np.int32), np.array(strides, np.int64),
-                         np.array(x.ndim, np.int32))
-                buffers += [_Buffer(e) for present, e in zip(info, extra) if present]
+                extra = (
+                    np.array(x.shape, np.int32),
+                    np.array(strides, np.int64),
+                    np.array(x.ndim, np.int32),
+                )
+                buffers += [_Buffer(e) for present, e in zip(info, extra, strict=True) if present]
         outputs = []
-        for shape, dt in zip(output_shapes, output_dtypes):
+        for shape, dt in zip(output_shapes, output_dtypes, strict=True):
             out = _Buffer(np.zeros(tuple(shape), TYPES[dt][1]))
             if init_value is None:
                 out.raw[:] = 0xFF
@@ -336,18 +400,44 @@ class MetalKernel:
             *[b.pointer() for b in buffers + outputs]
         )
         err = ctypes.create_string_buffer(512)
-        status = lib.kk_launch(ptrs, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*threadgroup),
-                               int(self.strict), THREADGROUP_MEMORY, err, len(err))
+        status = lib.kk_launch(
+            ptrs,
+            (ctypes.c_uint * 3)(*grid),
+            (ctypes.c_uint * 3)(*threadgroup),
+            int(self.strict),
+            THREADGROUP_MEMORY,
+            err,
+            len(err),
+        )
         if status != 0:
             raise RuntimeError(f"[metal_emulator] {self.name}: {err.value.decode()}")
         for b in buffers + outputs:
             if not b.canaries_intact():
                 raise RuntimeError(f"[metal_emulator] {self.name}: write outside a buffer")
-        return [_from_numpy(o.array().copy(), dt) for o, dt in zip(outputs, output_dtypes)]
+        pairs = zip(outputs, output_dtypes, strict=True)
+        return [_from_numpy(o.array().copy(), dt) for o, dt in pairs]
 
 
-def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False, compile_options=None, strict=False) -> MetalKernel:
+def metal_kernel(
+    name,
+    input_names,
+    output_names,
+    source,
+    header="",
+    ensure_row_contiguous=True,
+    atomic_outputs=False,
+    compile_options=None,
+    strict=False,
+) -> MetalKernel:
     """Same arguments as ``mx.fast.metal_kernel`` (plus ``strict``); runs on the CPU."""
-    return MetalKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
-                       atomic_outputs, compile_options, strict)
+    return MetalKernel(
+        name,
+        input_names,
+        output_names,
+        source,
+        header,
+        ensure_row_contiguous,
+        atomic_outputs,
+        compile_options,
+        strict,
+    )

@@ -8,8 +8,10 @@ block of output rows), so a block of weight rows is read once per tile of tokens
   (``xs``: 32 x TM, fp32), and each thread reads the scales of 4 weight rows;
 - per word of that group (8 values), the threads read and decode the word of their 4 rows
   (E2M1 table, E8M0 scale; the threads sharing 4 rows split the 8 codes) into ``ws``
-  (8 x 8*TX, fp32), and
-  every thread accumulates its RT tokens x 8 rows in registers from ``xs`` and ``ws``.
+  (8 x 8*TX, fp32), and every thread accumulates its RT tokens x 8 rows in registers.
+
+Tiles hold 16, 32 or 64 pairs; 32 is the largest that stays within 128 registers a thread on
+sm_90 (two threadgroups per multiprocessor).
 
 Launch 1 (``NMAT = 2``) computes gate and up of the same rows (slab 0 = w1, slab 1 = w3) and
 writes SiTU-GLU ``h`` [P, I] in sorted order; launch 2 (``NMAT = 1``, two slabs of w2 rows)

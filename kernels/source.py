@@ -104,9 +104,15 @@ template <typename T> __device__ inline T kk_warp_shuffle_down(T v, int delta) {
 # float4 arithmetic both backends accept (CUDA's float4 has no operators). Add to a
 # kernel's header when its body uses them.
 VEC4_HELPERS = """
-HELPER float4 kk_add4(float4 a, float4 b) { a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w; return a; }
-HELPER float4 kk_sub4(float4 a, float4 b) { a.x -= b.x; a.y -= b.y; a.z -= b.z; a.w -= b.w; return a; }
-HELPER float4 kk_mul4(float4 a, float4 b) { a.x *= b.x; a.y *= b.y; a.z *= b.z; a.w *= b.w; return a; }
+HELPER float4 kk_add4(float4 a, float4 b) {
+  a.x += b.x; a.y += b.y; a.z += b.z; a.w += b.w; return a;
+}
+HELPER float4 kk_sub4(float4 a, float4 b) {
+  a.x -= b.x; a.y -= b.y; a.z -= b.z; a.w -= b.w; return a;
+}
+HELPER float4 kk_mul4(float4 a, float4 b) {
+  a.x *= b.x; a.y *= b.y; a.z *= b.z; a.w *= b.w; return a;
+}
 HELPER float4 kk_scale4(float s, float4 a) { a.x *= s; a.y *= s; a.z *= s; a.w *= s; return a; }
 HELPER float4 kk_fma4(float s, float4 a, float4 acc) {
   acc.x += s * a.x; acc.y += s * a.y; acc.z += s * a.z; acc.w += s * a.w; return acc;
@@ -196,8 +202,12 @@ class Kernel:
     def _build(self, backend: str):
         if backend == "cuda":
             return mx.fast.cuda_kernel(
-                self.name, self.input_names, self.output_names, self.source("cuda"),
-                header=render_header(self.header, "cuda"), shared_memory=self.shared_memory,
+                self.name,
+                self.input_names,
+                self.output_names,
+                self.source("cuda"),
+                header=render_header(self.header, "cuda"),
+                shared_memory=self.shared_memory,
             )
         args = (self.name, self.input_names, self.output_names, self.source("metal"))
         header = render_header(self.header, "metal")
@@ -215,9 +225,18 @@ class Kernel:
 
 
 CUDA_TYPES = {
-    mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.bool_: "bool",
-    mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
-    mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+    mx.float32: "float",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.bool_: "bool",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
 }
 
 # What MLX's cuda_kernel puts before the kernel, with standard CUDA headers standing in for
@@ -256,12 +275,15 @@ def cuda_function(kernel: Kernel, inst: Instance) -> str:
     build_kernel: template arguments become ``constexpr`` / ``using`` lines in the body)."""
     body = kernel.source("cuda")
     params = []
-    for name, dt in zip(kernel.input_names, inst.input_dtypes):
+    for name, dt in zip(kernel.input_names, inst.input_dtypes, strict=True):
         params.append(f"    const {CUDA_TYPES[dt]}* {name}")
         for suffix, type_ in (("shape", "Shape"), ("strides", "Strides"), ("ndim", "int")):
             if f"{name}_{suffix}" in body:
                 params.append(f"    const __grid_constant__ {type_} {name}_{suffix}")
-    params += [f"    {CUDA_TYPES[dt]}* {n}" for n, dt in zip(kernel.output_names, inst.output_dtypes)]
+    params += [
+        f"    {CUDA_TYPES[dt]}* {n}"
+        for n, dt in zip(kernel.output_names, inst.output_dtypes, strict=True)
+    ]
     consts = []
     for name, arg in inst.template:
         if isinstance(arg, bool):

@@ -25,12 +25,21 @@ def seed():
 def run(source, inputs, n_out, grid, tg, strict=False, **kw):
     names = [f"x{i}" if i else "x" for i in range(len(inputs))]
     k = metal_kernel("t", names, ["out"], source, strict=strict)
-    return k(inputs=inputs, output_shapes=[(n_out,)], output_dtypes=[mx.float32], grid=grid,
-             threadgroup=tg, **kw)[0]
+    return k(
+        inputs=inputs,
+        output_shapes=[(n_out,)],
+        output_dtypes=[mx.float32],
+        grid=grid,
+        threadgroup=tg,
+        **kw,
+    )[0]
 
 
 def test_signature_follows_mlx():
-    source = "out[0] = a[a_ndim - 1] + a_shape[0] + c[0] + s + N + thread_index_in_simdgroup + thread_position_in_grid.x;"
+    source = (
+        "out[0] = a[a_ndim - 1] + a_shape[0] + c[0] + s + N + thread_index_in_simdgroup"
+        " + thread_position_in_grid.x;"
+    )
     k = metal_kernel("sig", ["a", "c", "s"], ["out"], source, header="// head\n")
     inputs = [mx.zeros((2, 8)), mx.zeros((3,), mx.int32), mx.array(2.0, mx.bfloat16)]
     tpl = [("N", 3), ("T", mx.float16), ("B", True)]
@@ -53,8 +62,14 @@ def test_signature_follows_mlx():
         f"{name}<3, float16_t, 1>;\n"
     )
     assert k.generated_source(inputs, [mx.float32], tpl) == expected
-    out = k(inputs=inputs, output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(1, 1, 1),
-            threadgroup=(1, 1, 1), template=tpl)[0]
+    out = k(
+        inputs=inputs,
+        output_shapes=[(1,)],
+        output_dtypes=[mx.float32],
+        grid=(1, 1, 1),
+        threadgroup=(1, 1, 1),
+        template=tpl,
+    )[0]
     assert out.item() == 0 + 2 + 0 + 2 + 3 + 0 + 0  # a[1] + shape[0] + c[0] + s + N + lane + x
 
 
@@ -84,15 +99,25 @@ def test_missing_barrier_gives_a_wrong_result_every_time():
 
 def test_off_by_one_read_sees_nan():
     x = mx.arange(64).astype(mx.float32)
-    out = run("out[thread_position_in_grid.x] = x[thread_position_in_grid.x + 1];", [x], 64,
-              (64, 1, 1), (32, 1, 1))
+    out = run(
+        "out[thread_position_in_grid.x] = x[thread_position_in_grid.x + 1];",
+        [x],
+        64,
+        (64, 1, 1),
+        (32, 1, 1),
+    )
     assert np.isnan(np.array(out)[-1])
 
 
 def test_write_past_the_end_is_reported():
     with pytest.raises(RuntimeError, match="outside a buffer"):
-        run("out[thread_position_in_grid.x + 1] = 1.0f;", [mx.zeros((4,))], 64, (64, 1, 1),
-            (32, 1, 1))
+        run(
+            "out[thread_position_in_grid.x + 1] = 1.0f;",
+            [mx.zeros((4,))],
+            64,
+            (64, 1, 1),
+            (32, 1, 1),
+        )
 
 
 def test_unwritten_outputs_are_nan_unless_init_value():
@@ -139,11 +164,19 @@ def test_partial_threadgroups_and_attributes():
 
 
 def test_bfloat16_and_templates():
-    src = "uint i = thread_position_in_grid.x; out[i] = static_cast<T>(static_cast<float>(x[i]) * N);"
+    src = (
+        "uint i = thread_position_in_grid.x; out[i] = static_cast<T>(static_cast<float>(x[i]) * N);"
+    )
     k = metal_kernel("bf", ["x"], ["out"], src)
     x = mx.random.normal((40,)).astype(mx.bfloat16)
-    out = k(inputs=[x], output_shapes=[(40,)], output_dtypes=[mx.bfloat16], grid=(40, 1, 1),
-            threadgroup=(32, 1, 1), template=[("T", mx.bfloat16), ("N", 3)])[0]
+    out = k(
+        inputs=[x],
+        output_shapes=[(40,)],
+        output_dtypes=[mx.bfloat16],
+        grid=(40, 1, 1),
+        threadgroup=(32, 1, 1),
+        template=[("T", mx.bfloat16), ("N", 3)],
+    )[0]
     assert out.dtype == mx.bfloat16
     assert mx.array_equal(out, (x.astype(mx.float32) * 3).astype(mx.bfloat16))
 
@@ -152,23 +185,44 @@ def test_atomic_outputs():
     src = "atomic_fetch_add_explicit(&out[0], x[thread_position_in_grid.x], memory_order_relaxed);"
     k = metal_kernel("atom", ["x"], ["out"], src, atomic_outputs=True)
     x = mx.arange(100).astype(mx.float32)
-    out = k(inputs=[x], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(100, 1, 1),
-            threadgroup=(32, 1, 1), init_value=0.0)[0]
+    out = k(
+        inputs=[x],
+        output_shapes=[(1,)],
+        output_dtypes=[mx.float32],
+        grid=(100, 1, 1),
+        threadgroup=(32, 1, 1),
+        init_value=0.0,
+    )[0]
     assert out.item() == 4950
 
 
 @pytest.mark.parametrize(
     "source, strict, error",
     [
-        ("if (thread_position_in_threadgroup.x < 8) simd_sum(1.0f);"
-         "else threadgroup_barrier(mem_flags::mem_threadgroup); out[0] = 1;", False, "deadlock"),
-        ("if (thread_position_in_threadgroup.x < 8) threadgroup_barrier(mem_flags::mem_threadgroup);"
-         "out[0] = 1;", True, "exited"),
-        ("if (thread_position_in_threadgroup.x < 8) out[0] = simd_sum(1.0f);", True,
-         "inactive lanes"),
-        ("threadgroup float big[9000]; uint t = thread_position_in_threadgroup.x; big[t * 140] = t;"
-         "threadgroup_barrier(mem_flags::mem_threadgroup); out[0] = big[(t + 1) % 64 * 140];",
-         False, "threadgroup memory"),
+        (
+            "if (thread_position_in_threadgroup.x < 8) simd_sum(1.0f);"
+            "else threadgroup_barrier(mem_flags::mem_threadgroup); out[0] = 1;",
+            False,
+            "deadlock",
+        ),
+        (
+            "if (thread_position_in_threadgroup.x < 8)"
+            " threadgroup_barrier(mem_flags::mem_threadgroup); out[0] = 1;",
+            True,
+            "exited",
+        ),
+        (
+            "if (thread_position_in_threadgroup.x < 8) out[0] = simd_sum(1.0f);",
+            True,
+            "inactive lanes",
+        ),
+        (
+            "threadgroup float big[9000]; uint t = thread_position_in_threadgroup.x;"
+            " big[t * 140] = t; threadgroup_barrier(mem_flags::mem_threadgroup);"
+            " out[0] = big[(t + 1) % 64 * 140];",
+            False,
+            "threadgroup memory",
+        ),
     ],
 )
 def test_divergence_and_limits_are_reported(source, strict, error):

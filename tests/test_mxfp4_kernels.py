@@ -52,7 +52,7 @@ def routing(N: int, E: int, k: int, seed: int):
     return inds, (wts / wts.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=24)
 def dequantized(E: int, D: int, I: int, seed: int, e: int) -> tuple:
     """Expert ``e`` of ``random_experts(E, D, I, seed)`` as float32 (w1, w2, w3): exact, since
     an E2M1 value times a power of two needs 3 significant bits."""
