@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the lent H200 (after `source .device/b/setup.sh`): run the named steps, append their
+# output to $OUT/log.txt and leave benchmark tables in $OUT/*.md.
+#   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+log="$OUT/log.txt"
+run() {
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*" | tee -a "$log"
+  local t0=$(date +%s)
+  timeout "$limit" "$@" >>"$log" 2>&1
+  echo "=== $name: rc=$? in $(( $(date +%s) - t0 ))s" | tee -a "$log"
+}
+for step in "$@"; do
+  case $step in
+    kda_tests) MLX_ENABLE_TF32=0 run kda_tests 240 python3 -m pytest -q -x tests/cuda/test_kda_cuda.py ;;
+    mxfp4_tests) MLX_ENABLE_TF32=0 run mxfp4_tests 240 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py ;;
+    model_tests) MLX_ENABLE_TF32=0 run model_tests 300 python3 -m pytest -q -x tests/test_model.py tests/test_blocks_numpy.py tests/test_kda_kernels.py -k "not emulator" ;;
+    bench_kda) run bench_kda 300 python3 -m benchmarks.bench_kda --out "$OUT/bench_kda.md" ;;
+    bench_mxfp4) run bench_mxfp4 300 python3 -m benchmarks.bench_mxfp4 --out "$OUT/bench_mxfp4.md" ;;
+    bench_e2e) run bench_e2e 400 python3 benchmarks/bench_e2e.py --preset k3-layers --set vocab_size=32768 --prompt-tokens 512 --decode-tokens 16 --dtypes bfloat16 --expert-cache-gb 0.6 --out "$OUT/bench_e2e_h200.md" ;;
+    bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --out "$OUT/bench_streaming_h200.md" ;;
+    *) echo "unknown step $step" | tee -a "$log" ;;
+  esac
+done
