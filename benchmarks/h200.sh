@@ -6,6 +6,11 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 log="$OUT/log.txt"
+# Run from a copy of tests/ and benchmarks/ so the installed package (with kimi_k3.kernels and
+# kimi_k3.convert at their package-dir places) is imported, not the source folder kimi_k3/.
+RUN=/tmp/kimi_k3_run
+rm -rf "$RUN" && mkdir -p "$RUN" && cp -r tests benchmarks "$RUN"/ && cd "$RUN" || exit 1
+python3 -c "import kimi_k3.kernels, kimi_k3.convert" || exit 1
 run() {
   local name=$1 limit=$2
   shift 2
