@@ -131,9 +131,6 @@ class Plan:
         return sum(self.layouts[layer].data_bytes for layer, _ in recs)
 
 
-# ---- planning -----------------------------------------------------------------------------
-
-
 def make_plan(src: CheckpointIndex, args: ModelArgs, settings: Settings) -> Plan:
     """Validate the source against the model and lay out every output file."""
     dense, experts = [], {}
@@ -262,9 +259,6 @@ def _versions() -> dict:
     return {"kimi_k3": ours, "mlx": mx.__version__}
 
 
-# ---- progress -----------------------------------------------------------------------------
-
-
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
@@ -311,10 +305,9 @@ class Progress:
             self._show(time.monotonic(), end="\n")
 
 
-# ---- conversion ---------------------------------------------------------------------------
-
-
 class _Run:
+    """One conversion: the plan, the output directory's state, and the writers."""
+
     def __init__(self, src, out, plan, settings, fp, chunk_bytes, workers, config):
         self.src, self.out, self.plan, self.settings = src, out, plan, settings
         self.fp, self.chunk_bytes, self.workers, self.config = fp, chunk_bytes, workers, config
@@ -390,8 +383,6 @@ class _Run:
         for fd in self.fds.values():
             os.close(fd)
 
-    # -- the expert pack
-
     def _pack_file(self, i: int, progress: Progress):
         rel = self.plan.pack_names[i]
         with self._atomic(rel) as f:
@@ -409,8 +400,6 @@ class _Run:
         if all(a.file == b.file and a.end == b.start for a, b in zip(six, six[1:], strict=False)):
             return self._pread(six[0].file, six[0].start, six[-1].end - six[0].start)
         return b"".join(self._pread(t.file, t.start, t.nbytes) for t in six)
-
-    # -- the dense shards
 
     def _dense_shard(self, i: int, progress: Progress):
         rel, items = self.plan.shard_names[i], self.plan.shards[i]
@@ -453,7 +442,7 @@ class _Run:
 
     def _quantized(self, it: DenseItem):
         """Affine-quantize row blocks of at most ``chunk_bytes``: weight bytes stream out
-        block by block; scales and biases (1/16 of the source at 4-bit) follow at the end."""
+        block by block; scales and biases (together 1/32 of the source at group 64) follow."""
         t, spec = it.source, it.spec
         rows, cols = t.shape
         row_bytes = cols * DTYPE_SIZE[t.dtype]
@@ -473,8 +462,6 @@ class _Run:
             yield data, n * row_bytes
         yield b"".join(scales), 0
         yield b"".join(biases), 0
-
-    # -- the small files, then the manifest
 
     def finish(self, hf_path: Path) -> dict:
         done = self.state["done"]

@@ -38,7 +38,7 @@ BODY = """
   constexpr int XQ = 32 * TM / 4;     // staging items of xs: (k, 4 tokens)
   SHARED float lut[16];
   SHARED float4 xs[32 * TM / 4];      // [k][token / 4]
-  SHARED float4 ws[8 * 2 * TX];       // [k][slab row / 4]: 8 rows of the group's word
+  SHARED float4 ws[8 * 2 * TX];       // [code of the word][staged row / 4]
 
   const uint tid = THREAD_INDEX;
   const int start = tiles[3 * GROUP_POS.x];

@@ -82,9 +82,10 @@ def read_args(path: str | Path, layout: str) -> ModelArgs:
 
 
 def mlx_lm_expert_names(layer: int) -> dict[str, str]:
-    """The stacked mlx-lm tensors ([E, ...]) holding a layer's experts, by this tree's name.
+    """The stacked mlx-lm tensors ([E, ...]) holding a layer's experts, by record name.
 
-    For the streamer: expert ``e`` of a stacked tensor of ``nbytes`` bytes is the byte range
+    Keys are the pack's record names (``w1.weight``, ``w1.scales``, ...). For the
+    streamer: expert ``e`` of a stacked tensor of ``nbytes`` bytes is the byte range
     ``[e * nbytes / E, (e + 1) * nbytes / E)`` of that tensor's data.
     """
     base = f"language_model.model.layers.{layer}.mlp.switch_mlp"

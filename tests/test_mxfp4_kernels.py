@@ -13,7 +13,6 @@ import functools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import rel_err
 from numpy_ref import mxfp4_decode, situ_glu
 
 from kimi_k3.experts import expert_glu, expert_glu_reference
@@ -24,6 +23,13 @@ from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, group_by_expert, t
 BETA, CAP = 4.0, 25.0
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 TOL = 2e-6  # kernel vs float64 oracle, RMS-relative; fp32 accumulation over <= 3584 terms
+
+
+def rel_err(a, b) -> float:
+    """``||a - b|| / ||b||`` in float64 (mx arrays or numpy)."""
+    a = np.asarray(a.astype(mx.float32) if isinstance(a, mx.array) else a, dtype=np.float64)
+    b = np.asarray(b.astype(mx.float32) if isinstance(b, mx.array) else b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @functools.lru_cache(maxsize=2)
