@@ -55,6 +55,14 @@ def expert_bytes(dim: int, hidden: int) -> int:
     return 3 * (hidden * dim // 2 + hidden * dim // 32)
 
 
+def random_words(shape, key) -> mx.array:
+    """Uniform random uint32 words (8 random E2M1 codes each), built from two 16-bit draws."""
+    lo, hi = mx.random.split(key, 2)
+    a = mx.random.randint(0, 1 << 16, shape, dtype=mx.int32, key=lo).astype(mx.uint32)
+    b = mx.random.randint(0, 1 << 16, shape, dtype=mx.int32, key=hi).astype(mx.uint32)
+    return (b << 16) | a
+
+
 def random_experts(n: int, dim: int, hidden: int, seed: int) -> dict:
     """A stack of ``n`` random MXFP4 experts in MLX's layout, built on the device."""
     key = mx.random.key(seed)
@@ -63,7 +71,7 @@ def random_experts(n: int, dim: int, hidden: int, seed: int) -> dict:
     lo, hi = 119, 123
 
     def quant(k1, k2, rows, cols):
-        wq = mx.random.bits((n, rows, cols // 8), width=4, key=k1)
+        wq = random_words((n, rows, cols // 8), k1)
         sc = mx.random.randint(lo, hi, (n, rows, cols // 32), key=k2).astype(mx.uint8)
         return wq, sc
 
@@ -99,7 +107,7 @@ def time_batch(fn, inputs: list, repeats: int) -> float:
 
 def copy_gbps(nbytes: int, repeats: int) -> float:
     """Device copy bandwidth (read + write) of a ``nbytes`` buffer: the practical ceiling."""
-    x = mx.random.bits((nbytes // 4,), width=4)
+    x = random_words((nbytes // 4,), mx.random.key(0))
     one = mx.array(1, dtype=mx.uint32)
     mx.eval(x)
     t = time_batch(lambda a: a ^ one, [(x,)] * 4, repeats)
