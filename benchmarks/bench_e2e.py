@@ -66,8 +66,11 @@ def main(argv=None):
                     help="override a synthetic preset key (e.g. vocab_size=32768)")
     ap.add_argument("--expert-cache-gb", type=float, default=None,
                     help="also time this project with experts streamed into a cache this big")
+    ap.add_argument("--device", choices=["default", "cpu", "gpu"], default="default")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.device != "default":
+        mx.set_default_device(getattr(mx, args.device))
     overrides = dict(parse_override(s) for s in args.set)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "ckpt", args.preset, tokenizer=False, **overrides)
@@ -85,8 +88,11 @@ def main(argv=None):
                 runs.append((f"kimi_k3, experts streamed ({args.expert_cache_gb} GB cache)",
                              streamed))
             for label, model in runs:
-                pre, dec = measure(model, prompt, args.decode_tokens, args.repeats)
-                rows.append((name, label, pre, dec))
+                try:
+                    pre, dec = measure(model, prompt, args.decode_tokens, args.repeats)
+                    rows.append((name, label, f"{pre:.1f}", f"{dec:.1f}"))
+                except Exception as e:  # one failing comparator is a row, not a crash
+                    rows.append((name, label, f"failed: {type(e).__name__}: {e}", ""))
             del ours, ref, runs
     device = f"{mx.default_device()} ({platform.machine()}, mlx {mx.__version__})"
     lines = [
@@ -99,7 +105,7 @@ def main(argv=None):
         "| dtype | implementation | prefill tok/s | decode tok/s |",
         "|---|---|---:|---:|",
     ]
-    lines += [f"| {d} | {label} | {p:.1f} | {t:.1f} |" for d, label, p, t in rows]
+    lines += [f"| {d} | {label} | {p} | {t} |" for d, label, p, t in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

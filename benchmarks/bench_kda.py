@@ -4,9 +4,14 @@ Decode (one token, one layer): our single-launch kernel (the whole mixer: conv w
 L2 norms, gates, state update and readout, output RMSNorm and gate) against the time the fp32
 state takes to read and write at the memory bandwidth, ``mx.fast.gated_delta_update``
 (scalar gate, recurrence only), mlx-lm's ``gated_delta_update`` (per-channel gate, recurrence
-only) and the pure-MLX reference mixer. Prefill (T = 1024, 8192): our chunk kernels (the
-recurrence) and our whole mixer against fla's Triton ``chunk_kda`` (torch on the same GPU,
-bf16 q/k/v as fla is usually run, fp32 gate) and the pure-MLX chunked reference. Every
+only) and the pure-MLX reference mixer, each measured two ways: a single call evaluated and
+synchronized on its own (which includes MLX's per-eval launch and sync latency), and chained:
+``CHAIN`` independent layers (each with its own state, conv window and inputs) built into one
+graph and evaluated once, the time divided by ``CHAIN``; that is what one KDA layer costs in a
+model's decode step (93 layers in one graph, one eval). Prefill (T = 1024, 8192): our chunk
+kernels (the recurrence; every state-pass variant), our whole mixer and each kernel alone,
+against fla's Triton ``chunk_kda`` (torch on the same GPU, bf16 q/k/v as fla is usually run,
+fp32 gate) and the pure-MLX chunked reference. Every
 comparator runs in its own try/except: a failure is a row that says so.
 
     python -m benchmarks.bench_kda --out bench_kda.md
@@ -33,6 +38,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--repeats", type=int, default=20, help="timed runs (median)")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200 HBM3e)")
+    parser.add_argument("--chain", type=int, default=CHAIN, help="layers in the chained decode")
     parser.add_argument("--skip-slow", action="store_true", help="skip comparators over 1 s")
     return parser
 
@@ -102,43 +108,85 @@ def recurrence_inputs(T: int):
     return q, k, v, g, beta, state
 
 
-def decode_cases(backend, bandwidth):
+CHAIN = 64  # independent layers per graph in the chained decode measurement
+
+
+def decode_layer():
+    """One layer's decode inputs for every comparator: (p, mixer inputs, recurrence inputs)."""
     p, x = layer(), mixer_inputs(1)
     q, k, v, g, beta, state = recurrence_inputs(1)
-    state_vk = state.swapaxes(-1, -2)
-    gamma = mx.exp(g.mean(-1))
-    a = mx.random.normal((1, 1, H, K))
-    mx.eval(p, x, state_vk, gamma, a)
+    rec = dict(
+        q=q,
+        k=k,
+        v=v,
+        beta=beta,
+        state_vk=state.swapaxes(-1, -2),
+        gamma=mx.exp(g.mean(-1)),
+        a=mx.random.normal((1, 1, H, K)),
+    )
+    mx.eval(p, x, rec)
+    return p, x, rec
 
-    def mlx_lm_path():
+
+def decode_fns(backend):
+    """name -> fn(p, x, rec) running one layer's decode step; every comparator."""
+
+    def mlx_lm_path(p, x, r):
         from mlx_lm.models.gated_delta import gated_delta_update
 
         return gated_delta_update(
-            q,
-            k,
-            v,
-            a,
+            r["q"],
+            r["k"],
+            r["v"],
+            r["a"],
             x[4],
             p["A_log"].reshape(H, 1),
             p["dt_bias"].reshape(H, K),
-            state_vk,
+            r["state_vk"],
             lower_bound=-5.0,
         )
 
-    limit = 2 * state.nbytes / bandwidth
+    def fast_gdu(p, x, r):
+        return mx.fast.gated_delta_update(
+            r["q"], r["k"], r["v"], r["gamma"], r["beta"], r["state_vk"]
+        )
+
     return [
         (
             "ours: kda_decode (whole mixer, 1 launch)",
-            mlx_run(lambda: kda_decode.kda_decode(backend, p, *x)),
+            lambda p, x, r: kda_decode.kda_decode(backend, p, *x),
         ),
-        ("state read + write at bandwidth", limit),
-        (
-            "mx.fast.gated_delta_update (scalar gate)",
-            mlx_run(lambda: mx.fast.gated_delta_update(q, k, v, gamma, beta, state_vk)),
-        ),
-        ("mlx-lm gated_delta_update (vector gate)", mlx_run(mlx_lm_path)),
-        ("pure-MLX reference mixer", mlx_run(lambda: kda_mix_reference(p, *x))),
+        ("mx.fast.gated_delta_update (scalar gate)", fast_gdu),
+        ("mlx-lm gated_delta_update (vector gate)", mlx_lm_path),
+        ("pure-MLX reference mixer", lambda p, x, r: kda_mix_reference(p, *x)),
     ]
+
+
+def decode_cases(backend, bandwidth):
+    """Single call: one layer, evaluated and synchronized on its own."""
+    p, x, rec = decode_layer()
+    limit = 2 * x[-1].nbytes / bandwidth
+    cases = [(name, mlx_run(lambda fn=fn: fn(p, x, rec))) for name, fn in decode_fns(backend)]
+    return cases[:1] + [("state read + write at bandwidth", limit)] + cases[1:]
+
+
+def chained_run(fn, layers):
+    """One graph of ``len(layers)`` independent decode steps, evaluated once; the run's time
+    divided by the number of layers is the per-layer cost."""
+
+    def run():
+        mx.eval([fn(*lay) for lay in layers])
+        mx.synchronize()
+
+    return run
+
+
+def chained_decode_cases(backend, bandwidth, L=CHAIN):
+    """Chained: L independent layers (own state, conv window and inputs) in one graph."""
+    layers = [decode_layer() for _ in range(L)]
+    limit = 2 * layers[0][1][-1].nbytes / bandwidth
+    cases = [(name, chained_run(fn, layers), 1.0 / L) for name, fn in decode_fns(backend)]
+    return cases[:1] + [("state read + write at bandwidth", limit)] + cases[1:]
 
 
 def fla_run(T: int, bf16: bool = True):
@@ -167,11 +215,42 @@ def prefill_cases(backend, T: int, skip_slow: bool):
     p, x = layer(), mixer_inputs(T)
     r = recurrence_inputs(T)
     mx.eval(p, x)
+    # Inputs of the state pass and kda_post alone, evaluated beforehand.
+    prep = kda_prefill.chunk_prep(backend, *r[:5])
+    o = mx.random.normal((1, T, H, K))
+    mx.eval(prep, o)
+    default, *others = kda_prefill.STATE_VARIANTS
     cases = [
-        ("ours: chunk kernels (recurrence)", mlx_run(lambda: kda_prefill.kda_chunk(backend, *r))),
+        (
+            f"ours: chunk kernels (recurrence, state pass {default})",
+            mlx_run(lambda: kda_prefill.kda_chunk(backend, *r, state_variant=default)),
+        ),
+        *(
+            (
+                f"ours: chunk kernels, state pass {var}",
+                mlx_run(lambda var=var: kda_prefill.kda_chunk(backend, *r, state_variant=var)),
+            )
+            for var in others
+        ),
         (
             "ours: kda_prefill (whole mixer)",
             mlx_run(lambda: kda_prefill.kda_prefill(backend, p, *x)),
+        ),
+        (
+            "ours, alone: kda_pre (conv, norms, gates)",
+            mlx_run(lambda: kda_prefill.pre(backend, p, *x[:5], x[6])),
+        ),
+        ("ours, alone: kda_chunk_prep", mlx_run(lambda: kda_prefill.chunk_prep(backend, *r[:5]))),
+        *(
+            (
+                f"ours, alone: state pass {var}",
+                mlx_run(lambda var=var: kda_prefill.chunk_state(backend, prep, r[5], T, var)),
+            )
+            for var in kda_prefill.STATE_VARIANTS
+        ),
+        (
+            "ours, alone: kda_post (RMSNorm x gate)",
+            mlx_run(lambda: kda_prefill.post(backend, p, o, x[5])),
         ),
         ("fla chunk_kda (Triton, bf16 q/k/v)", lambda: fla_run(T)),
         ("fla chunk_kda (Triton, fp32)", lambda: fla_run(T, bf16=False)),
@@ -192,14 +271,15 @@ def prefill_cases(backend, T: int, skip_slow: bool):
 def measure(cases, repeats):
     """[(name, microseconds or None, note)] with each comparator isolated."""
     rows = []
-    for name, run in cases:
+    for case in cases:
+        name, run, scale = case if len(case) == 3 else (*case, 1.0)
         if isinstance(run, float):
             rows.append((name, run * 1e6, "bound, not measured"))
             continue
         try:
             if name.startswith("fla"):
                 run = run()
-            rows.append((name, median_time(run, repeats) * 1e6, ""))
+            rows.append((name, median_time(run, repeats) * scale * 1e6, ""))
         except Exception as e:  # a comparator failing is a result, not a crash
             traceback.print_exc()
             rows.append((name, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
@@ -227,7 +307,14 @@ def main(argv=None):
         raise SystemExit("no kernel backend here (needs Metal or CUDA)")
     mx.random.seed(0)
     sections = [
-        ("decode, 1 token, 1 layer", measure(decode_cases(backend, args.bandwidth), args.repeats))
+        (
+            "decode, 1 token, single call (eval + sync per layer)",
+            measure(decode_cases(backend, args.bandwidth), args.repeats),
+        ),
+        (
+            f"decode, 1 token, chained ({args.chain} layers, one eval; per layer)",
+            measure(chained_decode_cases(backend, args.bandwidth, args.chain), args.repeats),
+        ),
     ]
     for T in args.lengths:
         sections.append(

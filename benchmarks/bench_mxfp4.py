@@ -14,12 +14,13 @@ import argparse
 import math
 import time
 import traceback
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
 
 from kimi_k3.experts import expert_glu_reference
-from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
+from kimi_k3.kernels.mxfp4_decode import VARIANTS, expert_glu_decode
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, tile_tokens_for
 
 BETA, CAP = 4.0, 25.0
@@ -184,24 +185,26 @@ def bench_decode(args, table: Table, copy: float | None):
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
         timed = {}
+        variants = {f"decode kernel ({v})": partial(expert_glu_decode, variant=v) for v in VARIANTS}
         for name, fn in (
             ("gather_qmm", expert_glu_reference),
-            ("decode kernel", expert_glu_decode),
+            *variants.items(),
             ("prefill kernel", expert_glu_prefill),
         ):
             label = f"decode N={n}: {name}"
             timed[name] = attempt(
                 table, label, decode_row, table, label, fn, inputs, nbytes, args, copy
             )
-        compare(
-            table,
-            f"decode N={n}: decode kernel vs gather_qmm",
-            expert_glu_decode,
-            expert_glu_reference,
-            timed["decode kernel"],
-            timed["gather_qmm"],
-            inputs,
-        )
+        for name, fn in variants.items():
+            compare(
+                table,
+                f"decode N={n}: {name} vs gather_qmm",
+                fn,
+                expert_glu_reference,
+                timed[name],
+                timed["gather_qmm"],
+                inputs,
+            )
 
 
 def bench_prefill(args, table: Table):
@@ -234,6 +237,25 @@ def bench_prefill(args, table: Table):
             timed.get(default),
             t_ref,
             inputs,
+        )
+        attempt(table, f"prefill N={n}: oracle", oracle_rows, table, n, inputs[0])
+
+
+def oracle_rows(table, n, inputs, tokens: int = 4):
+    """Both sides against an fp32 dense oracle on the first tokens (mxfp4_diag's), so a
+    disagreement says which side is wrong."""
+    from benchmarks.mxfp4_diag import oracle
+
+    z, w, inds, weights, beta, cap = inputs
+    want = oracle(z[:tokens], w, inds[:tokens], weights[:tokens])
+    for name, fn in (("kernel", expert_glu_prefill), ("gather_qmm", expert_glu_reference)):
+        got = fn(z, w, inds, weights, beta, cap)[:tokens]
+        table.add(
+            f"prefill N={n}: {name} vs fp32 oracle ({tokens} tokens)",
+            "",
+            "",
+            "",
+            f"rel err {rel_err(got, want):.1e}",
         )
 
 

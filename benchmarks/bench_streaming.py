@@ -2,9 +2,9 @@
 decode tokens/s against cache size (LRU vs LFU), prefetch and overlap on and off, and a
 projection for the full K3.
 
-    python benchmarks/bench_streaming.py --out docs/bench_streaming.md \
-        --plot docs/streaming_cache.png
+    python benchmarks/bench_streaming.py --out bench_streaming.md --plot docs/streaming_cache.png
 
+(About 20 minutes on a 2-core VM; ``--quick`` takes a few.)
 Writes two synthetic checkpoints under ``--work`` (kept for reruns): ``k3-experts``, two MoE
 layers of 64 experts at K3's exact expert size (17,547,264 bytes; 2.25 GB of experts), for
 the read tests; ``sweep``, five MoE layers with K3's routing shape (896 experts, top-16)
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import mmap
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -57,10 +59,16 @@ def drop_caches() -> bool:
 
 
 def checkpoint(work: Path, name: str, overrides: dict) -> Path:
+    """A synthetic checkpoint under ``work`` (rewritten if an old one has other settings)."""
     path = work / name
-    if not (path / "config.json").exists():
-        print(f"writing {path} ...", file=sys.stderr)
-        write_checkpoint(path, "small", seed=1, tokenizer=False, **overrides)
+    config = path / "config.json"
+    if config.exists():
+        text = json.loads(config.read_text())["text_config"]
+        if all(text.get(k) == v for k, v in overrides.items() if k != "full"):
+            return path
+        shutil.rmtree(path)
+    print(f"writing {path} ...", file=sys.stderr)
+    write_checkpoint(path, "small", seed=1, tokenizer=False, **overrides)
     return path
 
 
@@ -337,9 +345,10 @@ def cache_section(sweep: Path, args) -> tuple[list[str], dict, float]:
         lambda: decode_run(sweep, slots, args.prompt, args.tokens, **o), args.reps, "tok_s")
     resident = run(None)["tok_s"]
     skew = routing_skew(sweep, args.tokens, 1 / 16)
-    curves = {p: [run(s, policy=p) for s in SWEEP_SLOTS] for p in ("lru", "lfu")}
+    curves = {p: [run(s, policy=p) for s in args.slots] for p in ("lru", "lfu")}
     rows = [{**r, "policy": p, "f": r["slots"] / E} for p, rs in curves.items() for r in rs]
-    text = ["## Hit rate and decode tokens/s against cache size (experts 4x to 64x the budget)",
+    text = [f"## Hit rate and decode tokens/s against cache size (experts "
+            f"{E // max(args.slots)}x to {E // min(args.slots)}x the budget)",
             "", f"Five MoE layers x {E} experts of 0.42 MB (top-16), fp32, {args.tokens} decode "
             f"steps after a {args.prompt}-token prefill, random input tokens; tokens/s median "
             f"of {args.reps}. All experts resident: {resident:.1f} tokens/s. Routing skew of "
@@ -387,7 +396,13 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per cache run")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (medians reported)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one repetition, 32 decode steps, three cache sizes (a few minutes)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.reps, args.tokens, args.slots = 1, 32, SWEEP_SLOTS[::2]
+    else:
+        args.slots = SWEEP_SLOTS
     args.work.mkdir(parents=True, exist_ok=True)
     big = checkpoint(args.work, "k3-experts", K3_EXPERTS)
     sweep = checkpoint(args.work, "sweep", SWEEP)

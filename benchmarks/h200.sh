@@ -27,6 +27,7 @@ for step in "$@"; do
     bench_kda) run bench_kda 300 python3 -m benchmarks.bench_kda --out "$OUT/bench_kda.md" ;;
     bench_mxfp4) run bench_mxfp4 300 python3 -m benchmarks.bench_mxfp4 --out "$OUT/bench_mxfp4.md" ;;
     bench_e2e) run bench_e2e 400 python3 benchmarks/bench_e2e.py --preset k3-layers --set vocab_size=32768 --set intermediate_size=4096 --prompt-tokens 512 --decode-tokens 16 --dtypes bfloat16 --expert-cache-gb 0.6 --out "$OUT/bench_e2e_h200.md" ;;
+    bench_e2e_cpu) run bench_e2e_cpu 300 python3 benchmarks/bench_e2e.py --preset small --device cpu --repeats 3 --out "$OUT/bench_e2e_cpu.md" ;;
     bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --out "$OUT/bench_streaming_h200.md" ;;
     *) echo "unknown step $step" | tee -a "$log" ;;
   esac

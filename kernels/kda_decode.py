@@ -171,14 +171,29 @@ def _as(x: mx.array, dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-_PARAMS: dict = {}
+_WEIGHTS = ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm")
+_LAYERS: dict = {}  # (id(p), dtype) -> (p's weights as found, scalars, fp32 weights + params)
 
 
-def _params(lower_bound: float, eps: float) -> mx.array:
-    key = (float(lower_bound), float(eps))
-    if key not in _PARAMS:
-        _PARAMS[key] = mx.array(key, dtype=mx.float32)
-    return _PARAMS[key]
+def _layer_inputs(p: dict, dt) -> list:
+    """The layer's fp32 weights and scalar params, converted and built once per layer.
+
+    The cache holds the arrays it was built from and is reused only while ``p`` holds those
+    same arrays (and scalars), so a changed or new layer rebuilds it.
+    """
+    found = [p[n] for n in _WEIGHTS]
+    scalars = (float(p["lower_bound"]), float(p["eps"]))
+    key = (id(p), dt)
+    hit = _LAYERS.get(key)
+    if hit is None or hit[1] != scalars or any(a is not b for a, b in zip(hit[0], found)):
+        if len(_LAYERS) > 1024:
+            _LAYERS.clear()
+        params = mx.array(scalars, dtype=mx.float32)
+        hit = _LAYERS[key] = (found, scalars, [_as(w, mx.float32) for w in found] + [params])
+    return hit[2]
+
+
+_LAUNCH: dict = {}  # (dtype, H, K, W) -> (template, threads per threadgroup)
 
 
 def kda_decode(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
@@ -195,12 +210,13 @@ def kda_decode(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv
         conv_state = mx.zeros((B, W - 1, 3 * P), dtype=dt)
     if state is None:
         state = mx.zeros((B, H, K, K), dtype=mx.float32)
-    names = ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm")
-    f32 = [_as(p[n], mx.float32) for n in names]
     acts = [_as(a, dt) for a in (x_q, x_k, x_v, g_raw, b_logits, gate, conv_state)]
-    inputs = acts + [_as(state, mx.float32)] + f32 + [_params(p["lower_bound"], p["eps"])]
-    tpl = template(dt, H, K, W)
-    nt = K * K // tpl[-1][1]
+    inputs = acts + [_as(state, mx.float32)] + _layer_inputs(p, dt)
+    launch = _LAUNCH.get((dt, H, K, W))
+    if launch is None:
+        tpl = template(dt, H, K, W)
+        launch = _LAUNCH[(dt, H, K, W)] = (tpl, K * K // tpl[-1][1])
+    tpl, nt = launch
     y, conv_out, state_out = KDA_DECODE(
         backend,
         inputs=inputs,

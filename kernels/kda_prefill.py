@@ -1,4 +1,9 @@
-"""KDA prefill: the chunkwise recurrence (chunk 64, 16-token sub-blocks) in two kernels.
+"""KDA prefill: the whole token mixer after the projections, in four stages of kernels.
+
+``kda_pre`` does the short convs + SiLU, the L2 norms, the q scale, the gate g and beta, and
+writes the new conv window. Then the chunkwise recurrence (chunk 64, 16-token sub-blocks),
+then ``kda_post`` (per-head RMSNorm x sigmoid(gate)). No MLX elementwise pass runs over the
+[T, H*K] tensors.
 
 ``kda_chunk_prep`` runs on every (batch, head, chunk) at once. For one 64-token chunk, with G
 the in-chunk cumulative sum of g (``kimi_k3.kda.kda_chunked`` has the algebra):
@@ -10,10 +15,14 @@ the in-chunk cumulative sum of g (``kimi_k3.kda.kda_chunked`` has the algebra):
 Scores use a reference row per 16-row sub-block (the first one), so every exponent is a
 difference of cumulative sums: <= 0, or at most one sub-block's decay inside the diagonal.
 
-``kda_chunk_state`` carries the state through the chunks in order, one threadgroup per
-(batch, head, 32 state columns), the state in registers:
+The state pass carries the state through the chunks in order, the state in registers:
 
     V' = U - W S,   O = Qd S + Aqk V',   S = decay * S + Kd^T V'
+
+``STATE_VARIANTS`` (the first is the default): ``split16`` / ``split`` run the sequential part
+(V' and S; each chunk's start state stored) in ``kda_chunk_h16`` / ``kda_chunk_h`` and O for
+every chunk at once in ``kda_chunk_out``; ``prefetch`` / ``v1`` compute O inside the
+sequential ``kda_chunk_state`` with / without register prefetch of the next slice.
 
 Any T works: rows past the end of the input are zero (zero g, k, v, beta leave S alone).
 """
@@ -187,7 +196,7 @@ PREP_BODY = """
   }
 """
 
-STATE_BODY = """
+STATE_BODY_V1 = """
   constexpr int C = 64;
   constexpr int VT = 32;            // state columns per threadgroup
   constexpr int NT = 128;           // threads: 16 row groups x 8 column quads
@@ -327,6 +336,733 @@ STATE_BODY = """
 """
 
 
+STATE_BODY = """
+  // As STATE_BODY_V1, with every global slice loaded into registers one step ahead (and the
+  // first W / Qd slice of the next chunk during this chunk's state update), so the loads are
+  // in flight during the FMAs instead of exposed between two barriers.
+  constexpr int C = 64;
+  constexpr int VT = 32;            // state columns per threadgroup
+  constexpr int NT = 128;           // threads: 16 row groups x 8 column quads
+  constexpr int KM = K / 16;        // state rows per thread (a multiple of 4)
+  constexpr int ST = 8;             // rows staged per step
+  constexpr int CP = C / 4 + 1;     // float4 per padded staged row of C values
+  constexpr int KE = ST * K / 4 / NT;   // float4 of a Kd slice per thread
+  SHARED float4 sS[K * VT / 4];     // S of the chunk start [K][VT]
+  SHARED float4 sV[C * VT / 4];     // V' [C][VT]
+  SHARED float4 st[2 * ST * CP];    // staged W^T and Qd^T slices, A^T slices, Kd rows
+
+  const int T = dims[0];
+  const int N = dims[1];
+  const uint t = THREAD_INDEX;
+  const uint tr = t / 8;            // row group: chunk rows 4tr.., state rows KM tr..
+  const uint tc = t % 8;            // column quad: columns 4tc.. of the tile
+  const uint nvt = K / VT;
+  const uint vt = GROUP_POS.x % nvt;
+  const uint bh = GROUP_POS.x / nvt;
+  const uint b = bh / H;
+  const uint h = bh % H;
+  const uint col = vt * VT + 4 * tc;      // first state column of this thread
+  const uint i0 = 4 * tr;
+  const uint k0 = KM * tr;
+  const uint sk = t % ST;                 // staging: one float4 (4 chunk rows) of a transpose
+  const uint sq = t / ST;
+  const uint sbase = 4 * sq * K + sk;     // + s0: W / Qd element of the slice
+  const uint abase = 4 * sq * C + sk;     // + j0: Aqk element of the slice
+
+  float4 S[KM];
+#pragma unroll
+  for (int a = 0; a < KM; ++a) {
+    S[a] = *reinterpret_cast<const DEVICE float4*>(state + ((size_t)bh * K + k0 + a) * K + col);
+    sS[(k0 + a) * (VT / 4) + tc] = S[a];
+  }
+  float4 nw, nq;                    // the next W^T / Qd^T slice
+  {
+    const DEVICE float* Wn = Wc + (size_t)bh * N * C * K + sbase;
+    const DEVICE float* Qn = Qd + (size_t)bh * N * C * K + sbase;
+    nw = FLOAT4(Wn[0], Wn[K], Wn[2 * K], Wn[3 * K]);
+    nq = FLOAT4(Qn[0], Qn[K], Qn[2 * K], Qn[3 * K]);
+  }
+
+  for (int n = 0; n < N; ++n) {
+    const size_t ch = (size_t)bh * N + n;
+    const DEVICE float* Wn = Wc + ch * C * K;
+    const DEVICE float* Qn = Qd + ch * C * K;
+    const DEVICE float* Kn = Kd + ch * C * K;
+    const DEVICE float* Un = Uc + ch * C * K;
+    const DEVICE float* An = Aqk + ch * C * C;
+
+    // P1 = W S and P2 = Qd S for rows i0.. and columns col..: W^T, Qd^T staged ST rows at a time.
+    float4 P1[4];
+    float4 P2[4];
+    for (int a = 0; a < 4; ++a) {
+      P1[a] = kk_zero4();
+      P2[a] = kk_zero4();
+    }
+    for (int s0 = 0; s0 < K; s0 += ST) {
+      st[sk * CP + sq] = nw;
+      st[(ST + sk) * CP + sq] = nq;
+      BARRIER();
+      if (s0 + ST < K) {
+        const uint e = sbase + s0 + ST;
+        nw = FLOAT4(Wn[e], Wn[e + K], Wn[e + 2 * K], Wn[e + 3 * K]);
+        nq = FLOAT4(Qn[e], Qn[e + K], Qn[e + 2 * K], Qn[e + 3 * K]);
+      }
+#pragma unroll
+      for (int kk = 0; kk < ST; ++kk) {
+        const float4 w = st[kk * CP + tr];
+        const float4 q4 = st[(ST + kk) * CP + tr];
+        const float4 s = sS[(s0 + kk) * (VT / 4) + tc];
+        P1[0] = kk_fma4(w.x, s, P1[0]);
+        P1[1] = kk_fma4(w.y, s, P1[1]);
+        P1[2] = kk_fma4(w.z, s, P1[2]);
+        P1[3] = kk_fma4(w.w, s, P1[3]);
+        P2[0] = kk_fma4(q4.x, s, P2[0]);
+        P2[1] = kk_fma4(q4.y, s, P2[1]);
+        P2[2] = kk_fma4(q4.z, s, P2[2]);
+        P2[3] = kk_fma4(q4.w, s, P2[3]);
+      }
+      BARRIER();
+    }
+    float4 na = FLOAT4(An[abase], An[abase + C], An[abase + 2 * C], An[abase + 3 * C]);
+    for (int a = 0; a < 4; ++a) {   // V' = U - W S
+      const float4 u = *reinterpret_cast<const DEVICE float4*>(Un + (i0 + a) * K + col);
+      sV[(i0 + a) * (VT / 4) + tc] = kk_sub4(u, P1[a]);
+    }
+    // O = Qd S + Aqk V' (Aqk is zero above the diagonal): A^T staged ST columns at a time.
+    for (int j0 = 0; j0 < C; j0 += ST) {
+      st[sk * CP + sq] = na;
+      BARRIER();
+      if (j0 + ST < C) {
+        const uint e = abase + j0 + ST;
+        na = FLOAT4(An[e], An[e + C], An[e + 2 * C], An[e + 3 * C]);
+      }
+      if (j0 <= (int)i0 + 3) {
+#pragma unroll
+        for (int jj = 0; jj < ST; ++jj) {
+          const float4 a4 = st[jj * CP + tr];
+          const float4 v4 = sV[(j0 + jj) * (VT / 4) + tc];
+          P2[0] = kk_fma4(a4.x, v4, P2[0]);
+          P2[1] = kk_fma4(a4.y, v4, P2[1]);
+          P2[2] = kk_fma4(a4.z, v4, P2[2]);
+          P2[3] = kk_fma4(a4.w, v4, P2[3]);
+        }
+      }
+      BARRIER();
+    }
+    float4 nk[KE];
+#pragma unroll
+    for (int e = 0; e < KE; ++e) {
+      nk[e] = *reinterpret_cast<const DEVICE float4*>(Kn + 4 * (t + e * NT));
+    }
+    if (n + 1 < N) {                // the next chunk's first W / Qd slice
+      const DEVICE float* Wx = Wn + C * K + sbase;
+      const DEVICE float* Qx = Qn + C * K + sbase;
+      nw = FLOAT4(Wx[0], Wx[K], Wx[2 * K], Wx[3 * K]);
+      nq = FLOAT4(Qx[0], Qx[K], Qx[2 * K], Qx[3 * K]);
+    }
+    for (int a = 0; a < 4; ++a) {
+      const int tk = n * C + i0 + a;
+      const size_t at = (((size_t)b * T + tk) * H + h) * K + col;
+      if (tk < T) *reinterpret_cast<DEVICE float4*>(o + at) = P2[a];
+    }
+    // S = decay S + Kd^T V': Kd staged ST rows at a time.
+#pragma unroll
+    for (int a4 = 0; a4 < KM / 4; ++a4) {
+      const float4 dk = *reinterpret_cast<const DEVICE float4*>(decay + ch * K + k0 + 4 * a4);
+      S[4 * a4] = kk_scale4(dk.x, S[4 * a4]);
+      S[4 * a4 + 1] = kk_scale4(dk.y, S[4 * a4 + 1]);
+      S[4 * a4 + 2] = kk_scale4(dk.z, S[4 * a4 + 2]);
+      S[4 * a4 + 3] = kk_scale4(dk.w, S[4 * a4 + 3]);
+    }
+    for (int i0s = 0; i0s < C; i0s += ST) {
+#pragma unroll
+      for (int e = 0; e < KE; ++e) st[t + e * NT] = nk[e];
+      BARRIER();
+      if (i0s + ST < C) {
+#pragma unroll
+        for (int e = 0; e < KE; ++e) {
+          nk[e] = *reinterpret_cast<const DEVICE float4*>(Kn + (i0s + ST) * K + 4 * (t + e * NT));
+        }
+      }
+#pragma unroll
+      for (int ii = 0; ii < ST; ++ii) {
+        const float4 v4 = sV[(i0s + ii) * (VT / 4) + tc];
+#pragma unroll
+        for (int a4 = 0; a4 < KM / 4; ++a4) {
+          const float4 kd = st[ii * (K / 4) + k0 / 4 + a4];
+          S[4 * a4] = kk_fma4(kd.x, v4, S[4 * a4]);
+          S[4 * a4 + 1] = kk_fma4(kd.y, v4, S[4 * a4 + 1]);
+          S[4 * a4 + 2] = kk_fma4(kd.z, v4, S[4 * a4 + 2]);
+          S[4 * a4 + 3] = kk_fma4(kd.w, v4, S[4 * a4 + 3]);
+        }
+      }
+      BARRIER();
+    }
+    for (int a = 0; a < KM; ++a) sS[(k0 + a) * (VT / 4) + tc] = S[a];
+  }
+  for (int a = 0; a < KM; ++a) {
+    *reinterpret_cast<DEVICE float4*>(state_out + ((size_t)bh * K + k0 + a) * K + col) = S[a];
+  }
+"""
+
+H_BODY = """
+  // The "split" variant's sequential half: STATE_BODY without the output. Per chunk it stores
+  // the chunk-start state (Hs) and V' = U - W S (Vp) for kda_chunk_out, then updates S.
+  constexpr int C = 64;
+  constexpr int VT = 32;            // state columns per threadgroup
+  constexpr int NT = 128;           // threads: 16 row groups x 8 column quads
+  constexpr int KM = K / 16;        // state rows per thread (a multiple of 4)
+  constexpr int ST = 8;             // rows staged per step
+  constexpr int CP = C / 4 + 1;     // float4 per padded staged row of C values
+  constexpr int KE = ST * K / 4 / NT;   // float4 of a Kd slice per thread
+  SHARED float4 sS[K * VT / 4];     // S of the chunk start [K][VT]
+  SHARED float4 sV[C * VT / 4];     // V' [C][VT]
+  SHARED float4 st[ST * CP > ST * K / 4 ? ST * CP : ST * K / 4];   // W^T slices, Kd rows
+
+  const int N = dims[1];
+  const uint t = THREAD_INDEX;
+  const uint tr = t / 8;            // row group: chunk rows 4tr.., state rows KM tr..
+  const uint tc = t % 8;            // column quad: columns 4tc.. of the tile
+  const uint nvt = K / VT;
+  const uint vt = GROUP_POS.x % nvt;
+  const uint bh = GROUP_POS.x / nvt;
+  const uint col = vt * VT + 4 * tc;      // first state column of this thread
+  const uint i0 = 4 * tr;
+  const uint k0 = KM * tr;
+  const uint sk = t % ST;                 // staging: one float4 (4 chunk rows) of W^T
+  const uint sq = t / ST;
+  const uint sbase = 4 * sq * K + sk;     // + s0: W element of the slice
+
+  float4 S[KM];
+#pragma unroll
+  for (int a = 0; a < KM; ++a) {
+    S[a] = *reinterpret_cast<const DEVICE float4*>(state + ((size_t)bh * K + k0 + a) * K + col);
+    sS[(k0 + a) * (VT / 4) + tc] = S[a];
+  }
+  float4 nw;                        // the next W^T slice
+  {
+    const DEVICE float* Wn = Wc + (size_t)bh * N * C * K + sbase;
+    nw = FLOAT4(Wn[0], Wn[K], Wn[2 * K], Wn[3 * K]);
+  }
+
+  for (int n = 0; n < N; ++n) {
+    const size_t ch = (size_t)bh * N + n;
+    const DEVICE float* Wn = Wc + ch * C * K;
+    const DEVICE float* Kn = Kd + ch * C * K;
+    const DEVICE float* Un = Uc + ch * C * K;
+    for (int a = 0; a < KM; ++a) {
+      *reinterpret_cast<DEVICE float4*>(Hs + (ch * K + k0 + a) * K + col) = S[a];
+    }
+
+    float4 P1[4];
+    for (int a = 0; a < 4; ++a) P1[a] = kk_zero4();
+    for (int s0 = 0; s0 < K; s0 += ST) {
+      st[sk * CP + sq] = nw;
+      BARRIER();
+      if (s0 + ST < K) {
+        const uint e = sbase + s0 + ST;
+        nw = FLOAT4(Wn[e], Wn[e + K], Wn[e + 2 * K], Wn[e + 3 * K]);
+      }
+#pragma unroll
+      for (int kk = 0; kk < ST; ++kk) {
+        const float4 w = st[kk * CP + tr];
+        const float4 s = sS[(s0 + kk) * (VT / 4) + tc];
+        P1[0] = kk_fma4(w.x, s, P1[0]);
+        P1[1] = kk_fma4(w.y, s, P1[1]);
+        P1[2] = kk_fma4(w.z, s, P1[2]);
+        P1[3] = kk_fma4(w.w, s, P1[3]);
+      }
+      BARRIER();
+    }
+    float4 nk[KE];
+#pragma unroll
+    for (int e = 0; e < KE; ++e) {
+      nk[e] = *reinterpret_cast<const DEVICE float4*>(Kn + 4 * (t + e * NT));
+    }
+    if (n + 1 < N) {                // the next chunk's first W slice
+      const DEVICE float* Wx = Wn + C * K + sbase;
+      nw = FLOAT4(Wx[0], Wx[K], Wx[2 * K], Wx[3 * K]);
+    }
+    for (int a = 0; a < 4; ++a) {   // V' = U - W S
+      const float4 u = *reinterpret_cast<const DEVICE float4*>(Un + (i0 + a) * K + col);
+      const float4 vp = kk_sub4(u, P1[a]);
+      sV[(i0 + a) * (VT / 4) + tc] = vp;
+      *reinterpret_cast<DEVICE float4*>(Vp + (ch * C + i0 + a) * K + col) = vp;
+    }
+    // S = decay S + Kd^T V': Kd staged ST rows at a time (the first BARRIER also publishes sV).
+#pragma unroll
+    for (int a4 = 0; a4 < KM / 4; ++a4) {
+      const float4 dk = *reinterpret_cast<const DEVICE float4*>(decay + ch * K + k0 + 4 * a4);
+      S[4 * a4] = kk_scale4(dk.x, S[4 * a4]);
+      S[4 * a4 + 1] = kk_scale4(dk.y, S[4 * a4 + 1]);
+      S[4 * a4 + 2] = kk_scale4(dk.z, S[4 * a4 + 2]);
+      S[4 * a4 + 3] = kk_scale4(dk.w, S[4 * a4 + 3]);
+    }
+    for (int i0s = 0; i0s < C; i0s += ST) {
+#pragma unroll
+      for (int e = 0; e < KE; ++e) st[t + e * NT] = nk[e];
+      BARRIER();
+      if (i0s + ST < C) {
+#pragma unroll
+        for (int e = 0; e < KE; ++e) {
+          nk[e] = *reinterpret_cast<const DEVICE float4*>(Kn + (i0s + ST) * K + 4 * (t + e * NT));
+        }
+      }
+#pragma unroll
+      for (int ii = 0; ii < ST; ++ii) {
+        const float4 v4 = sV[(i0s + ii) * (VT / 4) + tc];
+#pragma unroll
+        for (int a4 = 0; a4 < KM / 4; ++a4) {
+          const float4 kd = st[ii * (K / 4) + k0 / 4 + a4];
+          S[4 * a4] = kk_fma4(kd.x, v4, S[4 * a4]);
+          S[4 * a4 + 1] = kk_fma4(kd.y, v4, S[4 * a4 + 1]);
+          S[4 * a4 + 2] = kk_fma4(kd.z, v4, S[4 * a4 + 2]);
+          S[4 * a4 + 3] = kk_fma4(kd.w, v4, S[4 * a4 + 3]);
+        }
+      }
+      BARRIER();
+    }
+    for (int a = 0; a < KM; ++a) sS[(k0 + a) * (VT / 4) + tc] = S[a];
+  }
+  for (int a = 0; a < KM; ++a) {
+    *reinterpret_cast<DEVICE float4*>(state_out + ((size_t)bh * K + k0 + a) * K + col) = S[a];
+  }
+"""
+
+H16_BODY = """
+  // kda_chunk_h with 16 state columns per threadgroup: twice the threadgroups (768 at K3) and
+  // half the serial work per thread. Thread (tr, tc): chunk rows 4 (tr / 2) + 2 (tr % 2) + {0, 1}
+  // of V', state rows 4 tr.. (K = 128; K / 32 rows in general) and columns 4 tc.. of the tile.
+  constexpr int C = 64;
+  constexpr int VT = 16;            // state columns per threadgroup
+  constexpr int NT = 128;           // threads: 32 row groups x 4 column quads
+  constexpr int KM = K / 32;        // state rows per thread
+  constexpr int ST = 8;             // rows staged per step
+  constexpr int CP = C / 4 + 1;     // float4 per padded staged row of C values
+  constexpr int KE = ST * K / 4 / NT;   // float4 of a Kd slice per thread
+  SHARED float4 sS[K * VT / 4];     // S of the chunk start [K][VT]
+  SHARED float4 sV[C * VT / 4];     // V' [C][VT]
+  SHARED float4 st[ST * CP];        // W^T slices
+  SHARED float s_kd[ST * K];        // Kd rows
+
+  const int N = dims[1];
+  const uint t = THREAD_INDEX;
+  const uint tr = t / 4;            // 0..31
+  const uint tc = t % 4;
+  const uint nvt = K / VT;
+  const uint vt = GROUP_POS.x % nvt;
+  const uint bh = GROUP_POS.x / nvt;
+  const uint col = vt * VT + 4 * tc;      // first state column of this thread
+  const uint iq = tr / 2;                 // float4 of W^T holding this thread's two chunk rows
+  const bool hi = (tr % 2) != 0;          // .z .w (else .x .y)
+  const uint i0 = 4 * iq + (hi ? 2 : 0);
+  const uint k0 = KM * tr;
+  const uint sk = t % ST;                 // staging: one float4 (4 chunk rows) of W^T
+  const uint sq = t / ST;
+  const uint sbase = 4 * sq * K + sk;     // + s0: W element of the slice
+
+  float S[KM][4];
+#pragma unroll
+  for (int a = 0; a < KM; ++a) {
+    const size_t at = ((size_t)bh * K + k0 + a) * K + col;
+    const float4 v = *reinterpret_cast<const DEVICE float4*>(state + at);
+    S[a][0] = v.x;
+    S[a][1] = v.y;
+    S[a][2] = v.z;
+    S[a][3] = v.w;
+    sS[(k0 + a) * (VT / 4) + tc] = v;
+  }
+  float4 nw;                        // the next W^T slice
+  {
+    const DEVICE float* Wn = Wc + (size_t)bh * N * C * K + sbase;
+    nw = FLOAT4(Wn[0], Wn[K], Wn[2 * K], Wn[3 * K]);
+  }
+
+  for (int n = 0; n < N; ++n) {
+    const size_t ch = (size_t)bh * N + n;
+    const DEVICE float* Wn = Wc + ch * C * K;
+    const DEVICE float* Kn = Kd + ch * C * K;
+    const DEVICE float* Un = Uc + ch * C * K;
+    for (int a = 0; a < KM; ++a) {
+      *reinterpret_cast<DEVICE float4*>(Hs + (ch * K + k0 + a) * K + col) =
+          FLOAT4(S[a][0], S[a][1], S[a][2], S[a][3]);
+    }
+
+    float4 P0 = kk_zero4();
+    float4 P1 = kk_zero4();
+    for (int s0 = 0; s0 < K; s0 += ST) {
+      st[sk * CP + sq] = nw;
+      BARRIER();
+      if (s0 + ST < K) {
+        const uint e = sbase + s0 + ST;
+        nw = FLOAT4(Wn[e], Wn[e + K], Wn[e + 2 * K], Wn[e + 3 * K]);
+      }
+#pragma unroll
+      for (int kk = 0; kk < ST; ++kk) {
+        const float4 w = st[kk * CP + iq];
+        const float4 s = sS[(s0 + kk) * (VT / 4) + tc];
+        P0 = kk_fma4(hi ? w.z : w.x, s, P0);
+        P1 = kk_fma4(hi ? w.w : w.y, s, P1);
+      }
+      BARRIER();
+    }
+    float nk[KE * 4];
+#pragma unroll
+    for (int e = 0; e < KE; ++e) {
+      const float4 v = *reinterpret_cast<const DEVICE float4*>(Kn + 4 * (t + e * NT));
+      nk[4 * e] = v.x;
+      nk[4 * e + 1] = v.y;
+      nk[4 * e + 2] = v.z;
+      nk[4 * e + 3] = v.w;
+    }
+    if (n + 1 < N) {                // the next chunk's first W slice
+      const DEVICE float* Wx = Wn + C * K + sbase;
+      nw = FLOAT4(Wx[0], Wx[K], Wx[2 * K], Wx[3 * K]);
+    }
+    {                               // V' = U - W S, rows i0 and i0 + 1
+      const float4 u0 = *reinterpret_cast<const DEVICE float4*>(Un + i0 * K + col);
+      const float4 u1 = *reinterpret_cast<const DEVICE float4*>(Un + (i0 + 1) * K + col);
+      const float4 v0 = kk_sub4(u0, P0);
+      const float4 v1 = kk_sub4(u1, P1);
+      sV[i0 * (VT / 4) + tc] = v0;
+      sV[(i0 + 1) * (VT / 4) + tc] = v1;
+      *reinterpret_cast<DEVICE float4*>(Vp + (ch * C + i0) * K + col) = v0;
+      *reinterpret_cast<DEVICE float4*>(Vp + (ch * C + i0 + 1) * K + col) = v1;
+    }
+    // S = decay S + Kd^T V': Kd staged ST rows at a time (the first BARRIER also publishes sV).
+    for (int a = 0; a < KM; ++a) {
+      const float dk = decay[ch * K + k0 + a];
+      for (int c = 0; c < 4; ++c) S[a][c] *= dk;
+    }
+    for (int i0s = 0; i0s < C; i0s += ST) {
+#pragma unroll
+      for (int e = 0; e < 4 * KE; ++e) s_kd[4 * t + (e / 4) * 4 * NT + e % 4] = nk[e];
+      BARRIER();
+      if (i0s + ST < C) {
+#pragma unroll
+        for (int e = 0; e < KE; ++e) {
+          const float4 v =
+              *reinterpret_cast<const DEVICE float4*>(Kn + (i0s + ST) * K + 4 * (t + e * NT));
+          nk[4 * e] = v.x;
+          nk[4 * e + 1] = v.y;
+          nk[4 * e + 2] = v.z;
+          nk[4 * e + 3] = v.w;
+        }
+      }
+#pragma unroll
+      for (int ii = 0; ii < ST; ++ii) {
+        const float4 v4 = sV[(i0s + ii) * (VT / 4) + tc];
+#pragma unroll
+        for (int a = 0; a < KM; ++a) {
+          const float kd = s_kd[ii * K + k0 + a];
+          S[a][0] += kd * v4.x;
+          S[a][1] += kd * v4.y;
+          S[a][2] += kd * v4.z;
+          S[a][3] += kd * v4.w;
+        }
+      }
+      BARRIER();
+    }
+    for (int a = 0; a < KM; ++a) {
+      sS[(k0 + a) * (VT / 4) + tc] = FLOAT4(S[a][0], S[a][1], S[a][2], S[a][3]);
+    }
+  }
+  for (int a = 0; a < KM; ++a) {
+    *reinterpret_cast<DEVICE float4*>(state_out + ((size_t)bh * K + k0 + a) * K + col) =
+        FLOAT4(S[a][0], S[a][1], S[a][2], S[a][3]);
+  }
+"""
+
+OUT_BODY = """
+  // The "split" variant's parallel half: O = Qd Hs + Aqk V' for one (batch, head, chunk,
+  // 32 columns), every chunk at once. Same 4 x 4 micro-tiles as the state kernel.
+  constexpr int C = 64;
+  constexpr int VT = 32;
+  constexpr int NT = 128;
+  constexpr int ST = 8;
+  constexpr int CP = C / 4 + 1;
+  SHARED float4 sS[K * VT / 4];     // Hs tile [K][VT]
+  SHARED float4 sV[C * VT / 4];     // V' tile [C][VT]
+  SHARED float4 st[ST * CP];        // staged Qd^T / A^T slices
+
+  const int T = dims[0];
+  const int N = dims[1];
+  const uint t = THREAD_INDEX;
+  const uint tr = t / 8;
+  const uint tc = t % 8;
+  const uint nvt = K / VT;
+  const uint vt = GROUP_POS.x % nvt;
+  const size_t ch = GROUP_POS.x / nvt;    // (b, h, n)
+  const uint n = ch % N;
+  const uint bh = ch / N;
+  const uint b = bh / H;
+  const uint h = bh % H;
+  const uint col = vt * VT + 4 * tc;
+  const uint i0 = 4 * tr;
+  const uint sk = t % ST;
+  const uint sq = t / ST;
+  const DEVICE float* Qn = Qd + ch * C * K;
+  const DEVICE float* An = Aqk + ch * C * C;
+
+  for (uint e = t; e < K * VT / 4; e += NT) {
+    const size_t at = (ch * K + e / (VT / 4)) * K + vt * VT + 4 * (e % (VT / 4));
+    sS[e] = *reinterpret_cast<const DEVICE float4*>(Hs + at);
+  }
+  for (uint e = t; e < C * VT / 4; e += NT) {
+    const size_t at = (ch * C + e / (VT / 4)) * K + vt * VT + 4 * (e % (VT / 4));
+    sV[e] = *reinterpret_cast<const DEVICE float4*>(Vp + at);
+  }
+  float4 P2[4];
+  for (int a = 0; a < 4; ++a) P2[a] = kk_zero4();
+  float4 nq;
+  {
+    const uint e = 4 * sq * K + sk;
+    nq = FLOAT4(Qn[e], Qn[e + K], Qn[e + 2 * K], Qn[e + 3 * K]);
+  }
+  for (int s0 = 0; s0 < K; s0 += ST) {
+    st[sk * CP + sq] = nq;
+    BARRIER();
+    if (s0 + ST < K) {
+      const uint e = 4 * sq * K + sk + s0 + ST;
+      nq = FLOAT4(Qn[e], Qn[e + K], Qn[e + 2 * K], Qn[e + 3 * K]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < ST; ++kk) {
+      const float4 q4 = st[kk * CP + tr];
+      const float4 s = sS[(s0 + kk) * (VT / 4) + tc];
+      P2[0] = kk_fma4(q4.x, s, P2[0]);
+      P2[1] = kk_fma4(q4.y, s, P2[1]);
+      P2[2] = kk_fma4(q4.z, s, P2[2]);
+      P2[3] = kk_fma4(q4.w, s, P2[3]);
+    }
+    BARRIER();
+  }
+  float4 na;
+  {
+    const uint e = 4 * sq * C + sk;
+    na = FLOAT4(An[e], An[e + C], An[e + 2 * C], An[e + 3 * C]);
+  }
+  for (int j0 = 0; j0 < C; j0 += ST) {
+    st[sk * CP + sq] = na;
+    BARRIER();
+    if (j0 + ST < C) {
+      const uint e = 4 * sq * C + sk + j0 + ST;
+      na = FLOAT4(An[e], An[e + C], An[e + 2 * C], An[e + 3 * C]);
+    }
+    if (j0 <= (int)i0 + 3) {
+#pragma unroll
+      for (int jj = 0; jj < ST; ++jj) {
+        const float4 a4 = st[jj * CP + tr];
+        const float4 v4 = sV[(j0 + jj) * (VT / 4) + tc];
+        P2[0] = kk_fma4(a4.x, v4, P2[0]);
+        P2[1] = kk_fma4(a4.y, v4, P2[1]);
+        P2[2] = kk_fma4(a4.z, v4, P2[2]);
+        P2[3] = kk_fma4(a4.w, v4, P2[3]);
+      }
+    }
+    BARRIER();
+  }
+  for (int a = 0; a < 4; ++a) {
+    const int tk = n * C + i0 + a;
+    const size_t at = (((size_t)b * T + tk) * H + h) * K + col;
+    if (tk < T) *reinterpret_cast<DEVICE float4*>(o + at) = P2[a];
+  }
+"""
+
+PRE_BODY = """
+  // Everything before the recurrence, per token and head: the q/k/v short convs (window =
+  // conv_state followed by x) with SiLU rounded to T as the reference does, L2 norms of q and k
+  // (q also times K^-1/2), g = lower_bound sigmoid(exp(A_log) (g_raw + dt_bias)) and
+  // beta = sigmoid(b). One simdgroup per TB tokens of one head, lane owns channels
+  // LANE + 32 i. The conv window slides through registers; the weights sit in threadgroup
+  // memory.
+  constexpr int P = H * K;
+  constexpr int CL = K / 32;        // channels per lane
+  constexpr int TB = 16;            // tokens per simdgroup
+  constexpr int NW = 4;             // simdgroups per threadgroup
+  const int n_tok = dims[0];
+  const int nblk = (n_tok + NW * TB - 1) / (NW * TB);
+  const uint blk = GROUP_POS.x % nblk;
+  const uint bh = GROUP_POS.x / nblk;
+  const uint b = bh / H;
+  const uint h = bh % H;
+  const int ta = (int)blk * NW * TB + (int)SIMDGROUP * TB;
+  const int tb = ta + TB < n_tok ? ta + TB : n_tok;
+  const size_t xb = (size_t)b * n_tok * P;               // x[b, t, c] = x[xb + t P + c]
+  const size_t cb = (size_t)b * (W - 1) * 3 * P;         // conv_state[b, j, c]
+  const float lb = params[0];
+  const float a_h = EXP(A_log[h]);
+  const float qscale = RSQRT(static_cast<float>(K));
+  SHARED float s_w[3 * W * K];      // this head's conv weights, [q/k/v][tap][channel]
+
+  for (uint e = THREAD_INDEX; e < 3 * W * K; e += 32 * NW) {
+    const uint which = e / (W * K);
+    const uint j = (e / K) % W;
+    const uint c = h * K + e % K;
+    const DEVICE float* w = which == 0 ? q_conv : (which == 1 ? k_conv : v_conv);
+    s_w[e] = w[c * W + j];
+  }
+  BARRIER();
+
+  // The new conv window: xs[n_tok + j], j < W - 1, of xs = conv_state ++ x (exact copies).
+  if (blk == 0 && SIMDGROUP == 0) {
+    for (int i = 0; i < CL; ++i) {
+      const uint c = h * K + LANE + 32 * i;
+      for (int j = 0; j < W - 1; ++j) {
+        const int u = n_tok + j;
+        const size_t o = cb + (size_t)j * 3 * P + c;
+        if (u < W - 1) {
+          const size_t s = cb + (size_t)u * 3 * P + c;
+          conv_out[o] = conv_state[s];
+          conv_out[o + P] = conv_state[s + P];
+          conv_out[o + 2 * P] = conv_state[s + 2 * P];
+        } else {
+          const size_t s = xb + (size_t)(u - (W - 1)) * P + c;
+          conv_out[o] = x_q[s];
+          conv_out[o + P] = x_k[s];
+          conv_out[o + 2 * P] = x_v[s];
+        }
+      }
+    }
+  }
+
+  if (ta < n_tok) {                 // the whole simdgroup agrees
+    float wq[CL][W], wk[CL][W], wv[CL][W];   // window values; slot W - 1 is the token
+    float dtb[CL];
+    for (int i = 0; i < CL; ++i) {
+      const uint c = h * K + LANE + 32 * i;
+      dtb[i] = dt_bias[c];
+      for (int j = 0; j < W - 1; ++j) {      // xs[ta + j]
+        const int u = ta + j;
+        if (u < W - 1) {
+          const size_t s = cb + (size_t)u * 3 * P + c;
+          wq[i][j] = static_cast<float>(conv_state[s]);
+          wk[i][j] = static_cast<float>(conv_state[s + P]);
+          wv[i][j] = static_cast<float>(conv_state[s + 2 * P]);
+        } else {
+          const size_t s = xb + (size_t)(u - (W - 1)) * P + c;
+          wq[i][j] = static_cast<float>(x_q[s]);
+          wk[i][j] = static_cast<float>(x_k[s]);
+          wv[i][j] = static_cast<float>(x_v[s]);
+        }
+      }
+    }
+    for (int t = ta; t < tb; ++t) {
+      const size_t row = xb + (size_t)t * P;
+      float yq[CL], yk[CL];
+      float sq = 0.0f, sk = 0.0f;
+      for (int i = 0; i < CL; ++i) {
+        const uint c = h * K + LANE + 32 * i;
+        wq[i][W - 1] = static_cast<float>(x_q[row + c]);
+        wk[i][W - 1] = static_cast<float>(x_k[row + c]);
+        wv[i][W - 1] = static_cast<float>(x_v[row + c]);
+        float aq = 0.0f, ak = 0.0f, av = 0.0f;
+        const uint d = LANE + 32 * i;
+        for (int j = 0; j < W; ++j) {
+          aq += wq[i][j] * s_w[j * K + d];
+          ak += wk[i][j] * s_w[(W + j) * K + d];
+          av += wv[i][j] * s_w[(2 * W + j) * K + d];
+        }
+        for (int j = 0; j < W - 1; ++j) {
+          wq[i][j] = wq[i][j + 1];
+          wk[i][j] = wk[i][j + 1];
+          wv[i][j] = wv[i][j + 1];
+        }
+        yq[i] = static_cast<float>(static_cast<T>(aq / (1.0f + EXP(-aq))));
+        yk[i] = static_cast<float>(static_cast<T>(ak / (1.0f + EXP(-ak))));
+        v[row + c] = static_cast<float>(static_cast<T>(av / (1.0f + EXP(-av))));
+        sq += yq[i] * yq[i];
+        sk += yk[i] * yk[i];
+        const float z = a_h * (static_cast<float>(g_raw[row + c]) + dtb[i]);
+        g[row + c] = lb / (1.0f + EXP(-z));
+      }
+      sq = SIMD_SUM(sq);
+      sk = SIMD_SUM(sk);
+      const float rq = RSQRT(sq + 1e-6f) * qscale;
+      const float rk = RSQRT(sk + 1e-6f);
+      for (int i = 0; i < CL; ++i) {
+        const uint c = h * K + LANE + 32 * i;
+        q[row + c] = yq[i] * rq;
+        k[row + c] = yk[i] * rk;
+      }
+      if (LANE == 0) {
+        const size_t bi = ((size_t)b * n_tok + t) * H + h;
+        beta[bi] = 1.0f / (1.0f + EXP(-static_cast<float>(b_logits[bi])));
+      }
+    }
+  }
+"""
+
+POST_BODY = """
+  // Per-head RMSNorm times sigmoid(gate): one simdgroup per (token, head) row of K values.
+  constexpr int CL = K / 32;
+  const int rows = dims[0];
+  const uint r = GROUP_POS.x * 4 + SIMDGROUP;
+  if ((int)r < rows) {              // the whole simdgroup agrees
+    const size_t base = (size_t)r * K;
+    float x[CL];
+    float ss = 0.0f;
+    for (int i = 0; i < CL; ++i) {
+      x[i] = o[base + LANE + 32 * i];
+      ss += x[i] * x[i];
+    }
+    ss = SIMD_SUM(ss);
+    const float rs = RSQRT(ss / K + params[0]);
+    for (int i = 0; i < CL; ++i) {
+      const uint d = LANE + 32 * i;
+      const float gt = static_cast<float>(gate[base + d]);
+      y[base + d] = static_cast<T>(x[i] * rs * o_norm[d] / (1.0f + EXP(-gt)));
+    }
+  }
+"""
+
+
+def _pre_instance(dtype, H, K, W=4):
+    f32 = mx.float32
+    return Instance(
+        [dtype] * 6 + [f32] * 6 + [mx.int32],
+        [f32] * 5 + [dtype],
+        [("T", dtype), ("H", H), ("K", K), ("W", W)],
+    )
+
+
+def _post_instance(dtype, K):
+    return Instance(
+        [mx.float32, dtype, mx.float32, mx.float32, mx.int32], [dtype], [("T", dtype), ("K", K)]
+    )
+
+
+KDA_PRE = Kernel(
+    "kda_pre",
+    [
+        "x_q",
+        "x_k",
+        "x_v",
+        "g_raw",
+        "b_logits",
+        "conv_state",
+        "q_conv",
+        "k_conv",
+        "v_conv",
+        "A_log",
+        "dt_bias",
+        "params",
+        "dims",
+    ],
+    ["q", "k", "v", "g", "beta", "conv_out"],
+    PRE_BODY,
+    instances=[_pre_instance(dt, 96, 128) for dt in (mx.bfloat16, mx.float32)],
+)
+
+KDA_POST = Kernel(
+    "kda_post",
+    ["o", "gate", "o_norm", "params", "dims"],
+    ["y"],
+    POST_BODY,
+    instances=[_post_instance(dt, 128) for dt in (mx.bfloat16, mx.float32)],
+)
+
+
 def _prep_instance(H, K):
     return Instance([mx.float32] * 5 + [mx.int32], [mx.float32] * 6, [("H", H), ("K", K)])
 
@@ -353,6 +1089,49 @@ KDA_CHUNK_STATE = Kernel(
     instances=[_state_instance(96, 128)],
 )
 
+# The previous state kernel (no register prefetch), kept to benchmark side by side:
+# ``kda_chunk(..., state_variant="v1")`` or ``KIMI_K3_KDA_STATE=v1``.
+KDA_CHUNK_STATE_V1 = Kernel(
+    "kda_chunk_state_v1",
+    ["Aqk", "Wc", "Uc", "Qd", "Kd", "decay", "state", "dims"],
+    ["o", "state_out"],
+    STATE_BODY_V1,
+    header=VEC4_HELPERS,
+    instances=[_state_instance(96, 128)],
+)
+
+# The "split" variant: kda_chunk_h (sequential: V' and the state, storing each chunk's start
+# state) then kda_chunk_out (every chunk at once: O = Qd Hs + Aqk V').
+KDA_CHUNK_H = Kernel(
+    "kda_chunk_h",
+    ["Wc", "Uc", "Kd", "decay", "state", "dims"],
+    ["Hs", "Vp", "state_out"],
+    H_BODY,
+    header=VEC4_HELPERS,
+    instances=[Instance([mx.float32] * 5 + [mx.int32], [mx.float32] * 3, [("K", 128)])],
+)
+
+KDA_CHUNK_H16 = Kernel(
+    "kda_chunk_h16",
+    ["Wc", "Uc", "Kd", "decay", "state", "dims"],
+    ["Hs", "Vp", "state_out"],
+    H16_BODY,
+    header=VEC4_HELPERS,
+    instances=[Instance([mx.float32] * 5 + [mx.int32], [mx.float32] * 3, [("K", 128)])],
+)
+
+KDA_CHUNK_OUT = Kernel(
+    "kda_chunk_out",
+    ["Aqk", "Qd", "Hs", "Vp", "dims"],
+    ["o"],
+    OUT_BODY,
+    header=VEC4_HELPERS,
+    instances=[Instance([mx.float32] * 4 + [mx.int32], [mx.float32], [("H", 96), ("K", 128)])],
+)
+
+# The first is the default (``KIMI_K3_KDA_STATE`` overrides); the others stay to be benchmarked.
+STATE_VARIANTS = ("split16", "split", "prefetch", "v1")
+
 
 def eligible(heads: int, head_dim: int) -> bool:
     """Shapes the kernels serve: head_dim 64 or 128 (float4 tiles of 16 rows, 32 KB of
@@ -360,7 +1139,97 @@ def eligible(heads: int, head_dim: int) -> bool:
     return head_dim in (64, 128)
 
 
-def kda_chunk(backend: str, q, k, v, g, beta, state):
+_CONST: dict = {}
+
+
+def _const(values, dtype=mx.float32) -> mx.array:
+    """A small constant array (scalar params, dims), built once per distinct value."""
+    key = (tuple(values), dtype)
+    hit = _CONST.get(key)
+    if hit is None:
+        if len(_CONST) > 512:
+            _CONST.clear()
+        hit = _CONST[key] = mx.array(list(values), dtype=dtype)
+    return hit
+
+
+def _as(x: mx.array, dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _f32(x: mx.array) -> mx.array:
+    return _as(x, mx.float32)
+
+
+def chunk_prep(backend: str, q, k, v, g, beta):
+    """``kda_chunk_prep``: (Aqk, W, U, Qd, Kd, decay) of every chunk. Shapes as ``kda_chunk``."""
+    B, T, H, K = k.shape
+    N = -(-T // CHUNK)
+    mat = (B, H, N, CHUNK, K)
+    return KDA_CHUNK_PREP(
+        backend,
+        inputs=[*(_f32(x) for x in (q, k, v, g, beta)), _const([T, N], mx.int32)],
+        output_shapes=[(B, H, N, CHUNK, CHUNK), mat, mat, mat, mat, (B, H, N, K)],
+        output_dtypes=[mx.float32] * 6,
+        grid=(256 * B * H * N, 1, 1),
+        threadgroup=(256, 1, 1),
+        template=[("H", H), ("K", K)],
+    )
+
+
+def chunk_state(backend: str, prep, state, T: int, variant: str | None = None):
+    """The state pass over ``chunk_prep``'s outputs. Returns (o [B, T, H, K] fp32, state fp32).
+
+    ``variant`` (default ``KIMI_K3_KDA_STATE``, else ``STATE_VARIANTS[0]``): ``split`` runs
+    ``kda_chunk_h`` (sequential) then ``kda_chunk_out`` (all chunks at once); ``prefetch`` and
+    ``v1`` run ``kda_chunk_state`` (output inside the sequential loop) with / without the
+    register prefetch.
+    """
+    import os
+
+    variant = variant or os.environ.get("KIMI_K3_KDA_STATE", STATE_VARIANTS[0])
+    if variant not in STATE_VARIANTS:
+        raise ValueError(f"state variant {variant!r} not in {STATE_VARIANTS}")
+    B, H, N, _, K = prep[1].shape
+    if state is None:
+        state = mx.zeros((B, H, K, K), dtype=mx.float32)
+    dims = _const([T, N], mx.int32)
+    f32 = mx.float32
+    if variant in ("split", "split16"):
+        Aqk, Wc, Uc, Qd, Kd, decay = prep
+        vt = 16 if variant == "split16" else 32
+        Hs, Vp, state = (KDA_CHUNK_H16 if vt == 16 else KDA_CHUNK_H)(
+            backend,
+            inputs=[Wc, Uc, Kd, decay, _f32(state), dims],
+            output_shapes=[(B, H, N, K, K), (B, H, N, CHUNK, K), (B, H, K, K)],
+            output_dtypes=[f32] * 3,
+            grid=(128 * B * H * (K // vt), 1, 1),
+            threadgroup=(128, 1, 1),
+            template=[("K", K)],
+        )
+        (o,) = KDA_CHUNK_OUT(
+            backend,
+            inputs=[Aqk, Qd, Hs, Vp, dims],
+            output_shapes=[(B, T, H, K)],
+            output_dtypes=[f32],
+            grid=(128 * B * H * N * (K // 32), 1, 1),
+            threadgroup=(128, 1, 1),
+            template=[("H", H), ("K", K)],
+        )
+        return o, state
+    kernel = KDA_CHUNK_STATE if variant == "prefetch" else KDA_CHUNK_STATE_V1
+    return kernel(
+        backend,
+        inputs=[*prep, _f32(state), dims],
+        output_shapes=[(B, T, H, K), (B, H, K, K)],
+        output_dtypes=[mx.float32, mx.float32],
+        grid=(128 * B * H * (K // 32), 1, 1),
+        threadgroup=(128, 1, 1),
+        template=[("H", H), ("K", K)],
+    )
+
+
+def kda_chunk(backend: str, q, k, v, g, beta, state, state_variant: str | None = None):
     """``kimi_k3.kda.kda_chunked`` on the kernels; same contract (o, state), K == V.
 
     Shapes: q, k, v, g: [B, T, H, K] (q scaled and normalised); beta: [B, T, H];
@@ -369,53 +1238,55 @@ def kda_chunk(backend: str, q, k, v, g, beta, state):
     B, T, H, K = k.shape
     if not eligible(H, K) or v.shape[-1] != K:
         raise ValueError(f"kda_chunk kernels need K == V in (64, 128), got {K}, {v.shape[-1]}")
-    N = -(-T // CHUNK)
+    return chunk_state(backend, chunk_prep(backend, q, k, v, g, beta), state, T, state_variant)
+
+
+def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state):
+    """``kda_pre``: (q, k, v, g [B, T, H, K] fp32, beta [B, T, H] fp32, new conv_state)."""
+    B, T, P = x_q.shape
+    H, K = p["heads"], p["head_dim"]
+    W = p["q_conv"].shape[-1]
+    dt = x_q.dtype
     f32 = mx.float32
-    q, k, v, g, beta = (x if x.dtype == f32 else x.astype(f32) for x in (q, k, v, g, beta))
-    if state is None:
-        state = mx.zeros((B, H, K, K), dtype=f32)
-    dims = mx.array([T, N], dtype=mx.int32)
-    mat = (B, H, N, CHUNK, K)
-    prep = KDA_CHUNK_PREP(
+    if conv_state is None:
+        conv_state = mx.zeros((B, W - 1, 3 * P), dtype=dt)
+    acts = [_as(x, dt) for x in (x_q, x_k, x_v, g_raw, b_logits, conv_state)]
+    weights = [_f32(p[n]) for n in ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias")]
+    shape = (B, T, H, K)
+    return KDA_PRE(
         backend,
-        inputs=[q, k, v, g, beta, dims],
-        output_shapes=[(B, H, N, CHUNK, CHUNK), mat, mat, mat, mat, (B, H, N, K)],
-        output_dtypes=[f32] * 6,
-        grid=(256 * B * H * N, 1, 1),
-        threadgroup=(256, 1, 1),
-        template=[("H", H), ("K", K)],
-    )
-    o, state = KDA_CHUNK_STATE(
-        backend,
-        inputs=[*prep, state.astype(f32), dims],
-        output_shapes=[(B, T, H, K), (B, H, K, K)],
-        output_dtypes=[f32, f32],
-        grid=(128 * B * H * (K // 32), 1, 1),
+        inputs=[*acts, *weights, _const([float(p["lower_bound"])]), _const([T], mx.int32)],
+        output_shapes=[shape, shape, shape, shape, (B, T, H), (B, W - 1, 3 * P)],
+        output_dtypes=[f32] * 5 + [dt],
+        grid=(128 * B * H * (-(-T // 64)), 1, 1),
         threadgroup=(128, 1, 1),
-        template=[("H", H), ("K", K)],
+        template=[("T", dt), ("H", H), ("K", K), ("W", W)],
     )
-    return o, state
+
+
+def post(backend: str, p: dict, o, gate):
+    """``kda_post``: RMSNorm(o) o_norm sigmoid(gate), [B, T, H*K] in gate's dtype."""
+    B, T, H, K = o.shape
+    rows = B * T * H
+    (y,) = KDA_POST(
+        backend,
+        inputs=[o, gate, _f32(p["o_norm"]), _const([float(p["eps"])]), _const([rows], mx.int32)],
+        output_shapes=[(B, T, H * K)],
+        output_dtypes=[gate.dtype],
+        grid=(128 * (-(-rows // 4)), 1, 1),
+        threadgroup=(128, 1, 1),
+        template=[("T", gate.dtype), ("K", K)],
+    )
+    return y
 
 
 def kda_prefill(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
-    """``kimi_k3.kda.kda_mix_reference`` with the recurrence on the chunk kernels.
+    """``kimi_k3.kda.kda_mix_reference`` on four kernels and no MLX elementwise passes.
 
-    The short convolutions, L2 norms, gates and the output norm stay MLX ops (elementwise);
-    same shapes and return contract as the reference.
+    ``kda_pre`` (conv + SiLU, L2 norms, q scale, gate, beta, new conv window), the chunk
+    kernels (``kda_chunk_prep``, ``kda_chunk_state``), ``kda_post`` (RMSNorm x sigmoid(gate)).
+    Same shapes and return contract as the reference.
     """
-    from kimi_k3.kda import kda_gate, l2norm, rms_norm_gate, short_conv
-
-    B, T, P = x_q.shape
-    H, K = p["heads"], p["head_dim"]
-    cs = [None] * 3 if conv_state is None else mx.split(conv_state, 3, axis=-1)
-    q, cq = short_conv(x_q, p["q_conv"], cs[0])
-    k, ck = short_conv(x_k, p["k_conv"], cs[1])
-    v, cv = short_conv(x_v, p["v_conv"], cs[2])
-    shape = (B, T, H, K)
-    q = l2norm(q.reshape(shape)) * (K**-0.5)
-    k = l2norm(k.reshape(shape))
-    g = kda_gate(g_raw.reshape(shape), p["A_log"], p["dt_bias"], p["lower_bound"])
-    beta = mx.sigmoid(b_logits.astype(mx.float32))
-    o, state = kda_chunk(backend, q, k, v.reshape(shape), g, beta, state)
-    y = rms_norm_gate(o, p["o_norm"], gate.reshape(shape), p["eps"])
-    return y.reshape(B, T, P).astype(x_q.dtype), mx.concatenate([cq, ck, cv], axis=-1), state
+    q, k, v, g, beta, conv_out = pre(backend, p, x_q, x_k, x_v, g_raw, b_logits, conv_state)
+    o, state = kda_chunk(backend, q, k, v, g, beta, state)
+    return post(backend, p, o, _as(gate, x_q.dtype)), conv_out, state

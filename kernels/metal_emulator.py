@@ -27,6 +27,7 @@ CXXFLAGS = ["-O2", "-U_FORTIFY_SOURCE", "-std=c++17", "-shared", "-fPIC", "-Wno-
 MAX_CONSTANT_ARRAY_SIZE = 8  # inputs with fewer elements go to the constant address space
 THREADGROUP_MEMORY = 32 * 1024 + 64  # Apple GPUs: 32 KB, plus the C runtime's few bss bytes
 CANARY = 4096  # bytes of 0xFF around every buffer: reads past the end see NaN
+CUDA_MAX_BLOCKS = (2**31 - 1, 65535, 65535)  # gridDim.x, .y, .z limits of a CUDA launch
 
 # (MSL type, numpy storage dtype) per MLX dtype, as MLX's get_type_string names them.
 TYPES = {
@@ -270,6 +271,18 @@ def _compile(unit: str) -> ctypes.CDLL:
     return dll
 
 
+def check_cuda_grid(grid, threadgroup) -> None:
+    """Raise if CUDA could not launch this grid: MLX's cuda_kernel launches
+    ``ceil(grid / threadgroup)`` blocks per dimension, and CUDA allows at most
+    ``CUDA_MAX_BLOCKS`` (65535 in y and z). Metal has no such limit."""
+    for axis, g, t, limit in zip("xyz", grid, threadgroup, CUDA_MAX_BLOCKS, strict=True):
+        blocks = -(-int(g) // max(1, min(int(t), int(g))))
+        if blocks > limit:
+            raise RuntimeError(
+                f"[metal_emulator] {blocks} threadgroups along {axis} (CUDA allows {limit})"
+            )
+
+
 class _Buffer:
     """A numpy buffer surrounded by 0xFF canaries (NaN if read, checked after the launch)."""
 
@@ -376,6 +389,8 @@ class MetalKernel:
             )
         if verbose:
             print(self.generated_source(inputs, output_dtypes, template))
+        if self.strict:
+            check_cuda_grid(grid, threadgroup)
         lib = self._library(inputs, output_dtypes, template)
         buffers = []
         for x, info in zip(inputs, shape_infos(self.source, self.input_names), strict=True):

@@ -13,6 +13,12 @@ Two launches per MoE layer, for ``N * k`` (token, choice) pairs:
    choices, each reading its choices' rows of w2 the same way against ``h``, scaled by the
    routing weight. Partial sums meet in threadgroup memory: ``y [N, D]`` fp32, no atomics.
 
+Variants (``variant=`` or ``KIMI_K3_DECODE_VARIANT``): ``wide`` (default; ``wide-r2`` is the
+same with half the rows per simdgroup and per down threadgroup) gives each lane a whole
+scale group per row, one 128-bit load of 32 codes plus its scale byte, for all of its rows
+before any math; ``word`` (the first version, described above) reads one 32-bit word per
+lane per row. The benchmark times all of them.
+
 Weights are read where they lie: ``w`` may be the resident stack or the streamer's cache
 slots, and ``inds`` indexes its leading axis.
 """
@@ -164,50 +170,278 @@ DOWN_BODY = """
   }
 """
 
-GATE_UP_ROWS = 4  # R: rows of gate and of up per simdgroup
+# Variant 2 ("wide"): each lane loads a whole scale group of a row at once: one 128-bit load
+# (4 words, 32 codes) and its one scale byte, for R rows of gate and R of up before any math,
+# so a lane has 2R 16-byte loads in flight per pass. The latent is staged group-major
+# (zs[j * G + g] holds latents 32g + 4j .. 32g + 4j + 3), so the lanes of a warp read 32
+# consecutive float4 of threadgroup memory. The E2M1 table has 16 fp32 entries in 16 distinct
+# banks: lanes never conflict on it (same-address reads broadcast).
+GATE_UP_WIDE_BODY = """
+  constexpr int G = D / 32;           // scale groups (= 16-byte chunks) per row
+  SHARED float lut[16];
+  SHARED float e8m0[256];
+  SHARED float4 zs[D / 4];
+  const uint tid = THREAD_INDEX;
+  const uint lane = LANE;
+  const uint p = GROUP_POS.y;
+  if (tid < 16) lut[tid] = kk_e2m1(tid);
+  for (uint i = tid; i < 256; i += GROUP_SIZE.x) e8m0[i] = kk_e8m0(i);
+  for (uint i = tid; i < D / 4; i += GROUP_SIZE.x) {
+    const DEVICE T* src = z + (size_t)(p / K) * D + 4 * i;
+    float4 a;
+    a.x = static_cast<float>(src[0]); a.y = static_cast<float>(src[1]);
+    a.z = static_cast<float>(src[2]); a.w = static_cast<float>(src[3]);
+    zs[(i % 8) * G + i / 8] = a;
+  }
+  BARRIER();
+
+  const uint row0 = (GROUP_POS.x * NSG + SIMDGROUP) * R;
+  const size_t first = (size_t)inds[p] * I + row0;
+  const DEVICE uint4* q1 = (const DEVICE uint4*)(w1 + first * (D / 8));
+  const DEVICE uint4* q3 = (const DEVICE uint4*)(w3 + first * (D / 8));
+  const DEVICE uint8_t* e1 = s1 + first * G;
+  const DEVICE uint8_t* e3 = s3 + first * G;
+  float gate[R], up[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) gate[r] = up[r] = 0.0f;
+#pragma unroll
+  for (int it = 0; it < (G + 31) / 32; ++it) {
+    const uint g = lane + 32 * it;
+    if (g < G) {
+      uint4 qg[R], qu[R];
+      float sg[R], su[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (row0 + r < I) {
+          qg[r] = q1[r * G + g];
+          qu[r] = q3[r * G + g];
+          sg[r] = e8m0[e1[r * G + g]];
+          su[r] = e8m0[e3[r * G + g]];
+        } else {
+          qg[r].x = qg[r].y = qg[r].z = qg[r].w = 0u;
+          qu[r].x = qu[r].y = qu[r].z = qu[r].w = 0u;
+          sg[r] = su[r] = 0.0f;
+        }
+      }
+      float dg[R], du[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) dg[r] = du[r] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float4 a = zs[(2 * j) * G + g];
+        const float4 b = zs[(2 * j + 1) * G + g];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint wg = j == 0 ? qg[r].x : j == 1 ? qg[r].y : j == 2 ? qg[r].z : qg[r].w;
+          const uint wu = j == 0 ? qu[r].x : j == 1 ? qu[r].y : j == 2 ? qu[r].z : qu[r].w;
+          dg[r] += KK_DOT8(wg, a, b);
+          du[r] += KK_DOT8(wu, a, b);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        gate[r] += sg[r] * dg[r];
+        up[r] += su[r] * du[r];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    gate[r] = SIMD_SUM(gate[r]);
+    up[r] = SIMD_SUM(up[r]);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r < I) h[(size_t)p * I + row0 + r] = kk_situ_glu(gate[r], up[r], act[0], act[1]);
+    }
+  }
+"""
+
+# Variant 2 of the down projection: the same 128-bit group loads for R rows of w2; h's 32
+# values of the group are 8 global float4 loads (the threadgroups of one token read the same
+# rows of h, mostly from L1). Simdgroups split the k choices as in variant 1.
+DOWN_WIDE_BODY = """
+  constexpr int G = I / 32;
+  SHARED float lut[16];
+  SHARED float e8m0[256];
+  SHARED float part[NSG * R];
+  const uint tid = THREAD_INDEX;
+  const uint lane = LANE;
+  const uint sg = SIMDGROUP;
+  const uint n = GROUP_POS.y;
+  const uint row0 = GROUP_POS.x * R;
+  if (tid < 16) lut[tid] = kk_e2m1(tid);
+  for (uint i = tid; i < 256; i += GROUP_SIZE.x) e8m0[i] = kk_e8m0(i);
+  BARRIER();
+
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (uint j = sg; j < K; j += NSG) {
+    const uint p = n * K + j;
+    const size_t first = (size_t)inds[p] * D + row0;
+    const DEVICE uint4* q2 = (const DEVICE uint4*)(w2 + first * (I / 8));
+    const DEVICE uint8_t* e2 = s2 + first * G;
+    const DEVICE float4* hv = (const DEVICE float4*)(h + (size_t)p * I);
+    float dot[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) dot[r] = 0.0f;
+#pragma unroll
+    for (int it = 0; it < (G + 31) / 32; ++it) {
+      const uint g = lane + 32 * it;
+      if (g < G) {
+        uint4 q[R];
+        float sc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (row0 + r < D) {
+            q[r] = q2[r * G + g];
+            sc[r] = e8m0[e2[r * G + g]];
+          } else {
+            q[r].x = q[r].y = q[r].z = q[r].w = 0u;
+            sc[r] = 0.0f;
+          }
+        }
+        float d[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) d[r] = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const float4 a = hv[8 * g + 2 * w];
+          const float4 b = hv[8 * g + 2 * w + 1];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint qw = w == 0 ? q[r].x : w == 1 ? q[r].y : w == 2 ? q[r].z : q[r].w;
+            d[r] += KK_DOT8(qw, a, b);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) dot[r] += sc[r] * d[r];
+      }
+    }
+    const float wt = weights[p];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] += wt * dot[r];
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = SIMD_SUM(acc[r]);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) part[sg * R + r] = acc[r];
+  }
+  BARRIER();
+  if (tid < R && row0 + tid < D) {
+    float total = 0.0f;
+    for (int s = 0; s < NSG; ++s) total += part[s * R + tid];
+    y[(size_t)n * D + row0 + tid] = total;
+  }
+"""
+
 GATE_UP_SIMDGROUPS = 8
 DOWN_ROWS = 8
 DOWN_SIMDGROUPS = 8  # at most; fewer when k is smaller
+
+# Variant -> (kernel family, rows of gate and of up per simdgroup, rows of D per threadgroup).
+# "wide" (128-bit group loads) is the default. "wide-r2" has half the rows per simdgroup (and
+# per down threadgroup), so twice the threadgroups and fewer registers, for more resident
+# warps and shorter tails. "word" is the first
+# version (one 32-bit word per lane per row), kept so the benchmark times them side by side.
+VARIANT_SHAPES = {"wide": ("wide", 4, 4), "wide-r2": ("wide", 2, 2), "word": ("word", 4, 8)}
+VARIANTS = tuple(VARIANT_SHAPES)
+DEFAULT_VARIANT = "wide"
 
 K3 = {"D": 3584, "I": 3072, "K": 16}
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 
-def gate_up_template(dtype, D, I, K):
+def gate_up_rows(variant: str = "word") -> int:
+    return VARIANT_SHAPES[variant][1]
+
+
+def down_rows(variant: str = "word") -> int:
+    return VARIANT_SHAPES[variant][2]
+
+
+def gate_up_template(dtype, D, I, K, variant: str = "word"):
     return [
         ("T", dtype),
         ("D", D),
         ("I", I),
         ("K", K),
-        ("R", GATE_UP_ROWS),
+        ("R", gate_up_rows(variant)),
         ("NSG", GATE_UP_SIMDGROUPS),
     ]
 
 
-def down_template(D, I, K):
-    return [("D", D), ("I", I), ("K", K), ("R", DOWN_ROWS), ("NSG", min(K, DOWN_SIMDGROUPS))]
+def down_template(D, I, K, variant: str = "word"):
+    return [
+        ("D", D),
+        ("I", I),
+        ("K", K),
+        ("R", down_rows(variant)),
+        ("NSG", min(K, DOWN_SIMDGROUPS)),
+    ]
 
+
+def _instances(family: str):
+    """Every (dtype, variant) combination of ``family`` the wrappers launch at K3's dims."""
+    names = [v for v, shape in VARIANT_SHAPES.items() if shape[0] == family]
+    gate_up = {
+        (str(dt), gate_up_rows(v)): Instance(
+            [dt, U32, U8, U32, U8, I32, F32], [F32], gate_up_template(dt, **K3, variant=v)
+        )
+        for dt in (mx.bfloat16, mx.float16, mx.float32)
+        for v in names
+    }
+    down = {
+        down_rows(v): Instance([F32, U32, U8, I32, F32], [F32], down_template(**K3, variant=v))
+        for v in names
+    }
+    return list(gate_up.values()), list(down.values())
+
+
+GATE_UP_INPUTS = ["z", "w1", "s1", "w3", "s3", "inds", "act"]
+DOWN_INPUTS = ["h", "w2", "s2", "inds", "weights"]
 
 MXFP4_GATE_UP = Kernel(
     "mxfp4_gate_up",
-    ["z", "w1", "s1", "w3", "s3", "inds", "act"],
+    GATE_UP_INPUTS,
     ["h"],
     GATE_UP_BODY,
     header=HEADER,
-    instances=[
-        Instance([dt, U32, U8, U32, U8, I32, F32], [F32], gate_up_template(dt, **K3))
-        for dt in (mx.bfloat16, mx.float16, mx.float32)
-    ],
+    instances=_instances("word")[0],
 )
 
 MXFP4_DOWN = Kernel(
     "mxfp4_down",
-    ["h", "w2", "s2", "inds", "weights"],
+    DOWN_INPUTS,
     ["y"],
     DOWN_BODY,
     header=HEADER,
-    instances=[Instance([F32, U32, U8, I32, F32], [F32], down_template(**K3))],
+    instances=_instances("word")[1],
 )
+
+MXFP4_GATE_UP_WIDE = Kernel(
+    "mxfp4_gate_up_wide",
+    GATE_UP_INPUTS,
+    ["h"],
+    GATE_UP_WIDE_BODY,
+    header=HEADER,
+    instances=_instances("wide")[0],
+)
+
+MXFP4_DOWN_WIDE = Kernel(
+    "mxfp4_down_wide",
+    DOWN_INPUTS,
+    ["y"],
+    DOWN_WIDE_BODY,
+    header=HEADER,
+    instances=_instances("wide")[1],
+)
+
+_FAMILIES = {"wide": (MXFP4_GATE_UP_WIDE, MXFP4_DOWN_WIDE), "word": (MXFP4_GATE_UP, MXFP4_DOWN)}
+_KERNELS = {v: _FAMILIES[shape[0]] for v, shape in VARIANT_SHAPES.items()}
 
 _ACT: dict = {}
 
@@ -220,35 +454,55 @@ def act_params(beta: float, cap: float) -> mx.array:
     return _ACT[key]
 
 
-def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None):
+def default_variant() -> str:
+    """``KIMI_K3_DECODE_VARIANT`` (one of ``VARIANTS``), else ``DEFAULT_VARIANT``."""
+    import os
+
+    v = os.environ.get("KIMI_K3_DECODE_VARIANT", DEFAULT_VARIANT)
+    if v not in VARIANTS:
+        raise ValueError(f"KIMI_K3_DECODE_VARIANT={v!r}: expected one of {VARIANTS}")
+    return v
+
+
+def expert_glu_decode(
+    z, w, inds, weights, beta, cap, backend: str | None = None, variant: str | None = None
+):
     """``kimi_k3.experts.expert_glu_reference`` in two launches, for few tokens.
 
     Shapes: z [N, D]; w as ``expert_glu_reference`` (leading axis: experts or cache slots);
-    inds [N, k]; weights [N, k]. Returns fp32 [N, D].
+    inds [N, k]; weights [N, k]. Returns fp32 [N, D]. ``variant``: one of ``VARIANTS``
+    (the wide ones load 128 bits at a time, so they need 16-byte aligned weight rows, which
+    whole experts or slots of a stack are); default ``default_variant()``.
     """
     backend = backend or default_backend()
+    variant = variant or default_variant()
+    gate_up, down = _KERNELS[variant]
     N, k = inds.shape
     D = z.shape[-1]
     I = w["w1"][0].shape[-2]
     flat = inds.reshape(-1).astype(I32)
-    (h,) = MXFP4_GATE_UP(
+    (h,) = gate_up(
         backend,
         inputs=[z, *w["w1"], *w["w3"], flat, act_params(beta, cap)],
         output_shapes=[(N * k, I)],
         output_dtypes=[F32],
-        grid=(32 * GATE_UP_SIMDGROUPS * -(-I // (GATE_UP_ROWS * GATE_UP_SIMDGROUPS)), N * k, 1),
+        grid=(
+            32 * GATE_UP_SIMDGROUPS * -(-I // (gate_up_rows(variant) * GATE_UP_SIMDGROUPS)),
+            N * k,
+            1,
+        ),
         threadgroup=(32 * GATE_UP_SIMDGROUPS, 1, 1),
-        template=gate_up_template(z.dtype, D, I, k),
+        template=gate_up_template(z.dtype, D, I, k, variant),
     )
     nsg = min(k, DOWN_SIMDGROUPS)
-    (y,) = MXFP4_DOWN(
+    (y,) = down(
         backend,
         inputs=[h, *w["w2"], flat, weights.reshape(-1).astype(F32)],
         output_shapes=[(N, D)],
         output_dtypes=[F32],
-        grid=(32 * nsg * -(-D // DOWN_ROWS), N, 1),
+        grid=(32 * nsg * -(-D // down_rows(variant)), N, 1),
         threadgroup=(32 * nsg, 1, 1),
-        template=down_template(D, I, k),
+        template=down_template(D, I, k, variant),
     )
     return y
 

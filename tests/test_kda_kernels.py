@@ -68,9 +68,23 @@ def test_decode_matches_reference(B, H, K, dtype, with_state):
     check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), dtype)
 
 
+def test_decode_layer_cache_follows_the_layer():
+    """The wrapper caches a layer's fp32 weights and params; a changed weight or scalar in the
+    same dict (and bf16 weights, converted once) must still give the reference result."""
+    p = layer(2, 64)
+    args = activations(1, 1, 2, 64, mx.float32, True)
+    check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+    p["o_norm"] = p["o_norm"] * 1.5
+    p["A_log"] = p["A_log"] + 0.3
+    p["lower_bound"] = -3.0
+    check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+    p["q_conv"] = p["q_conv"].astype(mx.bfloat16)
+    check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_state", [True, False])
-@pytest.mark.parametrize("T", [7, 63, 64, 65, 257, 1000])
+@pytest.mark.parametrize("T", [2, 7, 63, 64, 65, 257, 1000])
 def test_prefill_matches_reference(T, dtype, with_state):
     p = layer(2, 64)
     args = activations(1, T, 2, 64, dtype, with_state)
@@ -179,6 +193,123 @@ def test_a_broken_prefill_kernel_fails(monkeypatch, old, new):
     monkeypatch.setattr(kda_prefill, "KDA_CHUNK_PREP", broken(kda_prefill.KDA_CHUNK_PREP, old, new))
     p = layer(2, 64)
     args = activations(1, 65, 2, 64, mx.float32, True)
+    with pytest.raises(AssertionError):
+        check(
+            kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32
+        )
+
+
+@pytest.mark.parametrize(
+    "kernel, old, new",
+    [
+        ("KDA_PRE", "wq[i][j] = wq[i][j + 1];", "wq[i][j] = wq[i][j];"),  # window not sliding
+        ("KDA_PRE", "const int u = ta + j;", "const int u = ta + j + 1;"),  # window start
+        ("KDA_PRE", "const int u = n_tok + j;", "const int u = n_tok + j - 1;"),  # conv_out
+        ("KDA_PRE", "sk = SIMD_SUM(sk);", ""),  # a lane's partial |k|^2 only
+        (
+            "KDA_PRE",
+            "    s_w[e] = w[c * W + j];\n  }\n  BARRIER();",
+            "    s_w[e] = w[c * W + j];\n  }",
+        ),
+        ("KDA_POST", "x[i] = o[base + LANE + 32 * i];", "x[i] = o[base + LANE + 32 * i + 1];"),
+    ],
+    ids=[
+        "pre-window-shift",
+        "pre-window-start",
+        "pre-conv-out",
+        "pre-norm",
+        "pre-missing-barrier",
+        "post-off-by-one",
+    ],
+)
+def test_a_broken_pre_or_post_kernel_fails(monkeypatch, kernel, old, new):
+    monkeypatch.setattr(kda_prefill, kernel, broken(getattr(kda_prefill, kernel), old, new))
+    p = layer(2, 64)
+    args = activations(1, 70, 2, 64, mx.float32, True)
+    with pytest.raises(AssertionError):
+        check(
+            kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32
+        )
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("      st[sk * CP + sq] = na;\n      BARRIER();", "      st[sk * CP + sq] = na;"),
+        ("const DEVICE float* Wx = Wn + C * K + sbase;", "const DEVICE float* Wx = Wn + sbase;"),
+        ("if (s0 + ST < K) {", "if (s0 + ST < K - ST) {"),
+    ],
+    ids=["missing-barrier", "stale-next-chunk-prefetch", "short-prefetch"],
+)
+def test_a_broken_state_kernel_fails(monkeypatch, old, new):
+    """The register prefetch of the state kernel: each slip changes the result."""
+    monkeypatch.setenv("KIMI_K3_KDA_STATE", "prefetch")
+    kernel = broken(kda_prefill.KDA_CHUNK_STATE, old, new)
+    monkeypatch.setattr(kda_prefill, "KDA_CHUNK_STATE", kernel)
+    p = layer(2, 64)
+    args = activations(1, 130, 2, 64, mx.float32, True)
+    with pytest.raises(AssertionError):
+        check(
+            kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32
+        )
+
+
+@pytest.mark.parametrize("variant", kda_prefill.STATE_VARIANTS)
+def test_state_variants_match_reference(monkeypatch, variant):
+    monkeypatch.setenv("KIMI_K3_KDA_STATE", variant)
+    p = layer(2, 128)
+    args = activations(1, 130, 2, 128, mx.float32, True)
+    check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+    with pytest.raises(ValueError):
+        kda_prefill.chunk_state("emulator", None, None, 1, variant="nope")
+
+
+@pytest.mark.parametrize(
+    "kernel, old, new",
+    [
+        (
+            "KDA_CHUNK_H",
+            "      st[sk * CP + sq] = nw;\n      BARRIER();",
+            "      st[sk * CP + sq] = nw;",
+        ),
+        (
+            "KDA_CHUNK_H",
+            "(Hs + (ch * K + k0 + a) * K + col)",
+            "(Hs + (ch * K + k0 + (a ^ 1)) * K + col)",  # two state rows swapped
+        ),
+        ("KDA_CHUNK_OUT", "if (j0 <= (int)i0 + 3) {", "if (j0 < (int)i0) {"),
+        (
+            "KDA_CHUNK_OUT",
+            "    st[sk * CP + sq] = na;\n    BARRIER();",
+            "    st[sk * CP + sq] = na;",
+        ),
+        (
+            "KDA_CHUNK_H16",
+            "e % 4] = nk[e];\n      BARRIER();",
+            "e % 4] = nk[e];",
+        ),
+        ("KDA_CHUNK_H16", "P0 = kk_fma4(hi ? w.z : w.x, s, P0);", "P0 = kk_fma4(w.x, s, P0);"),
+        (
+            "KDA_CHUNK_H16",
+            "const float kd = s_kd[ii * K + k0 + a];",
+            "const float kd = s_kd[ii * K + a];",
+        ),
+    ],
+    ids=[
+        "h-missing-barrier",
+        "h-row-swap",
+        "out-skips-diagonal",
+        "out-missing-barrier",
+        "h16-missing-barrier",
+        "h16-wrong-row-pair",
+        "h16-wrong-state-row",
+    ],
+)
+def test_a_broken_split_kernel_fails(monkeypatch, kernel, old, new):
+    monkeypatch.setenv("KIMI_K3_KDA_STATE", "split16" if kernel == "KDA_CHUNK_H16" else "split")
+    monkeypatch.setattr(kda_prefill, kernel, broken(getattr(kda_prefill, kernel), old, new))
+    p = layer(2, 64)
+    args = activations(1, 130, 2, 64, mx.float32, True)
     with pytest.raises(AssertionError):
         check(
             kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32

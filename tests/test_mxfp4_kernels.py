@@ -16,8 +16,10 @@ import pytest
 from numpy_ref import mxfp4_decode, situ_glu
 
 from kimi_k3.experts import expert_glu, expert_glu_reference
-from kimi_k3.kernels import dispatch
-from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
+from kimi_k3.kernels import dispatch, mxfp4_prefill
+from kimi_k3.kernels import mxfp4_decode as decode_kernels
+from kimi_k3.kernels.metal_emulator import check_cuda_grid
+from kimi_k3.kernels.mxfp4_decode import VARIANTS, expert_glu_decode
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, group_by_expert, tile_tokens_for
 
 BETA, CAP = 4.0, 25.0
@@ -104,6 +106,7 @@ DECODE_CASES = [
     (20, 64, 96, 1, 16, "float16"),
     (9, 96, 64, 64, 3, "bfloat16"),
     (8, 3584, 3072, 1, 8, "bfloat16"),
+    (896, 32, 64, 4, 16, "bfloat16"),  # a K3 layer's expert count
 ]
 
 # (experts, D, I, tokens, top-k, dtype, pairs per tile): I = 288 and D = 320 leave the last
@@ -116,13 +119,17 @@ PREFILL_CASES = [
     (6, 96, 64, 257, 3, "float32", 16),
     (64, 64, 64, 257, 8, "bfloat16", None),
     (8, 3584, 3072, 3, 2, "bfloat16", 16),
+    # K3's prefill structure at small width: 512 tokens, top-16 of 896 experts (1352 tiles,
+    # most experts with 9 pairs, some tiles empty)
+    (896, 32, 32, 512, 16, "bfloat16", None),
 ]
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("E,D,I,N,k,dtype", DECODE_CASES)
-def test_decode_matches_oracle(E, D, I, N, k, dtype):
+def test_decode_matches_oracle(E, D, I, N, k, dtype, variant):
     args, want = case(E, D, I, N, k, dtype)
-    got = expert_glu_decode(*args, backend="emulator")
+    got = expert_glu_decode(*args, backend="emulator", variant=variant)
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
 
@@ -155,10 +162,12 @@ def check_reads_cache_slots(backend: str):
             big[mx.array(slots + 1)] = a
             pool[n].append(big[1:11])
     slot_inds = mx.array(slots)[inds]
-    for fn in (expert_glu_decode, expert_glu_prefill):
+    fns = {f"decode {v}": functools.partial(expert_glu_decode, variant=v) for v in VARIANTS}
+    fns["prefill"] = expert_glu_prefill
+    for name, fn in fns.items():
         want = fn(z, w, inds, wts, beta, cap, backend=backend)
         got = fn(z, pool, slot_inds, wts, beta, cap, backend=backend)
-        assert np.array_equal(np.array(got), np.array(want)), fn.__name__
+        assert np.array_equal(np.array(got), np.array(want)), name
 
 
 def test_reads_cache_slots_as_given():
@@ -201,6 +210,7 @@ def test_dispatcher(monkeypatch):
     (z, w, inds, wts, beta, cap), want = case(5, 64, 96, 3, 2, "float32")
     monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
     monkeypatch.delenv("KIMI_K3_REFERENCE", raising=False)
+    monkeypatch.delenv("KIMI_K3_EXPERT_PREFILL", raising=False)
     assert dispatch.expert_glu_kernel(z, w, inds).func is expert_glu_decode
     many = mx.zeros((dispatch.EXPERT_DECODE_MAX_PAIRS // 2 + 1, 2), dtype=mx.int32)
     assert (
@@ -217,3 +227,91 @@ def test_dispatcher(monkeypatch):
     assert dispatch.expert_glu_kernel(z, w, inds) is not None
     monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "none")
     assert dispatch.expert_glu_kernel(z, w, inds) is None
+
+
+def lazy_stack(E: int, D: int, I: int) -> dict:
+    """Zero MXFP4 stacks of these shapes, never evaluated (only their shapes are read)."""
+
+    def q(rows, cols):
+        return mx.zeros((E, rows, cols // 8), mx.uint32), mx.zeros((E, rows, cols // 32), mx.uint8)
+
+    return {"w1": q(I, D), "w3": q(I, D), "w2": q(D, I)}
+
+
+def test_prefill_dispatch_rules(monkeypatch):
+    """Prefill on CUDA: gather_qmm for stacks it was checked on, the kernel for larger
+    stacks (K3's 896 experts); Metal: the kernel; the env var forces either."""
+    monkeypatch.delenv("KIMI_K3_EXPERT_PREFILL", raising=False)
+    small, k3 = lazy_stack(16, 3584, 3072), lazy_stack(896, 3584, 3072)
+    assert dispatch.expert_prefill_choice("cuda", small) == "reference"
+    assert dispatch.expert_prefill_choice("cuda", k3) == "kernel"
+    assert dispatch.expert_prefill_choice("metal", small) == "kernel"
+    assert dispatch.expert_prefill_choice("emulator", small) == "kernel"
+    monkeypatch.setenv("KIMI_K3_EXPERT_PREFILL", "kernel")
+    assert dispatch.expert_prefill_choice("cuda", small) == "kernel"
+    monkeypatch.setenv("KIMI_K3_EXPERT_PREFILL", "reference")
+    assert dispatch.expert_prefill_choice("metal", k3) == "reference"
+    (z, w, inds, wts, beta, cap), want = case(20, 64, 96, 40, 16, "float32")
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    assert dispatch.expert_glu_kernel(z, w, inds) is None  # forced reference
+    assert rel_err(expert_glu(z, w, inds, wts, beta, cap), want) < TOL
+
+
+def test_decode_variant_env(monkeypatch):
+    monkeypatch.delenv("KIMI_K3_DECODE_VARIANT", raising=False)
+    assert decode_kernels.default_variant() == decode_kernels.DEFAULT_VARIANT == "wide"
+    monkeypatch.setenv("KIMI_K3_DECODE_VARIANT", "word")
+    assert decode_kernels.default_variant() == "word"
+    monkeypatch.setenv("KIMI_K3_DECODE_VARIANT", "bogus")
+    with pytest.raises(ValueError):
+        decode_kernels.default_variant()
+
+
+def test_cuda_grid_limit_is_enforced():
+    """The emulator refuses launches CUDA cannot make: more than 65535 blocks in y or z."""
+    check_cuda_grid((256, 65535, 1), (256, 1, 1))
+    check_cuda_grid((256 * 70000, 1, 1), (256, 1, 1))  # x allows 2^31 - 1 blocks
+    with pytest.raises(RuntimeError, match="along y"):
+        check_cuda_grid((256, 65536, 1), (256, 1, 1))
+    with pytest.raises(RuntimeError, match="along z"):
+        check_cuda_grid((32, 1, 2 * 65536), (32, 1, 2))
+    (z, w, inds, wts, beta, cap), _ = case(5, 64, 96, 3, 2, "float32")
+    too_many = mx.zeros((65536, 1), dtype=mx.int32)  # 65536 pairs -> 65536 blocks along y
+    with pytest.raises(RuntimeError, match="along y"):
+        expert_glu_decode(
+            mx.zeros((65536, 64)), w, too_many, mx.ones((65536, 1)), beta, cap, backend="emulator"
+        )
+
+
+@pytest.mark.parametrize("tokens", [512, 4096])
+def test_launch_geometry_at_k3_scale(monkeypatch, tokens):
+    """Every launch both paths make for a K3 layer (896 experts, D 3584, I 3072, top-16) fits
+    CUDA's grid limits and the tile bound: captured from the wrappers, nothing executed."""
+    launches = []
+
+    def fake(name):
+        def run(backend, **kw):
+            launches.append((name, kw["grid"], kw["threadgroup"]))
+            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+        return run
+
+    monkeypatch.setattr(mxfp4_prefill, "MXFP4_GROUPED", fake("grouped"))
+    kernels = {v: (fake(f"gate_up {v}"), fake(f"down {v}")) for v in VARIANTS}
+    monkeypatch.setattr(decode_kernels, "_KERNELS", kernels)
+    E, D, I, k = 896, 3584, 3072, 16
+    w = lazy_stack(E, D, I)
+    inds, wts = (mx.array(a) for a in routing(tokens, E, k, tokens))
+    z = mx.zeros((tokens, D), mx.bfloat16)
+    for tm in (None, 16, 32, 64):
+        expert_glu_prefill(z, w, inds, wts, BETA, CAP, tile_tokens=tm, backend="cuda")
+    for v in VARIANTS:
+        n = dispatch.EXPERT_DECODE_MAX_PAIRS // k
+        expert_glu_decode(z[:n], w, inds[:n], wts[:n], BETA, CAP, backend="cuda", variant=v)
+    assert len(launches) == 8 + 2 * len(VARIANTS)
+    for name, grid, tg in launches:
+        check_cuda_grid(grid, tg)
+        assert all(g % t == 0 for g, t in zip(grid, tg)), name
+    P = tokens * k
+    for tm in (16, 32, 64):
+        assert (P + E * (tm - 1)) // tm < 65535  # tiles run along x, but stay small anyway

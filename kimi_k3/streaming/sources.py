@@ -20,7 +20,6 @@ from kimi_k3.model import expert_keys
 # The six cache tensors of one expert, in the order of the published shards and the pack.
 TENSORS = ("w1.weight", "w1.scales", "w2.weight", "w2.scales", "w3.weight", "w3.scales")
 _PUBLISHED = {"weight_packed": "weight", "weight_scale": "scales"}
-_MLX_LM = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,8 @@ class ShardSource:
 
 
 class MlxLmSource:
-    """mlx-lm's layout: experts stacked ``[E, ...]`` per tensor in ``mlp.switch_mlp``.
+    """mlx-lm's layout: experts stacked ``[E, ...]`` per tensor in ``mlp.switch_mlp``
+    (names from ``kimi_k3.layouts.mlx_lm_expert_names``).
 
     Expert ``e`` of a stacked tensor is the byte slice ``start + e * n .. start + (e+1) * n``:
     six reads per expert (the six stacked tensors are apart in the file).
@@ -113,18 +113,18 @@ class MlxLmSource:
     kind = "mlx-lm"
 
     def __init__(self, index: CheckpointIndex, layout: dict, layers: list[int], num_experts: int):
+        from kimi_k3.layouts import mlx_lm_expert_names
+
         self.layout, self.tensors = layout, {}
         for layer in layers:
-            for name in TENSORS:
-                w, kind = name.split(".")
-                key = f"{mlx_lm_prefix(layer)}{_MLX_LM[w]}.{kind}"
+            for name, key in mlx_lm_expert_names(layer).items():
                 t = index[key]
                 shape, dtype = layout[name]
                 want = "U32" if dtype == np.uint32 else "U8"
                 if t.dtype != want or t.shape != (num_experts, *shape):
                     raise CheckpointError(f"{t.file}: tensor {key} is {t.dtype}{list(t.shape)}, "
                                           f"expected {want}{[num_experts, *shape]} (mxfp4)")
-                biases = f"{mlx_lm_prefix(layer)}{_MLX_LM[w]}.biases"
+                biases = key.rsplit(".", 1)[0] + ".biases"
                 if biases in index:
                     raise CheckpointError(f"{index[biases].file}: tensor {biases}: affine-"
                                           "quantized experts; only mxfp4 experts are streamed")
@@ -141,10 +141,6 @@ class MlxLmSource:
 
     def checksum(self, layer: int, expert: int) -> int | None:
         return None
-
-
-def mlx_lm_prefix(layer: int) -> str:
-    return f"language_model.model.layers.{layer}.mlp.switch_mlp."
 
 
 class PackSource:
@@ -230,7 +226,9 @@ def _detect(path: Path, index: CheckpointIndex | None, layer: int, has_pack: boo
     index = index if index is not None else CheckpointIndex(path)
     if expert_keys(layer, 0)[0] in index:
         return "shards"
-    if f"{mlx_lm_prefix(layer)}gate_proj.weight" in index:
+    from kimi_k3.layouts import mlx_lm_expert_names
+
+    if mlx_lm_expert_names(layer)["w1.weight"] in index:
         return "mlx-lm"
     raise CheckpointError(f"{path}: no routed experts found for layer {layer}: neither an "
                           "expert pack (experts/index.json), nor published experts."
