@@ -4,7 +4,8 @@ projection for the full K3.
 
     python benchmarks/bench_streaming.py --out bench_streaming.md --plot docs/streaming_cache.png
 
-(About 20 minutes on a 2-core VM; ``--quick`` takes a few.)
+About 20 minutes on a 2-core VM; ``--quick`` (one repetition, fewer points) takes a few.
+
 Writes two synthetic checkpoints under ``--work`` (kept for reruns): ``k3-experts``, two MoE
 layers of 64 experts at K3's exact expert size (17,547,264 bytes; 2.25 GB of experts), for
 the read tests; ``sweep``, five MoE layers with K3's routing shape (896 experts, top-16)

@@ -22,13 +22,14 @@ run() {
 for step in "$@"; do
   case $step in
     kda_tests) MLX_ENABLE_TF32=0 run kda_tests 240 python3 -m pytest -q -x tests/cuda/test_kda_cuda.py ;;
-    mxfp4_tests) MLX_ENABLE_TF32=0 run mxfp4_tests 240 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py ;;
+    mxfp4_tests) MLX_ENABLE_TF32=0 run mxfp4_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py ;;
     model_tests) MLX_ENABLE_TF32=0 run model_tests 300 python3 -m pytest -q tests/cuda/test_model_cuda.py tests/test_model.py ;;
     bench_kda) run bench_kda 300 python3 -m benchmarks.bench_kda --out "$OUT/bench_kda.md" ;;
     bench_mxfp4) run bench_mxfp4 300 python3 -m benchmarks.bench_mxfp4 --out "$OUT/bench_mxfp4.md" ;;
     bench_e2e) run bench_e2e 400 python3 benchmarks/bench_e2e.py --preset k3-layers --set vocab_size=32768 --set intermediate_size=4096 --prompt-tokens 512 --decode-tokens 16 --dtypes bfloat16 --expert-cache-gb 0.6 --out "$OUT/bench_e2e_h200.md" ;;
     bench_e2e_cpu) run bench_e2e_cpu 300 python3 benchmarks/bench_e2e.py --preset small --device cpu --repeats 3 --out "$OUT/bench_e2e_cpu.md" ;;
-    bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --out "$OUT/bench_streaming_h200.md" ;;
+    bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --quick --out "$OUT/bench_streaming_h200.md" ;;
+    mxfp4_diag) run mxfp4_diag 120 python3 -m benchmarks.mxfp4_diag ;;
     *) echo "unknown step $step" | tee -a "$log" ;;
   esac
 done

@@ -172,25 +172,29 @@ def _as(x: mx.array, dtype) -> mx.array:
 
 
 _WEIGHTS = ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm")
-_LAYERS: dict = {}  # (id(p), dtype) -> (p's weights as found, scalars, fp32 weights + params)
+_LAYERS: dict = {}  # (weight ids, scalars, dtype) -> (weak refs to the weights, inputs)
 
 
 def _layer_inputs(p: dict, dt) -> list:
     """The layer's fp32 weights and scalar params, converted and built once per layer.
 
-    The cache holds the arrays it was built from and is reused only while ``p`` holds those
-    same arrays (and scalars), so a changed or new layer rebuilds it.
+    Keyed by the identity of the weight arrays (the model builds a fresh ``p`` per call), and
+    reused only while those very arrays are alive (weak references), so a changed or new
+    layer rebuilds it and the cache keeps no weight alive.
     """
+    import weakref
+
     found = [p[n] for n in _WEIGHTS]
     scalars = (float(p["lower_bound"]), float(p["eps"]))
-    key = (id(p), dt)
+    key = (tuple(id(w) for w in found), scalars, dt)
     hit = _LAYERS.get(key)
-    if hit is None or hit[1] != scalars or any(a is not b for a, b in zip(hit[0], found)):
+    if hit is None or any(ref() is not w for ref, w in zip(hit[0], found)):
         if len(_LAYERS) > 1024:
             _LAYERS.clear()
         params = mx.array(scalars, dtype=mx.float32)
-        hit = _LAYERS[key] = (found, scalars, [_as(w, mx.float32) for w in found] + [params])
-    return hit[2]
+        refs = [weakref.ref(w) for w in found]
+        hit = _LAYERS[key] = (refs, [_as(w, mx.float32) for w in found] + [params])
+    return hit[1]
 
 
 _LAUNCH: dict = {}  # (dtype, H, K, W) -> (template, threads per threadgroup)

@@ -74,10 +74,13 @@ def test_decode_layer_cache_follows_the_layer():
     p = layer(2, 64)
     args = activations(1, 1, 2, 64, mx.float32, True)
     check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+    p["lower_bound"] = -3.0  # the same weight arrays, another scalar
+    check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
     p["o_norm"] = p["o_norm"] * 1.5
     p["A_log"] = p["A_log"] + 0.3
-    p["lower_bound"] = -3.0
-    check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+    check(
+        kda_decode.kda_decode("emulator", dict(p), *args), kda_mix_reference(p, *args), mx.float32
+    )
     p["q_conv"] = p["q_conv"].astype(mx.bfloat16)
     check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
 

@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import pytest
 
+import kimi_k3.streaming.cache as cache_mod
 from kimi_k3.streaming import StreamOptions, default_cache_gb
 from kimi_k3.streaming.cache import LFU, LRU, SlotCache, available_memory, slots_per_layer
 
@@ -106,14 +107,13 @@ def test_slots_per_layer_floor_and_cap():
         slots_per_layer(11 * 100, 100, 3, 4, 64)
 
 
-def test_default_cache_gb_follows_available_memory():
-    avail = available_memory()
-    assert avail > 0
-    a = default_cache_gb(0, reserve_gb=1.0)
-    b = default_cache_gb(2 * 10**9, reserve_gb=1.0)
-    assert a > b >= 0.0
-    assert a == pytest.approx(0.9 * (available_memory() - 1e9) / 1e9, rel=0.05)
-    assert default_cache_gb(avail * 2) == 0.0
+def test_default_cache_gb_follows_available_memory(monkeypatch):
+    assert available_memory() > 0
+    monkeypatch.setattr(cache_mod, "available_memory", lambda: 20 * 10**9)
+    assert default_cache_gb(0, reserve_gb=4.0) == pytest.approx(0.9 * 16)
+    assert default_cache_gb(6 * 10**9, reserve_gb=4.0) == pytest.approx(0.9 * 10)
+    assert default_cache_gb(6 * 10**9, reserve_gb=4.0, fraction=0.5) == pytest.approx(5.0)
+    assert default_cache_gb(17 * 10**9) == 0.0
 
 
 @pytest.mark.parametrize("bad", [{"policy": "mru"}, {"source": "hub"}, {"io_threads": 0},

@@ -132,3 +132,13 @@ def test_wrong_expert_shape_names_the_tensor(tiny_ckpt):
     args.moe_intermediate_size *= 2
     with pytest.raises(CheckpointError, match=r"experts\.0\.w1\.weight_packed is U8\[32, 32\]"):
         open_source(tiny_ckpt, CheckpointIndex(tiny_ckpt), args, [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reads_without_preadv(tiny_ckpt, tiny_ref, monkeypatch, direct):
+    """Platforms without ``os.preadv`` read with ``os.pread`` (one more copy), same bytes."""
+    import kimi_k3.streaming.io as sio
+
+    monkeypatch.delattr(sio.os, "preadv")
+    model = _streamed_from(tiny_ckpt, tiny_ckpt, direct_io=direct)
+    assert mx.array_equal(_logits(model), tiny_ref).item()

@@ -41,7 +41,7 @@ class ExpertReadError(CheckpointError):
 
 def _open(path: Path, direct: bool) -> tuple[int, bool]:
     """``(fd, aligned)``: ``aligned`` when reads must use page-aligned buffers."""
-    if direct and hasattr(os, "O_DIRECT"):
+    if direct and hasattr(os, "O_DIRECT") and hasattr(os, "preadv"):  # pread's buffer is unaligned
         try:
             return os.open(path, os.O_RDONLY | os.O_DIRECT), True
         except OSError as e:  # a filesystem without direct I/O (tmpfs): read buffered
@@ -185,11 +185,19 @@ class _Buffer:
         return self.array[:n]
 
 
+def _preadv(fd: int, views: list, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, views, offset)
+    data = os.pread(fd, len(views[0]), offset)  # no preadv here: one buffer, one more copy
+    views[0][: len(data)] = np.frombuffer(data, np.uint8)
+    return len(data)
+
+
 def _pread_into(fd: int, views: list, offset: int, need: int, aligned: bool) -> int:
     """``preadv`` until ``need`` bytes are in ``views`` or the file ends; returns the count."""
     got = 0
     while got < need:
-        n = os.preadv(fd, views, offset + got)
+        n = _preadv(fd, views, offset + got)
         if n == 0:
             break
         got += n

@@ -285,7 +285,7 @@ class Streamer:
         for slot, job in waits:
             try:
                 job.wait(deadline - time.perf_counter())
-            except Exception as e:  # ExpertReadError: keep the first, settle every slot
+            except ExpertReadError as e:  # keep the first, settle every slot
                 error = error or e
                 if job.done.is_set():
                     store.cache.release(slot)
@@ -378,7 +378,7 @@ def attach_streamer(model, path: str | Path, index: CheckpointIndex | None,
                     expert_cache_gb: float, **options) -> Streamer:
     """Replace every MoE layer's resident experts by a streamed store reading from ``path``.
 
-    Works before the dense weights are loaded (``kimi_k3.load_model`` calls it so) or on a
+    Works before the dense weights are loaded (``kimi_k3.loader.load_model`` calls it so) or on a
     loaded model (the resident experts are dropped). ``expert_cache_gb`` (1e9 bytes) is
     split evenly into per-layer slots, at least top-k per layer. ``options``: see
     ``StreamOptions``.
@@ -388,14 +388,14 @@ def attach_streamer(model, path: str | Path, index: CheckpointIndex | None,
     if not moes:
         raise ValueError("attach_streamer: the model has no MoE layers")
     args = model.args
-    old = find_streamer(model)
-    if old is not None:
-        old.close()
     layout = expert_layout(args)
     source = open_source(Path(path), index, args, sorted(moes), opts.source)
     budget = round(expert_cache_gb * GB)
     slots = slots_per_layer(budget, expert_bytes(layout), len(moes), args.num_experts_per_token,
                             args.num_experts)
+    old = find_streamer(model)
+    if old is not None:
+        old.close()
     return Streamer(source, layout, moes, slots, opts, budget, args)
 
 
