@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -214,6 +216,16 @@ def write_checkpoint(out: str | Path, preset: str | dict = "tiny", seed: int = 0
 
         write_synthetic_tokenizer(out, p["vocab_size"], seed=seed)
     return out
+
+
+@contextmanager
+def checkpoint_or_synthetic(path: str | None, preset: str = "tiny"):
+    """``path`` itself, or (when None) a synthetic checkpoint in a temporary directory."""
+    if path:
+        yield path
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield str(write_checkpoint(tmp, preset))
 
 
 def parse_override(text: str):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-from contextlib import contextmanager
 
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -19,18 +17,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import kimi_k3
 from kimi_k3.chat import END, close_tag, encode_chat, encode_segments
-
-
-@contextmanager
-def model_dir(path: str | None, preset: str = "tiny"):
-    """``path`` itself, or a synthetic checkpoint in a temporary directory."""
-    if path:
-        yield path
-        return
-    from kimi_k3.convert.synth import write_checkpoint
-
-    with tempfile.TemporaryDirectory() as tmp:
-        yield str(write_checkpoint(tmp, preset))
+from kimi_k3.convert.synth import checkpoint_or_synthetic
 
 
 def cached_tokens(cache: list, history: list[int]) -> int:
@@ -81,7 +68,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    with model_dir(args.model) as path:
+    with checkpoint_or_synthetic(args.model) as path:
         model, tokenizer = kimi_k3.load(path, expert_cache_gb=args.expert_cache_gb)
         cache, history = make_prompt_cache(model), []
         sampler = make_sampler(temp=args.temp)

@@ -9,26 +9,13 @@ whole path runs, the text is gibberish.
 from __future__ import annotations
 
 import argparse
-import tempfile
-from contextlib import contextmanager
 
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 import kimi_k3
 from kimi_k3.chat import encode_chat
-
-
-@contextmanager
-def model_dir(path: str | None, preset: str = "tiny"):
-    """``path`` itself, or a synthetic checkpoint in a temporary directory."""
-    if path:
-        yield path
-        return
-    from kimi_k3.convert.synth import write_checkpoint
-
-    with tempfile.TemporaryDirectory() as tmp:
-        yield str(write_checkpoint(tmp, preset))
+from kimi_k3.convert.synth import checkpoint_or_synthetic
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -45,7 +32,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    with model_dir(args.model) as path:
+    with checkpoint_or_synthetic(args.model) as path:
         model, tokenizer = kimi_k3.load(path, expert_cache_gb=args.expert_cache_gb)
         # Chat prompts go in as ids: only the XTML markers may become special tokens.
         ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}],

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
-from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +20,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
+from kimi_k3.convert.synth import checkpoint_or_synthetic
 from kimi_k3.loader import load_model
 from kimi_k3.tokenizer import load_tokenizer
 
@@ -32,18 +31,6 @@ TEXT = (
     "residuals replace the plain residual stream with a learned mix of block summaries, "
     "and each mixture-of-experts layer sends every token to sixteen of its experts. "
 )
-
-
-@contextmanager
-def model_dir(path: str | None, preset: str = "tiny"):
-    """``path`` itself, or a synthetic checkpoint in a temporary directory."""
-    if path:
-        yield path
-        return
-    from kimi_k3.convert.synth import write_checkpoint
-
-    with tempfile.TemporaryDirectory() as tmp:
-        yield str(write_checkpoint(tmp, preset))
 
 
 def freeze_experts(model: nn.Module) -> nn.Module:
@@ -106,7 +93,7 @@ def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     # The KDA dispatcher reads this on every call: the reference path, which has gradients.
     os.environ.setdefault("KIMI_K3_REFERENCE", "1")
-    with model_dir(args.model) as path:
+    with checkpoint_or_synthetic(args.model) as path:
         model = load_model(path, dtype=mx.float32)
         ids = load_tokenizer(path).encode(TEXT)
     batch = fixed_batch(ids, args.batch, args.seq)

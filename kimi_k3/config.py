@@ -77,14 +77,7 @@ class ModelArgs:
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelArgs:
-        file = Path(path) / "config.json"
-        try:
-            config = json.loads(file.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{file}: no config.json (not a model directory?)") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{file}: not valid JSON ({e})") from None
-        return cls.from_dict(config)
+        return cls.from_dict(read_config_json(path))
 
     def __post_init__(self):
         _require(self, "hidden_act", self.hidden_act == "situ", "only 'situ' is implemented")
@@ -158,6 +151,17 @@ class ModelArgs:
     def eos_ids(self) -> list[int]:
         e = self.eos_token_id
         return list(e) if isinstance(e, (list, tuple)) else [e]
+
+
+def read_config_json(path: str | Path) -> dict:
+    """The ``config.json`` of a checkpoint directory, with errors that name the file."""
+    file = Path(path) / "config.json"
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file}: no config.json (not a model directory?)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
 
 
 def _require(args, key, ok, why):

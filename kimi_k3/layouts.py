@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from kimi_k3.checkpoint import CheckpointError, read_header
-from kimi_k3.config import ConfigError, ModelArgs
+from kimi_k3.config import ModelArgs, read_config_json
 from kimi_k3.expert_pack import is_pack_dir
 
 LAYOUTS = ("published", "pack", "mlx-lm")
@@ -63,13 +63,7 @@ def read_args(path: str | Path, layout: str) -> ModelArgs:
     """``ModelArgs`` of a directory; mlx-lm's own ``quantization_config`` copy is set aside."""
     if layout != "mlx-lm":
         return ModelArgs.from_path(path)
-    file = Path(path) / "config.json"
-    try:
-        config = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{file}: no config.json (not a model directory?)") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    config = read_config_json(path)
     qc = config.get("quantization_config")
     if isinstance(qc, dict) and "quant_method" not in qc:
         config.pop("quantization_config")  # mlx-lm writes its `quantization` entry here too
