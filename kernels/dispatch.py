@@ -28,35 +28,27 @@ def kda_mix_kernel(p, x_q, conv_state, state):
     return None
 
 
-EXPERT_DECODE_MAX_PAIRS = 64  # (token, choice) pairs up to which the per-pair decode kernels run
-# Stacks of at most this many 4-bit elements per matrix (experts x rows x cols) are ones where
-# MLX's CUDA gather_qmm agreed with the float64 oracle (tests/cuda, 16 experts at K3 dims).
-# K3's resident 896-expert stack (9.9e9) is past 2^31: its gather_qmm output disagreed with the
-# kernel (rel err 1.1, bench_mxfp4 on the H200), and MLX's CUDA qmm code does offset arithmetic
-# in 32-bit ints. benchmarks/mxfp4_diag.py says which side is right; until then such stacks keep
-# the kernel.
-GATHER_QMM_MAX_ELEMENTS = 2**31 - 1
+# (token, choice) pairs up to which the per-pair decode kernels run. H200, K3 dims: at 128 pairs
+# (8 tokens x 16) decode 1.36 ms vs the grouped kernel 4.43 ms (docs/benchmarks.md).
+EXPERT_DECODE_MAX_PAIRS = 128
 
 
 def expert_prefill_choice(backend: str, w) -> str:
     """``"kernel"`` or ``"reference"`` for more than ``EXPERT_DECODE_MAX_PAIRS`` pairs.
 
-    ``KIMI_K3_EXPERT_PREFILL=kernel`` / ``reference`` forces one. Otherwise Metal takes the
-    kernel (no Apple GPU measurements exist either way). CUDA takes ``gather_qmm`` (the
-    reference), which the H200 measured about 2x faster than the grouped kernel (29 vs 66 ms
-    at 512 tokens, 115 vs 226 ms at 4096, 896 experts), but only for stacks within
-    ``GATHER_QMM_MAX_ELEMENTS``.
+    ``KIMI_K3_EXPERT_PREFILL=kernel`` / ``reference`` forces one. Otherwise the kernel, on
+    Metal and on CUDA. On the H200 MLX's CUDA ``gather_qmm`` (mxfp4, sorted indices) is about
+    2x faster (29 vs 66 ms at 512 tokens of K3's 896-expert layer) but wrong there:
+    ``benchmarks/mxfp4_diag.py`` measured it at relative error 1.06 against an fp32 dense
+    oracle with flat routing over 896 experts, while the kernel agreed to 9.5e-7 (and both
+    agree when only 16 experts are used). Correct first: the kernel serves prefill.
     """
     import os
 
     forced = os.environ.get("KIMI_K3_EXPERT_PREFILL", "")
     if forced in ("kernel", "reference"):
         return forced
-    if backend != "cuda":
-        return "kernel"
-    q1, q2 = w["w1"][0], w["w2"][0]
-    elements = max(8 * q1.size, 8 * q2.size)
-    return "reference" if elements <= GATHER_QMM_MAX_ELEMENTS else "kernel"
+    return "kernel"
 
 
 def expert_glu_kernel(z, w, inds):
