@@ -1,6 +1,6 @@
 """End-to-end prefill and decode tokens/s: kimi_k3 vs mlx-lm's kimi_k3, same weights, one run.
 
-    python benchmarks/bench_e2e.py --preset small --out docs/bench_e2e.md
+python benchmarks/bench_e2e.py --preset small --out docs/bench_e2e.md
 """
 
 from __future__ import annotations
@@ -62,10 +62,19 @@ def main(argv=None):
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a synthetic preset key (e.g. vocab_size=32768)")
-    ap.add_argument("--expert-cache-gb", type=float, default=None,
-                    help="also time this project with experts streamed into a cache this big")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a synthetic preset key (e.g. vocab_size=32768)",
+    )
+    ap.add_argument(
+        "--expert-cache-gb",
+        type=float,
+        default=None,
+        help="also time this project with experts streamed into a cache this big",
+    )
     ap.add_argument("--device", choices=["default", "cpu", "gpu"], default="default")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -85,8 +94,9 @@ def main(argv=None):
             runs = [("kimi_k3 (this project)", ours), ("mlx-lm kimi_k3", ref)]
             if args.expert_cache_gb is not None:
                 streamed = load_model(path, dtype=dtype, expert_cache_gb=args.expert_cache_gb)
-                runs.append((f"kimi_k3, experts streamed ({args.expert_cache_gb} GB cache)",
-                             streamed))
+                runs.append(
+                    (f"kimi_k3, experts streamed ({args.expert_cache_gb} GB cache)", streamed)
+                )
             for label, model in runs:
                 try:
                     pre, dec = measure(model, prompt, args.decode_tokens, args.repeats)

@@ -39,10 +39,20 @@ from kimi_k3.streaming import get_stats, reset_stats
 from kimi_k3.streaming.sources import expert_bytes, expert_layout
 from kimi_k3.streaming.store import SlotPool, find_streamer
 
-K3_EXPERTS = dict(num_hidden_layers=3, full=(3,), num_experts=64, num_experts_per_token=16,
-                  routed_expert_hidden_size=3584, moe_intermediate_size=3072)
-SWEEP = dict(num_experts=896, num_experts_per_token=16, routed_expert_hidden_size=512,
-             moe_intermediate_size=512)
+K3_EXPERTS = dict(
+    num_hidden_layers=3,
+    full=(3,),
+    num_experts=64,
+    num_experts_per_token=16,
+    routed_expert_hidden_size=3584,
+    moe_intermediate_size=3072,
+)
+SWEEP = dict(
+    num_experts=896,
+    num_experts_per_token=16,
+    routed_expert_hidden_size=512,
+    moe_intermediate_size=512,
+)
 SWEEP_SLOTS = (16, 32, 64, 128, 224)  # 1/56 of the experts (the top-k floor) .. 1/4
 K3_TOKEN_GB = 92 * 16 * 17_547_264 / 1e9  # routed-expert bytes one decoded token touches
 K3_EXPERTS_GB = 92 * 896 * 17_547_264 / 1e9
@@ -138,9 +148,15 @@ def expert_read(path: Path, pattern: str, threads: int, direct: bool, calls: int
                 streamer.preload(layer, rng.choice(E, 16, replace=False))
     wall = time.perf_counter() - t0
     s = get_stats(model)
-    return {"pattern": pattern, "threads": threads, "direct": s["direct_io"],
-            "gb": s["bytes_read"] / 1e9, "busy_gbps": s["read_gbps"],
-            "wall_gbps": s["bytes_read"] / 1e9 / wall, "reads": s["reads"]}
+    return {
+        "pattern": pattern,
+        "threads": threads,
+        "direct": s["direct_io"],
+        "gb": s["bytes_read"] / 1e9,
+        "busy_gbps": s["read_gbps"],
+        "wall_gbps": s["bytes_read"] / 1e9 / wall,
+        "reads": s["reads"],
+    }
 
 
 def _slot_writes(layout: dict, src: np.ndarray, slots: int, mode: str) -> dict:
@@ -159,16 +175,22 @@ def _slot_writes(layout: dict, src: np.ndarray, slots: int, mode: str) -> dict:
     dt = (time.perf_counter() - t0) / slots
     growth = max(mx.get_peak_memory() - base, 0) / 1e6  # the peak only moves on allocation
     back = [np.array(a[slots - 1]).view(np.uint8).ravel() for a in pool.arrays.values()]
-    return {"mode": mode, "copies": 1 if mode == "view" else 2, "ms": dt * 1e3,
-            "gbps": src.size / 1e9 / dt, "peak_growth_mb": growth,
-            "bytes_ok": bool(np.array_equal(np.concatenate(back), src))}
+    return {
+        "mode": mode,
+        "copies": 1 if mode == "view" else 2,
+        "ms": dt * 1e3,
+        "gbps": src.size / 1e9 / dt,
+        "peak_growth_mb": growth,
+        "bytes_ok": bool(np.array_equal(np.concatenate(back), src)),
+    }
 
 
 def mlx_path(slots: int = 16) -> list[dict]:
     """Cost of putting one K3 expert (17.5 MB) into a cache slot, per write mode, and how
     much MLX peak memory grows beyond the pool while doing it."""
-    layout = expert_layout(SimpleNamespace(routed_expert_hidden_size=3584,
-                                           moe_intermediate_size=3072))
+    layout = expert_layout(
+        SimpleNamespace(routed_expert_hidden_size=3584, moe_intermediate_size=3072)
+    )
     src = _aligned(expert_bytes(layout))  # stands in for a thread's aligned read buffer
     src[:] = np.random.default_rng(0).integers(0, 256, src.size, dtype=np.uint8)
     rows = []
@@ -185,8 +207,7 @@ def decode_run(path: Path, slots: int | None, prompt: int, tokens: int, **opts) 
     every expert resident (no streaming)."""
     gc.collect()
     drop_caches()
-    model = (load_model(path, dtype=mx.float32) if slots is None
-             else _streamed(path, slots, **opts))
+    model = load_model(path, dtype=mx.float32) if slots is None else _streamed(path, slots, **opts)
     vocab = model.args.vocab_size - 256
     rng = np.random.default_rng(42)
     cache = model.make_cache()
@@ -198,11 +219,17 @@ def decode_run(path: Path, slots: int | None, prompt: int, tokens: int, **opts) 
         mx.eval(model(mx.array([[int(t)]]), cache=cache))
     dt = time.perf_counter() - t0
     s = get_stats(model) or {}
-    return {"slots": slots, "tok_s": tokens / dt, "hit_rate": s.get("hit_rate"),
-            "mb_per_token": s.get("bytes_read", 0) / 1e6 / tokens,
-            "read_gbps": s.get("read_gbps"), "wait_share": s.get("wait_seconds", 0) / dt,
-            "prefetch_accuracy": s.get("prefetch_accuracy"),
-            "prediction_recall": s.get("prediction_recall"), **opts}
+    return {
+        "slots": slots,
+        "tok_s": tokens / dt,
+        "hit_rate": s.get("hit_rate"),
+        "mb_per_token": s.get("bytes_read", 0) / 1e6 / tokens,
+        "read_gbps": s.get("read_gbps"),
+        "wait_share": s.get("wait_seconds", 0) / dt,
+        "prefetch_accuracy": s.get("prefetch_accuracy"),
+        "prediction_recall": s.get("prediction_recall"),
+        **opts,
+    }
 
 
 def repeated(fn, reps: int, key: str) -> dict:
@@ -302,91 +329,177 @@ def plot(curves: dict, resident: float, E: int, out: Path):
 
 def read_section(big: Path, reps: int) -> tuple[list[str], float]:
     files = sorted(big.glob("*.safetensors"))
-    runs = [("raw sequential (1 thread, 16 MiB direct reads)", lambda: raw_read(files, 1)),
-            ("raw parallel (16 threads, 16 MiB direct reads)", lambda: raw_read(files, 16))]
-    runs += [(f"experts, all, {t} threads, direct",
-              lambda t=t: expert_read(big, "all", t, True)["busy_gbps"]) for t in (1, 4, 16, 32)]
-    runs += [("experts, all, 16 threads, buffered",
-              lambda: expert_read(big, "all", 16, False)["busy_gbps"]),
-             ("experts, decode (16 per layer call), 16 threads, direct",
-              lambda: expert_read(big, "decode", 16, True)["busy_gbps"])]
+    runs = [
+        ("raw sequential (1 thread, 16 MiB direct reads)", lambda: raw_read(files, 1)),
+        ("raw parallel (16 threads, 16 MiB direct reads)", lambda: raw_read(files, 16)),
+    ]
+    runs += [
+        (
+            f"experts, all, {t} threads, direct",
+            lambda t=t: expert_read(big, "all", t, True)["busy_gbps"],
+        )
+        for t in (1, 4, 16, 32)
+    ]
+    runs += [
+        (
+            "experts, all, 16 threads, buffered",
+            lambda: expert_read(big, "all", 16, False)["busy_gbps"],
+        ),
+        (
+            "experts, decode (16 per layer call), 16 threads, direct",
+            lambda: expert_read(big, "decode", 16, True)["busy_gbps"],
+        ),
+    ]
     samples = {name: [] for name, _ in runs}
     for _ in range(reps):  # interleaved, so drift on a shared disk hits every run alike
         for name, fn in runs:
             samples[name].append(fn())
     raw = float(np.median(samples[runs[0][0]]))
-    rows = [{"run": name, "gbps": float(np.median(v)), "range": f"{min(v):.2f}-{max(v):.2f}",
-             "eff": float(np.median(v)) / raw} for name, v in samples.items()]
+    rows = [
+        {
+            "run": name,
+            "gbps": float(np.median(v)),
+            "range": f"{min(v):.2f}-{max(v):.2f}",
+            "eff": float(np.median(v)) / raw,
+        }
+        for name, v in samples.items()
+    ]
     eff = rows[4]["eff"]
-    text = ["## Expert reads against the raw drive (K3-size experts: 17.5 MB, one read each)",
-            "", f"2.25 GB of experts in two shards; median of {reps} interleaved runs, page "
-            "cache dropped before each. Expert GB/s = bytes / wall time with any read in "
-            "flight, reads straight into the cache slots (no compute).", "",
-            table(rows, [("run", "run"), ("GB/s (median)", "gbps"), ("min-max", "range"),
-                         ("vs raw sequential", "eff")]), ""]
+    text = [
+        "## Expert reads against the raw drive (K3-size experts: 17.5 MB, one read each)",
+        "",
+        f"2.25 GB of experts in two shards; median of {reps} interleaved runs, page "
+        "cache dropped before each. Expert GB/s = bytes / wall time with any read in "
+        "flight, reads straight into the cache slots (no compute).",
+        "",
+        table(
+            rows,
+            [
+                ("run", "run"),
+                ("GB/s (median)", "gbps"),
+                ("min-max", "range"),
+                ("vs raw sequential", "eff"),
+            ],
+        ),
+        "",
+    ]
     return text, eff
 
 
 def mlx_section() -> list[str]:
     rows = mlx_path()
-    return ["## Into MLX: one K3 expert (17.5 MB) into a cache slot (16 slots, 0.28 GB pool)",
-            "", "From a page-aligned buffer (where a direct read lands) into the slot the "
-            "kernels read. `view`: numpy view of the MLX buffer, the one copy (what the "
-            "streamer uses where MLX exposes host memory); `mlx`: `pool[slot] = mx.array(buf)` "
-            "(two copies; the fallback). A cache hit copies nothing.", "",
-            table(rows, [("write mode", "mode"), ("copies after the read", "copies"),
-                         ("ms / expert", "ms"), ("GB/s", "gbps"),
-                         ("MLX peak growth beyond the pool (MB)", "peak_growth_mb"),
-                         ("bytes verified", "bytes_ok")]), ""]
+    return [
+        "## Into MLX: one K3 expert (17.5 MB) into a cache slot (16 slots, 0.28 GB pool)",
+        "",
+        "From a page-aligned buffer (where a direct read lands) into the slot the "
+        "kernels read. `view`: numpy view of the MLX buffer, the one copy (what the "
+        "streamer uses where MLX exposes host memory); `mlx`: `pool[slot] = mx.array(buf)` "
+        "(two copies; the fallback). A cache hit copies nothing.",
+        "",
+        table(
+            rows,
+            [
+                ("write mode", "mode"),
+                ("copies after the read", "copies"),
+                ("ms / expert", "ms"),
+                ("GB/s", "gbps"),
+                ("MLX peak growth beyond the pool (MB)", "peak_growth_mb"),
+                ("bytes verified", "bytes_ok"),
+            ],
+        ),
+        "",
+    ]
 
 
 def cache_section(sweep: Path, args) -> tuple[list[str], dict, float]:
     E = SWEEP["num_experts"]
     run = lambda slots, **o: repeated(  # noqa: E731
-        lambda: decode_run(sweep, slots, args.prompt, args.tokens, **o), args.reps, "tok_s")
+        lambda: decode_run(sweep, slots, args.prompt, args.tokens, **o), args.reps, "tok_s"
+    )
     resident = run(None)["tok_s"]
     skew = routing_skew(sweep, args.tokens, 1 / 16)
     curves = {p: [run(s, policy=p) for s in args.slots] for p in ("lru", "lfu")}
     rows = [{**r, "policy": p, "f": r["slots"] / E} for p, rs in curves.items() for r in rs]
-    text = [f"## Hit rate and decode tokens/s against cache size (experts "
-            f"{E // max(args.slots)}x to {E // min(args.slots)}x the budget)",
-            "", f"Five MoE layers x {E} experts of 0.42 MB (top-16), fp32, {args.tokens} decode "
-            f"steps after a {args.prompt}-token prefill, random input tokens; tokens/s median "
-            f"of {args.reps}. All experts resident: {resident:.1f} tokens/s. Routing skew of "
-            f"this random-weight model: the top 1/16 of each layer's experts take "
-            f"{skew:.0%} of decode choices (flat routing: 6%), so its hit rates exceed the "
-            "flat h = cache fraction that K3's balanced routing gives.", "",
-            table(rows, [("policy", "policy"), ("slots / layer", "slots"),
-                         ("cache / experts", "f"), ("hit rate", "hit_rate"),
-                         ("MB read / token", "mb_per_token"), ("read GB/s", "read_gbps"),
-                         ("time waiting on reads", "wait_share"), ("tokens/s", "tok_s"),
-                         ("tokens/s min-max", "tok_s_range")]), ""]
-    switches = [run(64, **o) for o in ({}, {"prefetch": True}, {"overlap": True},
-                                        {"prefetch": True, "overlap": True})]
-    text += ["## Prefetch and overlap (64 slots per layer = 1/14 of the experts, LRU)", "",
-             table(switches, [("prefetch", "prefetch"), ("overlap", "overlap"),
-                              ("hit rate", "hit_rate"), ("MB read / token", "mb_per_token"),
-                              ("prediction recall", "prediction_recall"),
-                              ("prefetch accuracy", "prefetch_accuracy"),
-                              ("time waiting on reads", "wait_share"), ("tokens/s", "tok_s"),
-                              ("tokens/s min-max", "tok_s_range")]), ""]
+    text = [
+        f"## Hit rate and decode tokens/s against cache size (experts "
+        f"{E // max(args.slots)}x to {E // min(args.slots)}x the budget)",
+        "",
+        f"Five MoE layers x {E} experts of 0.42 MB (top-16), fp32, {args.tokens} decode "
+        f"steps after a {args.prompt}-token prefill, random input tokens; tokens/s median "
+        f"of {args.reps}. All experts resident: {resident:.1f} tokens/s. Routing skew of "
+        f"this random-weight model: the top 1/16 of each layer's experts take "
+        f"{skew:.0%} of decode choices (flat routing: 6%), so its hit rates exceed the "
+        "flat h = cache fraction that K3's balanced routing gives.",
+        "",
+        table(
+            rows,
+            [
+                ("policy", "policy"),
+                ("slots / layer", "slots"),
+                ("cache / experts", "f"),
+                ("hit rate", "hit_rate"),
+                ("MB read / token", "mb_per_token"),
+                ("read GB/s", "read_gbps"),
+                ("time waiting on reads", "wait_share"),
+                ("tokens/s", "tok_s"),
+                ("tokens/s min-max", "tok_s_range"),
+            ],
+        ),
+        "",
+    ]
+    switches = [
+        run(64, **o)
+        for o in ({}, {"prefetch": True}, {"overlap": True}, {"prefetch": True, "overlap": True})
+    ]
+    text += [
+        "## Prefetch and overlap (64 slots per layer = 1/14 of the experts, LRU)",
+        "",
+        table(
+            switches,
+            [
+                ("prefetch", "prefetch"),
+                ("overlap", "overlap"),
+                ("hit rate", "hit_rate"),
+                ("MB read / token", "mb_per_token"),
+                ("prediction recall", "prediction_recall"),
+                ("prefetch accuracy", "prefetch_accuracy"),
+                ("time waiting on reads", "wait_share"),
+                ("tokens/s", "tok_s"),
+                ("tokens/s min-max", "tok_s_range"),
+            ],
+        ),
+        "",
+    ]
     return text, curves, resident
 
 
 def projection_section(eff: float, curve: list[dict]) -> list[str]:
     rows = projection(eff, curve, SWEEP["num_experts"])
-    return ["## Projection: full K3 decode ceiling from the measured read efficiency", "",
-            f"Read efficiency {eff:.2f} (experts, 16 threads, direct, vs raw sequential; "
-            f"capped at 1); {K3_TOKEN_GB:.1f} GB of routed experts per token; ceiling = SSD "
-            "GB/s x efficiency / ((1 - h) x 25.8). Budget = RAM - 30 GB (4-bit dense trunk) - "
-            "16 GB (OS, KV cache, activations). `h (flat)` = cache fraction: K3's routing is "
-            "trained flat, so this is the estimate to use; `h (synthetic)` adds the extra "
-            "reuse of the random-weight model (an upper bound, not a forecast).", "",
-            table(rows, [("Mac RAM (GB)", "ram"), ("expert budget (GB)", "budget"),
-                         ("cache / experts", "f"), ("tok/s @ 7 GB/s", "ceil7"),
-                         ("tok/s @ 14 GB/s", "ceil14"), ("h (synthetic)", "h_syn"),
-                         ("tok/s @ 7 (synthetic h)", "syn7"),
-                         ("tok/s @ 14 (synthetic h)", "syn14")]), ""]
+    return [
+        "## Projection: full K3 decode ceiling from the measured read efficiency",
+        "",
+        f"Read efficiency {eff:.2f} (experts, 16 threads, direct, vs raw sequential; "
+        f"capped at 1); {K3_TOKEN_GB:.1f} GB of routed experts per token; ceiling = SSD "
+        "GB/s x efficiency / ((1 - h) x 25.8). Budget = RAM - 30 GB (4-bit dense trunk) - "
+        "16 GB (OS, KV cache, activations). `h (flat)` = cache fraction: K3's routing is "
+        "trained flat, so this is the estimate to use; `h (synthetic)` adds the extra "
+        "reuse of the random-weight model (an upper bound, not a forecast).",
+        "",
+        table(
+            rows,
+            [
+                ("Mac RAM (GB)", "ram"),
+                ("expert budget (GB)", "budget"),
+                ("cache / experts", "f"),
+                ("tok/s @ 7 GB/s", "ceil7"),
+                ("tok/s @ 14 GB/s", "ceil14"),
+                ("h (synthetic)", "h_syn"),
+                ("tok/s @ 7 (synthetic h)", "syn7"),
+                ("tok/s @ 14 (synthetic h)", "syn14"),
+            ],
+        ),
+        "",
+    ]
 
 
 def main(argv=None):
@@ -397,8 +510,11 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per cache run")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (medians reported)")
-    ap.add_argument("--quick", action="store_true",
-                    help="one repetition, 32 decode steps, three cache sizes (a few minutes)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="one repetition, 32 decode steps, three cache sizes (a few minutes)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.reps, args.tokens, args.slots = 1, 32, SWEEP_SLOTS[::2]
@@ -407,10 +523,14 @@ def main(argv=None):
     args.work.mkdir(parents=True, exist_ok=True)
     big = checkpoint(args.work, "k3-experts", K3_EXPERTS)
     sweep = checkpoint(args.work, "sweep", SWEEP)
-    out = [f"Command: `python {' '.join(sys.argv)}`", "",
-           f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}, "
-           f"a shared VM disk; MLX {mx.__version__}; page cache dropped between runs: "
-           f"{drop_caches()}.", ""]
+    out = [
+        f"Command: `python {' '.join(sys.argv)}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}, "
+        f"a shared VM disk; MLX {mx.__version__}; page cache dropped between runs: "
+        f"{drop_caches()}.",
+        "",
+    ]
     reads, eff = read_section(big, args.reps)
     cache, curves, resident = cache_section(sweep, args)
     out += reads + mlx_section() + cache + projection_section(min(eff, 1.0), curves["lru"])

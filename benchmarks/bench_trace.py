@@ -38,8 +38,9 @@ def measure(model, prompt: mx.array, decode: int, repeats: int) -> dict[str, lis
 
     CPU time barely moves when other processes compete for the cores; wall-clock does.
     """
-    out: dict[str, list[float]] = {k: [] for k in ("prefill", "decode", "prefill_cpu",
-                                                   "decode_cpu")}
+    out: dict[str, list[float]] = {
+        k: [] for k in ("prefill", "decode", "prefill_cpu", "decode_cpu")
+    }
     for i in range(repeats + 1):
         cache = model.make_cache()
         wall, cpu = time.perf_counter(), time.process_time()
@@ -101,12 +102,21 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_checkpoint(Path(tmp) / "ckpt", args.preset, tokenizer=False))
         for r in range(args.rounds):
-            order = list(STATES)[r % len(STATES):] + list(STATES)[: r % len(STATES)]
+            order = list(STATES)[r % len(STATES) :] + list(STATES)[: r % len(STATES)]
             for state in order:  # a different state goes first each round
-                cmd = [sys.executable, __file__, "--child", state, path,
-                       "--prompt-tokens", str(args.prompt_tokens),
-                       "--decode-tokens", str(args.decode_tokens),
-                       "--repeats", str(args.repeats)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    state,
+                    path,
+                    "--prompt-tokens",
+                    str(args.prompt_tokens),
+                    "--decode-tokens",
+                    str(args.decode_tokens),
+                    "--repeats",
+                    str(args.repeats),
+                ]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                 results[state].append(json.loads(out.splitlines()[-1]))
     runs = {s: {k: [x for r in rs for x in r[k]] for k in rs[0]} for s, rs in results.items()}

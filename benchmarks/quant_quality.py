@@ -50,8 +50,11 @@ def compare(ref: mx.array, got: mx.array) -> tuple[float, float, float]:
 
 def _touched(model) -> dict:
     """The dense weights the converter may quantize, by module path."""
-    return {p: m for p, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
-            if "weight" in m and model.quant_predicate(p, m)}
+    return {
+        p: m
+        for p, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+        if "weight" in m and model.quant_predicate(p, m)
+    }
 
 
 def weight_error(ref_model, model) -> float:
@@ -92,27 +95,47 @@ def run(preset: str, seqs: int, length: int, seed: int, noise: tuple) -> tuple[l
             convert(src, out, Settings(bits, gs), stream=io.StringIO())
             model = load_model(out, dtype=mx.float32)
             kl, kl_max, top1 = compare(ref, model(tokens))
-            rows.append({"what": f"dense {bits}-bit" + (f", group {gs}" if bits < 16 else ""),
-                         "dense_mb": f"{dense_mb(out):.2f}", "werr": weight_error(ref_model, model),
-                         "kl": kl, "kl_max": kl_max, "top1": top1})
+            rows.append(
+                {
+                    "what": f"dense {bits}-bit" + (f", group {gs}" if bits < 16 else ""),
+                    "dense_mb": f"{dense_mb(out):.2f}",
+                    "werr": weight_error(ref_model, model),
+                    "kl": kl,
+                    "kl_max": kl_max,
+                    "top1": top1,
+                }
+            )
         for eps in noise:
             model = add_noise(load_model(src, dtype=mx.float32), eps, seed)
             kl, kl_max, top1 = compare(ref, model(tokens))
-            rows.append({"what": "Gaussian noise (yardstick)", "dense_mb": "-", "werr": eps,
-                         "kl": kl, "kl_max": kl_max, "top1": top1})
+            rows.append(
+                {
+                    "what": "Gaussian noise (yardstick)",
+                    "dense_mb": "-",
+                    "werr": eps,
+                    "kl": kl,
+                    "kl_max": kl_max,
+                    "top1": top1,
+                }
+            )
     return rows, entropy
 
 
 def table(rows: list[dict], entropy: float, preset: str, seqs: int, length: int) -> str:
-    lines = [f"Dense quantization quality, synthetic `{preset}` checkpoint (random weights), "
-             f"{seqs} x {length} random tokens, fp32 compute; reference: the unconverted "
-             f"checkpoint, whose next-token entropy is {entropy:.2f} nats on average.", "",
-             "| weights | dense MB | weight rel. RMS error | mean KL (nats/token) | max KL "
-             "| top-1 agreement |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Dense quantization quality, synthetic `{preset}` checkpoint (random weights), "
+        f"{seqs} x {length} random tokens, fp32 compute; reference: the unconverted "
+        f"checkpoint, whose next-token entropy is {entropy:.2f} nats on average.",
+        "",
+        "| weights | dense MB | weight rel. RMS error | mean KL (nats/token) | max KL "
+        "| top-1 agreement |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['what']} | {r['dense_mb']} | {r['werr']:.2g} | {r['kl']:.3g} | "
-                     f"{r['kl_max']:.3g} | {100 * r['top1']:.1f}% |")
+        lines.append(
+            f"| {r['what']} | {r['dense_mb']} | {r['werr']:.2g} | {r['kl']:.3g} | "
+            f"{r['kl_max']:.3g} | {100 * r['top1']:.1f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -122,8 +145,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--noise", type=float, nargs="*", default=[1e-4, 1e-3],
-                        help="relative RMS of the Gaussian yardstick rows")
+    parser.add_argument(
+        "--noise",
+        type=float,
+        nargs="*",
+        default=[1e-4, 1e-3],
+        help="relative RMS of the Gaussian yardstick rows",
+    )
     parser.add_argument("--out", help="write the table (and the command) to this file")
     return parser
 
@@ -134,8 +162,9 @@ def main(argv=None):
     text = table(rows, entropy, a.preset, a.seqs, a.length)
     print(text)
     if a.out:
-        cmd = "python benchmarks/quant_quality.py " + " ".join(sys.argv[1:] if argv is None
-                                                                 else argv)
+        cmd = "python benchmarks/quant_quality.py " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
         Path(a.out).write_text(f"{text}\n\nReproduce: `{cmd.strip()}`\n")
 
 

@@ -56,8 +56,10 @@ STATE = ".kimi_k3_convert_state.json"
 FORMAT, VERSION = "kimi-k3-converted", 1
 # Tests only: SIGKILL this process once it has converted this many source bytes.
 KILL_ENV = "KIMI_K3_CONVERT_KILL_AFTER_BYTES"
-_EXPERT = re.compile(r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\."
-                     r"(w[123]\.weight_(?:packed|scale))$")
+_EXPERT = re.compile(
+    r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\."
+    r"(w[123]\.weight_(?:packed|scale))$"
+)
 _IGNORED = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
 _MX = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 _ST = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint32: "U32"}
@@ -95,8 +97,11 @@ class DenseItem:
             return [(self.name, dt, self.shape)]
         o, i = self.shape
         path, groups = self.name[: -len(".weight")], (o, i // self.spec["group_size"])
-        return [(self.name, "U32", (o, i * self.spec["bits"] // 32)),
-                (f"{path}.scales", dt, groups), (f"{path}.biases", dt, groups)]
+        return [
+            (self.name, "U32", (o, i * self.spec["bits"] // 32)),
+            (f"{path}.scales", dt, groups),
+            (f"{path}.biases", dt, groups),
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -151,16 +156,18 @@ def make_plan(src: CheckpointIndex, args: ModelArgs, settings: Settings) -> Plan
         shards[-1].append(it)
         size += it.nbytes
     layouts, sources = _plan_experts(src, args, experts)
-    pack = ep.plan_files({l: (layouts[l], args.num_experts) for l in layouts},
-                         settings.pack_file_bytes)
+    pack = ep.plan_files(
+        {l: (layouts[l], args.num_experts) for l in layouts}, settings.pack_file_bytes
+    )
     return Plan(shards, quantization, layouts, sources, pack)
 
 
 def _plan_dense(src, args, settings, infos) -> tuple[list[DenseItem], dict | None]:
     model = Model(args)  # a skeleton: its arrays are lazy and never evaluated
     modules = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
-    params = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())
-              if ".experts." not in k}
+    params = {
+        k: tuple(v.shape) for k, v in tree_flatten(model.parameters()) if ".experts." not in k
+    }
     bits, gs = settings.dense_bits, settings.group_size
     quant = None if bits == 16 else {"group_size": gs, "bits": bits, "mode": "affine"}
     items = []
@@ -168,18 +175,22 @@ def _plan_dense(src, args, settings, infos) -> tuple[list[DenseItem], dict | Non
         ((name, value),) = sanitize_weights(args, {info.name: _placeholder(info)}).items()
         want = params.pop(name, None)
         if want is None:
-            raise CheckpointError(f"{info.file}: tensor {info.name} is not part of Kimi K3 as "
-                                  "configured")
+            raise CheckpointError(
+                f"{info.file}: tensor {info.name} is not part of Kimi K3 as configured"
+            )
         if tuple(value.shape) != want:
-            raise CheckpointError(f"{info.file}: tensor {info.name} has shape "
-                                  f"{list(info.shape)}, expected {list(want)}")
+            raise CheckpointError(
+                f"{info.file}: tensor {info.name} has shape "
+                f"{list(info.shape)}, expected {list(want)}"
+            )
         path = name[: -len(".weight")] if name.endswith(".weight") else None
         spec = _quant_spec(model, quant, path, modules.get(path))
         items.append(DenseItem(info, name, want, spec))
     if params:
         first = sorted(params)[0]
-        raise CheckpointError(f"{src.path}: tensor {first} is missing from the checkpoint "
-                              f"({len(params)} missing)")
+        raise CheckpointError(
+            f"{src.path}: tensor {first} is missing from the checkpoint ({len(params)} missing)"
+        )
     return items, quant
 
 
@@ -208,31 +219,42 @@ def _quant_spec(model: Model, quant: dict | None, path: str | None, module) -> d
 def _plan_experts(src, args, found: dict) -> tuple[dict, dict]:
     moe = [i for i in range(args.num_hidden_layers) if args.is_moe(i)]
     for layer in sorted(set(found) - set(moe)):
-        raise CheckpointError(f"{src.path}: layer {layer} has routed experts but is not a MoE "
-                              "layer in config.json")
+        raise CheckpointError(
+            f"{src.path}: layer {layer} has routed experts but is not a MoE layer in config.json"
+        )
     I, Dl = args.moe_intermediate_size, args.routed_expert_hidden_size
-    want = {"w1.weight_packed": (I, Dl // 2), "w1.weight_scale": (I, Dl // 32),
-            "w2.weight_packed": (Dl, I // 2), "w2.weight_scale": (Dl, I // 32),
-            "w3.weight_packed": (I, Dl // 2), "w3.weight_scale": (I, Dl // 32)}
+    want = {
+        "w1.weight_packed": (I, Dl // 2),
+        "w1.weight_scale": (I, Dl // 32),
+        "w2.weight_packed": (Dl, I // 2),
+        "w2.weight_scale": (Dl, I // 32),
+        "w3.weight_packed": (I, Dl // 2),
+        "w3.weight_scale": (I, Dl // 32),
+    }
     layouts, sources = {}, {}
     for layer in moe:
         base = f"language_model.model.layers.{layer}.block_sparse_moe.experts"
         per = found.get(layer, {})
         extra = sorted(set(per) - set(range(args.num_experts)))
         if extra:
-            raise CheckpointError(f"{src.path}: tensor {base}.{extra[0]}.w1.weight_packed is "
-                                  f"beyond num_experts={args.num_experts}")
+            raise CheckpointError(
+                f"{src.path}: tensor {base}.{extra[0]}.w1.weight_packed is "
+                f"beyond num_experts={args.num_experts}"
+            )
         rows = []
         for e in range(args.num_experts):
             six = per.get(e, {})
             for short, shape in want.items():
                 t = six.get(short)
                 if t is None:
-                    raise CheckpointError(f"{src.path}: tensor {base}.{e}.{short} is missing "
-                                          "from the checkpoint")
+                    raise CheckpointError(
+                        f"{src.path}: tensor {base}.{e}.{short} is missing from the checkpoint"
+                    )
                 if t.dtype != "U8" or tuple(t.shape) != shape:
-                    raise CheckpointError(f"{t.file}: tensor {t.name} is {t.dtype}"
-                                          f"{list(t.shape)}, expected U8{list(shape)} (MXFP4)")
+                    raise CheckpointError(
+                        f"{t.file}: tensor {t.name} is {t.dtype}"
+                        f"{list(t.shape)}, expected U8{list(shape)} (MXFP4)"
+                    )
             rows.append([six[ep.source_name(n)] for n in ep.TENSORS])
         layouts[layer] = ep.RecordLayout.from_published(want, base)
         sources[layer] = rows
@@ -294,10 +316,13 @@ class Progress:
         left = (self.total - self.done) / rate if rate > 0 else float("inf")
         eta = "--" if left == float("inf") else time.strftime("%H:%M:%S", time.gmtime(left))
         pct = 100.0 * self.done / max(self.total, 1)
-        line = (f"{self.label}: {_fmt_bytes(self.done)} / {_fmt_bytes(self.total)} "
-                f"({pct:.1f}%)  {_fmt_bytes(rate)}/s  ETA {eta}")
-        self.stream.write(("\r" + line + "\x1b[K" if self.tty else line)
-                          + (end or ("" if self.tty else "\n")))
+        line = (
+            f"{self.label}: {_fmt_bytes(self.done)} / {_fmt_bytes(self.total)} "
+            f"({pct:.1f}%)  {_fmt_bytes(rate)}/s  ETA {eta}"
+        )
+        self.stream.write(
+            ("\r" + line + "\x1b[K" if self.tty else line) + (end or ("" if self.tty else "\n"))
+        )
         self.stream.flush()
 
     def close(self):
@@ -322,11 +347,16 @@ class _Run:
             return {"fingerprint": self.fp, "done": {}}
         state = json.loads(file.read_text())
         if state.get("fingerprint") != self.fp:
-            raise ConvertError(f"{self.out}: holds a partial conversion from another source or "
-                               "with other settings; delete it or choose another --out")
+            raise ConvertError(
+                f"{self.out}: holds a partial conversion from another source or "
+                "with other settings; delete it or choose another --out"
+            )
         # A file counts as done only if it is there with its recorded size.
-        done = {rel: d for rel, d in state["done"].items()
-                if (self.out / rel).is_file() and (self.out / rel).stat().st_size == d["bytes"]}
+        done = {
+            rel: d
+            for rel, d in state["done"].items()
+            if (self.out / rel).is_file() and (self.out / rel).stat().st_size == d["bytes"]
+        }
         return {"fingerprint": self.fp, "done": done}
 
     def _mark_done(self, rel: str, record: dict):
@@ -362,10 +392,12 @@ class _Run:
         return data
 
     def run(self, progress: Progress):
-        todo_shards = [i for i, rel in enumerate(self.plan.shard_names)
-                       if rel not in self.state["done"]]
-        todo_packs = [i for i, rel in enumerate(self.plan.pack_names)
-                      if rel not in self.state["done"]]
+        todo_shards = [
+            i for i, rel in enumerate(self.plan.shard_names) if rel not in self.state["done"]
+        ]
+        todo_packs = [
+            i for i, rel in enumerate(self.plan.pack_names) if rel not in self.state["done"]
+        ]
         (self.out / ep.PACK_DIR).mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(max(1, self.workers)) as pool:
             futures = [pool.submit(self._pack_file, i, progress) for i in todo_packs]
@@ -407,8 +439,11 @@ class _Run:
         for it in items:
             for name, dtype, shape in it.outputs:
                 n = int(np.prod(shape)) * DTYPE_SIZE[dtype]
-                header[name] = {"dtype": dtype, "shape": list(shape),
-                                "data_offsets": [offset, offset + n]}
+                header[name] = {
+                    "dtype": dtype,
+                    "shape": list(shape),
+                    "data_offsets": [offset, offset + n],
+                }
                 offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * ((-len(raw)) % 8)
@@ -450,10 +485,12 @@ class _Run:
         scales, biases = [], []
         for r in range(0, rows, step):
             n = min(step, rows - r)
-            w = _to_mx(self._pread(t.file, t.start + r * row_bytes, n * row_bytes), t.dtype,
-                       (n, cols))
-            q, s, b = mx.quantize(w, group_size=spec["group_size"], bits=spec["bits"],
-                                  mode=spec["mode"])
+            w = _to_mx(
+                self._pread(t.file, t.start + r * row_bytes, n * row_bytes), t.dtype, (n, cols)
+            )
+            q, s, b = mx.quantize(
+                w, group_size=spec["group_size"], bits=spec["bits"], mode=spec["mode"]
+            )
             scales.append(_to_bytes(s))
             biases.append(_to_bytes(b))
             data = _to_bytes(q)
@@ -466,11 +503,14 @@ class _Run:
     def finish(self, hf_path: Path) -> dict:
         done = self.state["done"]
         shards = zip(self.plan.shard_names, self.plan.shards, strict=True)
-        weight_map = {name: rel for rel, items in shards for it in items
-                      for name, _, _ in it.outputs}
+        weight_map = {
+            name: rel for rel, items in shards for it in items for name, _, _ in it.outputs
+        }
         total = sum(it.nbytes for items in self.plan.shards for it in items)
-        write_text_atomic(self.out / "model.safetensors.index.json", json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        write_text_atomic(
+            self.out / "model.safetensors.index.json",
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1),
+        )
         self._pack_index()
         config = json.loads((hf_path / "config.json").read_text())
         if self.plan.quantization:
@@ -481,16 +521,27 @@ class _Run:
             shutil.copyfile(f, tmp)
             os.replace(tmp, self.out / f.name)
         files = {rel: {"bytes": d["bytes"], "sha256": d["sha256"]} for rel, d in done.items()}
-        small = ["model.safetensors.index.json", f"{ep.PACK_DIR}/{ep.INDEX}", "config.json",
-                 *(f.name for f in _aux_files(hf_path))]
+        small = [
+            "model.safetensors.index.json",
+            f"{ep.PACK_DIR}/{ep.INDEX}",
+            "config.json",
+            *(f.name for f in _aux_files(hf_path)),
+        ]
         for rel in small:
-            files[rel] = {"bytes": (self.out / rel).stat().st_size,
-                          "sha256": _sha256_file(self.out / rel)}
-        manifest = {"format": FORMAT, "version": VERSION, "versions": _versions(),
-                    "source": str(hf_path), "fingerprint": self.fp,
-                    "settings": dataclasses.asdict(self.settings),
-                    "quantization": self.plan.quantization,
-                    "files": dict(sorted(files.items()))}
+            files[rel] = {
+                "bytes": (self.out / rel).stat().st_size,
+                "sha256": _sha256_file(self.out / rel),
+            }
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "versions": _versions(),
+            "source": str(hf_path),
+            "fingerprint": self.fp,
+            "settings": dataclasses.asdict(self.settings),
+            "quantization": self.plan.quantization,
+            "files": dict(sorted(files.items())),
+        }
         write_text_atomic(self.out / MANIFEST, json.dumps(manifest, indent=1))
         (self.out / STATE).unlink(missing_ok=True)
         return manifest
@@ -506,8 +557,7 @@ class _Run:
             sizes.append(offset)
         names = [Path(r).name for r in self.plan.pack_names]
         doc = ep.index_json(self.plan.layouts, names, sizes, records)
-        write_text_atomic(self.out / ep.PACK_DIR / ep.INDEX,
-                          json.dumps(doc, separators=(",", ":")))
+        write_text_atomic(self.out / ep.PACK_DIR / ep.INDEX, json.dumps(doc, separators=(",", ":")))
 
 
 def _to_mx(buf: bytes, dtype: str, shape: tuple) -> mx.array:
@@ -523,8 +573,11 @@ def _to_bytes(a: mx.array) -> bytes:
 
 def _aux_files(hf_path: Path) -> list[Path]:
     """Tokenizer and other small files copied as they are (not the shards or the index)."""
-    return sorted(f for f in hf_path.iterdir() if f.is_file() and f.suffix in _COPIED
-                  and f.name not in _NOT_COPIED)
+    return sorted(
+        f
+        for f in hf_path.iterdir()
+        if f.is_file() and f.suffix in _COPIED and f.name not in _NOT_COPIED
+    )
 
 
 def _sha256_file(file: Path, progress: Progress | None = None) -> str:
@@ -541,14 +594,18 @@ def _check_out(out: Path, fp: str) -> str:
     """``"new"``, ``"resume"`` or ``"done"``; refuses a directory holding anything else."""
     if (out / MANIFEST).is_file():
         if json.loads((out / MANIFEST).read_text()).get("fingerprint") != fp:
-            raise ConvertError(f"{out}: holds a conversion from another source or with other "
-                               "settings; delete it or choose another --out")
+            raise ConvertError(
+                f"{out}: holds a conversion from another source or with other "
+                "settings; delete it or choose another --out"
+            )
         return "done"
     if (out / STATE).is_file():
         return "resume"
     if out.exists() and any(out.iterdir()):
-        raise ConvertError(f"{out}: exists and is not empty (and holds no conversion to "
-                           "resume); choose an empty or new --out")
+        raise ConvertError(
+            f"{out}: exists and is not empty (and holds no conversion to "
+            "resume); choose an empty or new --out"
+        )
     return "new"
 
 
@@ -557,14 +614,23 @@ def describe(plan: Plan) -> str:
     dense = sum(it.nbytes for items in plan.shards for it in items)
     pack = sum(plan.layouts[l].record_bytes for f in plan.pack_files for l, _ in f)
     quantized = sum(it.spec is not None for items in plan.shards for it in items)
-    return (f"dense: {len(plan.shards)} shards, {_fmt_bytes(dense)} ({quantized} quantized "
-            f"weights); experts: {len(plan.pack_files)} pack files, {_fmt_bytes(pack)}; "
-            f"total {_fmt_bytes(dense + pack)}")
+    return (
+        f"dense: {len(plan.shards)} shards, {_fmt_bytes(dense)} ({quantized} quantized "
+        f"weights); experts: {len(plan.pack_files)} pack files, {_fmt_bytes(pack)}; "
+        f"total {_fmt_bytes(dense + pack)}"
+    )
 
 
-def convert(hf_path: str | Path, out: str | Path, settings: Settings = Settings(),
-            verify: bool = False, workers: int = 4, chunk_bytes: int = 256 << 20,
-            stream=None, dry_run: bool = False) -> dict | None:
+def convert(
+    hf_path: str | Path,
+    out: str | Path,
+    settings: Settings = Settings(),
+    verify: bool = False,
+    workers: int = 4,
+    chunk_bytes: int = 256 << 20,
+    stream=None,
+    dry_run: bool = False,
+) -> dict | None:
     """Convert (or resume converting) ``hf_path`` into ``out``; returns the manifest.
 
     ``dry_run`` validates the source, prints what would be written and returns None.
@@ -575,8 +641,10 @@ def convert(hf_path: str | Path, out: str | Path, settings: Settings = Settings(
         raise ConvertError(f"--dense-bits {settings.dense_bits}: use 4, 8 or 16")
     layout = detect(hf_path)
     if layout != "published":
-        raise ConvertError(f"{hf_path}: is in the {layout!r} layout; convert from the published "
-                           "checkpoint (the converted and mlx-lm layouts load directly)")
+        raise ConvertError(
+            f"{hf_path}: is in the {layout!r} layout; convert from the published "
+            "checkpoint (the converted and mlx-lm layouts load directly)"
+        )
     config_text = (hf_path / "config.json").read_text()
     args = ModelArgs.from_path(hf_path)
     src = CheckpointIndex(hf_path)
@@ -595,8 +663,10 @@ def convert(hf_path: str | Path, out: str | Path, settings: Settings = Settings(
         large = plan.shard_names + plan.pack_names
         total = sum(plan.source_bytes(r) for r in large)
         done = sum(plan.source_bytes(r) for r in large if r in run.state["done"])
-        stream.write(f"converting {hf_path} -> {out} ({_fmt_bytes(total)}), dense "
-                     f"{settings.dense_bits}-bit: {describe(plan)}\n")
+        stream.write(
+            f"converting {hf_path} -> {out} ({_fmt_bytes(total)}), dense "
+            f"{settings.dense_bits}-bit: {describe(plan)}\n"
+        )
         if done:
             n = sum(r in run.state["done"] for r in large)
             stream.write(f"resuming: {n} of {len(large)} files already complete\n")
@@ -606,8 +676,10 @@ def convert(hf_path: str | Path, out: str | Path, settings: Settings = Settings(
         progress.close()
         run.finish(hf_path)
         secs = time.monotonic() - start
-        stream.write(f"converted {_fmt_bytes(total - done)} in {secs:.1f} s; peak RSS "
-                     f"{peak_rss_mb():.0f} MB\n")
+        stream.write(
+            f"converted {_fmt_bytes(total - done)} in {secs:.1f} s; peak RSS "
+            f"{peak_rss_mb():.0f} MB\n"
+        )
     if verify:
         verify_output(out, workers, stream)
     return json.loads((out / MANIFEST).read_text())
@@ -631,8 +703,10 @@ def verify_output(out: str | Path, workers: int = 4, stream=None) -> int:
         if not (out / rel).is_file():
             raise CheckpointError(f"{out / rel}: missing (listed in {MANIFEST})")
         if (out / rel).stat().st_size != meta["bytes"]:
-            raise CheckpointError(f"{out / rel}: {(out / rel).stat().st_size} bytes, the "
-                                  f"manifest says {meta['bytes']}")
+            raise CheckpointError(
+                f"{out / rel}: {(out / rel).stat().st_size} bytes, the "
+                f"manifest says {meta['bytes']}"
+            )
     progress = Progress("verifying", sum(m["bytes"] for m in files.values()), stream=stream)
     pack = ep.ExpertPack(out)
     pack_rel = {f"{ep.PACK_DIR}/{f.name}": i for i, f in enumerate(pack.files)}
@@ -643,38 +717,60 @@ def verify_output(out: str | Path, workers: int = 4, stream=None) -> int:
         else:
             got = _sha256_file(out / rel, progress)
         if got != files[rel]["sha256"]:
-            raise CheckpointError(f"{out / rel}: sha256 does not match the manifest: the file "
-                                  "is corrupted; reconvert (or re-copy) it")
+            raise CheckpointError(
+                f"{out / rel}: sha256 does not match the manifest: the file "
+                "is corrupted; reconvert (or re-copy) it"
+            )
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
         for f in [pool.submit(check, rel) for rel in files]:
             f.result()
     pack.close()
     progress.close()
-    stream.write(f"verified {len(files)} files and {sum(1 for _ in pack.records())} expert "
-                 "records\n")
+    stream.write(
+        f"verified {len(files)} files and {sum(1 for _ in pack.records())} expert records\n"
+    )
     return len(files)
 
 
 def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(
-        prog="python -m kimi_k3.convert", description=__doc__.splitlines()[0])
+        prog="python -m kimi_k3.convert", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--hf-path", required=True, help="the published checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory (new, or to resume)")
-    parser.add_argument("--dense-bits", type=int, default=4, choices=(4, 8, 16),
-                        help="dense weights: MLX affine 4 or 8 bit, or 16 (kept bf16)")
+    parser.add_argument(
+        "--dense-bits",
+        type=int,
+        default=4,
+        choices=(4, 8, 16),
+        help="dense weights: MLX affine 4 or 8 bit, or 16 (kept bf16)",
+    )
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
-    parser.add_argument("--verify", action="store_true",
-                        help="re-read every output file and check its checksums")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="check the source and print what would be written (sizes)")
+    parser.add_argument(
+        "--verify", action="store_true", help="re-read every output file and check its checksums"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the source and print what would be written (sizes)",
+    )
     parser.add_argument("--shard-mb", type=float, default=4096, help="dense shard size limit")
-    parser.add_argument("--pack-file-mb", type=float, default=4096,
-                        help="expert pack file size limit")
-    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
-                        help="pack files written (and files verified) in parallel")
-    parser.add_argument("--chunk-mb", type=float, default=256,
-                        help="source bytes quantized or copied at once (bounds memory)")
+    parser.add_argument(
+        "--pack-file-mb", type=float, default=4096, help="expert pack file size limit"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="pack files written (and files verified) in parallel",
+    )
+    parser.add_argument(
+        "--chunk-mb",
+        type=float,
+        default=256,
+        help="source bytes quantized or copied at once (bounds memory)",
+    )
     return parser
 
 
@@ -683,13 +779,19 @@ def main(argv=None) -> int:
     mb = 1 << 20
     settings = Settings(a.dense_bits, a.group_size, int(a.shard_mb * mb), int(a.pack_file_mb * mb))
     try:
-        convert(a.hf_path, a.out, settings, a.verify, a.workers, max(1, int(a.chunk_mb * mb)),
-                dry_run=a.dry_run)
+        convert(
+            a.hf_path,
+            a.out,
+            settings,
+            a.verify,
+            a.workers,
+            max(1, int(a.chunk_mb * mb)),
+            dry_run=a.dry_run,
+        )
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"kimi_k3.convert: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\nkimi_k3.convert: interrupted; rerun the same command to resume",
-              file=sys.stderr)
+        print("\nkimi_k3.convert: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     return 0

@@ -28,11 +28,25 @@ def _layers(n: int, full: list[int]) -> dict:
 
 def _tiny(**over) -> dict:
     cfg = dict(
-        vocab_size=1024, hidden_size=64, num_hidden_layers=5, intermediate_size=128,
-        attn_res_block_size=2, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
-        moe_intermediate_size=32, routed_expert_hidden_size=64, num_attention_heads=2,
-        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, kda_heads=2, kda_head_dim=16, full=[3, 5],
+        vocab_size=1024,
+        hidden_size=64,
+        num_hidden_layers=5,
+        intermediate_size=128,
+        attn_res_block_size=2,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=64,
+        num_attention_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        kda_heads=2,
+        kda_head_dim=16,
+        full=[3, 5],
     )
     cfg.update(over)
     return cfg
@@ -42,22 +56,57 @@ PRESETS = {
     # 5 layers (KDA 1,2,4; MLA 3,5), AttnRes blocks of 2: boundaries inside the stack.
     "tiny": _tiny(),
     # 4 layers, blocks of 3, MLA first, the other AttnRes spelling and another router size.
-    "tiny-b": _tiny(num_hidden_layers=4, attn_res_block_size=3, full=[1, 4], num_experts=12,
-                    num_experts_per_token=4, kda_heads=3, res_spelling="underscore"),
+    "tiny-b": _tiny(
+        num_hidden_layers=4,
+        attn_res_block_size=3,
+        full=[1, 4],
+        num_experts=12,
+        num_experts_per_token=4,
+        kda_heads=3,
+        res_spelling="underscore",
+    ),
     # More experts and width: streaming tests and CPU benchmarks.
-    "small": _tiny(vocab_size=2048, hidden_size=256, num_hidden_layers=6, intermediate_size=512,
-                   attn_res_block_size=3, num_experts=32, num_experts_per_token=4,
-                   moe_intermediate_size=128, routed_expert_hidden_size=128,
-                   num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
-                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_heads=4,
-                   kda_head_dim=32, full=[3, 6]),
+    "small": _tiny(
+        vocab_size=2048,
+        hidden_size=256,
+        num_hidden_layers=6,
+        intermediate_size=512,
+        attn_res_block_size=3,
+        num_experts=32,
+        num_experts_per_token=4,
+        moe_intermediate_size=128,
+        routed_expert_hidden_size=128,
+        num_attention_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        kda_heads=4,
+        kda_head_dim=32,
+        full=[3, 6],
+    ),
     # Full K3 width, two layers: layer 0 KDA + dense MLP, layer 1 MLA + MoE (benchmarks).
     "k3-layers": dict(
-        vocab_size=163840, hidden_size=7168, num_hidden_layers=2, intermediate_size=33792,
-        attn_res_block_size=12, num_experts=64, num_experts_per_token=16,
-        num_shared_experts=2, moe_intermediate_size=3072, routed_expert_hidden_size=3584,
-        num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, kda_heads=96, kda_head_dim=128, full=[2],
+        vocab_size=163840,
+        hidden_size=7168,
+        num_hidden_layers=2,
+        intermediate_size=33792,
+        attn_res_block_size=12,
+        num_experts=64,
+        num_experts_per_token=16,
+        num_shared_experts=2,
+        moe_intermediate_size=3072,
+        routed_expert_hidden_size=3584,
+        num_attention_heads=96,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        kda_heads=96,
+        kda_head_dim=128,
+        full=[2],
     ),
 }
 
@@ -65,33 +114,74 @@ PRESETS = {
 def make_config(p: dict) -> dict:
     """The published ``config.json`` shape for preset ``p``."""
     n = p["num_hidden_layers"]
-    text = {k: v for k, v in p.items() if k not in ("full", "kda_heads", "kda_head_dim",
-                                                     "res_spelling", "shard_mb")}
+    text = {
+        k: v
+        for k, v in p.items()
+        if k not in ("full", "kda_heads", "kda_head_dim", "res_spelling", "shard_mb")
+    }
     vocab = p["vocab_size"]
     text.update(
-        model_type="kimi_linear", rms_norm_eps=1e-5, hidden_act="situ",
-        activation_situ_beta=4.0, activation_situ_linear_beta=25.0, first_k_dense_replace=1,
-        moe_layer_freq=1, latent_moe_use_norm=True, moe_renormalize=True,
-        moe_router_activation_func="sigmoid", topk_method="noaux_tc", num_expert_group=1,
-        topk_group=1, routed_scaling_factor=1.0, mla_use_nope=True, mla_use_output_gate=True,
-        num_nextn_predict_layers=0, max_position_embeddings=1048576,
+        model_type="kimi_linear",
+        rms_norm_eps=1e-5,
+        hidden_act="situ",
+        activation_situ_beta=4.0,
+        activation_situ_linear_beta=25.0,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        latent_moe_use_norm=True,
+        moe_renormalize=True,
+        moe_router_activation_func="sigmoid",
+        topk_method="noaux_tc",
+        num_expert_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        mla_use_nope=True,
+        mla_use_output_gate=True,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=1048576,
         tie_word_embeddings=False,
-        linear_attn_config={"num_heads": p["kda_heads"], "head_dim": p["kda_head_dim"],
-                            "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
-                            "use_full_rank_gate": True, **_layers(n, p["full"])},
+        linear_attn_config={
+            "num_heads": p["kda_heads"],
+            "head_dim": p["kda_head_dim"],
+            "short_conv_kernel_size": 4,
+            "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True,
+            **_layers(n, p["full"]),
+        },
     )
     specials = vocab - 256
     return {
-        "model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-        "bos_token_id": specials, "eos_token_id": specials + 2, "pad_token_id": specials + 255,
-        "tie_word_embeddings": False, "dtype": "bfloat16", "text_config": text,
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "bos_token_id": specials,
+        "eos_token_id": specials + 2,
+        "pad_token_id": specials + 255,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "text_config": text,
         "quantization_config": {
-            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 4, "type": "float", "group_size": 32, "strategy": "group",
-                "scale_dtype": "uint8"}}},
-            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp.*",
-                       "lm_head", "re:.*gate$", "re:.*routed_expert_(up|down)_proj$"],
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "float",
+                        "group_size": 32,
+                        "strategy": "group",
+                        "scale_dtype": "uint8",
+                    },
+                }
+            },
+            "ignore": [
+                "re:.*self_attn.*",
+                "re:.*shared_experts.*",
+                "re:.*mlp.*",
+                "lm_head",
+                "re:.*gate$",
+                "re:.*routed_expert_(up|down)_proj$",
+            ],
         },
     }
 
@@ -101,8 +191,9 @@ class _Rand:
         self.rng = np.random.default_rng(seed)
 
     def linear(self, out_dims: int, in_dims: int) -> np.ndarray:
-        return bf16_bits(self.rng.standard_normal((out_dims, in_dims), np.float32)
-                         / math.sqrt(in_dims))
+        return bf16_bits(
+            self.rng.standard_normal((out_dims, in_dims), np.float32) / math.sqrt(in_dims)
+        )
 
     def norm(self, n: int) -> np.ndarray:
         return bf16_bits(1.0 + 0.1 * self.rng.standard_normal(n, np.float32))
@@ -152,11 +243,17 @@ def _mla(w, r, a, p, D):
     w.add(f"{a}q_a_proj.weight", r.linear(p["q_lora_rank"], D), "BF16")
     w.add(f"{a}q_a_layernorm.weight", r.norm(p["q_lora_rank"]), "BF16")
     w.add(f"{a}q_b_proj.weight", r.linear(H * qk, p["q_lora_rank"]), "BF16")
-    w.add(f"{a}kv_a_proj_with_mqa.weight",
-          r.linear(p["kv_lora_rank"] + p["qk_rope_head_dim"], D), "BF16")
+    w.add(
+        f"{a}kv_a_proj_with_mqa.weight",
+        r.linear(p["kv_lora_rank"] + p["qk_rope_head_dim"], D),
+        "BF16",
+    )
     w.add(f"{a}kv_a_layernorm.weight", r.norm(p["kv_lora_rank"]), "BF16")
-    w.add(f"{a}kv_b_proj.weight",
-          r.linear(H * (p["qk_nope_head_dim"] + p["v_head_dim"]), p["kv_lora_rank"]), "BF16")
+    w.add(
+        f"{a}kv_b_proj.weight",
+        r.linear(H * (p["qk_nope_head_dim"] + p["v_head_dim"]), p["kv_lora_rank"]),
+        "BF16",
+    )
     w.add(f"{a}o_proj.weight", r.linear(D, H * p["v_head_dim"]), "BF16")
     w.add(f"{a}g_proj.weight", r.linear(H * p["v_head_dim"], D), "BF16")
 
@@ -182,8 +279,14 @@ def _moe(w, r, a, p, D):
             w.add(f"{a}experts.{e}.{name}.weight_scale", scales, "U8")
 
 
-def write_checkpoint(out: str | Path, preset: str | dict = "tiny", seed: int = 0,
-                     shard_mb: int | None = None, tokenizer: bool = True, **overrides) -> Path:
+def write_checkpoint(
+    out: str | Path,
+    preset: str | dict = "tiny",
+    seed: int = 0,
+    shard_mb: int | None = None,
+    tokenizer: bool = True,
+    **overrides,
+) -> Path:
     """Write a synthetic checkpoint; returns its directory. ``overrides`` change preset keys."""
     p = dict(PRESETS[preset] if isinstance(preset, str) else preset)
     p.update(overrides)
@@ -242,8 +345,13 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard-mb", type=int, default=None, help="shard size limit (MB)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a preset key, e.g. --set num_experts=896")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a preset key, e.g. --set num_experts=896",
+    )
     return parser
 
 

@@ -41,9 +41,10 @@ def notebook(script: str) -> nbformat.NotebookNode:
     nb.cells = [make[kind](source) for kind, source in cells(script)]
     for i, cell in enumerate(nb.cells):
         cell["id"] = f"cell-{i}"  # stable ids: rebuilding an unchanged script changes nothing
-    nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                  "language": "python"},
-                   "language_info": {"name": "python"}}
+    nb.metadata = {
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+        "language_info": {"name": "python"},
+    }
     return nb
 
 

@@ -26,8 +26,9 @@ def cached_tokens(cache: list, history: list[int]) -> int:
     return next((c.offset for c in cache if isinstance(c, KVCache)), len(history))
 
 
-def chat_turn(model, tokenizer, cache, history, messages, max_tokens, sampler, thinking,
-              out=sys.stdout) -> list[int]:
+def chat_turn(
+    model, tokenizer, cache, history, messages, max_tokens, sampler, thinking, out=sys.stdout
+) -> list[int]:
     """Answer ``messages`` (the turn's new messages) continuing ``cache``.
 
     ``history`` (every token of the conversation so far) is extended in place with the
@@ -38,8 +39,9 @@ def chat_turn(model, tokenizer, cache, history, messages, max_tokens, sampler, t
     todo = history[reused:] + new
     history += new
     reply = []
-    for r in stream_generate(model, tokenizer, todo, prompt_cache=cache, max_tokens=max_tokens,
-                             sampler=sampler):
+    for r in stream_generate(
+        model, tokenizer, todo, prompt_cache=cache, max_tokens=max_tokens, sampler=sampler
+    ):
         reply.append(r.token)
         print(r.text, end="", flush=True, file=out)
     print(file=out)
@@ -48,10 +50,10 @@ def chat_turn(model, tokenizer, cache, history, messages, max_tokens, sampler, t
         # Cut short by max_tokens: close what the generation prompt opened, so the next
         # turn starts a well-formed message.
         section = "think" if thinking else "response"
-        history += encode_segments(tokenizer, close_tag(section) + close_tag("message")
-                                   + [(END, True)])
-    print(f"[fed {len(todo)} tokens, {reused} reused from the prompt cache]", file=out,
-          flush=True)
+        history += encode_segments(
+            tokenizer, close_tag(section) + close_tag("message") + [(END, True)]
+        )
+    print(f"[fed {len(todo)} tokens, {reused} reused from the prompt cache]", file=out, flush=True)
     return reply
 
 
@@ -79,8 +81,9 @@ def main(argv=None):
                 break
             print(f"> {text}", flush=True)
             messages, pending = pending + [{"role": "user", "content": text}], []
-            chat_turn(model, tokenizer, cache, history, messages, args.max_tokens, sampler,
-                      args.thinking)
+            chat_turn(
+                model, tokenizer, cache, history, messages, args.max_tokens, sampler, args.thinking
+            )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,19 @@ import numpy as np
 
 def convert(src: str, out: str, dense_bits: int, group_size: int):
     """Run the converter as its command line does."""
-    cmd = [sys.executable, "-m", "kimi_k3.convert", "--hf-path", src, "--out", out,
-           "--dense-bits", str(dense_bits), "--group-size", str(group_size)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kimi_k3.convert",
+        "--hf-path",
+        src,
+        "--out",
+        out,
+        "--dense-bits",
+        str(dense_bits),
+        "--group-size",
+        str(group_size),
+    ]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
 
@@ -49,8 +60,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="output directory (default: a temporary one)")
     parser.add_argument("--dense-bits", type=int, default=16, choices=(4, 8, 16))
     parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
-                        help="compare logits (default: only for the synthetic checkpoint)")
+    parser.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compare logits (default: only for the synthetic checkpoint)",
+    )
     return parser
 
 
@@ -63,14 +78,18 @@ def main(argv=None) -> int:
         src = args.model
         if src is None:
             src = str(Path(tmp) / "synthetic")
-            subprocess.run([sys.executable, "-m", "kimi_k3.convert", "synth", src, "--preset",
-                            args.preset], check=True)
+            subprocess.run(
+                [sys.executable, "-m", "kimi_k3.convert", "synth", src, "--preset", args.preset],
+                check=True,
+            )
         out = args.out or str(Path(tmp) / "converted")
         convert(src, out, args.dense_bits, args.group_size)
         if args.compare if args.compare is not None else args.model is None:
             err = compare(src, out)
-            print(f"logits of {out} vs {src}: relative difference {err:.3e} "
-                  f"({args.dense_bits}-bit dense)")
+            print(
+                f"logits of {out} vs {src}: relative difference {err:.3e} "
+                f"({args.dense_bits}-bit dense)"
+            )
     return 0
 
 

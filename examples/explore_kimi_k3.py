@@ -47,8 +47,10 @@ else:
 model = load_model(MODEL, dtype=DTYPE, expert_cache_gb=CACHE_GB)
 tokenizer = load_tokenizer(MODEL)
 args = model.args
-print(f"{MODEL}: {args.num_hidden_layers} layers, {args.num_experts} experts "
-      f"(top-{args.num_experts_per_token}), AttnRes blocks of {args.attn_res_block_size}")
+print(
+    f"{MODEL}: {args.num_hidden_layers} layers, {args.num_experts} experts "
+    f"(top-{args.num_experts_per_token}), AttnRes blocks of {args.attn_res_block_size}"
+)
 
 # %% [markdown]
 # ## Run a prompt under the trace
@@ -89,16 +91,22 @@ layer = moe_layers[0]
 inds, weights = t.routing[layer]
 dense = np.zeros((T, args.num_experts))
 np.put_along_axis(dense, inds, weights, axis=1)
-counts = np.stack([np.bincount(t.routing[i][0].ravel(), minlength=args.num_experts)
-                   for i in moe_layers])
+counts = np.stack(
+    [np.bincount(t.routing[i][0].ravel(), minlength=args.num_experts) for i in moe_layers]
+)
 
 fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
 im = a.imshow(dense.T, aspect="auto", cmap="viridis", interpolation="nearest")
 a.set(title=f"layer {layer}: routing weights", xlabel="token", ylabel="expert")
 fig.colorbar(im, ax=a)
 im = b.imshow(counts, aspect="auto", cmap="magma", interpolation="nearest")
-b.set(title="times chosen", xlabel="expert", ylabel="MoE layer",
-      yticks=range(len(moe_layers)), yticklabels=moe_layers)
+b.set(
+    title="times chosen",
+    xlabel="expert",
+    ylabel="MoE layer",
+    yticks=range(len(moe_layers)),
+    yticklabels=moe_layers,
+)
 fig.colorbar(im, ax=b)
 fig.tight_layout()
 fig.savefig(PLOTS / "routing.png", dpi=120)
@@ -127,8 +135,13 @@ sources = ["embedding"] + [f"block {j}" for j in range(1, n_src - 1)] + ["partia
 
 fig, ax = plt.subplots(figsize=(1.2 * n_src + 3, 0.22 * len(rows) + 1.5))
 im = ax.imshow(grid, aspect="auto", cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
-ax.set(title="AttnRes mixing weights (mean over tokens)", xticks=range(n_src),
-       xticklabels=sources, yticks=range(len(rows)), yticklabels=labels)
+ax.set(
+    title="AttnRes mixing weights (mean over tokens)",
+    xticks=range(n_src),
+    xticklabels=sources,
+    yticks=range(len(rows)),
+    yticklabels=labels,
+)
 ax.tick_params(axis="y", labelsize=7)
 fig.colorbar(im, ax=ax)
 fig.tight_layout()
@@ -150,12 +163,22 @@ a.set(title="decay per channel (sorted)", xlabel="channel rank", ylabel="alpha",
 a.legend(fontsize=7)
 half_lives = [0.25, 0.5, 1, 2, 5, 20]  # alpha ** h = 1/2
 half = a.twinx()
-half.set(ylim=(0, 1), yticks=[0.5 ** (1 / h) for h in half_lives], yticklabels=half_lives,
-         ylabel="half-life (tokens)")
+half.set(
+    ylim=(0, 1),
+    yticks=[0.5 ** (1 / h) for h in half_lives],
+    yticklabels=half_lives,
+    ylabel="half-life (tokens)",
+)
 heads = np.stack([t.kda[i]["alpha_mean"].mean(axis=0) for i in kda_layers])
 im = b.imshow(heads, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
-b.set(title="mean decay per head", xlabel="head", ylabel="KDA layer",
-      xticks=range(heads.shape[1]), yticks=range(len(kda_layers)), yticklabels=kda_layers)
+b.set(
+    title="mean decay per head",
+    xlabel="head",
+    ylabel="KDA layer",
+    xticks=range(heads.shape[1]),
+    yticks=range(len(kda_layers)),
+    yticklabels=kda_layers,
+)
 fig.colorbar(im, ax=b)
 fig.tight_layout()
 fig.savefig(PLOTS / "kda_decay.png", dpi=120)
@@ -195,8 +218,7 @@ if get_stats is None:
     print("The expert streamer (kimi_k3.streaming.get_stats) is not in this build: no sweep.")
 elif sweep:
     index = CheckpointIndex(MODEL)
-    expert_bytes = sum(info.nbytes for name, info in index.tensors.items()
-                       if ".experts." in name)
+    expert_bytes = sum(info.nbytes for name, info in index.tensors.items() if ".experts." in name)
     fractions = [0.25, 0.5, 0.75, 1.0]
     rates = {"prefill": [], "decode": []}
     for f in fractions:
@@ -210,11 +232,17 @@ elif sweep:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, r in rates.items():
         ax.plot([100 * f for f in fractions], r, "o-", label=name)
-    ax.set(title="expert cache hit rate", xlabel="budget (% of all expert bytes)",
-           ylabel="hit rate", ylim=(0, 1))
+    ax.set(
+        title="expert cache hit rate",
+        xlabel="budget (% of all expert bytes)",
+        ylabel="hit rate",
+        ylim=(0, 1),
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(PLOTS / "cache_hit_rate.png", dpi=120)
     for i, f in enumerate(fractions):
-        print(f"budget {f:.0%}: prefill hit rate {rates['prefill'][i]:.3f}, "
-              f"decode hit rate {rates['decode'][i]:.3f}")
+        print(
+            f"budget {f:.0%}: prefill hit rate {rates['prefill'][i]:.3f}, "
+            f"decode hit rate {rates['decode'][i]:.3f}"
+        )

@@ -25,8 +25,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temp", type=float, default=0.0)
     parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False)
-    parser.add_argument("--expert-cache-gb", type=float, default=None,
-                        help="stream experts from disk into a cache of this size")
+    parser.add_argument(
+        "--expert-cache-gb",
+        type=float,
+        default=None,
+        help="stream experts from disk into a cache of this size",
+    )
     return parser
 
 
@@ -35,17 +39,21 @@ def main(argv=None):
     with checkpoint_or_synthetic(args.model) as path:
         model, tokenizer = kimi_k3.load(path, expert_cache_gb=args.expert_cache_gb)
         # Chat prompts go in as ids: only the XTML markers may become special tokens.
-        ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}],
-                          thinking=args.thinking)
+        ids = encode_chat(
+            tokenizer, [{"role": "user", "content": args.prompt}], thinking=args.thinking
+        )
         last = None
-        for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
-                                    sampler=make_sampler(temp=args.temp)):
+        for last in stream_generate(
+            model, tokenizer, ids, max_tokens=args.max_tokens, sampler=make_sampler(temp=args.temp)
+        ):
             print(last.text, end="", flush=True)
         print()
         if last is not None:
-            print(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
-                  f"generation: {last.generation_tokens} tokens, "
-                  f"{last.generation_tps:.1f} tok/s | peak memory {last.peak_memory:.3f} GB")
+            print(
+                f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
+                f"generation: {last.generation_tokens} tokens, "
+                f"{last.generation_tps:.1f} tok/s | peak memory {last.peak_memory:.3f} GB"
+            )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,9 @@ def check_checkpoint(path: str | Path) -> dict:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
     if kind != "kimi_k3":
-        raise ConfigError(f"{file}: model_type is {kind!r}, not 'kimi_k3': this is not a "
-                          "Kimi K3 checkpoint")
+        raise ConfigError(
+            f"{file}: model_type is {kind!r}, not 'kimi_k3': this is not a Kimi K3 checkpoint"
+        )
     return config
 
 
@@ -101,8 +102,13 @@ def load(
     config = check_checkpoint(path)
     path = Path(path).expanduser()
     overrides = _check_model_config(model_config or {})
-    model = load_model(path, dtype=dtype or mx.bfloat16, expert_cache_gb=expert_cache_gb,
-                       lazy=lazy, **stream_options)
+    model = load_model(
+        path,
+        dtype=dtype or mx.bfloat16,
+        expert_cache_gb=expert_cache_gb,
+        lazy=lazy,
+        **stream_options,
+    )
     for key, value in overrides.items():
         setattr(model.args, key, value)
     tokenizer = load_tokenizer(path)
@@ -115,8 +121,10 @@ def _check_model_config(overrides: dict) -> dict:
 
     for key in overrides:
         if key not in RUNTIME_CONFIG_KEYS:
-            raise ConfigError(f"model_config key {key!r} cannot be changed after the "
-                              f"checkpoint is read; only {list(RUNTIME_CONFIG_KEYS)}")
+            raise ConfigError(
+                f"model_config key {key!r} cannot be changed after the "
+                f"checkpoint is read; only {list(RUNTIME_CONFIG_KEYS)}"
+            )
     return overrides
 
 
@@ -125,7 +133,6 @@ def _apply_tokenizer_config(tokenizer, config: dict):
         if key == "trust_remote_code":
             continue
         if key != "eos_token":
-            raise ValueError(f"tokenizer_config key {key!r} is not supported (only "
-                             "'eos_token')")
+            raise ValueError(f"tokenizer_config key {key!r} is not supported (only 'eos_token')")
         for token in [value] if isinstance(value, str) else value:
             tokenizer.add_eos_token(token)

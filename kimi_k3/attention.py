@@ -98,7 +98,11 @@ class GatedMLA(nn.Module):
         super().__init__()
         D, H = args.hidden_size, args.num_attention_heads
         self.heads = H
-        self.nope, self.pe, self.vdim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.nope, self.pe, self.vdim = (
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+            args.v_head_dim,
+        )
         self.rank = args.kv_lora_rank
         self.scale = (self.nope + self.pe) ** -0.5
         self.q_a_proj = nn.Linear(D, args.q_lora_rank, bias=False)

@@ -21,13 +21,22 @@ class AttnResMix(nn.Module):
 
     def logits(self, vs: mx.array) -> mx.array:
         """Shapes: vs [n, ..., D] -> fp32 [n, ...]."""
-        w = self.norm_weight.astype(mx.float32) * self.proj_weight.astype(mx.float32)[0]
-        vf = vs.astype(mx.float32)
-        return (vf @ w) * mx.rsqrt((vf * vf).mean(axis=-1) + self.eps)
+        return _logits(vs, self.norm_weight, self.proj_weight, self.eps)
 
     def __call__(self, snaps: list[mx.array], p: mx.array) -> mx.array:
         if not snaps:
             return p
-        vs = mx.stack(snaps + [p])
-        a = mx.softmax(self.logits(vs), axis=0, precise=True)
-        return (a[..., None] * vs.astype(mx.float32)).sum(axis=0).astype(p.dtype)
+        return _mix(snaps + [p], self.norm_weight, self.proj_weight, self.eps)
+
+
+def _logits(vs, norm_weight, proj_weight, eps):
+    w = norm_weight.astype(mx.float32) * proj_weight.astype(mx.float32)[0]
+    vf = vs.astype(mx.float32)
+    return (vf @ w) * mx.rsqrt((vf * vf).mean(axis=-1) + eps)
+
+
+@mx.compile
+def _mix(vectors: list, norm_weight, proj_weight, eps):
+    vs = mx.stack(vectors)
+    a = mx.softmax(_logits(vs, norm_weight, proj_weight, eps), axis=0, precise=True)
+    return (a[..., None] * vs.astype(mx.float32)).sum(axis=0).astype(vectors[-1].dtype)

@@ -14,10 +14,32 @@ from pathlib import Path
 
 import numpy as np
 
-DTYPE_SIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "U16": 2, "I16": 2,
-              "U32": 4, "I32": 4, "I64": 8, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-NP_DTYPE = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I32": np.int32,
-            "U32": np.uint32, "BF16": np.uint16, "I64": np.int64}
+DTYPE_SIZE = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
+    "U8": 1,
+    "I8": 1,
+    "U16": 2,
+    "I16": 2,
+    "U32": 4,
+    "I32": 4,
+    "I64": 8,
+    "U64": 8,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+NP_DTYPE = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "U8": np.uint8,
+    "I32": np.int32,
+    "U32": np.uint32,
+    "BF16": np.uint16,
+    "I64": np.int64,
+}
 MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -50,8 +72,9 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                 raise CheckpointError(f"{file}: truncated ({size} bytes, no safetensors header)")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{file}: corrupted safetensors header (length {n}, "
-                                      f"file {size} bytes)")
+                raise CheckpointError(
+                    f"{file}: corrupted safetensors header (length {n}, file {size} bytes)"
+                )
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{file}: shard file is missing") from None
@@ -79,11 +102,14 @@ def _tensor_info(file, name, meta, base, size) -> TensorInfo:
         raise CheckpointError(f"{file}: tensor {name}: unknown dtype {dtype!r}")
     want = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZE[dtype]
     if b - a != want or a < 0:
-        raise CheckpointError(f"{file}: tensor {name}: data_offsets {a}..{b} do not fit "
-                              f"{dtype}{list(shape)} ({want} bytes)")
+        raise CheckpointError(
+            f"{file}: tensor {name}: data_offsets {a}..{b} do not fit "
+            f"{dtype}{list(shape)} ({want} bytes)"
+        )
     if base + b > size:
-        raise CheckpointError(f"{file}: truncated: tensor {name} ends at byte {base + b} "
-                              f"but the file has {size}")
+        raise CheckpointError(
+            f"{file}: truncated: tensor {name} ends at byte {base + b} but the file has {size}"
+        )
     return TensorInfo(name, file, dtype, shape, base + a, base + b)
 
 
@@ -103,8 +129,9 @@ class CheckpointIndex:
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not files:
-                raise CheckpointError(f"{self.path}: no model.safetensors.index.json and no "
-                                      "*.safetensors files")
+                raise CheckpointError(
+                    f"{self.path}: no model.safetensors.index.json and no *.safetensors files"
+                )
             weight_map = None
         self.tensors: dict[str, TensorInfo] = {}
         for fname in files:
@@ -113,8 +140,9 @@ class CheckpointIndex:
             for name, fname in weight_map.items():
                 info = self.tensors.get(name)
                 if info is None or info.file.name != fname:
-                    raise CheckpointError(f"{self.path / fname}: tensor {name} is in the index "
-                                          "but not in that shard")
+                    raise CheckpointError(
+                        f"{self.path / fname}: tensor {name} is in the index but not in that shard"
+                    )
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -123,8 +151,9 @@ class CheckpointIndex:
         try:
             return self.tensors[name]
         except KeyError:
-            raise CheckpointError(f"{self.path}: tensor {name} is missing from the "
-                                  "checkpoint") from None
+            raise CheckpointError(
+                f"{self.path}: tensor {name} is missing from the checkpoint"
+            ) from None
 
     @property
     def files(self) -> list[Path]:
@@ -197,8 +226,11 @@ def write_safetensors(file: Path, tensors: list[tuple[str, np.ndarray, str]]):
     """Write ``(name, array, dtype)`` triples in order (data back to back, in that order)."""
     header, offset = {}, 0
     for name, arr, dtype in tensors:
-        header[name] = {"dtype": dtype, "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
         offset += arr.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * ((-len(raw)) % 8)

@@ -95,15 +95,29 @@ class ModelArgs:
             self.num_expert_group == 1 and self.topk_group == 1,
             "grouped routing is not used by K3",
         )
-        _require(self, "moe_layer_freq", self.moe_layer_freq == 1, "every layer after the "
-                 "first_k_dense_replace is MoE in K3")
-        _require(self, "latent_moe_use_norm", self.latent_moe_use_norm is True,
-                 "Stable LatentMoE normalises the latent sum")
-        _require(self, "num_nextn_predict_layers", self.num_nextn_predict_layers == 0,
-                 "no multi-token-prediction head is implemented")
+        _require(
+            self,
+            "moe_layer_freq",
+            self.moe_layer_freq == 1,
+            "every layer after the first_k_dense_replace is MoE in K3",
+        )
+        _require(
+            self,
+            "latent_moe_use_norm",
+            self.latent_moe_use_norm is True,
+            "Stable LatentMoE normalises the latent sum",
+        )
+        _require(
+            self,
+            "num_nextn_predict_layers",
+            self.num_nextn_predict_layers == 0,
+            "no multi-token-prediction head is implemented",
+        )
         if self.num_experts_per_token > self.num_experts:
-            raise ConfigError(f"num_experts_per_token={self.num_experts_per_token} exceeds "
-                              f"num_experts={self.num_experts}")
+            raise ConfigError(
+                f"num_experts_per_token={self.num_experts_per_token} exceeds "
+                f"num_experts={self.num_experts}"
+            )
         self._read_linear_attn_config()
 
     def _read_linear_attn_config(self):
@@ -116,26 +130,36 @@ class ModelArgs:
         self.conv_size = cfg.get("short_conv_kernel_size", 4)
         self.gate_lower_bound = cfg.get("gate_lower_bound", -5.0)
         if self.gate_lower_bound is None:
-            raise ConfigError("linear_attn_config.gate_lower_bound=None: only the "
-                              "lower-bounded KDA gate is implemented")
+            raise ConfigError(
+                "linear_attn_config.gate_lower_bound=None: only the "
+                "lower-bounded KDA gate is implemented"
+            )
         if cfg.get("use_full_rank_gate", True) is not True:
-            raise ConfigError("linear_attn_config.use_full_rank_gate="
-                              f"{cfg['use_full_rank_gate']!r}: only the full-rank output gate")
+            raise ConfigError(
+                "linear_attn_config.use_full_rank_gate="
+                f"{cfg['use_full_rank_gate']!r}: only the full-rank output gate"
+            )
         self.kda_layers = tuple(cfg["kda_layers"])
         self.full_attn_layers = tuple(cfg["full_attn_layers"])
         both = set(self.kda_layers) & set(self.full_attn_layers)
         if both:
-            raise ConfigError(f"layers {sorted(both)} are in both linear_attn_config.kda_layers "
-                              "and full_attn_layers")
+            raise ConfigError(
+                f"layers {sorted(both)} are in both linear_attn_config.kda_layers "
+                "and full_attn_layers"
+            )
         every = set(range(1, self.num_hidden_layers + 1))
         missing = every - set(self.kda_layers) - set(self.full_attn_layers)
         if missing:
-            raise ConfigError(f"layers {sorted(missing)} (1-based) are in neither "
-                              "linear_attn_config.kda_layers nor full_attn_layers")
+            raise ConfigError(
+                f"layers {sorted(missing)} (1-based) are in neither "
+                "linear_attn_config.kda_layers nor full_attn_layers"
+            )
         extra = (set(self.kda_layers) | set(self.full_attn_layers)) - every
         if extra:
-            raise ConfigError(f"linear_attn_config lists layers {sorted(extra)} beyond "
-                              f"num_hidden_layers={self.num_hidden_layers}")
+            raise ConfigError(
+                f"linear_attn_config lists layers {sorted(extra)} beyond "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
 
     def is_kda(self, layer: int) -> bool:
         """Whether the 0-based ``layer`` is a KDA layer (the config lists are 1-based)."""
@@ -175,14 +199,19 @@ def _check_quantization(qc: dict | None):
         return
     method = qc.get("quant_method")
     if method != "compressed-tensors":
-        raise ConfigError(f"unsupported quantization_config.quant_method={method!r}: "
-                          "only the published 'compressed-tensors' MXFP4 experts are read")
+        raise ConfigError(
+            f"unsupported quantization_config.quant_method={method!r}: "
+            "only the published 'compressed-tensors' MXFP4 experts are read"
+        )
     fmt = qc.get("format")
     if fmt != "mxfp4-pack-quantized":
-        raise ConfigError(f"unsupported quantization_config.format={fmt!r}: only "
-                          "'mxfp4-pack-quantized' is read")
+        raise ConfigError(
+            f"unsupported quantization_config.format={fmt!r}: only 'mxfp4-pack-quantized' is read"
+        )
     for group in (qc.get("config_groups") or {}).values():
         w = group.get("weights", {})
         if w.get("group_size", 32) != 32 or w.get("num_bits", 4) != 4:
-            raise ConfigError("unsupported quantization_config.config_groups weights "
-                              f"{w!r}: MXFP4 is 4-bit with group size 32")
+            raise ConfigError(
+                "unsupported quantization_config.config_groups weights "
+                f"{w!r}: MXFP4 is 4-bit with group size 32"
+            )

@@ -85,23 +85,30 @@ class RecordLayout:
             nbytes = shape[0] * shape[1]
             if name.endswith(".weight"):
                 if shape[1] % 16:
-                    raise PackError(f"{where}: expert tensor {src} has {shape[1]} bytes per "
-                                    "row; MXFP4 rows are whole groups of 32 codes (16 bytes)")
+                    raise PackError(
+                        f"{where}: expert tensor {src} has {shape[1]} bytes per "
+                        "row; MXFP4 rows are whole groups of 32 codes (16 bytes)"
+                    )
                 dtype, view = "uint32", [shape[0], shape[1] // 4]
             else:
                 packed = shapes[source_name(name.replace("scales", "weight"))]
                 if shape != (packed[0], packed[1] // 16):
-                    raise PackError(f"{where}: expert tensor {src} has shape {list(shape)}, "
-                                    f"expected {[packed[0], packed[1] // 16]} (one scale per "
-                                    "32 codes)")
+                    raise PackError(
+                        f"{where}: expert tensor {src} has shape {list(shape)}, "
+                        f"expected {[packed[0], packed[1] // 16]} (one scale per "
+                        "32 codes)"
+                    )
                 dtype, view = "uint8", list(shape)
             tensors[name] = {"offset": offset, "nbytes": nbytes, "dtype": dtype, "shape": view}
             offset += nbytes
         return cls(tensors, offset)
 
     def to_json(self) -> dict:
-        return {"data_bytes": self.data_bytes, "record_bytes": self.record_bytes,
-                "tensors": self.tensors}
+        return {
+            "data_bytes": self.data_bytes,
+            "record_bytes": self.record_bytes,
+            "tensors": self.tensors,
+        }
 
 
 def file_name(i: int, n: int) -> str:
@@ -148,8 +155,12 @@ class RecordWriter:
         return offset, zlib.crc32(data)
 
 
-def index_json(layouts: dict[int, RecordLayout], files: list[str], file_bytes: list[int],
-               records: dict[tuple[int, int], tuple[int, int, int]]) -> dict:
+def index_json(
+    layouts: dict[int, RecordLayout],
+    files: list[str],
+    file_bytes: list[int],
+    records: dict[tuple[int, int], tuple[int, int, int]],
+) -> dict:
     """The ``index.json`` document. ``records[(layer, e)] = (file number, offset, crc32)``."""
     counts = Counter(layer for layer, _ in records)
     layers = {}
@@ -158,12 +169,18 @@ def index_json(layouts: dict[int, RecordLayout], files: list[str], file_bytes: l
         entry = layouts[layer].to_json()
         entry["records"] = [list(records[(layer, e)]) for e in range(n)]
         layers[str(layer)] = entry
-    return {"format": FORMAT, "version": VERSION, "align": ALIGN, "checksum": "crc32",
-            "files": files, "file_bytes": file_bytes, "layers": layers}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "align": ALIGN,
+        "checksum": "crc32",
+        "files": files,
+        "file_bytes": file_bytes,
+        "layers": layers,
+    }
 
 
-def write_pack(out: str | Path, experts: dict[int, list[dict]], file_bytes: int = 4 << 30
-               ) -> Path:
+def write_pack(out: str | Path, experts: dict[int, list[dict]], file_bytes: int = 4 << 30) -> Path:
     """Write a whole pack from in-memory experts (tests, small models); returns the pack dir.
 
     ``experts[layer][e]`` maps the published names (``w1.weight_packed``, ...) to u8 arrays.
@@ -171,8 +188,10 @@ def write_pack(out: str | Path, experts: dict[int, list[dict]], file_bytes: int 
     """
     pack = Path(out) / PACK_DIR
     pack.mkdir(parents=True, exist_ok=True)
-    layouts = {l: RecordLayout.from_published({k: v.shape for k, v in ex[0].items()}, f"layer {l}")
-               for l, ex in experts.items()}
+    layouts = {
+        l: RecordLayout.from_published({k: v.shape for k, v in ex[0].items()}, f"layer {l}")
+        for l, ex in experts.items()
+    }
     plan = plan_files({l: (layouts[l], len(ex)) for l, ex in experts.items()}, file_bytes)
     names = [file_name(i, len(plan)) for i in range(len(plan))]
     records, sizes = {}, []
@@ -180,8 +199,10 @@ def write_pack(out: str | Path, experts: dict[int, list[dict]], file_bytes: int 
         with open(pack / names[i], "wb") as f:
             w = RecordWriter(f)
             for layer, e in recs:
-                data = b"".join(np.ascontiguousarray(experts[layer][e][source_name(t)]).tobytes()
-                                for t in TENSORS)
+                data = b"".join(
+                    np.ascontiguousarray(experts[layer][e][source_name(t)]).tobytes()
+                    for t in TENSORS
+                )
                 records[(layer, e)] = (i, *w.add(data))
         sizes.append(w.size)
     doc = index_json(layouts, names, sizes, records)
@@ -215,8 +236,10 @@ class ExpertPack:
         except json.JSONDecodeError as e:
             raise PackError(f"{file}: not valid JSON ({e})") from None
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-            raise PackError(f"{file}: format {doc.get('format')!r} version "
-                            f"{doc.get('version')!r}, expected {FORMAT!r} version {VERSION}")
+            raise PackError(
+                f"{file}: format {doc.get('format')!r} version "
+                f"{doc.get('version')!r}, expected {FORMAT!r} version {VERSION}"
+            )
         self.index_file = file
         self.files = [self.dir / name for name in doc["files"]]
         self.file_bytes = doc["file_bytes"]
@@ -231,8 +254,10 @@ class ExpertPack:
         try:
             return self._layers[layer]
         except KeyError:
-            raise PackError(f"{self.index_file}: layer {layer} has no routed experts in the "
-                            f"pack (layers {self.layers[0]}..{self.layers[-1]})") from None
+            raise PackError(
+                f"{self.index_file}: layer {layer} has no routed experts in the "
+                f"pack (layers {self.layers[0]}..{self.layers[-1]})"
+            ) from None
 
     def num_experts(self, layer: int) -> int:
         return len(self._layer(layer)["records"])
@@ -240,8 +265,9 @@ class ExpertPack:
     def _entry(self, layer: int, expert: int) -> list:
         recs = self._layer(layer)["records"]
         if not 0 <= expert < len(recs):
-            raise PackError(f"{self.index_file}: layer {layer} has no expert {expert} "
-                            f"({len(recs)} experts)")
+            raise PackError(
+                f"{self.index_file}: layer {layer} has no expert {expert} ({len(recs)} experts)"
+            )
         return recs[expert]
 
     def record(self, layer: int, expert: int) -> tuple[Path, int, int]:
@@ -291,8 +317,10 @@ class ExpertPack:
         n = self._layer(layer)["data_bytes"]
         data = os.pread(self._fd(f), n, offset)
         if len(data) != n:
-            raise PackError(f"{self.files[f]}: truncated: layer {layer} expert {expert} needs "
-                            f"bytes {offset}..{offset + n}")
+            raise PackError(
+                f"{self.files[f]}: truncated: layer {layer} expert {expert} needs "
+                f"bytes {offset}..{offset + n}"
+            )
         return data
 
     def read(self, layer: int, expert: int, verify: bool = False) -> dict[str, np.ndarray]:
@@ -314,9 +342,11 @@ class ExpertPack:
     def _check(self, layer: int, expert: int, data: bytes):
         if zlib.crc32(data) != self.checksum(layer, expert):
             f, offset, _ = self.record(layer, expert)
-            raise PackError(f"{f}: checksum mismatch in the record of layer {layer} expert "
-                            f"{expert} (bytes {offset}..{offset + len(data)}): the pack is "
-                            "corrupted; reconvert or re-copy this file")
+            raise PackError(
+                f"{f}: checksum mismatch in the record of layer {layer} expert "
+                f"{expert} (bytes {offset}..{offset + len(data)}): the pack is "
+                "corrupted; reconvert or re-copy this file"
+            )
 
     def verify_file(self, f: int, progress: Callable[[int], None] | None = None) -> str:
         """Re-read pack file ``f`` in order: check its size and every record's crc32.
@@ -333,8 +363,10 @@ class ExpertPack:
         for offset, layer, e in self._by_file()[f]:
             n, padded = self._layer(layer)["data_bytes"], self.record_bytes(layer)
             if offset != pos:
-                raise PackError(f"{self.index_file}: layer {layer} expert {e} starts at byte "
-                                f"{offset} of {path.name}, expected {pos}")
+                raise PackError(
+                    f"{self.index_file}: layer {layer} expert {e} starts at byte "
+                    f"{offset} of {path.name}, expected {pos}"
+                )
             data = os.pread(fd, padded, offset)
             if len(data) != padded:
                 raise PackError(f"{path}: truncated in the record of layer {layer} expert {e}")

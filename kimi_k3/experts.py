@@ -31,8 +31,16 @@ def situ_glu(gate: mx.array, up: mx.array, beta: float, cap: float) -> mx.array:
 
 def _qmm(x, w, s, idx, sorted_indices):
     return mx.gather_qmm(
-        x, w, s, None, rhs_indices=idx, transpose=True, group_size=GROUP, bits=4,
-        mode="mxfp4", sorted_indices=sorted_indices,
+        x,
+        w,
+        s,
+        None,
+        rhs_indices=idx,
+        transpose=True,
+        group_size=GROUP,
+        bits=4,
+        mode="mxfp4",
+        sorted_indices=sorted_indices,
     )
 
 

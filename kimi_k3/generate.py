@@ -49,38 +49,68 @@ class UserError(Exception):
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kimi_k3.generate",
-                                description="Chat with or complete text from Kimi K3.")
-    p.add_argument("--model", type=Path, default=None,
-                   help="checkpoint directory: the published layout, the converter's, or an "
-                        "mlx-lm converted one (default: the built-in random-weight demo model)")
-    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
-                   help="the user message ('-' reads it from stdin)")
+    p = argparse.ArgumentParser(
+        prog="python -m kimi_k3.generate", description="Chat with or complete text from Kimi K3."
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint directory: the published layout, the converter's, or an "
+        "mlx-lm converted one (default: the built-in random-weight demo model)",
+    )
+    p.add_argument(
+        "--prompt", "-p", default=DEFAULT_PROMPT, help="the user message ('-' reads it from stdin)"
+    )
     p.add_argument("--system", default=None, help="system message (chat mode)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--chat", dest="chat", action="store_true", default=True,
-                      help="wrap the prompt in the chat format (default)")
-    mode.add_argument("--raw", dest="chat", action="store_false",
-                      help="encode the prompt as is (special-token names become special ids)")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
-                   help="open the reply with a think section (default) or go straight to "
-                        "the response")
+    mode.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=True,
+        help="wrap the prompt in the chat format (default)",
+    )
+    mode.add_argument(
+        "--raw",
+        dest="chat",
+        action="store_false",
+        help="encode the prompt as is (special-token names become special ids)",
+    )
+    p.add_argument(
+        "--thinking",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="open the reply with a think section (default) or go straight to the response",
+    )
     p.add_argument("--max-tokens", "-m", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--expert-cache-gb", type=float, default=None,
-                   help="stream routed experts from disk into a cache of this many GB "
-                        "(default: experts resident if the whole checkpoint fits in memory, "
-                        "else a cache sized from free memory; the demo model caches 25%% of "
-                        "its experts)")
+    p.add_argument(
+        "--expert-cache-gb",
+        type=float,
+        default=None,
+        help="stream routed experts from disk into a cache of this many GB "
+        "(default: experts resident if the whole checkpoint fits in memory, "
+        "else a cache sized from free memory; the demo model caches 25%% of "
+        "its experts)",
+    )
     p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--max-context", type=int, default=None,
-                   help="cap on prompt + reply tokens (default: max_position_embeddings)")
-    p.add_argument("--interactive", "-i", action="store_true",
-                   help="a chat loop on stdin that keeps its prompt cache across turns")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="cap on prompt + reply tokens (default: max_position_embeddings)",
+    )
+    p.add_argument(
+        "--interactive",
+        "-i",
+        action="store_true",
+        help="a chat loop on stdin that keeps its prompt cache across turns",
+    )
     return p
 
 
@@ -139,8 +169,11 @@ def auto_expert_cache_gb(path: Path) -> float | None:
     if dense + experts + RESERVE_GB * 1e9 < available_memory():
         return None
     budget = default_cache_gb(dense, reserve_gb=RESERVE_GB)
-    print(f"the experts ({experts / 1e9:.1f} GB) do not fit in memory: streaming them through "
-          f"a {budget:.1f} GB cache (--expert-cache-gb sets its size)", file=sys.stderr)
+    print(
+        f"the experts ({experts / 1e9:.1f} GB) do not fit in memory: streaming them through "
+        f"a {budget:.1f} GB cache (--expert-cache-gb sets its size)",
+        file=sys.stderr,
+    )
     return budget
 
 
@@ -150,8 +183,7 @@ def load_for_cli(path: Path, expert_cache_gb: float | None):
     model, tokenizer = kimi_k3.load(path, expert_cache_gb=expert_cache_gb, lazy=True)
     materialize(model, Bar("loading", sys.stderr))
     where = "resident" if expert_cache_gb is None else f"streamed, {expert_cache_gb:.3g} GB cache"
-    print(f"loaded {path} in {time.perf_counter() - tic:.1f}s (experts {where})",
-          file=sys.stderr)
+    print(f"loaded {path} in {time.perf_counter() - tic:.1f}s (experts {where})", file=sys.stderr)
     return model, tokenizer
 
 
@@ -191,8 +223,10 @@ class Bar:
         frac = self.done / self.total if self.total else 1.0
         filled = round(frac * self.width)
         unit, scale = ("GB", 1e9) if self.total >= 1e9 else ("MB", 1e6)
-        return (f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {frac:4.0%} "
-                f"{self.done / scale:.2f}/{self.total / scale:.2f} {unit}")
+        return (
+            f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {frac:4.0%} "
+            f"{self.done / scale:.2f}/{self.total / scale:.2f} {unit}"
+        )
 
 
 # Prompts.
@@ -216,8 +250,10 @@ def check_room(n_prompt: int, in_cache: int, context: tuple[int, str], max_token
     used = in_cache + n_prompt
     if used >= limit:
         held = f" ({in_cache} already in the conversation)" if in_cache else ""
-        raise UserError(f"the prompt is {n_prompt} tokens{held}, but the context holds "
-                        f"{limit} ({source}), leaving no room for a reply")
+        raise UserError(
+            f"the prompt is {n_prompt} tokens{held}, but the context holds "
+            f"{limit} ({source}), leaving no room for a reply"
+        )
     return min(max_tokens, limit - used)
 
 
@@ -251,8 +287,15 @@ def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, rep
     reset_stats(model)
     reply.prompt_tokens = len(ids)
     sampler = make_sampler(args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
-    for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler,
-                             prompt_cache=cache, prefill_step_size=args.prefill_step_size):
+    for r in stream_generate(
+        model,
+        tokenizer,
+        ids,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        prompt_cache=cache,
+        prefill_step_size=args.prefill_step_size,
+    ):
         reply.tokens.append(r.token)
         reply.last = r
         sys.stdout.write(r.text)
@@ -265,8 +308,7 @@ def run_once(model, tokenizer, args) -> int:
     if not ids:
         raise UserError("the prompt is empty")
     max_tokens = check_room(len(ids), 0, context_limit(model, args.max_context), args.max_tokens)
-    return _generate_reporting(model, tokenizer, ids, args, model.make_cache(), max_tokens,
-                               Reply())
+    return _generate_reporting(model, tokenizer, ids, args, model.make_cache(), max_tokens, Reply())
 
 
 def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply: Reply) -> int:
@@ -286,12 +328,16 @@ def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply: R
 def stats_line(model, reply: Reply) -> str:
     r = reply.last
     if r is None:
-        parts = [f"prompt: {reply.prompt_tokens} tokens, prefill not finished",
-                 f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB"]
+        parts = [
+            f"prompt: {reply.prompt_tokens} tokens, prefill not finished",
+            f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB",
+        ]
     else:
-        parts = [f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s",
-                 f"generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s",
-                 f"peak memory: {r.peak_memory:.3f} GB"]
+        parts = [
+            f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s",
+            f"generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s",
+            f"peak memory: {r.peak_memory:.3f} GB",
+        ]
     return "stats: " + " | ".join(parts + [_expert_stats(model)])
 
 
@@ -339,8 +385,9 @@ def close_reply(tokenizer, reply: list[int], thinking: bool) -> list[int]:
 
     A finished reply (ended by ``<|end_of_msg|>``) needs none.
     """
-    tree = parse_segments(segments_from_ids(tokenizer, reply),
-                          ["message", "think" if thinking else "response"])
+    tree = parse_segments(
+        segments_from_ids(tokenizer, reply), ["message", "think" if thinking else "response"]
+    )
     if tree.closed:
         return []
     open_tags, node = [], tree

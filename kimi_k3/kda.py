@@ -18,6 +18,7 @@ normalisation, gates, recurrence, output norm and gate) and is where kernels plu
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import mlx.core as mx
 
@@ -245,4 +246,19 @@ def kda_mix(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
         fn = dispatch.kda_mix_kernel(p, x_q, conv_state, state)
         if fn is not None:
             return fn(p, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state)
+    if x_q.shape[1] == 1 and conv_state is not None and state is not None:
+        step = _compiled_step(p["heads"], p["head_dim"], p["lower_bound"], p["eps"])
+        arrays = {k: v for k, v in p.items() if isinstance(v, mx.array)}
+        return step(arrays, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state)
     return kda_mix_reference(p, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state)
+
+
+@cache
+def _compiled_step(heads: int, head_dim: int, lower_bound: float, eps: float):
+    """The reference mixer for one decode token, compiled (many small ops fused)."""
+    consts = {"heads": heads, "head_dim": head_dim, "lower_bound": lower_bound, "eps": eps}
+
+    def step(arrays, *inputs):
+        return kda_mix_reference({**arrays, **consts}, *inputs)
+
+    return mx.compile(step)

@@ -26,8 +26,14 @@ LAYOUTS = ("published", "pack", "mlx-lm")
 _MLX_LM_MARKS = (".switch_mlp.", ".qkv_proj.", ".qkv_conv.", ".embed_q.", ".unembed_out.")
 _LAYER = re.compile(r"^(language_model\.model\.layers\.(\d+)\.)(.+)$")
 _SWITCH = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
-_FUSED = ("self_attn.qkv_", "self_attn.q_conv.", "self_attn.k_conv.", "self_attn.v_conv.",
-          "self_attn.embed_q.", "self_attn.unembed_out.")
+_FUSED = (
+    "self_attn.qkv_",
+    "self_attn.q_conv.",
+    "self_attn.k_conv.",
+    "self_attn.v_conv.",
+    "self_attn.embed_q.",
+    "self_attn.unembed_out.",
+)
 
 
 def tensor_names(path: str | Path) -> list[str]:
@@ -83,8 +89,11 @@ def mlx_lm_expert_names(layer: int) -> dict[str, str]:
     ``[e * nbytes / E, (e + 1) * nbytes / E)`` of that tensor's data.
     """
     base = f"language_model.model.layers.{layer}.mlp.switch_mlp"
-    return {f"{w}.{kind}": f"{base}.{proj}.{kind}" for proj, w in _SWITCH.items()
-            for kind in ("weight", "scales")}
+    return {
+        f"{w}.{kind}": f"{base}.{proj}.{kind}"
+        for proj, w in _SWITCH.items()
+        for kind in ("weight", "scales")
+    }
 
 
 def from_mlx_lm(args: ModelArgs, weights: dict) -> dict:
@@ -104,7 +113,7 @@ def from_mlx_lm(args: ModelArgs, weights: dict) -> dict:
         if m is None:
             out[key] = value
         elif m.group(3).startswith(_FUSED):
-            fused.setdefault(m.group(1), {})[m.group(3)[len("self_attn."):]] = value
+            fused.setdefault(m.group(1), {})[m.group(3)[len("self_attn.") :]] = value
         else:
             out[m.group(1) + _rename(args, int(m.group(2)), m.group(3), key, value)] = value
     for base, parts in fused.items():
@@ -115,14 +124,16 @@ def from_mlx_lm(args: ModelArgs, weights: dict) -> dict:
 def _rename(args: ModelArgs, layer: int, rest: str, key: str, value) -> str:
     if not (args.is_moe(layer) and rest.startswith("mlp.")):
         return rest
-    rest = rest[len("mlp."):]
+    rest = rest[len("mlp.") :]
     if rest == "e_score_correction_bias":
         return "block_sparse_moe.gate.e_score_correction_bias"
     if rest.startswith("switch_mlp."):
         _, proj, kind = rest.split(".")
         if kind == "biases" or (kind == "scales" and value.dtype != mx.uint8):
-            raise CheckpointError(f"{key}: affine-quantized routed experts are not supported; "
-                                  "Kimi K3 experts are MXFP4 (uint8 scales, no biases)")
+            raise CheckpointError(
+                f"{key}: affine-quantized routed experts are not supported; "
+                "Kimi K3 experts are MXFP4 (uint8 scales, no biases)"
+            )
         return f"block_sparse_moe.experts.{_SWITCH[proj]}.{kind}"
     return f"block_sparse_moe.{rest}"
 
@@ -152,15 +163,19 @@ def _unfuse(args: ModelArgs, base: str, parts: dict) -> dict:
 def _dense(parts: dict, name: str, base: str, in_dims: int) -> mx.array:
     """A (possibly affine-quantized) mlx-lm MultiLinear weight as a float array."""
     if f"{name}.weight" not in parts:
-        raise CheckpointError(f"{base}self_attn.{name}.weight is missing (needed with "
-                              "embed_q/unembed_out to rebuild kv_b_proj)")
+        raise CheckpointError(
+            f"{base}self_attn.{name}.weight is missing (needed with "
+            "embed_q/unembed_out to rebuild kv_b_proj)"
+        )
     w = parts[f"{name}.weight"]
     if f"{name}.scales" not in parts:
         return w
     s, b = parts[f"{name}.scales"], parts.get(f"{name}.biases")
     if b is None:
-        raise CheckpointError(f"{base}self_attn.{name}: only affine quantization (scales and "
-                              "biases) is supported for embed_q/unembed_out")
+        raise CheckpointError(
+            f"{base}self_attn.{name}: only affine quantization (scales and "
+            "biases) is supported for embed_q/unembed_out"
+        )
     spec = {"group_size": in_dims // s.shape[-1], "bits": w.shape[-1] * 32 // in_dims}
     return dequantize_f32(w, s, b, spec)
 
@@ -172,5 +187,12 @@ def dequantize_f32(w: mx.array, scales: mx.array, biases: mx.array | None, spec:
         scales = scales.astype(mx.float32)
     if biases is not None:
         biases = biases.astype(mx.float32)
-    return mx.dequantize(w, scales, biases, group_size=spec["group_size"], bits=spec["bits"],
-                         mode=spec.get("mode", "affine"), dtype=mx.float32)
+    return mx.dequantize(
+        w,
+        scales,
+        biases,
+        group_size=spec["group_size"],
+        bits=spec["bits"],
+        mode=spec.get("mode", "affine"),
+        dtype=mx.float32,
+    )

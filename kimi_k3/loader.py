@@ -88,14 +88,17 @@ def _check_and_load(model: Model, weights: dict, index: CheckpointIndex, dtype: 
         raise CheckpointError(f"{index.path}: tensor {missing[0]} is missing{more}")
     unexpected = sorted(k for k in weights if k not in params)
     if unexpected:
-        raise CheckpointError(f"{index.path}: tensor {unexpected[0]} is not part of Kimi K3 "
-                              f"as configured ({len(unexpected)} unexpected)")
+        raise CheckpointError(
+            f"{index.path}: tensor {unexpected[0]} is not part of Kimi K3 "
+            f"as configured ({len(unexpected)} unexpected)"
+        )
     for key, want in params.items():
         got = weights[key]
         if got.shape != want.shape:
             where = index.tensors[key].file if key in index.tensors else index.path
-            raise CheckpointError(f"{where}: tensor {key} has shape {list(got.shape)}, "
-                                  f"expected {list(want.shape)}")
+            raise CheckpointError(
+                f"{where}: tensor {key} has shape {list(got.shape)}, expected {list(want.shape)}"
+            )
         if mx.issubdtype(got.dtype, mx.floating):
             weights[key] = got.astype(mx.float32 if key.endswith(KEEP_FP32) else dtype)
     model.load_weights(list(weights.items()), strict=False)
@@ -131,8 +134,13 @@ def quantize_dense(model: Model, args: ModelArgs, weights: dict):
             return False
         return spec(path)
 
-    nn.quantize(model, group_size=q.get("group_size", 64), bits=q.get("bits", 4),
-                mode=q.get("mode", "affine"), class_predicate=predicate)
+    nn.quantize(
+        model,
+        group_size=q.get("group_size", 64),
+        bits=q.get("bits", 4),
+        mode=q.get("mode", "affine"),
+        class_predicate=predicate,
+    )
 
 
 _MODES = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # modes without biases
@@ -145,8 +153,10 @@ def _infer_quant(path: str, in_dims: int, weights: dict) -> dict:
     if f"{path}.biases" in weights:
         return {"group_size": group_size, "bits": bits, "mode": "affine"}
     if (bits, group_size) not in _MODES:
-        raise CheckpointError(f"tensor {path}.weight: {bits}-bit groups of {group_size} without "
-                              "biases match no MLX quantization mode")
+        raise CheckpointError(
+            f"tensor {path}.weight: {bits}-bit groups of {group_size} without "
+            "biases match no MLX quantization mode"
+        )
     return {"group_size": group_size, "bits": bits, "mode": _MODES[(bits, group_size)]}
 
 

@@ -133,13 +133,16 @@ class Model(nn.Module):
 KEEP_FP32 = ("A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight")
 _DROP = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
 _RES = re.compile(r"(self_attention_res|mlp_res|output_attn_res)_(proj|norm)\.weight$")
-_EXPERT = re.compile(r"(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$")
+_EXPERT = re.compile(
+    r"(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$"
+)
 
 
 def sanitize_weights(args: ModelArgs, weights: dict) -> dict:
     """Rename the published layout into this module tree.
 
-    - ``X_proj.weight`` / ``X_norm.weight`` AttnRes spelling -> ``X.proj_weight`` / ``X.norm_weight``;
+    - the AttnRes spelling ``X_proj.weight`` / ``X_norm.weight`` -> ``X.proj_weight`` /
+      ``X.norm_weight``;
     - per-expert compressed-tensors MXFP4 (``experts.E.wN.weight_packed`` u8 [O, I/2] and
       ``weight_scale`` u8 [O, I/32]) -> stacked ``experts.wN.weight`` (the same bytes viewed
       as uint32 [E, O, I/8]) and ``experts.wN.scales`` [E, O, I/32];

@@ -35,14 +35,25 @@ class Router(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """Shapes: x [..., D] -> (inds [..., k] int32, weights [..., k] fp32)."""
-        scores = mx.sigmoid((x @ self.weight.T).astype(mx.float32))
-        biased = scores + self.e_score_correction_bias.astype(mx.float32)
-        inds = mx.argpartition(-biased, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        inds = mx.stop_gradient(inds).astype(mx.int32)
-        w = mx.take_along_axis(scores, inds, axis=-1)
-        if self.renormalize:
-            w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
-        return inds, w * self.scale
+        return _route(
+            x @ self.weight.T,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.scale,
+            self.renormalize,
+        )
+
+
+@mx.compile
+def _route(logits, bias, top_k: int, scale: float, renormalize: bool):
+    scores = mx.sigmoid(logits.astype(mx.float32))
+    biased = scores + bias.astype(mx.float32)
+    inds = mx.argpartition(-biased, kth=top_k - 1, axis=-1)[..., :top_k]
+    inds = mx.stop_gradient(inds).astype(mx.int32)
+    w = mx.take_along_axis(scores, inds, axis=-1)
+    if renormalize:
+        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+    return inds, w * scale
 
 
 class LatentMoE(nn.Module):
@@ -60,15 +71,16 @@ class LatentMoE(nn.Module):
         D, Dl = args.hidden_size, args.routed_expert_hidden_size
         act = (args.activation_situ_beta, args.activation_situ_linear_beta)
         self.gate = Router(
-            D, args.num_experts, args.num_experts_per_token, args.routed_scaling_factor,
+            D,
+            args.num_experts,
+            args.num_experts_per_token,
+            args.routed_scaling_factor,
             args.moe_renormalize,
         )
         self.routed_expert_down_proj = nn.Linear(D, Dl, bias=False)
         self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
         self.routed_expert_norm = nn.RMSNorm(Dl, eps=args.rms_norm_eps)
-        self.shared_experts = SituMLP(
-            D, args.moe_intermediate_size * args.num_shared_experts, *act
-        )
+        self.shared_experts = SituMLP(D, args.moe_intermediate_size * args.num_shared_experts, *act)
         self.experts = ResidentExperts(args.num_experts, Dl, args.moe_intermediate_size, *act)
         self.layer_index = -1  # set by the model; expert stores and traces key on it
 

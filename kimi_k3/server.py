@@ -36,10 +36,19 @@ from kimi_k3.generate import UserError, load_for_cli, resolve_model
 
 # mlx-lm server options this server does not expose, at values that fit Kimi K3.
 FIXED_OPTIONS = dict(
-    adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
-    chat_template="", use_default_chat_template=False, decode_concurrency=1,
-    prompt_concurrency=1, prompt_cache_bytes=None, kv_bits=None, kv_group_size=64,
-    quantized_kv_start=DEFAULT_QUANTIZED_KV_START, pipeline=False,
+    adapter_path=None,
+    draft_model=None,
+    num_draft_tokens=3,
+    trust_remote_code=False,
+    chat_template="",
+    use_default_chat_template=False,
+    decode_concurrency=1,
+    prompt_concurrency=1,
+    prompt_cache_bytes=None,
+    kv_bits=None,
+    kv_group_size=64,
+    quantized_kv_start=DEFAULT_QUANTIZED_KV_START,
+    pipeline=False,
 )
 
 
@@ -65,36 +74,62 @@ class KimiAPIHandler(APIHandler):
     def handle_models_request(self):
         self._set_completion_headers(200)
         self.end_headers()
-        model = {"id": str(Path(self.response_generator.cli_args.model).resolve()),
-                 "object": "model", "created": self.created, "owned_by": "kimi_k3"}
+        model = {
+            "id": str(Path(self.response_generator.cli_args.model).resolve()),
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kimi_k3",
+        }
         self.wfile.write(json.dumps({"object": "list", "data": [model]}).encode())
         self.wfile.flush()
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kimi_k3.server",
-                                description="An OpenAI-compatible HTTP server for Kimi K3.")
-    p.add_argument("--model", type=Path, default=None,
-                   help="checkpoint directory (default: the built-in random-weight demo model)")
+    p = argparse.ArgumentParser(
+        prog="python -m kimi_k3.server", description="An OpenAI-compatible HTTP server for Kimi K3."
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint directory (default: the built-in random-weight demo model)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--expert-cache-gb", type=float, default=None,
-                   help="stream routed experts from disk into a cache of this many GB")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
-                   help="default for chat requests; a request overrides it with "
-                        '"chat_template_kwargs": {"thinking": false}')
+    p.add_argument(
+        "--expert-cache-gb",
+        type=float,
+        default=None,
+        help="stream routed experts from disk into a cache of this many GB",
+    )
+    p.add_argument(
+        "--thinking",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="default for chat requests; a request overrides it with "
+        '"chat_template_kwargs": {"thinking": false}',
+    )
     p.add_argument("--max-tokens", type=int, default=512, help="default max_tokens")
     p.add_argument("--temp", type=float, default=0.0, help="default temperature")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--prompt-cache-size", type=int, default=10,
-                   help="how many conversations' caches to keep for prefix reuse")
-    p.add_argument("--allowed-origins", type=lambda x: x.split(","), default=["*"],
-                   help="comma-separated CORS origins (default: *)")
-    p.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=10,
+        help="how many conversations' caches to keep for prefix reuse",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=lambda x: x.split(","),
+        default=["*"],
+        help="comma-separated CORS origins (default: *)",
+    )
+    p.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+    )
     return p
 
 
@@ -121,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     generator = ResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size))
-    httpd.RequestHandlerClass = partial(KimiAPIHandler, generator,
-                                        system_fingerprint=get_system_fingerprint())
+    httpd.RequestHandlerClass = partial(
+        KimiAPIHandler, generator, system_fingerprint=get_system_fingerprint()
+    )
     host, port = httpd.server_address[:2]
     print(f"serving {args.model} on http://{host}:{port}", file=sys.stderr, flush=True)
     try:

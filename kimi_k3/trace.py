@@ -23,8 +23,14 @@ from mlx_lm.models.cache import ArraysCache
 from kimi_k3.kda import kda_gate
 
 # Monotone counters of ``kimi_k3.streaming.get_stats``: recorded as per-call differences.
-CACHE_COUNTERS = ("hits", "misses", "bytes_read", "read_seconds", "prefetch_hits",
-                  "prefetch_issued")
+CACHE_COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_read",
+    "read_seconds",
+    "prefetch_hits",
+    "prefetch_issued",
+)
 
 
 class Trace:
@@ -73,13 +79,17 @@ class Trace:
 
     @property
     def routing(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        return {i: (self._get(("routing", i, "inds")), self._get(("routing", i, "weights")))
-                for i in self._layers("routing")}
+        return {
+            i: (self._get(("routing", i, "inds")), self._get(("routing", i, "weights")))
+            for i in self._layers("routing")
+        }
 
     @property
     def attn_res(self) -> dict[int, dict[str, np.ndarray]]:
-        return {i: {s: self._get(("attn_res", i, s)).T for s in ("attn", "mlp")}
-                for i in self._layers("attn_res")}
+        return {
+            i: {s: self._get(("attn_res", i, s)).T for s in ("attn", "mlp")}
+            for i in self._layers("attn_res")
+        }
 
     @property
     def attn_res_out(self) -> np.ndarray:
@@ -136,8 +146,13 @@ def _swap(module, recorder) -> type:
     def __call__(self, *args, **kwargs):
         return recorder(base.__call__, self, *args, **kwargs)
 
-    ns = {"__call__": __call__, "_kimi_k3_traced": True, "__module__": base.__module__,
-          "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+    ns = {
+        "__call__": __call__,
+        "_kimi_k3_traced": True,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__doc__": base.__doc__,
+    }
     module.__class__ = type(base.__name__, (base,), ns)
     return base
 

@@ -15,7 +15,6 @@ import mlx.core as mx
 import numpy as np
 import numpy_ref as ref
 import pytest
-from kimi_k3.convert.synth import write_checkpoint
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache, KVCache
 
@@ -23,6 +22,7 @@ from kimi_k3 import kda
 from kimi_k3.attention import GatedMLA, KimiDeltaAttention
 from kimi_k3.attn_res import AttnResMix
 from kimi_k3.config import ModelArgs
+from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.experts import situ_glu
 from kimi_k3.loader import load_model
 from kimi_k3.moe import LatentMoE, Router, SituMLP

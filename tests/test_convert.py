@@ -44,8 +44,9 @@ def _convert(src, out, settings=SMALL, **kw) -> str:
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def _rel(a: mx.array, b: mx.array) -> float:
@@ -96,11 +97,15 @@ def _fake_quantized(src: Path, bits: int) -> nn.Module:
         if not want or m.weight.ndim != 2 or m.weight.shape[-1] % spec["group_size"]:
             continue
         q, s, b = mx.quantize(m.weight, spec["group_size"], spec["bits"])
-        m.weight = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32),
-                                 spec["group_size"], spec["bits"])
-    model.update(nn.utils.tree_map(
-        lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
-        model.parameters()))
+        m.weight = mx.dequantize(
+            q, s.astype(mx.float32), b.astype(mx.float32), spec["group_size"], spec["bits"]
+        )
+    model.update(
+        nn.utils.tree_map(
+            lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
+            model.parameters(),
+        )
+    )
     return model
 
 
@@ -117,25 +122,46 @@ def test_quantized_dense_matches_in_memory_quantization(tiny_ckpt, converted, bi
     assert isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     assert isinstance(model.layers[0].self_attn.f_b_proj, nn.Linear)
     weights = CheckpointIndex(out).tensors
-    assert not any(k.endswith((".scales", ".biases")) and ("_res" in k or "conv1d" in k)
-                   for k in weights)
+    assert not any(
+        k.endswith((".scales", ".biases")) and ("_res" in k or "conv1d" in k) for k in weights
+    )
     got = model(TOKENS)
     assert _rel(got, _fake_quantized(tiny_ckpt, bits)(TOKENS)) < 1e-5
 
 
 def test_chunk_size_does_not_change_the_output(tiny_ckpt, converted, tmp_path):
-    _convert(tiny_ckpt, tmp_path / "o", Settings(4, 64, SMALL.shard_bytes, SMALL.pack_file_bytes),
-             chunk_bytes=1000, workers=3)
+    _convert(
+        tiny_ckpt,
+        tmp_path / "o",
+        Settings(4, 64, SMALL.shard_bytes, SMALL.pack_file_bytes),
+        chunk_bytes=1000,
+        workers=3,
+    )
     assert _files(tmp_path / "o") == _files(converted(4))
 
 
 def test_killed_conversion_resumes_to_identical_bytes(tiny_ckpt, converted, tmp_path):
     out = tmp_path / "o"
-    cmd = [sys.executable, "-m", "kimi_k3.convert", "--hf-path", str(tiny_ckpt), "--out",
-           str(out), "--dense-bits", "4", "--shard-mb", str(SMALL.shard_bytes / 2**20),
-           "--pack-file-mb", str(SMALL.pack_file_bytes / 2**20), "--workers", "1"]
-    killed = subprocess.run(cmd, env={**os.environ, KILL_ENV: "300000"}, capture_output=True,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "kimi_k3.convert",
+        "--hf-path",
+        str(tiny_ckpt),
+        "--out",
+        str(out),
+        "--dense-bits",
+        "4",
+        "--shard-mb",
+        str(SMALL.shard_bytes / 2**20),
+        "--pack-file-mb",
+        str(SMALL.pack_file_bytes / 2**20),
+        "--workers",
+        "1",
+    ]
+    killed = subprocess.run(
+        cmd, env={**os.environ, KILL_ENV: "300000"}, capture_output=True, text=True
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (out / MANIFEST).exists()
     done = json.loads((out / STATE).read_text())["done"]
@@ -170,8 +196,11 @@ def test_verify_catches_flipped_bytes(converted, tmp_path):
     pack = ExpertPack(out)
     file, offset, nbytes = pack.record(2, 5)
     _flip(file, offset + 3)
-    with pytest.raises(CheckpointError, match=rf"{file.name}: checksum mismatch .*layer 2 "
-                                              r"expert 5"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{file.name}: checksum mismatch .*layer 2 "
+        r"expert 5",
+    ):
         verify_output(out, stream=io.StringIO())
     assert convert_main(["--hf-path", "unused", "--out", str(out), "--verify"]) == 1
     _flip(file, offset + 3)
@@ -186,8 +215,9 @@ def test_verify_catches_flipped_bytes(converted, tmp_path):
 
 
 def test_cli_verify_after_convert(tiny_ckpt, tmp_path, capsys):
-    rc = convert_main(["--hf-path", str(tiny_ckpt), "--out", str(tmp_path / "o"),
-                       "--dense-bits", "8", "--verify"])
+    rc = convert_main(
+        ["--hf-path", str(tiny_ckpt), "--out", str(tmp_path / "o"), "--dense-bits", "8", "--verify"]
+    )
     assert rc == 0
     err = capsys.readouterr().err
     assert "verified" in err and "peak RSS" in err
@@ -220,8 +250,11 @@ def test_corrupted_input_is_named(tiny_ckpt, tmp_path, capsys):
     with pytest.raises(CheckpointError, match=rf"tensor {name} is missing"):
         _convert(bad, tmp_path / "o3")
     bad = _rewrite(tiny_ckpt, tmp_path / "shape", lambda k, a: a[:-1] if k == name else a)
-    with pytest.raises(CheckpointError, match=rf"tensor {name} is U8\[31, 2\], expected "
-                                              r"U8\[32, 2\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"tensor {name} is U8\[31, 2\], expected "
+        r"U8\[32, 2\]",
+    ):
         _convert(bad, tmp_path / "o4")
 
 
@@ -254,9 +287,16 @@ def test_refuses_foreign_or_mismatched_output(tiny_ckpt, converted, tmp_path):
 @pytest.mark.slow
 def test_memory_stays_bounded(tmp_path):
     """A ~300 MB checkpoint converts in well under 64 MB above the interpreter's baseline."""
-    src = write_checkpoint(tmp_path / "src", "small", tokenizer=False, shard_mb=64,
-                           num_experts=128, moe_intermediate_size=512,
-                           routed_expert_hidden_size=512, vocab_size=32768)
+    src = write_checkpoint(
+        tmp_path / "src",
+        "small",
+        tokenizer=False,
+        shard_mb=64,
+        num_experts=128,
+        moe_intermediate_size=512,
+        routed_expert_hidden_size=512,
+        vocab_size=32768,
+    )
     size = sum(f.stat().st_size for f in src.iterdir())
     limit_mb = 64
     assert size > 4 * (limit_mb << 20)
@@ -267,9 +307,25 @@ def test_memory_stays_bounded(tmp_path):
         "rc = main(sys.argv[1:])\n"
         "print(json.dumps({'rc': rc, 'base': base, 'peak': peak_rss_mb()}))\n"
     )
-    run = subprocess.run([sys.executable, "-c", script, "--hf-path", str(src), "--out",
-                          str(tmp_path / "out"), "--chunk-mb", "4", "--workers", "2",
-                          "--pack-file-mb", "32"], capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "--hf-path",
+            str(src),
+            "--out",
+            str(tmp_path / "out"),
+            "--chunk-mb",
+            "4",
+            "--workers",
+            "2",
+            "--pack-file-mb",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["rc"] == 0

@@ -32,33 +32,47 @@ def _expert(rng, inter: int, dim: int) -> dict:
 def experts():
     rng = np.random.default_rng(0)
     # Two layers with different (awkward) shapes: records are not page multiples.
-    return {1: [_expert(rng, 32, 96) for _ in range(5)],
-            3: [_expert(rng, 64, 160) for _ in range(4)]}
+    return {
+        1: [_expert(rng, 32, 96) for _ in range(5)],
+        3: [_expert(rng, 64, 160) for _ in range(4)],
+    }
 
 
 def test_k3_record_is_page_aligned():
-    shapes = {"w1.weight_packed": (3072, 1792), "w1.weight_scale": (3072, 112),
-              "w2.weight_packed": (3584, 1536), "w2.weight_scale": (3584, 96),
-              "w3.weight_packed": (3072, 1792), "w3.weight_scale": (3072, 112)}
+    shapes = {
+        "w1.weight_packed": (3072, 1792),
+        "w1.weight_scale": (3072, 112),
+        "w2.weight_packed": (3584, 1536),
+        "w2.weight_scale": (3584, 96),
+        "w3.weight_packed": (3072, 1792),
+        "w3.weight_scale": (3072, 112),
+    }
     lay = RecordLayout.from_published(shapes)
     assert lay.data_bytes == lay.record_bytes == 17_547_264  # KIMI_K3.md: one expert
     assert lay.tensors["w1.weight"]["shape"] == [3072, 448]  # uint32 view [I, D/8]
     assert lay.tensors["w2.scales"]["shape"] == [3584, 96]
     assert [t["offset"] for t in lay.tensors.values()] == sorted(
-        t["offset"] for t in lay.tensors.values())
+        t["offset"] for t in lay.tensors.values()
+    )
 
 
 def test_layout_rejects_bad_scale_shape():
-    shapes = {"w1.weight_packed": (8, 16), "w1.weight_scale": (8, 2),
-              "w2.weight_packed": (16, 4), "w2.weight_scale": (16, 1),
-              "w3.weight_packed": (8, 16), "w3.weight_scale": (8, 1)}
+    shapes = {
+        "w1.weight_packed": (8, 16),
+        "w1.weight_scale": (8, 2),
+        "w2.weight_packed": (16, 4),
+        "w2.weight_scale": (16, 1),
+        "w3.weight_packed": (8, 16),
+        "w3.weight_scale": (8, 1),
+    }
     with pytest.raises(PackError, match=r"layer 7: expert tensor w1.weight_scale .*\[8, 1\]"):
         RecordLayout.from_published(shapes, "layer 7")
 
 
 def test_plan_files_bounds_size_and_keeps_records_whole():
-    lay = RecordLayout.from_published({k: v.shape for k, v in _expert(
-        np.random.default_rng(0), 32, 64).items()})
+    lay = RecordLayout.from_published(
+        {k: v.shape for k, v in _expert(np.random.default_rng(0), 32, 64).items()}
+    )
     files = plan_files({1: (lay, 5), 2: (lay, 6)}, file_bytes=3 * ALIGN)
     assert [len(f) for f in files] == [3, 3, 3, 2]
     assert [r for f in files for r in f] == [(1, e) for e in range(5)] + [(2, e) for e in range(6)]

@@ -31,9 +31,14 @@ PLOTS = {"routing.png", "attn_res.png", "kda_decay.png", "mla_entropy.png"}
 
 
 def run(script: str, *args: str, stdin: str = "", env: dict | None = None, timeout=120):
-    return subprocess.run([sys.executable, str(EXAMPLES / script), *args], input=stdin,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _has_streamer() -> bool:
@@ -47,8 +52,9 @@ def _has_streamer() -> bool:
 def test_notebook_matches_script():
     stored = nbformat.read(EXAMPLES / "explore_kimi_k3.ipynb", as_version=4)
     built = build_notebook.notebook((EXAMPLES / "explore_kimi_k3.py").read_text())
-    assert [(c.cell_type, c.source) for c in stored.cells] == \
-        [(c.cell_type, c.source) for c in built.cells], "run python examples/build_notebook.py"
+    assert [(c.cell_type, c.source) for c in stored.cells] == [
+        (c.cell_type, c.source) for c in built.cells
+    ], "run python examples/build_notebook.py"
     for cell in stored.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, "stored with outputs"
@@ -60,10 +66,10 @@ def test_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("KIMI_K3_DECODE_STEPS", "4")
     monkeypatch.delenv("KIMI_K3_MODEL", raising=False)
     nb = nbformat.read(EXAMPLES / "explore_kimi_k3.ipynb", as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(EXAMPLES)}}).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                   for o in c.outputs)
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(EXAMPLES)}}
+    ).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert re.search(r"traced \d+ tokens \(\d+ prompt \+ 4 decoded\)", text)
     made = {p.name for p in tmp_path.glob("*.png")}
     assert PLOTS <= made
@@ -71,26 +77,34 @@ def test_notebook_executes(tmp_path, monkeypatch):
         assert "cache_hit_rate.png" in made
     else:
         assert "streamer (kimi_k3.streaming.get_stats) is not in this build" in text
-    images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
-                 for o in c.outputs)
+    images = sum(
+        "image/png" in o.get("data", {})
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+    )
     assert images >= len(PLOTS)
 
 
 def test_explore_script(tmp_path):
-    r = run("explore_kimi_k3.py", env={"KIMI_K3_PLOT_DIR": str(tmp_path),
-                                       "KIMI_K3_PRESET": "tiny", "KIMI_K3_DECODE_STEPS": "3"})
+    r = run(
+        "explore_kimi_k3.py",
+        env={
+            "KIMI_K3_PLOT_DIR": str(tmp_path),
+            "KIMI_K3_PRESET": "tiny",
+            "KIMI_K3_DECODE_STEPS": "3",
+        },
+    )
     assert r.returncode == 0, r.stderr
     assert PLOTS <= {p.name for p in tmp_path.glob("*.png")}
 
 
 def test_generate_api(tiny_ckpt):
     prompt = "Name three rivers."
-    r = run("generate_api.py", "--model", str(tiny_ckpt), "--prompt", prompt,
-            "--max-tokens", "5")
+    r = run("generate_api.py", "--model", str(tiny_ckpt), "--prompt", prompt, "--max-tokens", "5")
     assert r.returncode == 0, r.stderr
     tokenizer = load_tokenizer(tiny_ckpt)
-    n_prompt = len(encode_chat(tokenizer, [{"role": "user", "content": prompt}],
-                               thinking=False))
+    n_prompt = len(encode_chat(tokenizer, [{"role": "user", "content": prompt}], thinking=False))
     m = re.search(r"prompt: (\d+) tokens.*generation: (\d+) tokens", r.stdout)
     assert m and int(m.group(1)) == n_prompt and 1 <= int(m.group(2)) <= 5, r.stdout
 
@@ -122,9 +136,17 @@ def test_chat_loop_cache_matches_a_fresh_prefill(tiny_ckpt):
     turn = [{"role": "user", "content": "And a router?"}]
     before = history + encode_chat(tokenizer, turn, thinking=False)
     reply = chat_loop.chat_turn(model, tokenizer, cache, history, turn, 6, greedy, False, out)
-    fresh = [r.token for r in stream_generate(model, tokenizer, before, max_tokens=6,
-                                              sampler=greedy,
-                                              prompt_cache=make_prompt_cache(model))]
+    fresh = [
+        r.token
+        for r in stream_generate(
+            model,
+            tokenizer,
+            before,
+            max_tokens=6,
+            sampler=greedy,
+            prompt_cache=make_prompt_cache(model),
+        )
+    ]
     assert reply == fresh
     assert history[: len(before)] == before
 

@@ -29,8 +29,10 @@ from kimi_k3.generate import (
     setup_arg_parser,
 )
 
-STATS = re.compile(r"stats: prompt: (\d+) tokens, [\d.]+ tok/s \| generation: (\d+) tokens, "
-                   r"[\d.]+ tok/s \| peak memory: [\d.]+ GB \| experts: (.*)")
+STATS = re.compile(
+    r"stats: prompt: (\d+) tokens, [\d.]+ tok/s \| generation: (\d+) tokens, "
+    r"[\d.]+ tok/s \| peak memory: [\d.]+ GB \| experts: (.*)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +48,13 @@ def private_cache(tmp_path, monkeypatch):
 def run_cli(*args, stdin=None, env=None, timeout=120):
     """The CLI in a subprocess; output decoded without newline translation (a token may
     be a lone ``\\r``)."""
-    out = subprocess.run([sys.executable, "-m", "kimi_k3.generate", *map(str, args)],
-                         input=stdin and stdin.encode(), capture_output=True, timeout=timeout,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "kimi_k3.generate", *map(str, args)],
+        input=stdin and stdin.encode(),
+        capture_output=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     out.stdout, out.stderr = out.stdout.decode(), out.stderr.decode()
     return out
 
@@ -60,12 +66,22 @@ def expected_text(model, tokenizer, ids, max_tokens):
 def test_chat_end_to_end(tiny_ckpt, tiny):
     """Text on stdout equals greedy mlx-lm generation from ``encode_chat`` ids; a typed
     marker stays text (the prompt count is that of ``encode_chat``, not of the string)."""
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Say <|open|> please"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say <|open|> please"},
+    ]
     ids = encode_chat(tiny[1], messages)
     assert len(ids) != len(tiny[1].encode(render_text(messages)))
-    out = run_cli("--model", tiny_ckpt, "--system", "Be brief.", "--prompt",
-                  "Say <|open|> please", "--max-tokens", 12)
+    out = run_cli(
+        "--model",
+        tiny_ckpt,
+        "--system",
+        "Be brief.",
+        "--prompt",
+        "Say <|open|> please",
+        "--max-tokens",
+        12,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected_text(*tiny, ids, 12) + "\n"
     stats = STATS.search(out.stderr)
@@ -77,14 +93,28 @@ def test_chat_end_to_end(tiny_ckpt, tiny):
 
 def test_raw_and_no_thinking(tiny_ckpt, tiny, capsys):
     """In process (``main``), the same path as the subprocess runs."""
-    assert main(["--model", str(tiny_ckpt), "--raw", "--prompt", "Once upon a time",
-                 "--max-tokens", "5"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tiny_ckpt),
+                "--raw",
+                "--prompt",
+                "Once upon a time",
+                "--max-tokens",
+                "5",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     ids = tiny[1].encode("Once upon a time", add_special_tokens=False)
     assert int(STATS.search(out.err)[1]) == len(ids)
     assert out.out == expected_text(*tiny, ids, 5) + "\n"
-    assert main(["--model", str(tiny_ckpt), "--no-thinking", "--prompt", "Hi",
-                 "--max-tokens", "3"]) == 0
+    assert (
+        main(["--model", str(tiny_ckpt), "--no-thinking", "--prompt", "Hi", "--max-tokens", "3"])
+        == 0
+    )
     ids = encode_chat(tiny[1], [{"role": "user", "content": "Hi"}], thinking=False)
     assert int(STATS.search(capsys.readouterr().err)[1]) == len(ids)
 
@@ -148,7 +178,8 @@ def test_max_context(tiny_ckpt, tiny, capsys):
     assert main(argv + [str(len(ids))]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: the prompt is {len(ids)} tokens, but the context holds {len(ids)} "
-        "(--max-context), leaving no room for a reply")
+        "(--max-context), leaving no room for a reply"
+    )
 
 
 @pytest.mark.parametrize("argv", [["--max-tokens", "lots"], ["--chat", "--raw"]])
@@ -165,9 +196,19 @@ def test_nonpositive_limits(capsys):
 
 def test_ctrl_c_prints_stats_and_exits_130(tiny_ckpt):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kimi_k3.generate", "--model", str(tiny_ckpt),
-         "--max-tokens", "1000000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "kimi_k3.generate",
+            "--model",
+            str(tiny_ckpt),
+            "--max-tokens",
+            "1000000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.read(1)  # text is streaming
         proc.send_signal(signal.SIGINT)
@@ -212,23 +253,34 @@ def test_session_continues_like_a_fresh_run(tiny_ckpt, capsys):
     assert ids1[: len(system)] == system and ids2[: len(system)] != system
     fresh = [r.token for r in stream_generate(model, tok, ids1 + reply1 + ids2, max_tokens=7)]
     assert reply2 == fresh
-    mla = next(c for layer, c in zip(model.layers, session.cache, strict=True)
-               if not layer.is_linear)
+    mla = next(
+        c for layer, c in zip(model.layers, session.cache, strict=True) if not layer.is_linear
+    )
     assert mla.offset == len(session.history)  # the cache holds exactly the history
 
 
 def test_close_reply(tiny):
     tok = tiny[1]
-    cut = encode_segments(tok, [("I think", False), ("<|close|>", True), ("think", False),
-                                ("<|sep|>", True), ("<|open|>", True), ("response", False),
-                                ("<|sep|>", True), ("Hel", False)])
+    cut = encode_segments(
+        tok,
+        [
+            ("I think", False),
+            ("<|close|>", True),
+            ("think", False),
+            ("<|sep|>", True),
+            ("<|open|>", True),
+            ("response", False),
+            ("<|sep|>", True),
+            ("Hel", False),
+        ],
+    )
     closing = close_reply(tok, cut, thinking=True)
-    assert tok.decode(closing) == ("<|close|>response<|sep|><|close|>message<|sep|>"
-                                   "<|end_of_msg|>")
+    assert tok.decode(closing) == ("<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")
     done = cut + close_reply(tok, cut, thinking=True)
     assert close_reply(tok, done, thinking=True) == []
     assert tok.decode(close_reply(tok, [], thinking=False)) == (
-        "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")
+        "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+    )
 
 
 def test_default_model_is_built_once(tmp_path):
@@ -269,7 +321,8 @@ def test_disk_error_mid_generation(tiny_ckpt, tmp_path, capsys):
     assert run_once(model, tok, args) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(
-        "error: reading experts from disk failed mid-generation: ")
+        "error: reading experts from disk failed mid-generation: "
+    )
     assert str(path) in err[0]
 
 
@@ -314,5 +367,6 @@ def test_auto_budget_streams_what_does_not_fit(tiny_ckpt, monkeypatch, capsys):
     monkeypatch.setattr(gen, "default_cache_gb", lambda dense, reserve_gb: 0.5)
     assert gen.resolve_model(tiny_ckpt, None) == (tiny_ckpt, 0.5)
     assert "do not fit in memory: streaming them through a 0.5 GB cache" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     assert gen.resolve_model(tiny_ckpt, 2.0) == (tiny_ckpt, 2.0)

@@ -1,4 +1,4 @@
-"""The pure-MLX KDA reference: against flash-linear-attention's vectors, and chunked == recurrent."""
+"""The pure-MLX KDA reference against flash-linear-attention's vectors; chunked == recurrent."""
 
 import mlx.core as mx
 import numpy as np

@@ -53,8 +53,10 @@ def test_detect(tiny_ckpt, mlx_lm_dir, tmp_path):
 
 
 def test_mlx_lm_layout_gives_identical_logits(tiny_ckpt, mlx_lm_dir):
-    assert json.loads((mlx_lm_dir / "config.json").read_text())["quantization_config"]["mode"] \
-        == "mxfp4"  # mlx-lm's own entry, which the published-config check would reject
+    assert (
+        json.loads((mlx_lm_dir / "config.json").read_text())["quantization_config"]["mode"]
+        == "mxfp4"
+    )  # mlx-lm's own entry, which the published-config check would reject
     want = load_model(tiny_ckpt, dtype=mx.float32)(TOKENS)
     got = load_model(mlx_lm_dir, dtype=mx.float32)(TOKENS)
     assert mx.array_equal(want, got)
@@ -85,8 +87,10 @@ def test_mlx_lm_expert_names_slice_to_published_bytes(tiny_ckpt, mlx_lm_dir):
             f.seek(t.start + e * per)
             got = f.read(per)
         kind = "weight_packed" if name.endswith("weight") else "weight_scale"
-        src = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{e}." \
-              f"{name.split('.')[0]}.{kind}"
+        src = (
+            f"language_model.model.layers.{layer}.block_sparse_moe.experts.{e}."
+            f"{name.split('.')[0]}.{kind}"
+        )
         assert got == published.read_numpy(src).tobytes()
 
 

@@ -46,8 +46,11 @@ def test_load_returns_model_and_tokenizer(tiny_ckpt, loaded):
 
 
 def test_load_options(tiny_ckpt):
-    model, tok = kimi_k3.load(tiny_ckpt, model_config={"max_position_embeddings": 77},
-                              tokenizer_config={"eos_token": "<|sep|>"})
+    model, tok = kimi_k3.load(
+        tiny_ckpt,
+        model_config={"max_position_embeddings": 77},
+        tokenizer_config={"eos_token": "<|sep|>"},
+    )
     assert model.args.max_position_embeddings == 77
     assert tok.convert_tokens_to_ids("<|sep|>") in tok.eos_token_ids
     with pytest.raises(ConfigError, match="model_config key 'hidden_size'"):
@@ -70,7 +73,8 @@ def test_generate_matches_greedy_decoding(loaded):
         logits = model(mx.array([[want[-1]]]), cache=cache)
     assert got == want
     assert generate(model, tok, ids, max_tokens=10) == tok.decode(
-        [t for t in got if t not in tok.eos_token_ids])
+        [t for t in got if t not in tok.eos_token_ids]
+    )
 
 
 def test_make_prompt_cache_is_the_models(loaded):
@@ -98,8 +102,10 @@ def test_saved_prompt_cache_continues_like_an_uninterrupted_run(loaded, tmp_path
 
 
 def test_import_is_cheap_and_exports_lazily():
-    code = ("import sys, kimi_k3; heavy = [m for m in ('mlx.core', 'mlx_lm', 'transformers') "
-            "if m in sys.modules]; assert not heavy, heavy; "
-            "assert callable(kimi_k3.trace) and kimi_k3.ModelArgs.__name__ == 'ModelArgs'; "
-            "import kimi_k3.trace; assert callable(kimi_k3.trace)")
+    code = (
+        "import sys, kimi_k3; heavy = [m for m in ('mlx.core', 'mlx_lm', 'transformers') "
+        "if m in sys.modules]; assert not heavy, heavy; "
+        "assert callable(kimi_k3.trace) and kimi_k3.ModelArgs.__name__ == 'ModelArgs'; "
+        "import kimi_k3.trace; assert callable(kimi_k3.trace)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,8 +14,10 @@ from mlx_lm import stream_generate
 import kimi_k3
 from kimi_k3.chat import encode_chat
 
-MESSAGES = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Is <|open|> a marker?"}]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Is <|open|> a marker?"},
+]
 
 
 def _free_port() -> int:
@@ -30,9 +32,22 @@ def server(tiny_ckpt, tmp_path_factory):
     port = _free_port()
     env = {**os.environ, "KIMI_K3_CACHE": str(tmp_path_factory.mktemp("cache"))}
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "kimi_k3.server", "--model", str(tiny_ckpt),
-                             "--port", str(port), "--log-level", "WARNING"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kimi_k3.server",
+            "--model",
+            str(tiny_ckpt),
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -57,8 +72,9 @@ def local(tiny_ckpt):
 
 
 def post(url, body):
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     return urllib.request.urlopen(request, timeout=60)
 
 
@@ -96,15 +112,19 @@ def test_chat_completion_is_encoded_with_encode_chat(server, local):
 def test_streaming_chat_completion(server, local):
     """SSE chunks add up to the text of the same request without streaming; thinking (the
     server default) routes the reply into ``reasoning``."""
-    body = {"messages": MESSAGES, "max_tokens": 10, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks = []
     with post(f"{server}/v1/chat/completions", body) as r:
         assert r.headers["Content-Type"] == "text/event-stream"
         for line in r:
             line = line.decode().strip()
             if line.startswith("data: "):
-                chunks.append(line[len("data: "):])
+                chunks.append(line[len("data: ") :])
     assert chunks[-1] == "[DONE]"
     events = [json.loads(c) for c in chunks[:-1]]
     usage = events[-1]["usage"]

@@ -49,8 +49,9 @@ def reference(small):
 
 def _check_accounting(stats):
     """Every read is one whole expert: demand reads are the misses, the rest prefetches."""
-    assert stats["bytes_read"] == (stats["misses"] + stats["prefetch_issued"]) * stats[
-        "expert_bytes"]
+    assert (
+        stats["bytes_read"] == (stats["misses"] + stats["prefetch_issued"]) * stats["expert_bytes"]
+    )
     assert stats["cache_bytes"] <= stats["budget_bytes"]
 
 
@@ -69,10 +70,19 @@ def test_streamed_logits_equal_resident(small, reference, slots):
     assert not any(k for k, _ in tree_flatten(model.parameters()) if ".experts." in k)
 
 
-@pytest.mark.parametrize("opts", [
-    {"prefetch": True}, {"policy": "lfu"}, {"overlap": True}, {"write_mode": "mlx"},
-    {"direct_io": False}, {"io_threads": 1}, {"prefetch": True, "policy": "lfu"},
-], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"prefetch": True},
+        {"policy": "lfu"},
+        {"overlap": True},
+        {"write_mode": "mlx"},
+        {"direct_io": False},
+        {"io_threads": 1},
+        {"prefetch": True, "policy": "lfu"},
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
 def test_options_never_change_the_output(small, reference, opts):
     model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 16), **opts)
     assert mx.array_equal(greedy(model, PROMPT, STEPS), reference).item()
@@ -110,8 +120,9 @@ def _simulate(trace, slots: int, policy: str) -> tuple[int, int]:
     streamer: LRU as an OrderedDict; LFU as counts halved every 4*slots uses, ties to LRU."""
     hits = misses = 0
     layers = len(trace[0])
-    state = [{"lru": OrderedDict(), "freq": {}, "last": {}, "clock": 0, "uses": 0}
-             for _ in range(layers)]
+    state = [
+        {"lru": OrderedDict(), "freq": {}, "last": {}, "clock": 0, "uses": 0} for _ in range(layers)
+    ]
     for call in trace:
         for st, need in zip(state, call, strict=True):
             need = need.tolist()
@@ -123,7 +134,7 @@ def _simulate(trace, slots: int, policy: str) -> tuple[int, int]:
             cand = [e for e in cached if e not in need]  # LRU order, oldest first
             if policy == "lfu":
                 cand.sort(key=lambda e: (st["freq"].get(e, 0.0), st["last"][e]))
-            for e in cand[:max(over, 0)]:
+            for e in cand[: max(over, 0)]:
                 del cached[e]
             for e in need:  # ascending ids: the streamer's tie order
                 cached[e] = True
@@ -145,8 +156,9 @@ def test_counters_match_a_cache_simulation(small, policy, slots):
     of the policy on the resident model's routing (so eviction does what it says)."""
     tokens = np.random.default_rng(3).integers(0, 1500, 24).tolist()
     trace = _routing_trace(load_model(small, dtype=mx.float32), tokens)
-    model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, slots),
-                       policy=policy)
+    model = load_model(
+        small, dtype=mx.float32, expert_cache_gb=budget_gb(small, slots), policy=policy
+    )
     cache = model.make_cache()
     for t in tokens:
         mx.eval(model(mx.array([[t]]), cache=cache))
@@ -183,9 +195,23 @@ def test_stats_api(small, tiny_ckpt):
     model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 8))
     greedy(model, PROMPT, 2)
     stats = get_stats(model)
-    for key in ("hits", "misses", "hit_rate", "bytes_read", "read_seconds", "read_gbps",
-                "prefetch_hits", "prefetch_issued", "prefetch_accuracy", "cache_bytes",
-                "budget_bytes", "wait_seconds", "compute_seconds", "per_token", "last_pass"):
+    for key in (
+        "hits",
+        "misses",
+        "hit_rate",
+        "bytes_read",
+        "read_seconds",
+        "read_gbps",
+        "prefetch_hits",
+        "prefetch_issued",
+        "prefetch_accuracy",
+        "cache_bytes",
+        "budget_bytes",
+        "wait_seconds",
+        "compute_seconds",
+        "per_token",
+        "last_pass",
+    ):
         assert key in stats, key
     assert stats["hit_rate"] == stats["hits"] / (stats["hits"] + stats["misses"])
     assert stats["per_token"]["bytes_read"] == stats["bytes_read"] / stats["tokens"]
@@ -241,15 +267,23 @@ def _resident_peak(path):
     return _peak_during(lambda: greedy(resident, PROMPT, 4))
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"),
-                    reason="needs Linux /proc to reset the peak RSS")
+@pytest.mark.skipif(
+    not __import__("os").path.exists("/proc/self/clear_refs"),
+    reason="needs Linux /proc to reset the peak RSS",
+)
 def test_memory_stays_within_dense_plus_budget(ckpt_factory):
     """Experts 4x the budget (53 MB of experts, 13 MB budget). Streamed: MLX memory after
     loading is the dense weights plus the pools, and the peak during generation grows by no
     more than the resident model's activations plus the grouped-prefill buffers (+1 MB);
     the process RSS grows by no more than that, the read buffers and 16 MB."""
-    path = ckpt_factory("small", num_hidden_layers=3, full=(3,), num_experts=64,
-                        routed_expert_hidden_size=512, moe_intermediate_size=512)
+    path = ckpt_factory(
+        "small",
+        num_hidden_layers=3,
+        full=(3,),
+        num_experts=64,
+        routed_expert_hidden_size=512,
+        moe_intermediate_size=512,
+    )
     all_experts = 2 * 64 * expert_bytes(expert_layout(ModelArgs.from_path(path)))
     r_active, r_peak, _, _ = _resident_peak(path)
     model = load_model(path, dtype=mx.float32, expert_cache_gb=all_experts / 4 / 1e9)

@@ -116,8 +116,16 @@ def test_default_cache_gb_follows_available_memory(monkeypatch):
     assert default_cache_gb(17 * 10**9) == 0.0
 
 
-@pytest.mark.parametrize("bad", [{"policy": "mru"}, {"source": "hub"}, {"io_threads": 0},
-                                 {"read_timeout": 0}, {"write_mode": "mmap"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"policy": "mru"},
+        {"source": "hub"},
+        {"io_threads": 0},
+        {"read_timeout": 0},
+        {"write_mode": "mmap"},
+    ],
+)
 def test_stream_options_reject_bad_values(bad):
     key = next(iter(bad))
     with pytest.raises(ValueError, match=key):

@@ -128,9 +128,16 @@ def test_stuck_read_times_out_and_later_recovers(tiny_ckpt, reference, monkeypat
 def test_corrupted_pack_record_fails_its_checksum(tiny_ckpt, reference, tmp_path):
     args = ModelArgs.from_path(tiny_ckpt)
     index = CheckpointIndex(tiny_ckpt)
-    experts = {layer: [{k.split("experts.")[1].split(".", 1)[1]: index.read_numpy(k)
-                        for k in expert_keys(layer, e)} for e in range(args.num_experts)]
-               for layer in range(1, args.num_hidden_layers)}
+    experts = {
+        layer: [
+            {
+                k.split("experts.")[1].split(".", 1)[1]: index.read_numpy(k)
+                for k in expert_keys(layer, e)
+            }
+            for e in range(args.num_experts)
+        ]
+        for layer in range(1, args.num_hidden_layers)
+    }
     pack_dir = write_pack(tmp_path, experts)
     (pack_file,) = pack_dir.glob("*.pack")
     model = load_model(tiny_ckpt, dtype=mx.float32)

@@ -85,8 +85,13 @@ def test_expert_pack_source(tiny_ckpt, tiny_ref, tmp_path, verify):
     args = ModelArgs.from_path(tiny_ckpt)
     index = CheckpointIndex(tiny_ckpt)
     experts = {
-        layer: [{k.split("experts.")[1].split(".", 1)[1]: index.read_numpy(k)
-                 for k in expert_keys(layer, e)} for e in range(args.num_experts)]
+        layer: [
+            {
+                k.split("experts.")[1].split(".", 1)[1]: index.read_numpy(k)
+                for k in expert_keys(layer, e)
+            }
+            for e in range(args.num_experts)
+        ]
         for layer in range(1, args.num_hidden_layers)
     }
     write_pack(tmp_path, experts, file_bytes=40_000)  # several pack files
@@ -120,8 +125,9 @@ def test_mlx_lm_affine_experts_are_refused(tiny_ckpt, tmp_path):
 
 def test_no_experts_anywhere_is_a_clear_error(tiny_ckpt, tmp_path):
     index = CheckpointIndex(tiny_ckpt)
-    dense = [(n, index.read_numpy(n), t.dtype) for n, t in index.tensors.items()
-             if ".experts." not in n]
+    dense = [
+        (n, index.read_numpy(n), t.dtype) for n, t in index.tensors.items() if ".experts." not in n
+    ]
     write_safetensors(tmp_path / "model.safetensors", dense)
     with pytest.raises(CheckpointError, match="no routed experts found for layer 1"):
         open_source(tmp_path, None, ModelArgs.from_path(tiny_ckpt), [1, 2, 3, 4])

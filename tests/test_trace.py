@@ -49,13 +49,17 @@ def mla_entropy(x, w, cfg):
     """Per-head causal attention entropy [H, T] with expanded (not absorbed) keys."""
     T, H = x.shape[0], cfg.mla_heads
     nope, pe, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    q = ref.linear(ref.rms_norm(ref.linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"],
-                                ref.MLA_EPS), w["q_b_proj.weight"]).reshape(T, H, nope + pe)
+    q = ref.linear(
+        ref.rms_norm(ref.linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], ref.MLA_EPS),
+        w["q_b_proj.weight"],
+    ).reshape(T, H, nope + pe)
     kv = ref.linear(x, w["kv_a_proj_with_mqa.weight"])
     latent = ref.rms_norm(kv[:, :r], w["kv_a_layernorm.weight"], ref.MLA_EPS)
     k_nope = ref.linear(latent, w["kv_b_proj.weight"]).reshape(T, H, -1)[..., :nope]
-    s = (np.einsum("thd,shd->hts", q[..., :nope], k_nope)
-         + np.einsum("thd,sd->hts", q[..., nope:], kv[:, r:])) * (nope + pe) ** -0.5
+    s = (
+        np.einsum("thd,shd->hts", q[..., :nope], k_nope)
+        + np.einsum("thd,sd->hts", q[..., nope:], kv[:, r:])
+    ) * (nope + pe) ** -0.5
     s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
@@ -71,8 +75,13 @@ def numpy_trace(tokens, w, cfg) -> dict:
         lw = ref.sub(m, f"layers.{i}.")
         aw = ref.sub(lw, "self_attn.")
         out["attn", i] = mix_weights(snaps, p, lw, "self_attention_res", eps)
-        h = ref.attn_res_mix(snaps, p, lw["self_attention_res.norm_weight"],
-                             lw["self_attention_res.proj_weight"], eps)
+        h = ref.attn_res_mix(
+            snaps,
+            p,
+            lw["self_attention_res.norm_weight"],
+            lw["self_attention_res.proj_weight"],
+            eps,
+        )
         if i % cfg.attn_res_block_size == 0:
             snaps, p = snaps + [p], np.zeros_like(p)
         x = ref.rms_norm(h, lw["input_layernorm.weight"], eps)
@@ -82,22 +91,26 @@ def numpy_trace(tokens, w, cfg) -> dict:
         else:
             H, K = cfg.kda_heads, cfg.kda_head_dim
             g_raw = ref.linear(ref.linear(x, aw["f_a_proj.weight"]), aw["f_b_proj.weight"])
-            g = ref.kda_gate(g_raw.reshape(-1, H, K), aw["A_log"], aw["dt_bias"],
-                             cfg.gate_lower_bound)
+            g = ref.kda_gate(
+                g_raw.reshape(-1, H, K), aw["A_log"], aw["dt_bias"], cfg.gate_lower_bound
+            )
             out["alpha", i] = np.exp(g)
             out["beta", i] = ref.sigmoid(ref.linear(x, aw["b_proj.weight"]))
             y, (_, S) = ref.kda_attention(x, aw, cfg)
             out["state_norm", i] = np.sqrt((S * S).sum(axis=(1, 2)))
         p = p + y
         out["mlp", i] = mix_weights(snaps, p, lw, "mlp_res", eps)
-        h = ref.rms_norm(ref.attn_res_mix(snaps, p, lw["mlp_res.norm_weight"],
-                                          lw["mlp_res.proj_weight"], eps),
-                         lw["post_attention_layernorm.weight"], eps)
+        h = ref.rms_norm(
+            ref.attn_res_mix(snaps, p, lw["mlp_res.norm_weight"], lw["mlp_res.proj_weight"], eps),
+            lw["post_attention_layernorm.weight"],
+            eps,
+        )
         if i < cfg.first_k_dense_replace:
             f = ref.situ_mlp(h, ref.sub(lw, "mlp."), cfg.situ_beta, cfg.situ_cap)
         else:
             f, out["inds", i], out["weights", i] = ref.latent_moe(
-                h, ref.sub(lw, "block_sparse_moe."), cfg)
+                h, ref.sub(lw, "block_sparse_moe."), cfg
+            )
         p = p + f
     out["out"] = mix_weights(snaps, p, m, "output_attn_res", eps)
     return out
@@ -112,11 +125,15 @@ def check_against(t, want: dict, layers: int):
         if ("inds", i) in want:
             inds, weights = t.routing[i]
             order, want_order = np.argsort(inds, axis=-1), np.argsort(want["inds", i], axis=-1)
-            np.testing.assert_array_equal(np.take_along_axis(inds, order, -1),
-                                          np.take_along_axis(want["inds", i], want_order, -1))
-            np.testing.assert_allclose(np.take_along_axis(weights, order, -1),
-                                       np.take_along_axis(want["weights", i], want_order, -1),
-                                       atol=ATOL)
+            np.testing.assert_array_equal(
+                np.take_along_axis(inds, order, -1),
+                np.take_along_axis(want["inds", i], want_order, -1),
+            )
+            np.testing.assert_allclose(
+                np.take_along_axis(weights, order, -1),
+                np.take_along_axis(want["weights", i], want_order, -1),
+                atol=ATOL,
+            )
         if ("alpha", i) in want:
             kda = t.kda[i]
             np.testing.assert_allclose(kda["alpha_mean"], want["alpha", i].mean(-1), atol=ATOL)

@@ -37,11 +37,18 @@ def test_trainable_set(tiny_ckpt):
     model = freeze_experts(load_model(tiny_ckpt, dtype=mx.float32))
     trainable = {k for k, _ in tree_flatten(model.trainable_parameters())}
     frozen = {k for k, _ in tree_flatten(model.parameters())} - trainable
-    assert frozen and all(".experts." in k or k.endswith("e_score_correction_bias")
-                          for k in frozen)
+    assert frozen and all(".experts." in k or k.endswith("e_score_correction_bias") for k in frozen)
     assert not any(".experts." in k for k in trainable)
-    for name in ("A_log", "dt_bias", "q_conv1d.weight", "kv_b_proj.weight", "gate.weight",
-                 "mlp_res.proj_weight", "output_attn_res.norm_weight", "lm_head.weight"):
+    for name in (
+        "A_log",
+        "dt_bias",
+        "q_conv1d.weight",
+        "kv_b_proj.weight",
+        "gate.weight",
+        "mlp_res.proj_weight",
+        "output_attn_res.norm_weight",
+        "lm_head.weight",
+    ):
         assert any(k.endswith(name) for k in trainable), name
 
 

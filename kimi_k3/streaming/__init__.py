@@ -14,8 +14,15 @@ from kimi_k3.streaming.cache import default_cache_gb
 from kimi_k3.streaming.io import ExpertReadError
 from kimi_k3.streaming.store import StreamOptions, attach_streamer, find_streamer
 
-__all__ = ["ExpertReadError", "StreamOptions", "attach_streamer", "clear_cache",
-           "default_cache_gb", "get_stats", "reset_stats"]
+__all__ = [
+    "ExpertReadError",
+    "StreamOptions",
+    "attach_streamer",
+    "clear_cache",
+    "default_cache_gb",
+    "get_stats",
+    "reset_stats",
+]
 
 
 def get_stats(model) -> dict | None:

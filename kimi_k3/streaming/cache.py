@@ -115,8 +115,10 @@ class SlotCache:
         if need > 0:
             cand = self.evictable(pinned)
             if len(cand) < need:  # callers check ``room`` first
-                raise ValueError(f"{len(experts)} experts for {len(self.free)} free and "
-                                 f"{len(cand)} evictable slots")
+                raise ValueError(
+                    f"{len(experts)} experts for {len(self.free)} free and "
+                    f"{len(cand)} evictable slots"
+                )
             for v in self.policy.victims(cand, need):
                 self.release(self.slot_of[int(v)])
         out = np.empty(len(experts), np.int64)
@@ -158,8 +160,9 @@ class SlotCache:
                 self.release(s)
 
 
-def slots_per_layer(budget_bytes: int, expert_bytes: int, layers: int, top_k: int,
-                    num_experts: int) -> int:
+def slots_per_layer(
+    budget_bytes: int, expert_bytes: int, layers: int, top_k: int, num_experts: int
+) -> int:
     """Slots each MoE layer gets from the budget; at least ``top_k`` or a ``ValueError``."""
     slots = min(budget_bytes // (expert_bytes * layers), num_experts)
     if slots < top_k:
@@ -167,7 +170,8 @@ def slots_per_layer(budget_bytes: int, expert_bytes: int, layers: int, top_k: in
         raise ValueError(
             f"expert_cache_gb={budget_bytes / GB:.4g} holds {budget_bytes // expert_bytes} "
             f"experts of {expert_bytes / 1e6:.2f} MB; {layers} MoE layers x top-{top_k} need "
-            f"at least {layers * top_k} (expert_cache_gb >= {need / GB:.4g})")
+            f"at least {layers * top_k} (expert_cache_gb >= {need / GB:.4g})"
+        )
     return int(slots)
 
 
@@ -189,8 +193,9 @@ def available_memory() -> int:
     return total
 
 
-def default_cache_gb(model_dense_bytes: int, reserve_gb: float = 4.0,
-                     fraction: float = 0.9) -> float:
+def default_cache_gb(
+    model_dense_bytes: int, reserve_gb: float = 4.0, fraction: float = 0.9
+) -> float:
     """An expert-cache budget in GB (1e9 bytes) sized from the memory available now.
 
     ``fraction`` of what is left after the dense weights and ``reserve_gb`` (OS, activations,

@@ -90,7 +90,8 @@ class FileTable:
             raise ExpertReadError(
                 f"{path}: changed while streaming ({what}): {st.st_size} bytes, mtime "
                 f"{st.st_mtime_ns} (was {size} bytes, mtime {mtime}); restore the original "
-                "file or reload the model")
+                "file or reload the model"
+            )
         with self.lock:
             entry = self.fds.get(path)
             if entry is None or entry[2] != st.st_ino:
@@ -138,8 +139,10 @@ class ReadJob:
     def wait(self, timeout: float):
         """Block until read; raises ``ExpertReadError`` on failure or after ``timeout`` s."""
         if not self.done.wait(max(timeout, 0.0)):
-            raise ExpertReadError(f"{self.extents[0].file}: no answer after {timeout:.1f} s "
-                                  f"reading {self.what} (read_timeout)")
+            raise ExpertReadError(
+                f"{self.extents[0].file}: no answer after {timeout:.1f} s "
+                f"reading {self.what} (read_timeout)"
+            )
         if self.error is not None:
             raise self.error
 
@@ -212,8 +215,10 @@ def _pread_into(fd: int, views: list, offset: int, need: int, aligned: bool) -> 
 
 
 def _short(ext, what: str, got: int) -> ExpertReadError:
-    return ExpertReadError(f"{ext.file}: short read of {what}: needs bytes {ext.offset}.."
-                           f"{ext.offset + ext.nbytes}, got {got} (truncated?)")
+    return ExpertReadError(
+        f"{ext.file}: short read of {what}: needs bytes {ext.offset}.."
+        f"{ext.offset + ext.nbytes}, got {got} (truncated?)"
+    )
 
 
 def _read_extent(job: ReadJob, ext, fd: int, aligned: bool, buf: _Buffer, crc: int) -> int:
@@ -252,12 +257,16 @@ def read_job(job: ReadJob, files: FileTable, buf: _Buffer):
         try:
             crc = _read_extent(job, ext, fd, aligned, buf, crc)
         except OSError as e:
-            raise ExpertReadError(f"{ext.file}: I/O error reading {job.what} (bytes "
-                                  f"{ext.offset}..{ext.offset + ext.nbytes}): {e}") from None
+            raise ExpertReadError(
+                f"{ext.file}: I/O error reading {job.what} (bytes "
+                f"{ext.offset}..{ext.offset + ext.nbytes}): {e}"
+            ) from None
     if job.checksum is not None and crc != job.checksum:
         ext = job.extents[0]
-        raise ExpertReadError(f"{ext.file}: checksum mismatch for {job.what} (bytes "
-                              f"{ext.offset}..{ext.offset + job.nbytes}): the file is corrupted")
+        raise ExpertReadError(
+            f"{ext.file}: checksum mismatch for {job.what} (bytes "
+            f"{ext.offset}..{ext.offset + job.nbytes}): the file is corrupted"
+        )
 
 
 def _worker(jobs: queue.PriorityQueue, files: FileTable, meter: Meter):
@@ -274,8 +283,9 @@ def _worker(jobs: queue.PriorityQueue, files: FileTable, meter: Meter):
         except ExpertReadError as e:
             job.error = e
         except Exception as e:  # never leave a waiter without an answer
-            job.error = ExpertReadError(f"{job.extents[0].file}: reading {job.what} failed: "
-                                        f"{type(e).__name__}: {e}")
+            job.error = ExpertReadError(
+                f"{job.extents[0].file}: reading {job.what} failed: {type(e).__name__}: {e}"
+            )
         finally:
             meter.stop(job.nbytes if ok else 0)
             job.done.set()
@@ -291,8 +301,12 @@ class ReadPool:
         self.seq = itertools.count()
         self.meter = Meter()
         self.threads = [
-            threading.Thread(target=_worker, args=(self.queue, files, self.meter), daemon=True,
-                             name=f"kimi-k3-expert-reader-{i}")
+            threading.Thread(
+                target=_worker,
+                args=(self.queue, files, self.meter),
+                daemon=True,
+                name=f"kimi-k3-expert-reader-{i}",
+            )
             for i in range(threads)
         ]
         for t in self.threads:

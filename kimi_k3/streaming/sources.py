@@ -93,8 +93,10 @@ class ShardSource:
                 shape, dtype = self.layout[name]
                 width = shape[1] * np.dtype(dtype).itemsize
                 if t.dtype != "U8" or t.shape != (shape[0], width):
-                    raise CheckpointError(f"{t.file}: tensor {key} is {t.dtype}{list(t.shape)}, "
-                                          f"expected U8{[shape[0], width]}")
+                    raise CheckpointError(
+                        f"{t.file}: tensor {key} is {t.dtype}{list(t.shape)}, "
+                        f"expected U8{[shape[0], width]}"
+                    )
             parts.append((t.file, t.start, t.nbytes, name))
         return _runs(parts)
 
@@ -122,12 +124,16 @@ class MlxLmSource:
                 shape, dtype = layout[name]
                 want = "U32" if dtype == np.uint32 else "U8"
                 if t.dtype != want or t.shape != (num_experts, *shape):
-                    raise CheckpointError(f"{t.file}: tensor {key} is {t.dtype}{list(t.shape)}, "
-                                          f"expected {want}{[num_experts, *shape]} (mxfp4)")
+                    raise CheckpointError(
+                        f"{t.file}: tensor {key} is {t.dtype}{list(t.shape)}, "
+                        f"expected {want}{[num_experts, *shape]} (mxfp4)"
+                    )
                 biases = key.rsplit(".", 1)[0] + ".biases"
                 if biases in index:
-                    raise CheckpointError(f"{index[biases].file}: tensor {biases}: affine-"
-                                          "quantized experts; only mxfp4 experts are streamed")
+                    raise CheckpointError(
+                        f"{index[biases].file}: tensor {biases}: affine-"
+                        "quantized experts; only mxfp4 experts are streamed"
+                    )
                 self.tensors[(layer, name)] = t
         self.files = sorted({t.file for t in self.tensors.values()})
 
@@ -157,8 +163,10 @@ class PackSource:
         for layer in layers:
             n = self.pack.num_experts(layer)  # raises PackError for a missing layer
             if n != num_experts:
-                raise CheckpointError(f"{self.pack.index_file}: layer {layer} has {n} experts, "
-                                      f"the config says {num_experts}")
+                raise CheckpointError(
+                    f"{self.pack.index_file}: layer {layer} has {n} experts, "
+                    f"the config says {num_experts}"
+                )
             self.records[layer] = self._record_layout(layer, layout)
         self.files = self.pack.files
 
@@ -169,21 +177,28 @@ class PackSource:
         for name in sorted(lay, key=lambda k: lay[k]["offset"]):
             t = lay[name]
             if name not in layout:
-                raise CheckpointError(f"{self.pack.index_file}: layer {layer}: unknown record "
-                                      f"tensor {name}")
+                raise CheckpointError(
+                    f"{self.pack.index_file}: layer {layer}: unknown record tensor {name}"
+                )
             shape, dtype = layout[name]
             if (t["dtype"], tuple(t["shape"])) != (np.dtype(dtype).name, shape):
-                raise CheckpointError(f"{self.pack.index_file}: layer {layer} tensor {name} is "
-                                      f"{t['dtype']}{t['shape']}, expected "
-                                      f"{np.dtype(dtype).name}{list(shape)}")
+                raise CheckpointError(
+                    f"{self.pack.index_file}: layer {layer} tensor {name} is "
+                    f"{t['dtype']}{t['shape']}, expected "
+                    f"{np.dtype(dtype).name}{list(shape)}"
+                )
             if t["offset"] != end:
-                raise CheckpointError(f"{self.pack.index_file}: layer {layer} tensor {name} "
-                                      f"starts at {t['offset']}, expected {end} (back to back)")
+                raise CheckpointError(
+                    f"{self.pack.index_file}: layer {layer} tensor {name} "
+                    f"starts at {t['offset']}, expected {end} (back to back)"
+                )
             pieces.append((name, t["nbytes"]))
             end += t["nbytes"]
         if sorted(lay) != sorted(layout):
-            raise CheckpointError(f"{self.pack.index_file}: layer {layer} records hold "
-                                  f"{sorted(lay)}, expected {sorted(layout)}")
+            raise CheckpointError(
+                f"{self.pack.index_file}: layer {layer} records hold "
+                f"{sorted(lay)}, expected {sorted(layout)}"
+            )
         return tuple(pieces), end
 
     def extents(self, layer: int, expert: int) -> tuple[Extent, ...]:
@@ -198,8 +213,13 @@ class PackSource:
 SOURCES = ("auto", "shards", "pack", "mlx-lm")
 
 
-def open_source(path: Path, index: CheckpointIndex | None, args: ModelArgs, layers: list[int],
-                kind: str = "auto"):
+def open_source(
+    path: Path,
+    index: CheckpointIndex | None,
+    args: ModelArgs,
+    layers: list[int],
+    kind: str = "auto",
+):
     """The expert source of a model directory: ``kind`` one of ``SOURCES``.
 
     ``auto`` picks the expert pack when ``path`` has one, else the published per-expert
@@ -230,6 +250,8 @@ def _detect(path: Path, index: CheckpointIndex | None, layer: int, has_pack: boo
 
     if mlx_lm_expert_names(layer)["w1.weight"] in index:
         return "mlx-lm"
-    raise CheckpointError(f"{path}: no routed experts found for layer {layer}: neither an "
-                          "expert pack (experts/index.json), nor published experts."
-                          f"E.w1.weight_packed, nor mlx-lm switch_mlp tensors")
+    raise CheckpointError(
+        f"{path}: no routed experts found for layer {layer}: neither an "
+        "expert pack (experts/index.json), nor published experts."
+        f"E.w1.weight_packed, nor mlx-lm switch_mlp tensors"
+    )

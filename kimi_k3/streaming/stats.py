@@ -10,8 +10,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-_COUNTS = ("hits", "misses", "prefetch_issued", "prefetch_hits", "prefetch_bytes",
-           "predicted_needed", "predicted_right", "tokens", "passes")
+_COUNTS = (
+    "hits",
+    "misses",
+    "prefetch_issued",
+    "prefetch_hits",
+    "prefetch_bytes",
+    "predicted_needed",
+    "predicted_right",
+    "tokens",
+    "passes",
+)
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -53,9 +62,14 @@ class StreamStats:
     def _now(self) -> dict:
         nbytes, reads, busy = self.meter.snapshot()
         span = self.span + (self.pass_end - self.pass_t0 if self.pass_t0 is not None else 0.0)
-        return {**{k: self.c[k] for k in _COUNTS}, "bytes_read": nbytes - self.io0[0],
-                "reads": reads - self.io0[1], "read_seconds": busy - self.io0[2],
-                "wait_seconds": self.wait, "span_seconds": span}
+        return {
+            **{k: self.c[k] for k in _COUNTS},
+            "bytes_read": nbytes - self.io0[0],
+            "reads": reads - self.io0[1],
+            "read_seconds": busy - self.io0[2],
+            "wait_seconds": self.wait,
+            "span_seconds": span,
+        }
 
     @staticmethod
     def _derived(d: dict) -> dict:
@@ -77,8 +91,17 @@ class StreamStats:
         now = self._now()
         out = self._derived(dict(now))
         tokens = now["tokens"]
-        out["per_token"] = {k: _ratio(now[k], tokens) for k in (
-            "hits", "misses", "bytes_read", "read_seconds", "wait_seconds", "span_seconds")}
+        out["per_token"] = {
+            k: _ratio(now[k], tokens)
+            for k in (
+                "hits",
+                "misses",
+                "bytes_read",
+                "read_seconds",
+                "wait_seconds",
+                "span_seconds",
+            )
+        }
         out["last_pass"] = self._derived({k: now[k] - self.mark[k] for k in now})
         out.update(self.info)
         return out

@@ -56,10 +56,13 @@ class StreamOptions:
     lfu_half_life: int | None = None
 
     def __post_init__(self):
-        for key, ok in (("policy", self.policy in POLICIES), ("source", self.source in SOURCES),
-                        ("write_mode", self.write_mode in ("auto", "view", "mlx")),
-                        ("io_threads", self.io_threads >= 1),
-                        ("read_timeout", self.read_timeout > 0)):
+        for key, ok in (
+            ("policy", self.policy in POLICIES),
+            ("source", self.source in SOURCES),
+            ("write_mode", self.write_mode in ("auto", "view", "mlx")),
+            ("io_threads", self.io_threads >= 1),
+            ("read_timeout", self.read_timeout > 0),
+        ):
             if not ok:
                 raise ValueError(f"stream option {key}={getattr(self, key)!r} is not valid")
 
@@ -73,16 +76,20 @@ class SlotPool:
     """
 
     def __init__(self, layout: dict, slots: int, write_mode: str):
-        self.arrays = {n: mx.zeros((slots, *shape), dtype=_MX[dt]) for n, (shape, dt) in
-                       layout.items()}
+        self.arrays = {
+            n: mx.zeros((slots, *shape), dtype=_MX[dt]) for n, (shape, dt) in layout.items()
+        }
         mx.eval(list(self.arrays.values()))
         self.layout, self.last_out = layout, None
         self.views = _host_views(self.arrays) if write_mode != "mlx" else None
         if self.views is None and write_mode == "view":
-            raise RuntimeError("write_mode='view': this MLX backend does not expose array "
-                               "memory to the host; use write_mode='mlx'")
-        self.w = {w: (self.arrays[f"{w}.weight"], self.arrays[f"{w}.scales"])
-                  for w in EXPERT_TENSORS}
+            raise RuntimeError(
+                "write_mode='view': this MLX backend does not expose array "
+                "memory to the host; use write_mode='mlx'"
+            )
+        self.w = {
+            w: (self.arrays[f"{w}.weight"], self.arrays[f"{w}.scales"]) for w in EXPERT_TENSORS
+        }
 
     @property
     def nbytes(self) -> int:
@@ -136,8 +143,12 @@ class StreamedExperts(nn.Module):
         super().__init__()
         self.streamer, self.layer, self.act = streamer, layer, act
         self.pool = SlotPool(streamer.layout, slots, streamer.opts.write_mode)
-        self.cache = SlotCache(slots, make_policy(streamer.opts.policy, streamer.num_experts,
-                                                  slots, streamer.opts.lfu_half_life))
+        self.cache = SlotCache(
+            slots,
+            make_policy(
+                streamer.opts.policy, streamer.num_experts, slots, streamer.opts.lfu_half_life
+            ),
+        )
 
     def __call__(self, z: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         """Shapes: z [N, Dl]; inds [N, k] int; weights [N, k]. Returns fp32 [N, Dl]."""
@@ -147,8 +158,16 @@ class StreamedExperts(nn.Module):
 class Streamer:
     """Shared by every layer's store: the source, the reader pool, options and counters."""
 
-    def __init__(self, source, layout: dict, moes: dict, slots: int, opts: StreamOptions,
-                 budget_bytes: int, args):
+    def __init__(
+        self,
+        source,
+        layout: dict,
+        moes: dict,
+        slots: int,
+        opts: StreamOptions,
+        budget_bytes: int,
+        args,
+    ):
         self.source, self.layout, self.opts = source, layout, opts
         self.num_experts, self.top_k = args.num_experts, args.num_experts_per_token
         self.files = FileTable(source.files, opts.direct_io)
@@ -169,9 +188,14 @@ class Streamer:
         info = {
             "budget_bytes": budget_bytes,
             "cache_bytes": sum(s.pool.nbytes for s in self.stores.values()),
-            "expert_bytes": expert_bytes(layout), "slots_per_layer": slots,
-            "layers": len(self.order), "source": source.kind, "policy": opts.policy,
-            "prefetch": opts.prefetch, "overlap": opts.overlap, "io_threads": opts.io_threads,
+            "expert_bytes": expert_bytes(layout),
+            "slots_per_layer": slots,
+            "layers": len(self.order),
+            "source": source.kind,
+            "policy": opts.policy,
+            "prefetch": opts.prefetch,
+            "overlap": opts.overlap,
+            "io_threads": opts.io_threads,
             # aligned read buffers, one per thread (direct I/O only)
             "overhead_bytes": opts.io_threads * (max_read + 2 * ALIGN) if opts.direct_io else 0,
         }
@@ -225,8 +249,9 @@ class Streamer:
         waits = [(int(s), cache.jobs[s]) for s in slots[known] if s in cache.jobs]
         used_ahead = [s for s in slots[known] if s in cache.prefetched]
         cache.prefetched.difference_update(used_ahead)
-        self.stats.add(hits=int(known.sum()), misses=int((~known).sum()),
-                       prefetch_hits=len(used_ahead))
+        self.stats.add(
+            hits=int(known.sum()), misses=int((~known).sum()), prefetch_hits=len(used_ahead)
+        )
         missing = experts[~known]
         if len(missing):
             pinned = set(slots[known].tolist())
@@ -244,8 +269,9 @@ class Streamer:
         jobs = []
         for e, s in zip(experts.tolist(), slots.tolist(), strict=True):
             checksum = self.source.checksum(store.layer, e) if self.opts.verify_checksums else None
-            job = ReadJob(store.layer, e, self.source.extents(store.layer, e),
-                          store.pool.dest(s), checksum)
+            job = ReadJob(
+                store.layer, e, self.source.extents(store.layer, e), store.pool.dest(s), checksum
+            )
             store.cache.jobs[s] = job
             jobs.append(job)
         return jobs
@@ -274,8 +300,9 @@ class Streamer:
     def _score(self, layer: int, needed: np.ndarray):
         pred = self.predicted.pop(layer, None)
         if pred is not None:
-            self.stats.add(predicted_needed=len(needed),
-                           predicted_right=len(np.intersect1d(needed, pred)))
+            self.stats.add(
+                predicted_needed=len(needed), predicted_right=len(np.intersect1d(needed, pred))
+            )
 
     def _wait(self, store, waits: list):
         """Wait for reads; a failed read frees its slot, a timed-out one holds it."""
@@ -305,8 +332,10 @@ class Streamer:
             job.done.wait(max(deadline - time.perf_counter(), 0.0))
         store.cache.reap()
         if store.cache.room(pinned) < need:
-            raise ExpertReadError(f"layer {store.layer}: {len(store.cache.zombies)} cache slots "
-                                  "are held by reads that never answered; the drive is stuck")
+            raise ExpertReadError(
+                f"layer {store.layer}: {len(store.cache.zombies)} cache slots "
+                "are held by reads that never answered; the drive is stuck"
+            )
 
     def _landed(self, store, slot: int, job):
         if store.cache.jobs.get(slot) is job:
@@ -338,8 +367,13 @@ class Streamer:
             slots = self._fetch(store, group, ahead if i == 0 else None)
             rows = np.flatnonzero(np.isin(flat, group))
             sl = slots[np.searchsorted(group, flat[rows])].astype(np.int32)[:, None]
-            out = expert_glu(z[mx.array(rows // k)], store.pool.w, mx.array(sl),
-                             mx.ones(sl.shape, mx.float32), *store.act)
+            out = expert_glu(
+                z[mx.array(rows // k)],
+                store.pool.w,
+                mx.array(sl),
+                mx.ones(sl.shape, mx.float32),
+                *store.act,
+            )
             Y = Y.at[mx.array(rows)].add(out)
             mx.eval(Y)
         return (Y.reshape(N, k, -1) * weights.astype(mx.float32)[..., None]).sum(axis=1)
@@ -354,8 +388,9 @@ class Streamer:
         store = self.stores[layer]
         experts = np.unique(np.asarray(experts, np.int64))
         if len(experts) > store.cache.slots:
-            raise ValueError(f"preload: {len(experts)} experts, layer {layer} has "
-                             f"{store.cache.slots} slots")
+            raise ValueError(
+                f"preload: {len(experts)} experts, layer {layer} has {store.cache.slots} slots"
+            )
         self._fetch(store, experts, None)
 
     def clear(self):
@@ -370,12 +405,16 @@ class Streamer:
 
 def moe_blocks(model) -> dict:
     """``{layer index: LatentMoE}`` of a Kimi K3 model."""
-    return {layer.block_sparse_moe.layer_index: layer.block_sparse_moe
-            for layer in model.layers if "block_sparse_moe" in layer}
+    return {
+        layer.block_sparse_moe.layer_index: layer.block_sparse_moe
+        for layer in model.layers
+        if "block_sparse_moe" in layer
+    }
 
 
-def attach_streamer(model, path: str | Path, index: CheckpointIndex | None,
-                    expert_cache_gb: float, **options) -> Streamer:
+def attach_streamer(
+    model, path: str | Path, index: CheckpointIndex | None, expert_cache_gb: float, **options
+) -> Streamer:
     """Replace every MoE layer's resident experts by a streamed store reading from ``path``.
 
     Works before the dense weights are loaded (``kimi_k3.loader.load_model`` calls it so) or on a
@@ -391,8 +430,9 @@ def attach_streamer(model, path: str | Path, index: CheckpointIndex | None,
     layout = expert_layout(args)
     source = open_source(Path(path), index, args, sorted(moes), opts.source)
     budget = round(expert_cache_gb * GB)
-    slots = slots_per_layer(budget, expert_bytes(layout), len(moes), args.num_experts_per_token,
-                            args.num_experts)
+    slots = slots_per_layer(
+        budget, expert_bytes(layout), len(moes), args.num_experts_per_token, args.num_experts
+    )
     old = find_streamer(model)
     if old is not None:
         old.close()
