@@ -74,3 +74,29 @@ def expert_glu_kernel(z, w, inds):
     if expert_prefill_choice(backend, w) == "reference":
         return None
     return partial(mxfp4_prefill.expert_glu_prefill, backend=backend)
+
+
+def with_reference_vjp(kernel_fn, reference_fn, primals: list):
+    """``kernel_fn(*primals)`` forward, with the gradient of ``reference_fn(*primals)``.
+
+    The custom kernels have no backward pass; this makes them differentiable (under
+    ``mx.grad`` / ``mx.value_and_grad``) by differentiating the reference on the same inputs.
+    Both functions take the arrays of ``primals`` positionally and return a tuple of arrays
+    or one array. Constants (weights that are not trained, indices) stay in their closures.
+    """
+
+    @mx.custom_function
+    def f(*xs):
+        return kernel_fn(*xs)
+
+    @f.vjp
+    def f_vjp(xs, cotangents, outputs):
+        cts = list(cotangents) if isinstance(cotangents, (list, tuple)) else [cotangents]
+        _, grads = mx.vjp(lambda *a: _as_list(reference_fn(*a)), list(xs), cts)
+        return tuple(grads)
+
+    return f(*primals)
+
+
+def _as_list(out):
+    return list(out) if isinstance(out, (list, tuple)) else [out]

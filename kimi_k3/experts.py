@@ -72,9 +72,14 @@ def expert_glu(z, w, inds, weights, beta, cap):
     from kimi_k3.kernels import dispatch
 
     fn = dispatch.expert_glu_kernel(z, w, inds)
-    if fn is not None:
-        return fn(z, w, inds, weights, beta, cap)
-    return expert_glu_reference(z, w, inds, weights, beta, cap)
+    if fn is None:
+        return expert_glu_reference(z, w, inds, weights, beta, cap)
+    # Kernels forward; gradients w.r.t. z and weights (training) through the reference.
+    return dispatch.with_reference_vjp(
+        lambda z_, wt: fn(z_, w, inds, wt, beta, cap),
+        lambda z_, wt: expert_glu_reference(z_, w, inds, wt, beta, cap),
+        [z, weights],
+    )
 
 
 class _Quant(nn.Module):

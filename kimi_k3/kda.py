@@ -245,12 +245,36 @@ def kda_mix(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
 
         fn = dispatch.kda_mix_kernel(p, x_q, conv_state, state)
         if fn is not None:
-            return fn(p, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state)
+            return _kernel_with_reference_grad(
+                fn, p, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state
+            )
     if x_q.shape[1] == 1 and conv_state is not None and state is not None:
         step = _compiled_step(p["heads"], p["head_dim"], p["lower_bound"], p["eps"])
         arrays = {k: v for k, v in p.items() if isinstance(v, mx.array)}
         return step(arrays, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state)
     return kda_mix_reference(p, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state)
+
+
+def _kernel_with_reference_grad(fn, p, *inputs):
+    """Run the kernel ``fn``; gradients (training) come from ``kda_mix_reference``."""
+    from kimi_k3.kernels.dispatch import with_reference_vjp
+
+    B, _, P = inputs[0].shape
+    conv_state, state = inputs[-2:]
+    if conv_state is None:  # zeros are what both paths assume for a fresh sequence
+        conv_state = mx.zeros((B, p["q_conv"].shape[-1] - 1, 3 * P), dtype=inputs[0].dtype)
+    if state is None:
+        K = p["head_dim"]
+        state = mx.zeros((B, p["heads"], K, K), dtype=mx.float32)
+    names = [k for k, v in p.items() if isinstance(v, mx.array)]
+    consts = {k: v for k, v in p.items() if k not in names}
+    n = len(names)
+
+    def call(impl):
+        return lambda *xs: impl({**consts, **dict(zip(names, xs[:n]))}, *xs[n:])
+
+    primals = [p[k] for k in names] + [*inputs[:-2], conv_state, state]
+    return tuple(with_reference_vjp(call(fn), call(kda_mix_reference), primals))
 
 
 @cache
