@@ -14,28 +14,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kimi_k3.convert.synth import PRESETS
+
 # The "small" preset's layer plan with a narrower trunk (fast on a CPU) and more, larger
 # experts: 5 MoE layers x 64 experts of about 104 KB, 33 MB of experts in all.
 PRESET = dict(
-    vocab_size=2048,
+    PRESETS["small"],
     hidden_size=128,
-    num_hidden_layers=6,
     intermediate_size=256,
-    attn_res_block_size=3,
     num_experts=64,
-    num_experts_per_token=4,
-    num_shared_experts=1,
     moe_intermediate_size=256,
     routed_expert_hidden_size=256,
-    num_attention_heads=4,
-    q_lora_rank=64,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    kda_heads=4,
-    kda_head_dim=32,
-    full=[3, 6],
 )
 SEED = 0
 # The expert cache holds this share of the expert bytes, so decoding really reads experts
