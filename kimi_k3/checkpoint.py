@@ -7,6 +7,7 @@ corrupted header, a tensor the index promises but the shard lacks.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -96,11 +97,14 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
 def _tensor_info(file, name, meta, base, size) -> TensorInfo:
     try:
         dtype, shape, (a, b) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+        ok = all(type(d) is int and d >= 0 for d in shape) and type(a) is int and type(b) is int
     except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{file}: tensor {name}: malformed header entry {meta!r}") from None
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{file}: tensor {name}: malformed header entry {meta!r}")
     if dtype not in DTYPE_SIZE:
         raise CheckpointError(f"{file}: tensor {name}: unknown dtype {dtype!r}")
-    want = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZE[dtype]
+    want = math.prod(shape) * DTYPE_SIZE[dtype]
     if b - a != want or a < 0:
         raise CheckpointError(
             f"{file}: tensor {name}: data_offsets {a}..{b} do not fit "

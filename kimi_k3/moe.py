@@ -33,14 +33,47 @@ class Router(nn.Module):
         self.e_score_correction_bias = mx.zeros((experts,), dtype=mx.float32)
         self.top_k, self.scale, self.renormalize = top_k, scale, renormalize
 
+    def logits(self, x: mx.array) -> mx.array:
+        return x @ self.weight.T
+
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """Shapes: x [..., D] -> (inds [..., k] int32, weights [..., k] fp32)."""
         return _route(
-            x @ self.weight.T,
+            self.logits(x),
             self.e_score_correction_bias,
             self.top_k,
             self.scale,
             self.renormalize,
+        )
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", **_) -> QuantizedRouter:
+        """The router with an MLX-quantized weight (the converter stores it at 8 bits)."""
+        return QuantizedRouter(self, group_size or 64, bits or 8, mode)
+
+
+class QuantizedRouter(Router):
+    """``Router`` whose logits come from ``mx.quantized_matmul`` on a quantized weight."""
+
+    def __init__(self, router: Router, group_size: int, bits: int, mode: str):
+        E, D = router.weight.shape
+        super().__init__(D, E, router.top_k, router.scale, router.renormalize)
+        self.e_score_correction_bias = router.e_score_correction_bias
+        q = mx.quantize(router.weight, group_size=group_size, bits=bits, mode=mode)
+        self.weight, self.scales = q[0], q[1]
+        if mode == "affine":
+            self.biases = q[2]
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+
+    def logits(self, x: mx.array) -> mx.array:
+        return mx.quantized_matmul(
+            x,
+            self.weight,
+            self.scales,
+            self.get("biases"),
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
         )
 
 

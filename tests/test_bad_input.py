@@ -177,3 +177,14 @@ def test_unexpected_tensor_is_reported(ckpt):
     (ckpt / "model.safetensors.index.json").unlink()
     with pytest.raises(CheckpointError, match=rf"{extra} is not part of Kimi K3"):
         load_model(ckpt, dtype=mx.float32)
+
+
+def test_malformed_header_entry(ckpt):
+    shard = _shard_of(ckpt, NAME)
+
+    def bad_shape(h):
+        h[NAME]["shape"] = ["16", 64]
+
+    _rewrite_header(shard, bad_shape)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor {NAME}: malformed header"):
+        load_model(ckpt)

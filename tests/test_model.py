@@ -125,3 +125,19 @@ def test_kept_fp32_parameters(tiny_ckpt):
     moe = model.layers[1].block_sparse_moe
     assert moe.gate.e_score_correction_bias.dtype == mx.float32
     assert moe.experts.w1.weight.dtype == mx.uint32
+
+
+def test_quantized_router_matches_dequantized_weights():
+    """The converter stores the router at 8 bits; the loaded QuantizedRouter computes its
+    logits from the quantized weight exactly as a dense matmul on the dequantized one."""
+    from kimi_k3.moe import QuantizedRouter, Router
+
+    router = Router(64, 16, 4, 1.0, True)
+    router.weight = mx.random.normal((16, 64), key=mx.random.key(0))
+    q = router.to_quantized(group_size=64, bits=8)
+    assert isinstance(q, QuantizedRouter) and q.weight.dtype == mx.uint32
+    x = mx.random.normal((5, 64), key=mx.random.key(1))
+    w = mx.dequantize(q.weight, q.scales, q.biases, group_size=64, bits=8)
+    assert rel_err(q.logits(x), x @ w.T) < 1e-5
+    inds, weights = q(x)
+    assert inds.shape == (5, 4) and bool(mx.allclose(weights.sum(-1), mx.ones(5)))
