@@ -219,19 +219,8 @@ def prefill_cases(backend, T: int, skip_slow: bool):
     prep = kda_prefill.chunk_prep(backend, *r[:5])
     o = mx.random.normal((1, T, H, K))
     mx.eval(prep, o)
-    default, *others = kda_prefill.STATE_VARIANTS
     cases = [
-        (
-            f"ours: chunk kernels (recurrence, state pass {default})",
-            mlx_run(lambda: kda_prefill.kda_chunk(backend, *r, state_variant=default)),
-        ),
-        *(
-            (
-                f"ours: chunk kernels, state pass {var}",
-                mlx_run(lambda var=var: kda_prefill.kda_chunk(backend, *r, state_variant=var)),
-            )
-            for var in others
-        ),
+        ("ours: chunk kernels (recurrence)", mlx_run(lambda: kda_prefill.kda_chunk(backend, *r))),
         (
             "ours: kda_prefill (whole mixer)",
             mlx_run(lambda: kda_prefill.kda_prefill(backend, p, *x)),
@@ -241,12 +230,9 @@ def prefill_cases(backend, T: int, skip_slow: bool):
             mlx_run(lambda: kda_prefill.pre(backend, p, *x[:5], x[6])),
         ),
         ("ours, alone: kda_chunk_prep", mlx_run(lambda: kda_prefill.chunk_prep(backend, *r[:5]))),
-        *(
-            (
-                f"ours, alone: state pass {var}",
-                mlx_run(lambda var=var: kda_prefill.chunk_state(backend, prep, r[5], T, var)),
-            )
-            for var in kda_prefill.STATE_VARIANTS
+        (
+            "ours, alone: state pass",
+            mlx_run(lambda: kda_prefill.chunk_state(backend, prep, r[5], T)),
         ),
         (
             "ours, alone: kda_post (RMSNorm x gate)",

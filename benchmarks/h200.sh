@@ -24,7 +24,7 @@ for step in "$@"; do
     kda_tests) MLX_ENABLE_TF32=0 run kda_tests 240 python3 -m pytest -q -x tests/cuda/test_kda_cuda.py ;;
     mxfp4_tests) MLX_ENABLE_TF32=0 run mxfp4_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py ;;
     model_tests) MLX_ENABLE_TF32=0 run model_tests 300 python3 -m pytest -q tests/cuda/test_model_cuda.py tests/test_model.py ;;
-    kda_tests_quick) MLX_ENABLE_TF32=0 run kda_tests_quick 120 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "decode or state_variants or uses_the_cuda" ;;
+    kda_tests_quick) MLX_ENABLE_TF32=0 run kda_tests_quick 120 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "decode or state_pass or uses_the_cuda" ;;
     mxfp4_tests_quick) MLX_ENABLE_TF32=0 run mxfp4_tests_quick 150 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "k3_layer or dispatcher or slots or agree" ;;
     model_cuda) MLX_ENABLE_TF32=0 run model_cuda 120 python3 -m pytest -q tests/cuda/test_model_cuda.py ;;
     bench_kda_final) run bench_kda 200 python3 -m benchmarks.bench_kda --skip-slow --repeats 10 --out "$OUT/bench_kda.md" ;;

@@ -19,11 +19,10 @@ The state pass carries the state through the chunks in order, the state in regis
 
     V' = U - W S,   O = Qd S + Aqk V',   S = decay * S + Kd^T V'
 
-``STATE_VARIANTS`` (the first is the default, the fastest measured on the H200 — see
-docs/benchmarks.md): ``split16`` / ``split`` run the sequential part
-(V' and S; each chunk's start state stored) in ``kda_chunk_h16`` / ``kda_chunk_h`` and O for
-every chunk at once in ``kda_chunk_out``; ``prefetch`` / ``v1`` compute O inside the
-sequential ``kda_chunk_state`` with / without register prefetch of the next slice.
+``kda_chunk_state`` computes O inside the sequential loop, with a register prefetch of the
+next slice. Three other state passes (without the prefetch; split into a sequential kernel
+plus an all-chunks output kernel, at 32 or 16 columns per threadgroup) were measured slower
+on the H200 (docs/benchmarks.md) and removed.
 
 Any T works: rows past the end of the input are zero (zero g, k, v, beta leave S alone).
 """
@@ -197,150 +196,10 @@ PREP_BODY = """
   }
 """
 
-STATE_BODY_V1 = """
-  constexpr int C = 64;
-  constexpr int VT = 32;            // state columns per threadgroup
-  constexpr int NT = 128;           // threads: 16 row groups x 8 column quads
-  constexpr int KM = K / 16;        // state rows per thread (a multiple of 4)
-  constexpr int ST = 8;             // rows staged per step
-  constexpr int CP = C / 4 + 1;     // float4 per padded staged row of C values
-  SHARED float4 sS[K * VT / 4];     // S of the chunk start [K][VT]
-  SHARED float4 sV[C * VT / 4];     // V' [C][VT]
-  SHARED float4 st[2 * ST * CP];    // staged W^T and Qd^T slices, A^T slices, Kd rows
-
-  const int T = dims[0];
-  const int N = dims[1];
-  const uint t = THREAD_INDEX;
-  const uint tr = t / 8;            // row group: chunk rows 4tr.., state rows KM tr..
-  const uint tc = t % 8;            // column quad: columns 4tc.. of the tile
-  const uint nvt = K / VT;
-  const uint vt = GROUP_POS.x % nvt;
-  const uint bh = GROUP_POS.x / nvt;
-  const uint b = bh / H;
-  const uint h = bh % H;
-  const uint col = vt * VT + 4 * tc;      // first state column of this thread
-  const uint i0 = 4 * tr;
-  const uint k0 = KM * tr;
-
-  float4 S[KM];
-#pragma unroll
-  for (int a = 0; a < KM; ++a) {
-    S[a] = *reinterpret_cast<const DEVICE float4*>(state + ((size_t)bh * K + k0 + a) * K + col);
-    sS[(k0 + a) * (VT / 4) + tc] = S[a];
-  }
-
-  for (int n = 0; n < N; ++n) {
-    const size_t ch = (size_t)bh * N + n;
-    const DEVICE float* Wn = Wc + ch * C * K;
-    const DEVICE float* Qn = Qd + ch * C * K;
-    const DEVICE float* Kn = Kd + ch * C * K;
-    const DEVICE float* Un = Uc + ch * C * K;
-    const DEVICE float* An = Aqk + ch * C * C;
-
-    // P1 = W S and P2 = Qd S for rows i0.. and columns col..: W^T, Qd^T staged ST rows at a time.
-    float4 P1[4];
-    float4 P2[4];
-    for (int a = 0; a < 4; ++a) {
-      P1[a] = kk_zero4();
-      P2[a] = kk_zero4();
-    }
-    for (int s0 = 0; s0 < K; s0 += ST) {
-      {
-        const uint kk = t % ST;           // one float4 (4 chunk rows) of each transpose
-        const uint iq = t / ST;
-        const uint base = 4 * iq * K + s0 + kk;
-        st[kk * CP + iq] = FLOAT4(Wn[base], Wn[base + K], Wn[base + 2 * K], Wn[base + 3 * K]);
-        st[(ST + kk) * CP + iq] =
-            FLOAT4(Qn[base], Qn[base + K], Qn[base + 2 * K], Qn[base + 3 * K]);
-      }
-      BARRIER();
-#pragma unroll
-      for (int kk = 0; kk < ST; ++kk) {
-        const float4 w = st[kk * CP + tr];
-        const float4 q4 = st[(ST + kk) * CP + tr];
-        const float4 s = sS[(s0 + kk) * (VT / 4) + tc];
-        P1[0] = kk_fma4(w.x, s, P1[0]);
-        P1[1] = kk_fma4(w.y, s, P1[1]);
-        P1[2] = kk_fma4(w.z, s, P1[2]);
-        P1[3] = kk_fma4(w.w, s, P1[3]);
-        P2[0] = kk_fma4(q4.x, s, P2[0]);
-        P2[1] = kk_fma4(q4.y, s, P2[1]);
-        P2[2] = kk_fma4(q4.z, s, P2[2]);
-        P2[3] = kk_fma4(q4.w, s, P2[3]);
-      }
-      BARRIER();
-    }
-    for (int a = 0; a < 4; ++a) {   // V' = U - W S
-      const float4 u = *reinterpret_cast<const DEVICE float4*>(Un + (i0 + a) * K + col);
-      sV[(i0 + a) * (VT / 4) + tc] = kk_sub4(u, P1[a]);
-    }
-    // O = Qd S + Aqk V' (Aqk is zero above the diagonal): A^T staged ST columns at a time.
-    for (int j0 = 0; j0 < C; j0 += ST) {
-      {
-        const uint jj = t % ST;
-        const uint iq = t / ST;
-        const uint base = 4 * iq * C + j0 + jj;
-        st[jj * CP + iq] = FLOAT4(An[base], An[base + C], An[base + 2 * C], An[base + 3 * C]);
-      }
-      BARRIER();
-      if (j0 <= (int)i0 + 3) {
-#pragma unroll
-        for (int jj = 0; jj < ST; ++jj) {
-          const float4 a4 = st[jj * CP + tr];
-          const float4 v4 = sV[(j0 + jj) * (VT / 4) + tc];
-          P2[0] = kk_fma4(a4.x, v4, P2[0]);
-          P2[1] = kk_fma4(a4.y, v4, P2[1]);
-          P2[2] = kk_fma4(a4.z, v4, P2[2]);
-          P2[3] = kk_fma4(a4.w, v4, P2[3]);
-        }
-      }
-      BARRIER();
-    }
-    for (int a = 0; a < 4; ++a) {
-      const int tk = n * C + i0 + a;
-      const size_t at = (((size_t)b * T + tk) * H + h) * K + col;
-      if (tk < T) *reinterpret_cast<DEVICE float4*>(o + at) = P2[a];
-    }
-    // S = decay S + Kd^T V': Kd staged ST rows at a time.
-#pragma unroll
-    for (int a4 = 0; a4 < KM / 4; ++a4) {
-      const float4 dk = *reinterpret_cast<const DEVICE float4*>(decay + ch * K + k0 + 4 * a4);
-      S[4 * a4] = kk_scale4(dk.x, S[4 * a4]);
-      S[4 * a4 + 1] = kk_scale4(dk.y, S[4 * a4 + 1]);
-      S[4 * a4 + 2] = kk_scale4(dk.z, S[4 * a4 + 2]);
-      S[4 * a4 + 3] = kk_scale4(dk.w, S[4 * a4 + 3]);
-    }
-    for (int i0s = 0; i0s < C; i0s += ST) {
-      for (uint e = t; e < ST * K / 4; e += NT) {
-        st[e] = *reinterpret_cast<const DEVICE float4*>(Kn + i0s * K + 4 * e);
-      }
-      BARRIER();
-#pragma unroll
-      for (int ii = 0; ii < ST; ++ii) {
-        const float4 v4 = sV[(i0s + ii) * (VT / 4) + tc];
-#pragma unroll
-        for (int a4 = 0; a4 < KM / 4; ++a4) {
-          const float4 kd = st[ii * (K / 4) + k0 / 4 + a4];
-          S[4 * a4] = kk_fma4(kd.x, v4, S[4 * a4]);
-          S[4 * a4 + 1] = kk_fma4(kd.y, v4, S[4 * a4 + 1]);
-          S[4 * a4 + 2] = kk_fma4(kd.z, v4, S[4 * a4 + 2]);
-          S[4 * a4 + 3] = kk_fma4(kd.w, v4, S[4 * a4 + 3]);
-        }
-      }
-      BARRIER();
-    }
-    for (int a = 0; a < KM; ++a) sS[(k0 + a) * (VT / 4) + tc] = S[a];
-  }
-  for (int a = 0; a < KM; ++a) {
-    *reinterpret_cast<DEVICE float4*>(state_out + ((size_t)bh * K + k0 + a) * K + col) = S[a];
-  }
-"""
-
-
 STATE_BODY = """
-  // As STATE_BODY_V1, with every global slice loaded into registers one step ahead (and the
-  // first W / Qd slice of the next chunk during this chunk's state update), so the loads are
-  // in flight during the FMAs instead of exposed between two barriers.
+  // Every global slice is loaded into registers one step ahead (and the first W / Qd slice
+  // of the next chunk during this chunk's state update), so the loads are in flight during
+  // the FMAs instead of exposed between two barriers.
   constexpr int C = 64;
   constexpr int VT = 32;            // state columns per threadgroup
   constexpr int NT = 128;           // threads: 16 row groups x 8 column quads
@@ -503,370 +362,6 @@ STATE_BODY = """
   }
   for (int a = 0; a < KM; ++a) {
     *reinterpret_cast<DEVICE float4*>(state_out + ((size_t)bh * K + k0 + a) * K + col) = S[a];
-  }
-"""
-
-H_BODY = """
-  // The "split" variant's sequential half: STATE_BODY without the output. Per chunk it stores
-  // the chunk-start state (Hs) and V' = U - W S (Vp) for kda_chunk_out, then updates S.
-  constexpr int C = 64;
-  constexpr int VT = 32;            // state columns per threadgroup
-  constexpr int NT = 128;           // threads: 16 row groups x 8 column quads
-  constexpr int KM = K / 16;        // state rows per thread (a multiple of 4)
-  constexpr int ST = 8;             // rows staged per step
-  constexpr int CP = C / 4 + 1;     // float4 per padded staged row of C values
-  constexpr int KE = ST * K / 4 / NT;   // float4 of a Kd slice per thread
-  SHARED float4 sS[K * VT / 4];     // S of the chunk start [K][VT]
-  SHARED float4 sV[C * VT / 4];     // V' [C][VT]
-  SHARED float4 st[ST * CP > ST * K / 4 ? ST * CP : ST * K / 4];   // W^T slices, Kd rows
-
-  const int N = dims[1];
-  const uint t = THREAD_INDEX;
-  const uint tr = t / 8;            // row group: chunk rows 4tr.., state rows KM tr..
-  const uint tc = t % 8;            // column quad: columns 4tc.. of the tile
-  const uint nvt = K / VT;
-  const uint vt = GROUP_POS.x % nvt;
-  const uint bh = GROUP_POS.x / nvt;
-  const uint col = vt * VT + 4 * tc;      // first state column of this thread
-  const uint i0 = 4 * tr;
-  const uint k0 = KM * tr;
-  const uint sk = t % ST;                 // staging: one float4 (4 chunk rows) of W^T
-  const uint sq = t / ST;
-  const uint sbase = 4 * sq * K + sk;     // + s0: W element of the slice
-
-  float4 S[KM];
-#pragma unroll
-  for (int a = 0; a < KM; ++a) {
-    S[a] = *reinterpret_cast<const DEVICE float4*>(state + ((size_t)bh * K + k0 + a) * K + col);
-    sS[(k0 + a) * (VT / 4) + tc] = S[a];
-  }
-  float4 nw;                        // the next W^T slice
-  {
-    const DEVICE float* Wn = Wc + (size_t)bh * N * C * K + sbase;
-    nw = FLOAT4(Wn[0], Wn[K], Wn[2 * K], Wn[3 * K]);
-  }
-
-  for (int n = 0; n < N; ++n) {
-    const size_t ch = (size_t)bh * N + n;
-    const DEVICE float* Wn = Wc + ch * C * K;
-    const DEVICE float* Kn = Kd + ch * C * K;
-    const DEVICE float* Un = Uc + ch * C * K;
-    for (int a = 0; a < KM; ++a) {
-      *reinterpret_cast<DEVICE float4*>(Hs + (ch * K + k0 + a) * K + col) = S[a];
-    }
-
-    float4 P1[4];
-    for (int a = 0; a < 4; ++a) P1[a] = kk_zero4();
-    for (int s0 = 0; s0 < K; s0 += ST) {
-      st[sk * CP + sq] = nw;
-      BARRIER();
-      if (s0 + ST < K) {
-        const uint e = sbase + s0 + ST;
-        nw = FLOAT4(Wn[e], Wn[e + K], Wn[e + 2 * K], Wn[e + 3 * K]);
-      }
-#pragma unroll
-      for (int kk = 0; kk < ST; ++kk) {
-        const float4 w = st[kk * CP + tr];
-        const float4 s = sS[(s0 + kk) * (VT / 4) + tc];
-        P1[0] = kk_fma4(w.x, s, P1[0]);
-        P1[1] = kk_fma4(w.y, s, P1[1]);
-        P1[2] = kk_fma4(w.z, s, P1[2]);
-        P1[3] = kk_fma4(w.w, s, P1[3]);
-      }
-      BARRIER();
-    }
-    float4 nk[KE];
-#pragma unroll
-    for (int e = 0; e < KE; ++e) {
-      nk[e] = *reinterpret_cast<const DEVICE float4*>(Kn + 4 * (t + e * NT));
-    }
-    if (n + 1 < N) {                // the next chunk's first W slice
-      const DEVICE float* Wx = Wn + C * K + sbase;
-      nw = FLOAT4(Wx[0], Wx[K], Wx[2 * K], Wx[3 * K]);
-    }
-    for (int a = 0; a < 4; ++a) {   // V' = U - W S
-      const float4 u = *reinterpret_cast<const DEVICE float4*>(Un + (i0 + a) * K + col);
-      const float4 vp = kk_sub4(u, P1[a]);
-      sV[(i0 + a) * (VT / 4) + tc] = vp;
-      *reinterpret_cast<DEVICE float4*>(Vp + (ch * C + i0 + a) * K + col) = vp;
-    }
-    // S = decay S + Kd^T V': Kd staged ST rows at a time (the first BARRIER also publishes sV).
-#pragma unroll
-    for (int a4 = 0; a4 < KM / 4; ++a4) {
-      const float4 dk = *reinterpret_cast<const DEVICE float4*>(decay + ch * K + k0 + 4 * a4);
-      S[4 * a4] = kk_scale4(dk.x, S[4 * a4]);
-      S[4 * a4 + 1] = kk_scale4(dk.y, S[4 * a4 + 1]);
-      S[4 * a4 + 2] = kk_scale4(dk.z, S[4 * a4 + 2]);
-      S[4 * a4 + 3] = kk_scale4(dk.w, S[4 * a4 + 3]);
-    }
-    for (int i0s = 0; i0s < C; i0s += ST) {
-#pragma unroll
-      for (int e = 0; e < KE; ++e) st[t + e * NT] = nk[e];
-      BARRIER();
-      if (i0s + ST < C) {
-#pragma unroll
-        for (int e = 0; e < KE; ++e) {
-          nk[e] = *reinterpret_cast<const DEVICE float4*>(Kn + (i0s + ST) * K + 4 * (t + e * NT));
-        }
-      }
-#pragma unroll
-      for (int ii = 0; ii < ST; ++ii) {
-        const float4 v4 = sV[(i0s + ii) * (VT / 4) + tc];
-#pragma unroll
-        for (int a4 = 0; a4 < KM / 4; ++a4) {
-          const float4 kd = st[ii * (K / 4) + k0 / 4 + a4];
-          S[4 * a4] = kk_fma4(kd.x, v4, S[4 * a4]);
-          S[4 * a4 + 1] = kk_fma4(kd.y, v4, S[4 * a4 + 1]);
-          S[4 * a4 + 2] = kk_fma4(kd.z, v4, S[4 * a4 + 2]);
-          S[4 * a4 + 3] = kk_fma4(kd.w, v4, S[4 * a4 + 3]);
-        }
-      }
-      BARRIER();
-    }
-    for (int a = 0; a < KM; ++a) sS[(k0 + a) * (VT / 4) + tc] = S[a];
-  }
-  for (int a = 0; a < KM; ++a) {
-    *reinterpret_cast<DEVICE float4*>(state_out + ((size_t)bh * K + k0 + a) * K + col) = S[a];
-  }
-"""
-
-H16_BODY = """
-  // kda_chunk_h with 16 state columns per threadgroup: twice the threadgroups (768 at K3) and
-  // half the serial work per thread. Thread (tr, tc): chunk rows 4 (tr / 2) + 2 (tr % 2) + {0, 1}
-  // of V', state rows 4 tr.. (K = 128; K / 32 rows in general) and columns 4 tc.. of the tile.
-  constexpr int C = 64;
-  constexpr int VT = 16;            // state columns per threadgroup
-  constexpr int NT = 128;           // threads: 32 row groups x 4 column quads
-  constexpr int KM = K / 32;        // state rows per thread
-  constexpr int ST = 8;             // rows staged per step
-  constexpr int CP = C / 4 + 1;     // float4 per padded staged row of C values
-  constexpr int KE = ST * K / 4 / NT;   // float4 of a Kd slice per thread
-  SHARED float4 sS[K * VT / 4];     // S of the chunk start [K][VT]
-  SHARED float4 sV[C * VT / 4];     // V' [C][VT]
-  SHARED float4 st[ST * CP];        // W^T slices
-  SHARED float s_kd[ST * K];        // Kd rows
-
-  const int N = dims[1];
-  const uint t = THREAD_INDEX;
-  const uint tr = t / 4;            // 0..31
-  const uint tc = t % 4;
-  const uint nvt = K / VT;
-  const uint vt = GROUP_POS.x % nvt;
-  const uint bh = GROUP_POS.x / nvt;
-  const uint col = vt * VT + 4 * tc;      // first state column of this thread
-  const uint iq = tr / 2;                 // float4 of W^T holding this thread's two chunk rows
-  const bool hi = (tr % 2) != 0;          // .z .w (else .x .y)
-  const uint i0 = 4 * iq + (hi ? 2 : 0);
-  const uint k0 = KM * tr;
-  const uint sk = t % ST;                 // staging: one float4 (4 chunk rows) of W^T
-  const uint sq = t / ST;
-  const uint sbase = 4 * sq * K + sk;     // + s0: W element of the slice
-
-  float S[KM][4];
-#pragma unroll
-  for (int a = 0; a < KM; ++a) {
-    const size_t at = ((size_t)bh * K + k0 + a) * K + col;
-    const float4 v = *reinterpret_cast<const DEVICE float4*>(state + at);
-    S[a][0] = v.x;
-    S[a][1] = v.y;
-    S[a][2] = v.z;
-    S[a][3] = v.w;
-    sS[(k0 + a) * (VT / 4) + tc] = v;
-  }
-  float4 nw;                        // the next W^T slice
-  {
-    const DEVICE float* Wn = Wc + (size_t)bh * N * C * K + sbase;
-    nw = FLOAT4(Wn[0], Wn[K], Wn[2 * K], Wn[3 * K]);
-  }
-
-  for (int n = 0; n < N; ++n) {
-    const size_t ch = (size_t)bh * N + n;
-    const DEVICE float* Wn = Wc + ch * C * K;
-    const DEVICE float* Kn = Kd + ch * C * K;
-    const DEVICE float* Un = Uc + ch * C * K;
-    for (int a = 0; a < KM; ++a) {
-      *reinterpret_cast<DEVICE float4*>(Hs + (ch * K + k0 + a) * K + col) =
-          FLOAT4(S[a][0], S[a][1], S[a][2], S[a][3]);
-    }
-
-    float4 P0 = kk_zero4();
-    float4 P1 = kk_zero4();
-    for (int s0 = 0; s0 < K; s0 += ST) {
-      st[sk * CP + sq] = nw;
-      BARRIER();
-      if (s0 + ST < K) {
-        const uint e = sbase + s0 + ST;
-        nw = FLOAT4(Wn[e], Wn[e + K], Wn[e + 2 * K], Wn[e + 3 * K]);
-      }
-#pragma unroll
-      for (int kk = 0; kk < ST; ++kk) {
-        const float4 w = st[kk * CP + iq];
-        const float4 s = sS[(s0 + kk) * (VT / 4) + tc];
-        P0 = kk_fma4(hi ? w.z : w.x, s, P0);
-        P1 = kk_fma4(hi ? w.w : w.y, s, P1);
-      }
-      BARRIER();
-    }
-    float nk[KE * 4];
-#pragma unroll
-    for (int e = 0; e < KE; ++e) {
-      const float4 v = *reinterpret_cast<const DEVICE float4*>(Kn + 4 * (t + e * NT));
-      nk[4 * e] = v.x;
-      nk[4 * e + 1] = v.y;
-      nk[4 * e + 2] = v.z;
-      nk[4 * e + 3] = v.w;
-    }
-    if (n + 1 < N) {                // the next chunk's first W slice
-      const DEVICE float* Wx = Wn + C * K + sbase;
-      nw = FLOAT4(Wx[0], Wx[K], Wx[2 * K], Wx[3 * K]);
-    }
-    {                               // V' = U - W S, rows i0 and i0 + 1
-      const float4 u0 = *reinterpret_cast<const DEVICE float4*>(Un + i0 * K + col);
-      const float4 u1 = *reinterpret_cast<const DEVICE float4*>(Un + (i0 + 1) * K + col);
-      const float4 v0 = kk_sub4(u0, P0);
-      const float4 v1 = kk_sub4(u1, P1);
-      sV[i0 * (VT / 4) + tc] = v0;
-      sV[(i0 + 1) * (VT / 4) + tc] = v1;
-      *reinterpret_cast<DEVICE float4*>(Vp + (ch * C + i0) * K + col) = v0;
-      *reinterpret_cast<DEVICE float4*>(Vp + (ch * C + i0 + 1) * K + col) = v1;
-    }
-    // S = decay S + Kd^T V': Kd staged ST rows at a time (the first BARRIER also publishes sV).
-    for (int a = 0; a < KM; ++a) {
-      const float dk = decay[ch * K + k0 + a];
-      for (int c = 0; c < 4; ++c) S[a][c] *= dk;
-    }
-    for (int i0s = 0; i0s < C; i0s += ST) {
-#pragma unroll
-      for (int e = 0; e < 4 * KE; ++e) s_kd[4 * t + (e / 4) * 4 * NT + e % 4] = nk[e];
-      BARRIER();
-      if (i0s + ST < C) {
-#pragma unroll
-        for (int e = 0; e < KE; ++e) {
-          const float4 v =
-              *reinterpret_cast<const DEVICE float4*>(Kn + (i0s + ST) * K + 4 * (t + e * NT));
-          nk[4 * e] = v.x;
-          nk[4 * e + 1] = v.y;
-          nk[4 * e + 2] = v.z;
-          nk[4 * e + 3] = v.w;
-        }
-      }
-#pragma unroll
-      for (int ii = 0; ii < ST; ++ii) {
-        const float4 v4 = sV[(i0s + ii) * (VT / 4) + tc];
-#pragma unroll
-        for (int a = 0; a < KM; ++a) {
-          const float kd = s_kd[ii * K + k0 + a];
-          S[a][0] += kd * v4.x;
-          S[a][1] += kd * v4.y;
-          S[a][2] += kd * v4.z;
-          S[a][3] += kd * v4.w;
-        }
-      }
-      BARRIER();
-    }
-    for (int a = 0; a < KM; ++a) {
-      sS[(k0 + a) * (VT / 4) + tc] = FLOAT4(S[a][0], S[a][1], S[a][2], S[a][3]);
-    }
-  }
-  for (int a = 0; a < KM; ++a) {
-    *reinterpret_cast<DEVICE float4*>(state_out + ((size_t)bh * K + k0 + a) * K + col) =
-        FLOAT4(S[a][0], S[a][1], S[a][2], S[a][3]);
-  }
-"""
-
-OUT_BODY = """
-  // The "split" variant's parallel half: O = Qd Hs + Aqk V' for one (batch, head, chunk,
-  // 32 columns), every chunk at once. Same 4 x 4 micro-tiles as the state kernel.
-  constexpr int C = 64;
-  constexpr int VT = 32;
-  constexpr int NT = 128;
-  constexpr int ST = 8;
-  constexpr int CP = C / 4 + 1;
-  SHARED float4 sS[K * VT / 4];     // Hs tile [K][VT]
-  SHARED float4 sV[C * VT / 4];     // V' tile [C][VT]
-  SHARED float4 st[ST * CP];        // staged Qd^T / A^T slices
-
-  const int T = dims[0];
-  const int N = dims[1];
-  const uint t = THREAD_INDEX;
-  const uint tr = t / 8;
-  const uint tc = t % 8;
-  const uint nvt = K / VT;
-  const uint vt = GROUP_POS.x % nvt;
-  const size_t ch = GROUP_POS.x / nvt;    // (b, h, n)
-  const uint n = ch % N;
-  const uint bh = ch / N;
-  const uint b = bh / H;
-  const uint h = bh % H;
-  const uint col = vt * VT + 4 * tc;
-  const uint i0 = 4 * tr;
-  const uint sk = t % ST;
-  const uint sq = t / ST;
-  const DEVICE float* Qn = Qd + ch * C * K;
-  const DEVICE float* An = Aqk + ch * C * C;
-
-  for (uint e = t; e < K * VT / 4; e += NT) {
-    const size_t at = (ch * K + e / (VT / 4)) * K + vt * VT + 4 * (e % (VT / 4));
-    sS[e] = *reinterpret_cast<const DEVICE float4*>(Hs + at);
-  }
-  for (uint e = t; e < C * VT / 4; e += NT) {
-    const size_t at = (ch * C + e / (VT / 4)) * K + vt * VT + 4 * (e % (VT / 4));
-    sV[e] = *reinterpret_cast<const DEVICE float4*>(Vp + at);
-  }
-  float4 P2[4];
-  for (int a = 0; a < 4; ++a) P2[a] = kk_zero4();
-  float4 nq;
-  {
-    const uint e = 4 * sq * K + sk;
-    nq = FLOAT4(Qn[e], Qn[e + K], Qn[e + 2 * K], Qn[e + 3 * K]);
-  }
-  for (int s0 = 0; s0 < K; s0 += ST) {
-    st[sk * CP + sq] = nq;
-    BARRIER();
-    if (s0 + ST < K) {
-      const uint e = 4 * sq * K + sk + s0 + ST;
-      nq = FLOAT4(Qn[e], Qn[e + K], Qn[e + 2 * K], Qn[e + 3 * K]);
-    }
-#pragma unroll
-    for (int kk = 0; kk < ST; ++kk) {
-      const float4 q4 = st[kk * CP + tr];
-      const float4 s = sS[(s0 + kk) * (VT / 4) + tc];
-      P2[0] = kk_fma4(q4.x, s, P2[0]);
-      P2[1] = kk_fma4(q4.y, s, P2[1]);
-      P2[2] = kk_fma4(q4.z, s, P2[2]);
-      P2[3] = kk_fma4(q4.w, s, P2[3]);
-    }
-    BARRIER();
-  }
-  float4 na;
-  {
-    const uint e = 4 * sq * C + sk;
-    na = FLOAT4(An[e], An[e + C], An[e + 2 * C], An[e + 3 * C]);
-  }
-  for (int j0 = 0; j0 < C; j0 += ST) {
-    st[sk * CP + sq] = na;
-    BARRIER();
-    if (j0 + ST < C) {
-      const uint e = 4 * sq * C + sk + j0 + ST;
-      na = FLOAT4(An[e], An[e + C], An[e + 2 * C], An[e + 3 * C]);
-    }
-    if (j0 <= (int)i0 + 3) {
-#pragma unroll
-      for (int jj = 0; jj < ST; ++jj) {
-        const float4 a4 = st[jj * CP + tr];
-        const float4 v4 = sV[(j0 + jj) * (VT / 4) + tc];
-        P2[0] = kk_fma4(a4.x, v4, P2[0]);
-        P2[1] = kk_fma4(a4.y, v4, P2[1]);
-        P2[2] = kk_fma4(a4.z, v4, P2[2]);
-        P2[3] = kk_fma4(a4.w, v4, P2[3]);
-      }
-    }
-    BARRIER();
-  }
-  for (int a = 0; a < 4; ++a) {
-    const int tk = n * C + i0 + a;
-    const size_t at = (((size_t)b * T + tk) * H + h) * K + col;
-    if (tk < T) *reinterpret_cast<DEVICE float4*>(o + at) = P2[a];
   }
 """
 
@@ -1090,49 +585,6 @@ KDA_CHUNK_STATE = Kernel(
     instances=[_state_instance(96, 128)],
 )
 
-# The previous state kernel (no register prefetch), kept to benchmark side by side:
-# ``kda_chunk(..., state_variant="v1")`` or ``KIMI_K3_KDA_STATE=v1``.
-KDA_CHUNK_STATE_V1 = Kernel(
-    "kda_chunk_state_v1",
-    ["Aqk", "Wc", "Uc", "Qd", "Kd", "decay", "state", "dims"],
-    ["o", "state_out"],
-    STATE_BODY_V1,
-    header=VEC4_HELPERS,
-    instances=[_state_instance(96, 128)],
-)
-
-# The "split" variant: kda_chunk_h (sequential: V' and the state, storing each chunk's start
-# state) then kda_chunk_out (every chunk at once: O = Qd Hs + Aqk V').
-KDA_CHUNK_H = Kernel(
-    "kda_chunk_h",
-    ["Wc", "Uc", "Kd", "decay", "state", "dims"],
-    ["Hs", "Vp", "state_out"],
-    H_BODY,
-    header=VEC4_HELPERS,
-    instances=[Instance([mx.float32] * 5 + [mx.int32], [mx.float32] * 3, [("K", 128)])],
-)
-
-KDA_CHUNK_H16 = Kernel(
-    "kda_chunk_h16",
-    ["Wc", "Uc", "Kd", "decay", "state", "dims"],
-    ["Hs", "Vp", "state_out"],
-    H16_BODY,
-    header=VEC4_HELPERS,
-    instances=[Instance([mx.float32] * 5 + [mx.int32], [mx.float32] * 3, [("K", 128)])],
-)
-
-KDA_CHUNK_OUT = Kernel(
-    "kda_chunk_out",
-    ["Aqk", "Qd", "Hs", "Vp", "dims"],
-    ["o"],
-    OUT_BODY,
-    header=VEC4_HELPERS,
-    instances=[Instance([mx.float32] * 4 + [mx.int32], [mx.float32], [("H", 96), ("K", 128)])],
-)
-
-# The first is the default (``KIMI_K3_KDA_STATE`` overrides); the others stay to be benchmarked.
-STATE_VARIANTS = ("prefetch", "split16", "split", "v1")  # first: fastest on the H200
-
 
 def eligible(heads: int, head_dim: int) -> bool:
     """Shapes the kernels serve: head_dim 64 or 128 (float4 tiles of 16 rows, 32 KB of
@@ -1178,50 +630,17 @@ def chunk_prep(backend: str, q, k, v, g, beta):
     )
 
 
-def chunk_state(backend: str, prep, state, T: int, variant: str | None = None):
-    """The state pass over ``chunk_prep``'s outputs. Returns (o [B, T, H, K] fp32, state fp32).
+def chunk_state(backend: str, prep, state, T: int):
+    """The state pass (``kda_chunk_state``) over ``chunk_prep``'s outputs.
 
-    ``variant`` (default ``KIMI_K3_KDA_STATE``, else ``STATE_VARIANTS[0]``): ``split`` runs
-    ``kda_chunk_h`` (sequential) then ``kda_chunk_out`` (all chunks at once); ``prefetch`` and
-    ``v1`` run ``kda_chunk_state`` (output inside the sequential loop) with / without the
-    register prefetch.
+    Returns (o [B, T, H, K] fp32, state fp32).
     """
-    import os
-
-    variant = variant or os.environ.get("KIMI_K3_KDA_STATE", STATE_VARIANTS[0])
-    if variant not in STATE_VARIANTS:
-        raise ValueError(f"state variant {variant!r} not in {STATE_VARIANTS}")
     B, H, N, _, K = prep[1].shape
     if state is None:
         state = mx.zeros((B, H, K, K), dtype=mx.float32)
-    dims = _const([T, N], mx.int32)
-    f32 = mx.float32
-    if variant in ("split", "split16"):
-        Aqk, Wc, Uc, Qd, Kd, decay = prep
-        vt = 16 if variant == "split16" else 32
-        Hs, Vp, state = (KDA_CHUNK_H16 if vt == 16 else KDA_CHUNK_H)(
-            backend,
-            inputs=[Wc, Uc, Kd, decay, _f32(state), dims],
-            output_shapes=[(B, H, N, K, K), (B, H, N, CHUNK, K), (B, H, K, K)],
-            output_dtypes=[f32] * 3,
-            grid=(128 * B * H * (K // vt), 1, 1),
-            threadgroup=(128, 1, 1),
-            template=[("K", K)],
-        )
-        (o,) = KDA_CHUNK_OUT(
-            backend,
-            inputs=[Aqk, Qd, Hs, Vp, dims],
-            output_shapes=[(B, T, H, K)],
-            output_dtypes=[f32],
-            grid=(128 * B * H * N * (K // 32), 1, 1),
-            threadgroup=(128, 1, 1),
-            template=[("H", H), ("K", K)],
-        )
-        return o, state
-    kernel = KDA_CHUNK_STATE if variant == "prefetch" else KDA_CHUNK_STATE_V1
-    return kernel(
+    return KDA_CHUNK_STATE(
         backend,
-        inputs=[*prep, _f32(state), dims],
+        inputs=[*prep, _f32(state), _const([T, N], mx.int32)],
         output_shapes=[(B, T, H, K), (B, H, K, K)],
         output_dtypes=[mx.float32, mx.float32],
         grid=(128 * B * H * (K // 32), 1, 1),
@@ -1230,7 +649,7 @@ def chunk_state(backend: str, prep, state, T: int, variant: str | None = None):
     )
 
 
-def kda_chunk(backend: str, q, k, v, g, beta, state, state_variant: str | None = None):
+def kda_chunk(backend: str, q, k, v, g, beta, state):
     """``kimi_k3.kda.kda_chunked`` on the kernels; same contract (o, state), K == V.
 
     Shapes: q, k, v, g: [B, T, H, K] (q scaled and normalised); beta: [B, T, H];
@@ -1239,7 +658,7 @@ def kda_chunk(backend: str, q, k, v, g, beta, state, state_variant: str | None =
     B, T, H, K = k.shape
     if not eligible(H, K) or v.shape[-1] != K:
         raise ValueError(f"kda_chunk kernels need K == V in (64, 128), got {K}, {v.shape[-1]}")
-    return chunk_state(backend, chunk_prep(backend, q, k, v, g, beta), state, T, state_variant)
+    return chunk_state(backend, chunk_prep(backend, q, k, v, g, beta), state, T)
 
 
 def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state):
