@@ -14,13 +14,12 @@ import argparse
 import math
 import time
 import traceback
-from functools import partial
 
 import mlx.core as mx
 import numpy as np
 
 from kimi_k3.experts import expert_glu_reference
-from kimi_k3.kernels.mxfp4_decode import VARIANTS, expert_glu_decode
+from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, tile_tokens_for
 
 BETA, CAP = 4.0, 25.0
@@ -185,7 +184,7 @@ def bench_decode(args, table: Table, copy: float | None):
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
         timed = {}
-        variants = {f"decode kernel ({v})": partial(expert_glu_decode, variant=v) for v in VARIANTS}
+        variants = {"decode kernel": expert_glu_decode}
         for name, fn in (
             ("gather_qmm", expert_glu_reference),
             *variants.items(),

@@ -3,21 +3,17 @@
 Two launches per MoE layer, for ``N * k`` (token, choice) pairs:
 
 1. ``mxfp4_gate_up``: one threadgroup per (pair, block of ``NSG * R`` rows of I); each
-   simdgroup owns ``R`` rows of gate and up. Lane ``l`` reads words ``l, l + 32, ...`` of a row
-   (consecutive lanes, consecutive words: each warp load is one 128-byte line), decodes the 8
-   E2M1 codes of a word through a 16-entry table in threadgroup memory, multiplies by the
-   token's latent (staged once per threadgroup in fp32) and applies the word's E8M0 scale
-   (a 256-entry table of ``2^(s-127)``: cheaper than computing the power per word).
-   One SIMD sum per row, then SiTU-GLU: ``h [N*k, I]`` fp32.
+   simdgroup owns ``R`` rows of gate and of up. Each lane takes a whole 32-code scale group
+   of a row with one 128-bit load plus its scale byte, for all of its rows before any math;
+   codes decode through a 16-entry E2M1 table and scales through a 256-entry E8M0 table in
+   threadgroup memory, against the token's latent staged once in fp32. One SIMD sum per
+   row, then SiTU-GLU: ``h [N*k, I]`` fp32.
 2. ``mxfp4_down``: one threadgroup per (token, ``R`` rows of D); its simdgroups split the k
-   choices, each reading its choices' rows of w2 the same way against ``h``, scaled by the
-   routing weight. Partial sums meet in threadgroup memory: ``y [N, D]`` fp32, no atomics.
+   choices, read w2 the same way against ``h`` and scale by the routing weight. Partial sums
+   meet in threadgroup memory: ``y [N, D]`` fp32, no atomics.
 
-Variants (``variant=`` or ``KIMI_K3_DECODE_VARIANT``): ``wide`` (default; ``wide-r2`` is the
-same with half the rows per simdgroup and per down threadgroup) gives each lane a whole
-scale group per row, one 128-bit load of 32 codes plus its scale byte, for all of its rows
-before any math; ``word`` (the first version, described above) reads one 32-bit word per
-lane per row. The benchmark times all of them.
+Two other decode variants (one 32-bit word per lane per row; half the rows per simdgroup)
+were measured slower on the H200 (docs/benchmarks.md) and removed.
 
 Weights are read where they lie: ``w`` may be the resident stack or the streamer's cache
 slots, and ``inds`` indexes its leading axis.
@@ -49,134 +45,6 @@ HELPER float kk_e8m0(uint s) { return ldexp(1.0f, int(s) - 127); }
 """
 
 GATE_UP_BODY = """
-  constexpr int W = D / 8;            // uint32 words per row
-  constexpr int G = D / 32;           // scales per row
-  SHARED float lut[16];
-  SHARED float e8m0[256];
-  SHARED float4 zs[D / 4];            // word i's latents: zs[i] (first 4), zs[W + i] (last 4)
-  const uint tid = THREAD_INDEX;
-  const uint lane = LANE;
-  const uint p = GROUP_POS.y;
-  if (tid < 16) lut[tid] = kk_e2m1(tid);
-  for (uint i = tid; i < 256; i += GROUP_SIZE.x) e8m0[i] = kk_e8m0(i);
-  for (uint i = tid; i < W; i += GROUP_SIZE.x) {
-    const DEVICE T* src = z + (size_t)(p / K) * D + 8 * i;
-    float4 a, b;
-    a.x = static_cast<float>(src[0]); a.y = static_cast<float>(src[1]);
-    a.z = static_cast<float>(src[2]); a.w = static_cast<float>(src[3]);
-    b.x = static_cast<float>(src[4]); b.y = static_cast<float>(src[5]);
-    b.z = static_cast<float>(src[6]); b.w = static_cast<float>(src[7]);
-    zs[i] = a;
-    zs[W + i] = b;
-  }
-  BARRIER();
-
-  const uint row0 = (GROUP_POS.x * NSG + SIMDGROUP) * R;
-  const size_t first = (size_t)inds[p] * I + row0;
-  const DEVICE uint32_t* q1 = w1 + first * W;
-  const DEVICE uint32_t* q3 = w3 + first * W;
-  const DEVICE uint8_t* e1 = s1 + first * G;
-  const DEVICE uint8_t* e3 = s3 + first * G;
-  float gate[R], up[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) gate[r] = up[r] = 0.0f;
-#pragma unroll
-  for (int it = 0; it < (W + 31) / 32; ++it) {
-    const uint i = lane + 32 * it;
-    if (i < W) {
-      const float4 a = zs[i];
-      const float4 b = zs[W + i];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (row0 + r < I) {
-          const uint g = q1[r * W + i];
-          const uint u = q3[r * W + i];
-          gate[r] += e8m0[e1[r * G + i / 4]] * KK_DOT8(g, a, b);
-          up[r] += e8m0[e3[r * G + i / 4]] * KK_DOT8(u, a, b);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    gate[r] = SIMD_SUM(gate[r]);
-    up[r] = SIMD_SUM(up[r]);
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (row0 + r < I) h[(size_t)p * I + row0 + r] = kk_situ_glu(gate[r], up[r], act[0], act[1]);
-    }
-  }
-"""
-
-DOWN_BODY = """
-  constexpr int W = I / 8;
-  constexpr int G = I / 32;
-  SHARED float lut[16];
-  SHARED float e8m0[256];
-  SHARED float part[NSG * R];
-  const uint tid = THREAD_INDEX;
-  const uint lane = LANE;
-  const uint sg = SIMDGROUP;
-  const uint n = GROUP_POS.y;
-  const uint row0 = GROUP_POS.x * R;
-  if (tid < 16) lut[tid] = kk_e2m1(tid);
-  for (uint i = tid; i < 256; i += GROUP_SIZE.x) e8m0[i] = kk_e8m0(i);
-  BARRIER();
-
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  for (uint j = sg; j < K; j += NSG) {
-    const uint p = n * K + j;
-    const size_t first = (size_t)inds[p] * D + row0;
-    const DEVICE uint32_t* q2 = w2 + first * W;
-    const DEVICE uint8_t* e2 = s2 + first * G;
-    const DEVICE float4* hv = (const DEVICE float4*)(h + (size_t)p * I);
-    float dot[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) dot[r] = 0.0f;
-#pragma unroll
-    for (int it = 0; it < (W + 31) / 32; ++it) {
-      const uint i = lane + 32 * it;
-      if (i < W) {
-        const float4 a = hv[2 * i];
-        const float4 b = hv[2 * i + 1];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          if (row0 + r < D) {
-            const uint q = q2[r * W + i];
-            dot[r] += e8m0[e2[r * G + i / 4]] * KK_DOT8(q, a, b);
-          }
-        }
-      }
-    }
-    const float wt = weights[p];
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] += wt * dot[r];
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = SIMD_SUM(acc[r]);
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) part[sg * R + r] = acc[r];
-  }
-  BARRIER();
-  if (tid < R && row0 + tid < D) {
-    float total = 0.0f;
-    for (int s = 0; s < NSG; ++s) total += part[s * R + tid];
-    y[(size_t)n * D + row0 + tid] = total;
-  }
-"""
-
-# Variant 2 ("wide"): each lane loads a whole scale group of a row at once: one 128-bit load
-# (4 words, 32 codes) and its one scale byte, for R rows of gate and R of up before any math,
-# so a lane has 2R 16-byte loads in flight per pass. The latent is staged group-major
-# (zs[j * G + g] holds latents 32g + 4j .. 32g + 4j + 3), so the lanes of a warp read 32
-# consecutive float4 of threadgroup memory. The E2M1 table has 16 fp32 entries in 16 distinct
-# banks: lanes never conflict on it (same-address reads broadcast).
-GATE_UP_WIDE_BODY = """
   constexpr int G = D / 32;           // scale groups (= 16-byte chunks) per row
   SHARED float lut[16];
   SHARED float e8m0[256];
@@ -258,10 +126,10 @@ GATE_UP_WIDE_BODY = """
   }
 """
 
-# Variant 2 of the down projection: the same 128-bit group loads for R rows of w2; h's 32
-# values of the group are 8 global float4 loads (the threadgroups of one token read the same
-# rows of h, mostly from L1). Simdgroups split the k choices as in variant 1.
-DOWN_WIDE_BODY = """
+# The down projection: the same 128-bit group loads for R rows of w2; h's 32 values of the
+# group are 8 global float4 loads (the threadgroups of one token read the same rows of h,
+# mostly from L1). Simdgroups split the k choices; partial sums meet in threadgroup memory.
+DOWN_BODY = """
   constexpr int G = I / 32;
   SHARED float lut[16];
   SHARED float e8m0[256];
@@ -339,109 +207,49 @@ DOWN_WIDE_BODY = """
 """
 
 GATE_UP_SIMDGROUPS = 8
-DOWN_ROWS = 8
+GATE_UP_ROWS = 4  # rows of gate and of up per simdgroup
+DOWN_ROWS = 4  # rows of D per down threadgroup
 DOWN_SIMDGROUPS = 8  # at most; fewer when k is smaller
-
-# Variant -> (kernel family, rows of gate and of up per simdgroup, rows of D per threadgroup).
-# "wide" (128-bit group loads) is the default. "wide-r2" has half the rows per simdgroup (and
-# per down threadgroup), so twice the threadgroups and fewer registers, for more resident
-# warps and shorter tails. "word" is the first
-# version (one 32-bit word per lane per row), kept so the benchmark times them side by side.
-VARIANT_SHAPES = {"wide": ("wide", 4, 4), "wide-r2": ("wide", 2, 2), "word": ("word", 4, 8)}
-VARIANTS = tuple(VARIANT_SHAPES)
-DEFAULT_VARIANT = "wide"
 
 K3 = {"D": 3584, "I": 3072, "K": 16}
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 
-def gate_up_rows(variant: str = "word") -> int:
-    return VARIANT_SHAPES[variant][1]
-
-
-def down_rows(variant: str = "word") -> int:
-    return VARIANT_SHAPES[variant][2]
-
-
-def gate_up_template(dtype, D, I, K, variant: str = "word"):
+def gate_up_template(dtype, D, I, K):
     return [
         ("T", dtype),
         ("D", D),
         ("I", I),
         ("K", K),
-        ("R", gate_up_rows(variant)),
+        ("R", GATE_UP_ROWS),
         ("NSG", GATE_UP_SIMDGROUPS),
     ]
 
 
-def down_template(D, I, K, variant: str = "word"):
-    return [
-        ("D", D),
-        ("I", I),
-        ("K", K),
-        ("R", down_rows(variant)),
-        ("NSG", min(K, DOWN_SIMDGROUPS)),
-    ]
+def down_template(D, I, K):
+    return [("D", D), ("I", I), ("K", K), ("R", DOWN_ROWS), ("NSG", min(K, DOWN_SIMDGROUPS))]
 
-
-def _instances(family: str):
-    """Every (dtype, variant) combination of ``family`` the wrappers launch at K3's dims."""
-    names = [v for v, shape in VARIANT_SHAPES.items() if shape[0] == family]
-    gate_up = {
-        (str(dt), gate_up_rows(v)): Instance(
-            [dt, U32, U8, U32, U8, I32, F32], [F32], gate_up_template(dt, **K3, variant=v)
-        )
-        for dt in (mx.bfloat16, mx.float16, mx.float32)
-        for v in names
-    }
-    down = {
-        down_rows(v): Instance([F32, U32, U8, I32, F32], [F32], down_template(**K3, variant=v))
-        for v in names
-    }
-    return list(gate_up.values()), list(down.values())
-
-
-GATE_UP_INPUTS = ["z", "w1", "s1", "w3", "s3", "inds", "act"]
-DOWN_INPUTS = ["h", "w2", "s2", "inds", "weights"]
 
 MXFP4_GATE_UP = Kernel(
     "mxfp4_gate_up",
-    GATE_UP_INPUTS,
+    ["z", "w1", "s1", "w3", "s3", "inds", "act"],
     ["h"],
     GATE_UP_BODY,
     header=HEADER,
-    instances=_instances("word")[0],
+    instances=[
+        Instance([dt, U32, U8, U32, U8, I32, F32], [F32], gate_up_template(dt, **K3))
+        for dt in (mx.bfloat16, mx.float16, mx.float32)
+    ],
 )
 
 MXFP4_DOWN = Kernel(
     "mxfp4_down",
-    DOWN_INPUTS,
+    ["h", "w2", "s2", "inds", "weights"],
     ["y"],
     DOWN_BODY,
     header=HEADER,
-    instances=_instances("word")[1],
+    instances=[Instance([F32, U32, U8, I32, F32], [F32], down_template(**K3))],
 )
-
-MXFP4_GATE_UP_WIDE = Kernel(
-    "mxfp4_gate_up_wide",
-    GATE_UP_INPUTS,
-    ["h"],
-    GATE_UP_WIDE_BODY,
-    header=HEADER,
-    instances=_instances("wide")[0],
-)
-
-MXFP4_DOWN_WIDE = Kernel(
-    "mxfp4_down_wide",
-    DOWN_INPUTS,
-    ["y"],
-    DOWN_WIDE_BODY,
-    header=HEADER,
-    instances=_instances("wide")[1],
-)
-
-_FAMILIES = {"wide": (MXFP4_GATE_UP_WIDE, MXFP4_DOWN_WIDE), "word": (MXFP4_GATE_UP, MXFP4_DOWN)}
-_KERNELS = {v: _FAMILIES[shape[0]] for v, shape in VARIANT_SHAPES.items()}
 
 _ACT: dict = {}
 
@@ -454,55 +262,36 @@ def act_params(beta: float, cap: float) -> mx.array:
     return _ACT[key]
 
 
-def default_variant() -> str:
-    """``KIMI_K3_DECODE_VARIANT`` (one of ``VARIANTS``), else ``DEFAULT_VARIANT``."""
-    import os
-
-    v = os.environ.get("KIMI_K3_DECODE_VARIANT", DEFAULT_VARIANT)
-    if v not in VARIANTS:
-        raise ValueError(f"KIMI_K3_DECODE_VARIANT={v!r}: expected one of {VARIANTS}")
-    return v
-
-
-def expert_glu_decode(
-    z, w, inds, weights, beta, cap, backend: str | None = None, variant: str | None = None
-):
+def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None):
     """``kimi_k3.experts.expert_glu_reference`` in two launches, for few tokens.
 
     Shapes: z [N, D]; w as ``expert_glu_reference`` (leading axis: experts or cache slots);
-    inds [N, k]; weights [N, k]. Returns fp32 [N, D]. ``variant``: one of ``VARIANTS``
-    (the wide ones load 128 bits at a time, so they need 16-byte aligned weight rows, which
-    whole experts or slots of a stack are); default ``default_variant()``.
+    inds [N, k]; weights [N, k]. Returns fp32 [N, D]. The 128-bit loads need 16-byte aligned
+    weight rows, which whole experts or slots of a stack are.
     """
     backend = backend or default_backend()
-    variant = variant or default_variant()
-    gate_up, down = _KERNELS[variant]
     N, k = inds.shape
     D = z.shape[-1]
     I = w["w1"][0].shape[-2]
     flat = inds.reshape(-1).astype(I32)
-    (h,) = gate_up(
+    (h,) = MXFP4_GATE_UP(
         backend,
         inputs=[z, *w["w1"], *w["w3"], flat, act_params(beta, cap)],
         output_shapes=[(N * k, I)],
         output_dtypes=[F32],
-        grid=(
-            32 * GATE_UP_SIMDGROUPS * -(-I // (gate_up_rows(variant) * GATE_UP_SIMDGROUPS)),
-            N * k,
-            1,
-        ),
+        grid=(32 * GATE_UP_SIMDGROUPS * -(-I // (GATE_UP_ROWS * GATE_UP_SIMDGROUPS)), N * k, 1),
         threadgroup=(32 * GATE_UP_SIMDGROUPS, 1, 1),
-        template=gate_up_template(z.dtype, D, I, k, variant),
+        template=gate_up_template(z.dtype, D, I, k),
     )
     nsg = min(k, DOWN_SIMDGROUPS)
-    (y,) = down(
+    (y,) = MXFP4_DOWN(
         backend,
         inputs=[h, *w["w2"], flat, weights.reshape(-1).astype(F32)],
         output_shapes=[(N, D)],
         output_dtypes=[F32],
-        grid=(32 * nsg * -(-D // down_rows(variant)), N, 1),
+        grid=(32 * nsg * -(-D // DOWN_ROWS), N, 1),
         threadgroup=(32 * nsg, 1, 1),
-        template=down_template(D, I, k, variant),
+        template=down_template(D, I, k),
     )
     return y
 

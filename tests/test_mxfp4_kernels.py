@@ -19,7 +19,7 @@ from kimi_k3.experts import expert_glu, expert_glu_reference
 from kimi_k3.kernels import dispatch, mxfp4_prefill
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
-from kimi_k3.kernels.mxfp4_decode import VARIANTS, expert_glu_decode
+from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, group_by_expert, tile_tokens_for
 
 BETA, CAP = 4.0, 25.0
@@ -125,11 +125,10 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("E,D,I,N,k,dtype", DECODE_CASES)
-def test_decode_matches_oracle(E, D, I, N, k, dtype, variant):
+def test_decode_matches_oracle(E, D, I, N, k, dtype):
     args, want = case(E, D, I, N, k, dtype)
-    got = expert_glu_decode(*args, backend="emulator", variant=variant)
+    got = expert_glu_decode(*args, backend="emulator")
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
 
@@ -162,8 +161,7 @@ def check_reads_cache_slots(backend: str):
             big[mx.array(slots + 1)] = a
             pool[n].append(big[1:11])
     slot_inds = mx.array(slots)[inds]
-    fns = {f"decode {v}": functools.partial(expert_glu_decode, variant=v) for v in VARIANTS}
-    fns["prefill"] = expert_glu_prefill
+    fns = {"decode": expert_glu_decode, "prefill": expert_glu_prefill}
     for name, fn in fns.items():
         want = fn(z, w, inds, wts, beta, cap, backend=backend)
         got = fn(z, pool, slot_inds, wts, beta, cap, backend=backend)
@@ -257,16 +255,6 @@ def test_prefill_dispatch_rules(monkeypatch):
     assert rel_err(expert_glu(z, w, inds, wts, beta, cap), want) < TOL
 
 
-def test_decode_variant_env(monkeypatch):
-    monkeypatch.delenv("KIMI_K3_DECODE_VARIANT", raising=False)
-    assert decode_kernels.default_variant() == decode_kernels.DEFAULT_VARIANT == "wide"
-    monkeypatch.setenv("KIMI_K3_DECODE_VARIANT", "word")
-    assert decode_kernels.default_variant() == "word"
-    monkeypatch.setenv("KIMI_K3_DECODE_VARIANT", "bogus")
-    with pytest.raises(ValueError):
-        decode_kernels.default_variant()
-
-
 def test_cuda_grid_limit_is_enforced():
     """The emulator refuses launches CUDA cannot make: more than 65535 blocks in y or z."""
     check_cuda_grid((256, 65535, 1), (256, 1, 1))
@@ -297,18 +285,17 @@ def test_launch_geometry_at_k3_scale(monkeypatch, tokens):
         return run
 
     monkeypatch.setattr(mxfp4_prefill, "MXFP4_GROUPED", fake("grouped"))
-    kernels = {v: (fake(f"gate_up {v}"), fake(f"down {v}")) for v in VARIANTS}
-    monkeypatch.setattr(decode_kernels, "_KERNELS", kernels)
+    monkeypatch.setattr(decode_kernels, "MXFP4_GATE_UP", fake("gate_up"))
+    monkeypatch.setattr(decode_kernels, "MXFP4_DOWN", fake("down"))
     E, D, I, k = 896, 3584, 3072, 16
     w = lazy_stack(E, D, I)
     inds, wts = (mx.array(a) for a in routing(tokens, E, k, tokens))
     z = mx.zeros((tokens, D), mx.bfloat16)
     for tm in (None, 16, 32, 64):
         expert_glu_prefill(z, w, inds, wts, BETA, CAP, tile_tokens=tm, backend="cuda")
-    for v in VARIANTS:
-        n = dispatch.EXPERT_DECODE_MAX_PAIRS // k
-        expert_glu_decode(z[:n], w, inds[:n], wts[:n], BETA, CAP, backend="cuda", variant=v)
-    assert len(launches) == 8 + 2 * len(VARIANTS)
+    n = dispatch.EXPERT_DECODE_MAX_PAIRS // k
+    expert_glu_decode(z[:n], w, inds[:n], wts[:n], BETA, CAP, backend="cuda")
+    assert len(launches) == 8 + 2
     for name, grid, tg in launches:
         check_cuda_grid(grid, tg)
         assert all(g % t == 0 for g, t in zip(grid, tg)), name
