@@ -5,7 +5,6 @@ import errno
 import os
 import shutil
 import threading
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -50,10 +49,8 @@ def _fails(model, match):
     """The next call (on an empty cache) raises ``ExpertReadError`` matching ``match``,
     within the read timeout (no hang)."""
     clear_cache(model)
-    t0 = time.perf_counter()
     with pytest.raises(ExpertReadError, match=match):
         mx.eval(model(PROMPT))
-    assert time.perf_counter() - t0 < 10.0
 
 
 def _recovers(model, reference):
@@ -116,10 +113,9 @@ def test_stuck_read_times_out_and_later_recovers(tiny_ckpt, reference, monkeypat
         return real(*args)
 
     monkeypatch.setattr(sio, "_pread_into", stuck)
-    t0 = time.perf_counter()
+    # Without the timeout the read would answer after 30 s and no error would be raised.
     with pytest.raises(ExpertReadError, match=rf"no answer after 0\.5 s reading {WHO}"):
         mx.eval(model(PROMPT))
-    assert time.perf_counter() - t0 < 5.0
     monkeypatch.setattr(sio, "_pread_into", real)
     gate.set()
     _recovers(model, reference)
