@@ -7,8 +7,17 @@ import mlx.core as mx
 KDA_DTYPES = (mx.float32, mx.bfloat16)
 
 
+def reference_forced(part: str) -> bool:
+    """``KIMI_K3_REFERENCE=1`` (or ``all``, or ``part``: ``kda`` / ``experts``) forces the
+    pure-MLX reference for that part of the model."""
+    import os
+
+    return os.environ.get("KIMI_K3_REFERENCE", "0") in ("1", "all", part)
+
+
 def kda_mix_kernel(p, x_q, conv_state, state):
     """The kernel implementation of ``kimi_k3.kda.kda_mix`` for these inputs, or None.
+    ``KIMI_K3_REFERENCE=1`` (or ``kda``) forces the reference.
 
     Metal or CUDA (``source.backend()``), activations in float32 or bfloat16: one decode
     launch for T = 1, the chunk kernels for longer inputs; None (the reference) otherwise.
@@ -19,7 +28,12 @@ def kda_mix_kernel(p, x_q, conv_state, state):
 
     backend = source.backend()
     heads, head_dim = p["heads"], p["head_dim"]
-    if backend is None or x_q.dtype not in KDA_DTYPES or p["q_conv"].shape[-1] < 2:
+    if (
+        reference_forced("kda")
+        or backend is None
+        or x_q.dtype not in KDA_DTYPES
+        or p["q_conv"].shape[-1] < 2
+    ):
         return None
     if x_q.shape[1] == 1 and kda_decode.eligible(heads, head_dim):
         return partial(kda_decode.kda_decode, backend)
@@ -59,12 +73,11 @@ def expert_glu_kernel(z, w, inds):
     (prefill) kernels where ``expert_prefill_choice`` says so. ``KIMI_K3_REFERENCE=1`` (or
     ``experts``) forces the reference.
     """
-    import os
     from functools import partial
 
     from . import mxfp4_decode, mxfp4_prefill, source
 
-    if os.environ.get("KIMI_K3_REFERENCE", "0") in ("1", "all", "experts"):
+    if reference_forced("experts"):
         return None
     backend = source.backend()
     if backend is None or not mxfp4_decode.eligible(z, w, inds):

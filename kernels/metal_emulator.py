@@ -433,26 +433,5 @@ class MetalKernel:
         return [_from_numpy(o.array().copy(), dt) for o, dt in pairs]
 
 
-def metal_kernel(
-    name,
-    input_names,
-    output_names,
-    source,
-    header="",
-    ensure_row_contiguous=True,
-    atomic_outputs=False,
-    compile_options=None,
-    strict=False,
-) -> MetalKernel:
-    """Same arguments as ``mx.fast.metal_kernel`` (plus ``strict``); runs on the CPU."""
-    return MetalKernel(
-        name,
-        input_names,
-        output_names,
-        source,
-        header,
-        ensure_row_contiguous,
-        atomic_outputs,
-        compile_options,
-        strict,
-    )
+# Same arguments as ``mx.fast.metal_kernel`` (plus ``strict``); runs on the CPU.
+metal_kernel = MetalKernel

@@ -17,7 +17,6 @@ normalisation, gates, recurrence, output norm and gate) and is where kernels plu
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import mlx.core as mx
@@ -202,11 +201,6 @@ def rms_norm_gate(o: mx.array, weight: mx.array, gate: mx.array, eps: float) -> 
     return of * weight.astype(mx.float32) * mx.sigmoid(gate.astype(mx.float32))
 
 
-def force_reference() -> bool:
-    """``KIMI_K3_REFERENCE=1`` (or ``kda``) forces the pure-MLX path for every KDA call."""
-    return os.environ.get("KIMI_K3_REFERENCE", "0") in ("1", "all", "kda")
-
-
 def kda_mix_reference(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
     """The KDA token mixer after its input projections, in pure MLX ops.
 
@@ -240,14 +234,13 @@ def kda_mix_reference(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state,
 def kda_mix(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
     """Dispatcher for the KDA token mixer: a custom kernel where one is eligible, else the
     reference. Same contract as ``kda_mix_reference``."""
-    if not force_reference():
-        from kimi_k3.kernels import dispatch
+    from kimi_k3.kernels import dispatch
 
-        fn = dispatch.kda_mix_kernel(p, x_q, conv_state, state)
-        if fn is not None:
-            return _kernel_with_reference_grad(
-                fn, p, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state
-            )
+    fn = dispatch.kda_mix_kernel(p, x_q, conv_state, state)
+    if fn is not None:
+        return _kernel_with_reference_grad(
+            fn, p, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state
+        )
     if x_q.shape[1] == 1 and conv_state is not None and state is not None:
         step = _compiled_step(p["heads"], p["head_dim"], p["lower_bound"], p["eps"])
         arrays = {k: v for k, v in p.items() if isinstance(v, mx.array)}

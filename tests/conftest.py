@@ -34,6 +34,24 @@ def tiny_b_ckpt(ckpt_factory):
     return ckpt_factory("tiny-b")
 
 
+def published_experts(path) -> dict:
+    """``{layer: [{"w1.weight_packed": u8 array, ...} per expert]}`` read from a checkpoint's
+    shards: the input ``kimi_k3.expert_pack.write_pack`` takes."""
+    from kimi_k3.checkpoint import CheckpointIndex
+    from kimi_k3.config import ModelArgs
+    from kimi_k3.model import expert_keys
+
+    args = ModelArgs.from_path(path)
+    index = CheckpointIndex(path)
+    return {
+        layer: [
+            {k.split(".experts.")[1].split(".", 1)[1]: index.read_numpy(k) for k in keys}
+            for keys in (expert_keys(layer, e) for e in range(args.num_experts))
+        ]
+        for layer in range(args.first_k_dense_replace, args.num_hidden_layers)
+    }
+
+
 def rel_err(a, b) -> float:
     """Norm-relative error ||a - b|| / ||b|| in float64."""
     a = np.asarray(a.astype(mx.float32) if isinstance(a, mx.array) else a, dtype=np.float64)

@@ -9,13 +9,13 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import published_experts
 
 import kimi_k3.streaming.io as sio
 from kimi_k3.checkpoint import CheckpointIndex
 from kimi_k3.config import ModelArgs
 from kimi_k3.expert_pack import write_pack
 from kimi_k3.loader import load_model
-from kimi_k3.model import expert_keys
 from kimi_k3.streaming import ExpertReadError, attach_streamer, clear_cache
 from kimi_k3.streaming.sources import expert_bytes, expert_layout
 
@@ -122,27 +122,16 @@ def test_stuck_read_times_out_and_later_recovers(tiny_ckpt, reference, monkeypat
 
 
 def test_corrupted_pack_record_fails_its_checksum(tiny_ckpt, reference, tmp_path):
-    args = ModelArgs.from_path(tiny_ckpt)
-    index = CheckpointIndex(tiny_ckpt)
-    experts = {
-        layer: [
-            {
-                k.split("experts.")[1].split(".", 1)[1]: index.read_numpy(k)
-                for k in expert_keys(layer, e)
-            }
-            for e in range(args.num_experts)
-        ]
-        for layer in range(1, args.num_hidden_layers)
-    }
+    experts = published_experts(tiny_ckpt)
     pack_dir = write_pack(tmp_path, experts)
     (pack_file,) = pack_dir.glob("*.pack")
     model = load_model(tiny_ckpt, dtype=mx.float32)
-    attach_streamer(model, tmp_path, None, _min_gb(args), verify_checksums=True)
+    attach_streamer(model, tmp_path, None, _min_gb(model.args), verify_checksums=True)
     _recovers(model, reference)
     good = pack_file.read_bytes()
     stat = pack_file.stat()
     bad = bytearray(good)
-    for e in range(args.num_experts):  # one flipped byte in every layer-1 record
+    for e in range(len(experts[1])):  # one flipped byte in every layer-1 record
         offset = model.layers[1].block_sparse_moe.experts.streamer.source.extents(1, e)[0].offset
         bad[offset + 100] ^= 0xFF
     pack_file.write_bytes(bytes(bad))

@@ -7,6 +7,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import published_experts
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import save_model as mlx_lm_save_model
 
@@ -82,18 +83,7 @@ def test_scattered_published_tensors_fall_back_to_one_read_per_run(tiny_ckpt, ti
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_expert_pack_source(tiny_ckpt, tiny_ref, tmp_path, verify):
-    args = ModelArgs.from_path(tiny_ckpt)
-    index = CheckpointIndex(tiny_ckpt)
-    experts = {
-        layer: [
-            {
-                k.split("experts.")[1].split(".", 1)[1]: index.read_numpy(k)
-                for k in expert_keys(layer, e)
-            }
-            for e in range(args.num_experts)
-        ]
-        for layer in range(1, args.num_hidden_layers)
-    }
+    experts = published_experts(tiny_ckpt)
     write_pack(tmp_path, experts, file_bytes=40_000)  # several pack files
     assert len(list((tmp_path / "experts").glob("*.pack"))) > 1
     model = _streamed_from(tiny_ckpt, tmp_path, no_index=True, verify_checksums=verify)
