@@ -46,6 +46,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed batches (best is reported)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", action="store_true", help="also time other decode kernels")
+    p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--out", default=None, help="write the markdown table here")
     return p
 
@@ -166,6 +168,35 @@ def compare(table, label, ours, ref, t_ours, t_ref, inputs):
         table.add(label, f"{t_ref / t_ours:.2f}x faster", "", "", f"rel err {err:.1e}")
 
 
+def with_launch(gate_up, down):
+    """The decode kernels at another launch shape (rows per set, simdgroups, tile)."""
+    from kimi_k3.kernels import mxfp4_decode
+
+    def run(*a):
+        saved = dict(mxfp4_decode.LAUNCH)
+        mxfp4_decode.LAUNCH.update(gate_up=gate_up, down=down)
+        try:
+            return expert_glu_decode(*a)
+        finally:
+            mxfp4_decode.LAUNCH.update(saved)
+
+    return run
+
+
+def decode_variants(sweep: bool) -> dict:
+    """The decode kernels at their launch shape, plus (``--variants``) other shapes."""
+    out = {"decode kernel": expert_glu_decode}
+    if sweep:
+        for gu, dn in [
+            ((2, 8, 96), (4, 8, 128)),
+            ((1, 4, 48), (4, 8, 128)),
+            ((1, 8, 96), (2, 8, 128)),
+            ((1, 8, 192), (4, 4, 64)),
+        ]:
+            out[f"decode kernel, launch {gu} {dn}"] = with_launch(gu, dn)
+    return out
+
+
 def with_tile(tile):
     return lambda *a: expert_glu_prefill(*a, tile_tokens=tile)
 
@@ -184,7 +215,7 @@ def bench_decode(args, table: Table, copy: float | None):
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
         timed = {}
-        variants = {"decode kernel": expert_glu_decode}
+        variants = decode_variants(args.variants)
         for name, fn in (
             ("gather_qmm", expert_glu_reference),
             *variants.items(),
@@ -273,7 +304,8 @@ def main():
         )
     attempt(table, "decode", bench_decode, args, table, copy)
     mx.clear_cache()
-    attempt(table, "prefill", bench_prefill, args, table)
+    if not args.skip_prefill:
+        attempt(table, "prefill", bench_prefill, args, table)
     header = ("case", "time", "rate", "of HBM", "check")
     md = (
         f"MXFP4 experts, D={args.dim}, I={args.hidden}, top-{args.topk}, {args.dtype} inputs, "

@@ -33,6 +33,11 @@ for step in "$@"; do
     bench_e2e) run bench_e2e 400 python3 benchmarks/bench_e2e.py --preset k3-layers --set vocab_size=32768 --set intermediate_size=4096 --prompt-tokens 512 --decode-tokens 16 --dtypes bfloat16 --expert-cache-gb 0.6 --out "$OUT/bench_e2e_h200.md" ;;
     bench_e2e_cpu) run bench_e2e_cpu 300 python3 benchmarks/bench_e2e.py --preset small --device cpu --repeats 3 --out "$OUT/bench_e2e_cpu.md" ;;
     bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --quick --out "$OUT/bench_streaming_h200.md" ;;
+    ptxas) run ptxas 200 python3 -m benchmarks.profile_kernels --ptxas ;;
+    profile) run profile 300 ncu --metrics gpu__time_duration.sum,dram__bytes.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active python3 -m benchmarks.profile_kernels ;;
+    profile_full) run profile_full 300 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats -k "regex:kda_|mxfp4_gate|mxfp4_down|mxfp4_sum" python3 -m benchmarks.profile_kernels --rounds 1 ;;
+    kda_decode_diag) run kda_decode_diag 200 python3 -m benchmarks.kda_decode_diag ;;
+    bench_mxfp4_variants) run bench_mxfp4_variants 300 python3 -m benchmarks.bench_mxfp4 --variants --skip-prefill --decode-tokens 1 4 --out "$OUT/bench_mxfp4_variants.md" ;;
     mxfp4_diag) run mxfp4_diag 120 python3 -m benchmarks.mxfp4_diag ;;
     *) echo "unknown step $step" | tee -a "$log" ;;
   esac

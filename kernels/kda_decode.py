@@ -11,6 +11,8 @@ Using ``o = S'^T q = (alpha*S)^T q + delta (q.k)`` the readout needs no second p
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 
 from .source import Instance, Kernel
@@ -31,6 +33,14 @@ BODY = """
   SHARED float s_part[2 * R * K];   // per-row-group partial k.S and q.S
   SHARED float s_out[K];
   SHARED float s_sc[8];             // |q|^2, |k|^2, q.k, beta, 1/rms
+
+  // The state's loads go out first, so their latency overlaps everything before its use.
+  const uint r = t / K;
+  const uint v = t % K;
+  const DEVICE float* S = state + (size_t)bh * K * K;
+  float s[KR];
+#pragma unroll
+  for (int j = 0; j < KR; ++j) s[j] = S[(r * KR + j) * K + v];
 
   // Conv windows: new window = last W-2 old inputs + this token; output SiLU(w . window).
   for (uint i = t; i < 3 * K; i += NT) {
@@ -78,14 +88,11 @@ BODY = """
   const float rq = RSQRT(s_sc[0] + 1e-6f) * RSQRT(static_cast<float>(K));
   const float rk = RSQRT(s_sc[1] + 1e-6f);
   const float beta = s_sc[3];
-  const uint r = t / K;
-  const uint v = t % K;
-  const DEVICE float* S = state + (size_t)bh * K * K;
-  float s[KR];
   float pred = 0.0f, oq = 0.0f;
+#pragma unroll
   for (int j = 0; j < KR; ++j) {
     const uint row = r * KR + j;
-    s[j] = S[row * K + v] * s_alpha[row];
+    s[j] *= s_alpha[row];
     pred += s_qkv[K + row] * s[j];
     oq += s_qkv[row] * s[j];
   }
@@ -101,6 +108,7 @@ BODY = """
   }
   const float delta = beta * (s_qkv[2 * K + v] - pred * rk);
   DEVICE float* S_out = state_out + (size_t)bh * K * K;
+#pragma unroll
   for (int j = 0; j < KR; ++j) {
     const uint row = r * KR + j;
     S_out[row * K + v] = s[j] + s_qkv[K + row] * rk * delta;
@@ -172,39 +180,55 @@ def _as(x: mx.array, dtype) -> mx.array:
 
 
 _WEIGHTS = ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm")
-_LAYERS: dict = {}  # (weight ids, scalars, dtype) -> (weak refs to the weights, inputs)
+_LAYERS: dict = {}  # (id of q_conv, dtype) -> (weak refs to the weights, scalars, inputs)
 
 
 def _layer_inputs(p: dict, dt) -> list:
     """The layer's fp32 weights and scalar params, converted and built once per layer.
 
-    Keyed by the identity of the weight arrays (the model builds a fresh ``p`` per call), and
-    reused only while those very arrays are alive (weak references), so a changed or new
-    layer rebuilds it and the cache keeps no weight alive.
+    Keyed by the identity of the layer's weight arrays (the model builds a fresh ``p`` per
+    call), and reused only while those very arrays are alive (weak references) with the same
+    scalars, so a changed or new layer rebuilds it and the cache keeps no weight alive.
     """
-    import weakref
-
     found = [p[n] for n in _WEIGHTS]
-    scalars = (float(p["lower_bound"]), float(p["eps"]))
-    key = (tuple(id(w) for w in found), scalars, dt)
+    scalars = (p["lower_bound"], p["eps"])
+    key = (id(found[0]), dt)
     hit = _LAYERS.get(key)
-    if hit is None or any(ref() is not w for ref, w in zip(hit[0], found)):
+    if hit is None or hit[1] != scalars or any(ref() is not w for ref, w in zip(hit[0], found)):
         if len(_LAYERS) > 1024:
             _LAYERS.clear()
-        params = mx.array(scalars, dtype=mx.float32)
+        params = mx.array([float(x) for x in scalars], dtype=mx.float32)
         refs = [weakref.ref(w) for w in found]
-        hit = _LAYERS[key] = (refs, [_as(w, mx.float32) for w in found] + [params])
-    return hit[1]
+        hit = _LAYERS[key] = (refs, scalars, [_as(w, mx.float32) for w in found] + [params])
+    return hit[2]
 
 
-_LAUNCH: dict = {}  # (dtype, H, K, W) -> (template, threads per threadgroup)
+_LAUNCH: dict = {}  # (backend, dtype, B, H, K, W, rows per thread) -> launch arguments
+
+
+def _launch(backend, dt, B, H, K, W):
+    key = (backend, dt, B, H, K, W, ROWS_PER_THREAD)
+    hit = _LAUNCH.get(key)
+    if hit is None:
+        tpl = template(dt, H, K, W)
+        nt = K * K // tpl[-1][1]
+        P = H * K
+        hit = _LAUNCH[key] = dict(
+            output_shapes=[(B, 1, P), (B, W - 1, 3 * P), (B, H, K, K)],
+            output_dtypes=[dt, dt, mx.float32],
+            grid=(nt * B * H, 1, 1),
+            threadgroup=(nt, 1, 1),
+            template=tpl,
+        )
+    return hit
 
 
 def kda_decode(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
     """One decode step (T = 1) of ``kimi_k3.kda.kda_mix_reference``, in one launch.
 
     Shapes as ``kda_mix_reference`` with T = 1: x_*, g_raw, gate [B, 1, H*K]; b_logits [B, 1, H];
-    conv_state [B, W-1, 3*H*K] or None; state [B, H, K, K] fp32 or None.
+    conv_state [B, W-1, 3*H*K] or None; state [B, H, K, K] fp32 or None. Per call it only
+    gathers the inputs: weights, scalars and launch arguments are built once per layer/shape.
     """
     B, _, P = x_q.shape
     H, K = p["heads"], p["head_dim"]
@@ -214,20 +238,10 @@ def kda_decode(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv
         conv_state = mx.zeros((B, W - 1, 3 * P), dtype=dt)
     if state is None:
         state = mx.zeros((B, H, K, K), dtype=mx.float32)
-    acts = [_as(a, dt) for a in (x_q, x_k, x_v, g_raw, b_logits, gate, conv_state)]
-    inputs = acts + [_as(state, mx.float32)] + _layer_inputs(p, dt)
-    launch = _LAUNCH.get((dt, H, K, W))
-    if launch is None:
-        tpl = template(dt, H, K, W)
-        launch = _LAUNCH[(dt, H, K, W)] = (tpl, K * K // tpl[-1][1])
-    tpl, nt = launch
-    y, conv_out, state_out = KDA_DECODE(
-        backend,
-        inputs=inputs,
-        output_shapes=[(B, 1, P), (B, W - 1, 3 * P), (B, H, K, K)],
-        output_dtypes=[dt, dt, mx.float32],
-        grid=(nt * B * H, 1, 1),
-        threadgroup=(nt, 1, 1),
-        template=tpl,
-    )
-    return y, conv_out, state_out
+    acts = [x_q, x_k, x_v, g_raw, b_logits, gate, conv_state]
+    if any(a.dtype != dt for a in acts):
+        acts = [_as(a, dt) for a in acts]
+    if state.dtype != mx.float32:
+        state = state.astype(mx.float32)
+    launch = _launch(backend, dt, B, H, K, W)
+    return KDA_DECODE.get(backend)(inputs=acts + [state] + _layer_inputs(p, dt), **launch)

@@ -1,19 +1,22 @@
 """MXFP4 expert decode: the chosen experts of a few tokens, every weight byte read once per pair.
 
-Two launches per MoE layer, for ``N * k`` (token, choice) pairs:
+Three launches per MoE layer, for ``N * k`` (token, choice) pairs:
 
-1. ``mxfp4_gate_up``: one threadgroup per (pair, block of ``NSG * R`` rows of I); each
-   simdgroup owns ``R`` rows of gate and of up. Each lane takes a whole 32-code scale group
-   of a row with one 128-bit load plus its scale byte, for all of its rows before any math;
-   codes decode through a 16-entry E2M1 table and scales through a 256-entry E8M0 table in
-   threadgroup memory, against the token's latent staged once in fp32. One SIMD sum per
-   row, then SiTU-GLU: ``h [N*k, I]`` fp32.
-2. ``mxfp4_down``: one threadgroup per (token, ``R`` rows of D); its simdgroups split the k
-   choices, read w2 the same way against ``h`` and scale by the routing weight. Partial sums
-   meet in threadgroup memory: ``y [N, D]`` fp32, no atomics.
+1. ``mxfp4_gate_up``: one threadgroup per (pair, tile of ``TILE`` rows of I). It stages the
+   token's latent once in fp32 (a padded layout, free of bank conflicts on both sides); each
+   simdgroup walks its sets of ``R`` rows of gate and of up, and for a set issues every
+   128-bit load (a whole 32-code scale group per lane) and every scale byte before any math.
+   Codes decode through a 16-entry E2M1 table in threadgroup memory, scales from their
+   exponent bits. One SIMD sum per row, then SiTU-GLU: ``h [N*k, I]`` fp32.
+2. ``mxfp4_down``: the same per (pair, tile of rows of D) with the pair's ``h`` staged once,
+   each row scaled by the pair's routing weight: ``part [N*k, D]`` fp32.
+3. ``mxfp4_sum``: ``y [N, D]``, the k pairs of each token added in order (no atomics, so
+   results do not depend on scheduling).
 
-Two other decode variants (one 32-bit word per lane per row; half the rows per simdgroup)
-were measured slower on the H200 (docs/benchmarks.md) and removed.
+The first version (one threadgroup per 32 rows, the latent staged per threadgroup, the k
+choices of the down projection meeting in threadgroup memory) and two others were measured
+slower on the H200 (docs/benchmarks.md) and removed; ``LAUNCH`` holds the launch shape the
+same measurement picked.
 
 Weights are read where they lie: ``w`` may be the resident stack or the streamer's cache
 slots, and ``inds`` indexes its leading axis.
@@ -38,196 +41,207 @@ HELPER float kk_situ_glu(float g, float u, float beta, float cap) {
   return beta * TANH(g / beta) / (1.0f + EXP(-g)) * cap * TANH(u / cap);
 }
 HELPER float kk_e8m0(uint s) { return ldexp(1.0f, int(s) - 127); }
+// E8M0 from its exponent bits (2^-127, the one subnormal, by ldexp)
+HELPER float kk_e8m0_bits(uint s) { return s ? AS_FLOAT(s << 23) : ldexp(1.0f, -127); }
 #define KK_DOT8(q, a, b)                                                                \\
   ((a).x * lut[(q) & 15u] + (a).y * lut[((q) >> 4) & 15u] + (a).z * lut[((q) >> 8) & 15u] + \\
    (a).w * lut[((q) >> 12) & 15u] + (b).x * lut[((q) >> 16) & 15u] +                    \\
    (b).y * lut[((q) >> 20) & 15u] + (b).z * lut[((q) >> 24) & 15u] + (b).w * lut[(q) >> 28])
 """
 
+# Gate and up: a threadgroup owns a tile of TILE rows of one pair and stages its latent
+# once; each simdgroup walks its sets of R rows, every 128-bit code load and scale byte of
+# a set issued before any math (2 R IT loads in flight per lane).
 GATE_UP_BODY = """
-  constexpr int G = D / 32;           // scale groups (= 16-byte chunks) per row
+  constexpr int G = D / 32;           // 16-byte chunks (scale groups) per row
+  constexpr int IT = (G + 31) / 32;   // chunks per lane per row
+  constexpr int GP = G + 1;           // padded stride of the staged latent
   SHARED float lut[16];
-  SHARED float e8m0[256];
-  SHARED float4 zs[D / 4];
+  SHARED float4 zs[8 * GP];
   const uint tid = THREAD_INDEX;
   const uint lane = LANE;
   const uint p = GROUP_POS.y;
   if (tid < 16) lut[tid] = kk_e2m1(tid);
-  for (uint i = tid; i < 256; i += GROUP_SIZE.x) e8m0[i] = kk_e8m0(i);
   for (uint i = tid; i < D / 4; i += GROUP_SIZE.x) {
     const DEVICE T* src = z + (size_t)(p / K) * D + 4 * i;
     float4 a;
     a.x = static_cast<float>(src[0]); a.y = static_cast<float>(src[1]);
     a.z = static_cast<float>(src[2]); a.w = static_cast<float>(src[3]);
-    zs[(i % 8) * G + i / 8] = a;
+    zs[(i % 8) * GP + i / 8] = a;
   }
   BARRIER();
 
-  const uint row0 = (GROUP_POS.x * NSG + SIMDGROUP) * R;
-  const size_t first = (size_t)inds[p] * I + row0;
-  const DEVICE uint4* q1 = (const DEVICE uint4*)(w1 + first * (D / 8));
-  const DEVICE uint4* q3 = (const DEVICE uint4*)(w3 + first * (D / 8));
-  const DEVICE uint8_t* e1 = s1 + first * G;
-  const DEVICE uint8_t* e3 = s3 + first * G;
-  float gate[R], up[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) gate[r] = up[r] = 0.0f;
-#pragma unroll
-  for (int it = 0; it < (G + 31) / 32; ++it) {
-    const uint g = lane + 32 * it;
-    if (g < G) {
-      uint4 qg[R], qu[R];
-      float sg[R], su[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (row0 + r < I) {
-          qg[r] = q1[r * G + g];
-          qu[r] = q3[r * G + g];
-          sg[r] = e8m0[e1[r * G + g]];
-          su[r] = e8m0[e3[r * G + g]];
-        } else {
-          qg[r].x = qg[r].y = qg[r].z = qg[r].w = 0u;
-          qu[r].x = qu[r].y = qu[r].z = qu[r].w = 0u;
-          sg[r] = su[r] = 0.0f;
-        }
-      }
-      float dg[R], du[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) dg[r] = du[r] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float4 a = zs[(2 * j) * G + g];
-        const float4 b = zs[(2 * j + 1) * G + g];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint wg = j == 0 ? qg[r].x : j == 1 ? qg[r].y : j == 2 ? qg[r].z : qg[r].w;
-          const uint wu = j == 0 ? qu[r].x : j == 1 ? qu[r].y : j == 2 ? qu[r].z : qu[r].w;
-          dg[r] += KK_DOT8(wg, a, b);
-          du[r] += KK_DOT8(wu, a, b);
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        gate[r] += sg[r] * dg[r];
-        up[r] += su[r] * du[r];
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    gate[r] = SIMD_SUM(gate[r]);
-    up[r] = SIMD_SUM(up[r]);
-  }
-  if (lane == 0) {
+  const uint tile0 = GROUP_POS.x * TILE;
+  const uint tile1 = tile0 + TILE < I ? tile0 + TILE : I;
+  const size_t e0 = (size_t)inds[p] * I;
+  for (uint row0 = tile0 + SIMDGROUP * R; row0 < tile1; row0 += NSG * R) {
+    uint4 qg[R][IT], qu[R][IT];
+    uint sg[R][IT], su[R][IT];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      if (row0 + r < I) h[(size_t)p * I + row0 + r] = kk_situ_glu(gate[r], up[r], act[0], act[1]);
+      const bool ok = row0 + r < tile1;
+      const size_t row = e0 + row0 + (ok ? r : 0);
+      const DEVICE uint4* q1 = (const DEVICE uint4*)(w1 + row * (D / 8));
+      const DEVICE uint4* q3 = (const DEVICE uint4*)(w3 + row * (D / 8));
+#pragma unroll
+      for (int it = 0; it < IT; ++it) {
+        const uint g = lane + 32 * it;
+        const bool in = ok && g < G;
+        const uint gg = in ? g : 0;
+        qg[r][it] = q1[gg];
+        qu[r][it] = q3[gg];
+        sg[r][it] = in ? uint(s1[row * G + gg]) : 0u;
+        su[r][it] = in ? uint(s3[row * G + gg]) : 0u;
+      }
+    }
+    float gate[R], up[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) gate[r] = up[r] = 0.0f;
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      const uint g = lane + 32 * it;
+      if (g < G) {
+        float dg[R], du[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) dg[r] = du[r] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float4 a = zs[(2 * j) * GP + g];
+          const float4 b = zs[(2 * j + 1) * GP + g];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint4 vg = qg[r][it];
+            const uint4 vu = qu[r][it];
+            const uint wg = j == 0 ? vg.x : j == 1 ? vg.y : j == 2 ? vg.z : vg.w;
+            const uint wu = j == 0 ? vu.x : j == 1 ? vu.y : j == 2 ? vu.z : vu.w;
+            dg[r] += KK_DOT8(wg, a, b);
+            du[r] += KK_DOT8(wu, a, b);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          gate[r] += kk_e8m0_bits(sg[r][it]) * dg[r];
+          up[r] += kk_e8m0_bits(su[r][it]) * du[r];
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      gate[r] = SIMD_SUM(gate[r]);
+      up[r] = SIMD_SUM(up[r]);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (row0 + r < tile1)
+          h[(size_t)p * I + row0 + r] = kk_situ_glu(gate[r], up[r], act[0], act[1]);
+      }
     }
   }
 """
 
-# The down projection: the same 128-bit group loads for R rows of w2; h's 32 values of the
-# group are 8 global float4 loads (the threadgroups of one token read the same rows of h,
-# mostly from L1). Simdgroups split the k choices; partial sums meet in threadgroup memory.
+# The down projection: per (pair, tile of TILE rows of D) with the pair's h staged once, the
+# same loads-first row sets; each pair's rows, scaled by its routing weight, land in
+# ``part [N*k, D]``, and ``mxfp4_sum`` adds the k pairs of each token in order (no atomics).
 DOWN_BODY = """
   constexpr int G = I / 32;
+  constexpr int IT = (G + 31) / 32;
+  constexpr int GP = G + 1;
   SHARED float lut[16];
-  SHARED float e8m0[256];
-  SHARED float part[NSG * R];
+  SHARED float4 hs[8 * GP];
   const uint tid = THREAD_INDEX;
   const uint lane = LANE;
-  const uint sg = SIMDGROUP;
-  const uint n = GROUP_POS.y;
-  const uint row0 = GROUP_POS.x * R;
+  const uint p = GROUP_POS.y;
   if (tid < 16) lut[tid] = kk_e2m1(tid);
-  for (uint i = tid; i < 256; i += GROUP_SIZE.x) e8m0[i] = kk_e8m0(i);
+  for (uint i = tid; i < I / 4; i += GROUP_SIZE.x) {
+    hs[(i % 8) * GP + i / 8] = ((const DEVICE float4*)(h + (size_t)p * I))[i];
+  }
   BARRIER();
 
-  float acc[R];
+  const float wt = weights[p];
+  const uint tile0 = GROUP_POS.x * TILE;
+  const uint tile1 = tile0 + TILE < D ? tile0 + TILE : D;
+  const size_t e0 = (size_t)inds[p] * D;
+  for (uint row0 = tile0 + SIMDGROUP * R; row0 < tile1; row0 += NSG * R) {
+    uint4 q[R][IT];
+    uint sc[R][IT];
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  for (uint j = sg; j < K; j += NSG) {
-    const uint p = n * K + j;
-    const size_t first = (size_t)inds[p] * D + row0;
-    const DEVICE uint4* q2 = (const DEVICE uint4*)(w2 + first * (I / 8));
-    const DEVICE uint8_t* e2 = s2 + first * G;
-    const DEVICE float4* hv = (const DEVICE float4*)(h + (size_t)p * I);
-    float dot[R];
+    for (int r = 0; r < R; ++r) {
+      const bool ok = row0 + r < tile1;
+      const size_t row = e0 + row0 + (ok ? r : 0);
+      const DEVICE uint4* q2 = (const DEVICE uint4*)(w2 + row * (I / 8));
 #pragma unroll
-    for (int r = 0; r < R; ++r) dot[r] = 0.0f;
+      for (int it = 0; it < IT; ++it) {
+        const uint g = lane + 32 * it;
+        const bool in = ok && g < G;
+        const uint gg = in ? g : 0;
+        q[r][it] = q2[gg];
+        sc[r][it] = in ? uint(s2[row * G + gg]) : 0u;
+      }
+    }
+    float acc[R];
 #pragma unroll
-    for (int it = 0; it < (G + 31) / 32; ++it) {
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
       const uint g = lane + 32 * it;
       if (g < G) {
-        uint4 q[R];
-        float sc[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          if (row0 + r < D) {
-            q[r] = q2[r * G + g];
-            sc[r] = e8m0[e2[r * G + g]];
-          } else {
-            q[r].x = q[r].y = q[r].z = q[r].w = 0u;
-            sc[r] = 0.0f;
-          }
-        }
         float d[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) d[r] = 0.0f;
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const float4 a = hv[8 * g + 2 * w];
-          const float4 b = hv[8 * g + 2 * w + 1];
+        for (int j = 0; j < 4; ++j) {
+          const float4 a = hs[(2 * j) * GP + g];
+          const float4 b = hs[(2 * j + 1) * GP + g];
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            const uint qw = w == 0 ? q[r].x : w == 1 ? q[r].y : w == 2 ? q[r].z : q[r].w;
+            const uint4 v = q[r][it];
+            const uint qw = j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
             d[r] += KK_DOT8(qw, a, b);
           }
         }
 #pragma unroll
-        for (int r = 0; r < R; ++r) dot[r] += sc[r] * d[r];
+        for (int r = 0; r < R; ++r) acc[r] += kk_e8m0_bits(sc[r][it]) * d[r];
       }
     }
-    const float wt = weights[p];
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] += wt * dot[r];
-  }
+    for (int r = 0; r < R; ++r) acc[r] = SIMD_SUM(acc[r]);
+    if (lane == 0) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = SIMD_SUM(acc[r]);
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) part[sg * R + r] = acc[r];
-  }
-  BARRIER();
-  if (tid < R && row0 + tid < D) {
-    float total = 0.0f;
-    for (int s = 0; s < NSG; ++s) total += part[s * R + tid];
-    y[(size_t)n * D + row0 + tid] = total;
+      for (int r = 0; r < R; ++r) {
+        if (row0 + r < tile1) part[(size_t)p * D + row0 + r] = wt * acc[r];
+      }
+    }
   }
 """
 
-GATE_UP_SIMDGROUPS = 8
-GATE_UP_ROWS = 4  # rows of gate and of up per simdgroup
-DOWN_ROWS = 4  # rows of D per down threadgroup
-DOWN_SIMDGROUPS = 8  # at most; fewer when k is smaller
+# y[n, d] = sum over the k pairs of token n, in order.
+SUM_BODY = """
+  const uint d = GRID_X;
+  const uint n = GROUP_POS.y;
+  if (d < D) {
+    float total = 0.0f;
+    for (int j = 0; j < K; ++j) total += part[((size_t)n * K + j) * D + d];
+    y[(size_t)n * D + d] = total;
+  }
+"""
 
 K3 = {"D": 3584, "I": 3072, "K": 16}
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 
+# Launch shape: rows per simdgroup set, simdgroups, rows per threadgroup tile (measured).
+LAUNCH = {"gate_up": (1, 8, 96), "down": (4, 8, 128)}
+
+
 def gate_up_template(dtype, D, I, K):
-    return [
-        ("T", dtype),
-        ("D", D),
-        ("I", I),
-        ("K", K),
-        ("R", GATE_UP_ROWS),
-        ("NSG", GATE_UP_SIMDGROUPS),
-    ]
+    R, NSG, TILE = LAUNCH["gate_up"]
+    return [("T", dtype), ("D", D), ("I", I), ("K", K), ("R", R), ("NSG", NSG), ("TILE", TILE)]
 
 
 def down_template(D, I, K):
-    return [("D", D), ("I", I), ("K", K), ("R", DOWN_ROWS), ("NSG", min(K, DOWN_SIMDGROUPS))]
+    R, NSG, TILE = LAUNCH["down"]
+    return [("D", D), ("I", I), ("R", R), ("NSG", NSG), ("TILE", TILE)]
 
 
 MXFP4_GATE_UP = Kernel(
@@ -245,10 +259,18 @@ MXFP4_GATE_UP = Kernel(
 MXFP4_DOWN = Kernel(
     "mxfp4_down",
     ["h", "w2", "s2", "inds", "weights"],
-    ["y"],
+    ["part"],
     DOWN_BODY,
     header=HEADER,
     instances=[Instance([F32, U32, U8, I32, F32], [F32], down_template(**K3))],
+)
+
+MXFP4_SUM = Kernel(
+    "mxfp4_sum",
+    ["part"],
+    ["y"],
+    SUM_BODY,
+    instances=[Instance([F32], [F32], [("D", K3["D"]), ("K", K3["K"])])],
 )
 
 _ACT: dict = {}
@@ -263,7 +285,7 @@ def act_params(beta: float, cap: float) -> mx.array:
 
 
 def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None):
-    """``kimi_k3.experts.expert_glu_reference`` in two launches, for few tokens.
+    """``kimi_k3.experts.expert_glu_reference`` in three launches, for few tokens.
 
     Shapes: z [N, D]; w as ``expert_glu_reference`` (leading axis: experts or cache slots);
     inds [N, k]; weights [N, k]. Returns fp32 [N, D]. The 128-bit loads need 16-byte aligned
@@ -274,24 +296,34 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
     D = z.shape[-1]
     I = w["w1"][0].shape[-2]
     flat = inds.reshape(-1).astype(I32)
+    R, nsg, tile = LAUNCH["gate_up"]
     (h,) = MXFP4_GATE_UP(
         backend,
         inputs=[z, *w["w1"], *w["w3"], flat, act_params(beta, cap)],
         output_shapes=[(N * k, I)],
         output_dtypes=[F32],
-        grid=(32 * GATE_UP_SIMDGROUPS * -(-I // (GATE_UP_ROWS * GATE_UP_SIMDGROUPS)), N * k, 1),
-        threadgroup=(32 * GATE_UP_SIMDGROUPS, 1, 1),
+        grid=(32 * nsg * -(-I // tile), N * k, 1),
+        threadgroup=(32 * nsg, 1, 1),
         template=gate_up_template(z.dtype, D, I, k),
     )
-    nsg = min(k, DOWN_SIMDGROUPS)
-    (y,) = MXFP4_DOWN(
+    R, nsg, tile = LAUNCH["down"]
+    (part,) = MXFP4_DOWN(
         backend,
         inputs=[h, *w["w2"], flat, weights.reshape(-1).astype(F32)],
-        output_shapes=[(N, D)],
+        output_shapes=[(N * k, D)],
         output_dtypes=[F32],
-        grid=(32 * nsg * -(-D // DOWN_ROWS), N, 1),
+        grid=(32 * nsg * -(-D // tile), N * k, 1),
         threadgroup=(32 * nsg, 1, 1),
         template=down_template(D, I, k),
+    )
+    (y,) = MXFP4_SUM(
+        backend,
+        inputs=[part],
+        output_shapes=[(N, D)],
+        output_dtypes=[F32],
+        grid=(256 * -(-D // 256), N, 1),
+        threadgroup=(256, 1, 1),
+        template=[("D", D), ("K", k)],
     )
     return y
 

@@ -66,6 +66,7 @@ CALLS = {
     "FMAX": ("metal::fmax", "fmaxf"),
     "FMIN": ("metal::fmin", "fminf"),
     "FABS": ("metal::abs", "fabsf"),
+    "AS_FLOAT": ("as_type<float>", "__uint_as_float"),
 }
 
 # Barrier words take no arguments in the dialect; Metal needs the memory flags.

@@ -172,7 +172,7 @@ def broken(kernel, old, new):
             "  s_part[r * K + v] = pred;\n  s_part[(R + r) * K + v] = oq;\n  BARRIER();",
             "  s_part[r * K + v] = pred;\n  s_part[(R + r) * K + v] = oq;",
         ),
-        ("s[j] = S[row * K + v] * s_alpha[row];", "s[j] = S[row * K + v + 1] * s_alpha[row];"),
+        ("s[j] = S[(r * KR + j) * K + v];", "s[j] = S[(r * KR + j) * K + v + 1];"),
     ],
     ids=["missing-barrier", "off-by-one"],
 )

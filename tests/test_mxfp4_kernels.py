@@ -287,6 +287,7 @@ def test_launch_geometry_at_k3_scale(monkeypatch, tokens):
     monkeypatch.setattr(mxfp4_prefill, "MXFP4_GROUPED", fake("grouped"))
     monkeypatch.setattr(decode_kernels, "MXFP4_GATE_UP", fake("gate_up"))
     monkeypatch.setattr(decode_kernels, "MXFP4_DOWN", fake("down"))
+    monkeypatch.setattr(decode_kernels, "MXFP4_SUM", fake("sum"))
     E, D, I, k = 896, 3584, 3072, 16
     w = lazy_stack(E, D, I)
     inds, wts = (mx.array(a) for a in routing(tokens, E, k, tokens))
@@ -295,7 +296,7 @@ def test_launch_geometry_at_k3_scale(monkeypatch, tokens):
         expert_glu_prefill(z, w, inds, wts, BETA, CAP, tile_tokens=tm, backend="cuda")
     n = dispatch.EXPERT_DECODE_MAX_PAIRS // k
     expert_glu_decode(z[:n], w, inds[:n], wts[:n], BETA, CAP, backend="cuda")
-    assert len(launches) == 8 + 2
+    assert len(launches) == 8 + 3
     for name, grid, tg in launches:
         check_cuda_grid(grid, tg)
         assert all(g % t == 0 for g, t in zip(grid, tg)), name

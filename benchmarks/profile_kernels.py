@@ -1,0 +1,102 @@
+"""Launch every kernel of this project once per round at K3's shapes, for a profiler.
+
+Meant to run under NVIDIA's ``ncu`` on the H200 (``benchmarks/h200.sh profile``), which then
+reports each kernel's GPU time, registers and DRAM bytes:
+
+    ncu --metrics gpu__time_duration.sum,dram__bytes.sum,launch__registers_per_thread \\
+        python -m benchmarks.profile_kernels
+
+With ``--ptxas`` it instead compiles every kernel's CUDA rendering with ``nvcc -Xptxas -v``
+and prints registers, stack frame and spills per kernel (no GPU needed, only nvcc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+
+def ptxas_report():
+    from kimi_k3.kernels import source
+    from tests.test_cuda_compile import KERNELS
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for kernel in KERNELS:
+            cu = Path(tmp) / f"{kernel.name}.cu"
+            cu.write_text(source.cuda_translation_unit(kernel))
+            cmd = [
+                "nvcc",
+                "-arch=sm_90",
+                "-std=c++17",
+                "-O3",
+                "-Xptxas",
+                "-v",
+                "--cubin",
+                str(cu),
+                "-o",
+                str(cu.with_suffix(".cubin")),
+            ]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            text = res.stderr
+            for fn, body in re.findall(
+                r"Compiling entry function '([^']+)'.*?\n(.*?)(?=ptxas info    : Compiling|\Z)",
+                text,
+                re.S,
+            ):
+                regs = re.search(r"Used (\d+) registers", body)
+                stack = re.search(
+                    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                    body,
+                )
+                print(
+                    f"{fn[:90]:90s} regs {regs.group(1) if regs else '?':>4s} "
+                    f"stack/spill-st/spill-ld {stack.groups() if stack else '?'}"
+                )
+            if res.returncode:
+                print(kernel.name, "FAILED", text[-2000:])
+
+
+def run_kernels(rounds: int):
+    from benchmarks.bench_kda import decode_layer, layer, mixer_inputs
+    from benchmarks.bench_mxfp4 import BETA, CAP, random_experts, routing
+    from kimi_k3.kernels import kda_decode, kda_prefill, mxfp4_decode, mxfp4_prefill, source
+
+    backend = source.backend()
+    p, x, _ = decode_layer()
+    pl = layer()
+    xs = mixer_inputs(1024)
+    w = random_experts(32, 3584, 3072, 0)
+    rng = np.random.default_rng(0)
+    inds1, wts1 = routing(1, 32, 16, rng)
+    z1 = mx.random.normal((1, 3584)).astype(mx.bfloat16)
+    w896 = random_experts(96, 3584, 3072, 1)
+    indsP, wtsP = routing(512, 96, 16, rng)
+    zP = mx.random.normal((512, 3584)).astype(mx.bfloat16)
+    mx.eval(xs, z1, zP, inds1, wts1, indsP, wtsP)
+    for _ in range(rounds):
+        mx.eval(kda_decode.kda_decode(backend, p, *x))
+        mx.eval(kda_prefill.kda_prefill(backend, pl, *xs))
+        mx.eval(mxfp4_decode.expert_glu_decode(z1, w, inds1, wts1, BETA, CAP, backend))
+        mx.eval(mxfp4_prefill.expert_glu_prefill(zP, w896, indsP, wtsP, BETA, CAP, backend=backend))
+        mx.synchronize()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ptxas", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if args.ptxas:
+        ptxas_report()
+    else:
+        run_kernels(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
