@@ -146,14 +146,6 @@ def decode_fns(backend):
             lower_bound=-5.0,
         )
 
-    def rows16(p, x, r):
-        saved = kda_decode.ROWS_PER_THREAD
-        kda_decode.ROWS_PER_THREAD = 16
-        try:
-            return kda_decode.kda_decode(backend, p, *x)
-        finally:
-            kda_decode.ROWS_PER_THREAD = saved
-
     def fast_gdu(p, x, r):
         return mx.fast.gated_delta_update(
             r["q"], r["k"], r["v"], r["gamma"], r["beta"], r["state_vk"]
@@ -164,7 +156,6 @@ def decode_fns(backend):
             "ours: kda_decode (whole mixer, 1 launch)",
             lambda p, x, r: kda_decode.kda_decode(backend, p, *x),
         ),
-        ("ours, 16 state rows per thread (1024 threads)", rows16),
         ("mx.fast.gated_delta_update (scalar gate)", fast_gdu),
         ("mlx-lm gated_delta_update (vector gate)", mlx_lm_path),
         ("pure-MLX reference mixer", lambda p, x, r: kda_mix_reference(p, *x)),

@@ -9,6 +9,7 @@ the kernels) and does the matmuls and SiTU-GLU in float64; MLX's ``expert_glu_re
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -96,13 +97,15 @@ def case(E, D, I, N, k, dtype, seed=0):
     return (z, wm, mx.array(inds), mx.array(wts), BETA, CAP), want
 
 
-# (experts, D, I, tokens, top-k, dtype): one expert; a row narrower than the 32 lanes (D = 32,
-# 64); a row of 40 words, so the last lane pass is partial (D = 320); top-16; K3's dims (8
-# experts, shared with the prefill case so the oracle dequantizes each once).
+# (experts, D, I, tokens, top-k, dtype): one expert; rows of fewer scale groups than lanes
+# (D = 32, 64, 320); a last lane pass that is partial in the down projection (I = 1280: 40
+# groups) and in gate/up (K3's D = 3584: 112 groups); rows split over several tiles; top-16;
+# K3's dims (8 experts, shared with the prefill case so the oracle dequantizes each once).
 DECODE_CASES = [
     (1, 32, 32, 1, 1, "float32"),
     (5, 64, 96, 3, 2, "float32"),
     (7, 320, 224, 17, 4, "bfloat16"),
+    (3, 64, 1280, 2, 2, "float32"),
     (20, 64, 96, 1, 16, "float16"),
     (9, 96, 64, 64, 3, "bfloat16"),
     (8, 3584, 3072, 1, 8, "bfloat16"),
@@ -131,6 +134,65 @@ def test_decode_matches_oracle(E, D, I, N, k, dtype):
     got = expert_glu_decode(*args, backend="emulator")
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
+
+
+def broken(kernel, old, new):
+    assert kernel.body.count(old) == 1, old
+    return replace(
+        kernel, name=kernel.name + "_broken", body=kernel.body.replace(old, new), _built={}
+    )
+
+
+@pytest.mark.parametrize(
+    "name, old, new",
+    [
+        (
+            "MXFP4_GATE_UP",
+            "zs[(i % 8) * GP + i / 8] = a;\n  }\n  BARRIER();",
+            "zs[(i % 8) * GP + i / 8] = a;\n  }",
+        ),
+        ("MXFP4_GATE_UP", "constexpr int IT = (G + 31) / 32;", "constexpr int IT = G / 32;"),
+        (
+            "MXFP4_GATE_UP",
+            "const float4 b = zs[(2 * j + 1) * GP + g];",
+            "const float4 b = zs[(2 * j + 1) * G + g];",
+        ),
+        ("MXFP4_DOWN", "constexpr int IT = (G + 31) / 32;", "constexpr int IT = G / 32;"),
+        (
+            "MXFP4_DOWN",
+            "sc[r][it] = in ? uint(s2[row * G + gg]) : 0u;",
+            "sc[r][it] = in ? uint(s2[row * G + gg + 1]) : 0u;",
+        ),
+        ("MXFP4_DOWN", "row0 += NSG * R)", "row0 += NSG * R + 1)"),
+        ("MXFP4_SUM", "j < K; ++j", "j < K - 1; ++j"),
+    ],
+    ids=[
+        "gate-up-missing-barrier",
+        "gate-up-partial-pass-dropped",
+        "gate-up-unpadded-read",
+        "down-partial-pass-dropped",
+        "down-scale-off-by-one",
+        "down-row-set-stride",
+        "sum-drops-a-pair",
+    ],
+)
+def test_a_broken_decode_kernel_fails(monkeypatch, name, old, new):
+    """Each mutation of a decode kernel makes the oracle comparison fail on one case whose
+    rows have a partial last lane pass in both projections and span several tiles."""
+    kernel = getattr(decode_kernels, name)
+    monkeypatch.setattr(decode_kernels, name, broken(kernel, old, new))
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    try:
+        got = expert_glu_decode(*args, backend="emulator")
+    except RuntimeError:
+        return  # the emulator refused the launch (an out-of-bounds access): caught as well
+    err = rel_err(got, want)  # NaN where a kernel left output unwritten or read garbage
+    assert not err < 100 * TOL, err
+
+
+def test_the_unbroken_decode_kernels_pass_the_mutation_case():
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    assert rel_err(expert_glu_decode(*args, backend="emulator"), want) < TOL
 
 
 @pytest.mark.parametrize("E,D,I,N,k,dtype,tm", PREFILL_CASES)
