@@ -20,6 +20,7 @@ instead of rounded to bf16.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 from pathlib import Path
@@ -56,18 +57,6 @@ def _rel(a: mx.array, b: mx.array) -> float:
     return float(mx.sqrt(mx.sum((a - b) ** 2) / mx.sum(b * b)))
 
 
-def _conv_in_fp32(x, weight, state):
-    """``kimi_k3.kda.short_conv`` without the final rounding to the activation dtype."""
-    B, T, C = x.shape
-    W = weight.shape[-1]
-    if state is None:
-        state = mx.zeros((B, W - 1, C), dtype=x.dtype)
-    xs = mx.concatenate([state.astype(x.dtype), x], axis=1)
-    w = weight.reshape(C, W).astype(mx.float32)
-    acc = sum(xs[:, j : j + T, :].astype(mx.float32) * w[:, j] for j in range(W))
-    return acc * mx.sigmoid(acc), xs[:, T:, :]
-
-
 def module_errors(path: Path, inputs: int, tokens: int) -> dict:
     """{block kind: [(ours, mlx-lm, ours with fp32 conv outputs or None)]}."""
     import kimi_k3.kda as kda
@@ -88,7 +77,8 @@ def module_errors(path: Path, inputs: int, tokens: int) -> dict:
             theirs = _rel(b16.self_attn(b16.input_layernorm(x), m, None), want)
             alt = None
             if a16.is_linear:
-                saved, kda.short_conv = kda.short_conv, _conv_in_fp32
+                saved = kda.short_conv
+                kda.short_conv = functools.partial(saved, out_dtype=mx.float32)
                 try:
                     alt = _rel(a16.self_attn(a16.input_layernorm(x), None), want)
                 finally:

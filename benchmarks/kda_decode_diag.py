@@ -18,7 +18,7 @@ import time
 
 import mlx.core as mx
 
-from benchmarks.bench_kda import H, K, decode_layer
+from benchmarks.bench_kda import H, K, decode_layer, median_time
 from kimi_k3.kernels import kda_decode, source
 from kimi_k3.kernels.source import Kernel
 
@@ -35,20 +35,9 @@ COPY = Kernel(
 )
 
 
-def timed(fn, repeats=20):
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
-
-
 def split_times(build, L, repeats=20):
     """(build, eval, both) seconds per layer for a graph of L calls made by ``build``."""
-    t_build = timed(lambda: build(), repeats)
+    t_build = median_time(build, repeats)
 
     def eval_only():
         outs = build()
@@ -65,7 +54,7 @@ def split_times(build, L, repeats=20):
         mx.eval(build())
         mx.synchronize()
 
-    t_both = timed(both, repeats)
+    t_both = median_time(both, repeats)
     return t_build / L, t_eval / L, t_both / L
 
 

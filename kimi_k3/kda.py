@@ -26,8 +26,11 @@ SUB = 16
 RECURRENT_MAX_T = 16
 
 
-def short_conv(x: mx.array, weight: mx.array, state: mx.array | None) -> tuple[mx.array, mx.array]:
-    """Causal depthwise convolution followed by SiLU.
+def short_conv(
+    x: mx.array, weight: mx.array, state: mx.array | None, out_dtype=None
+) -> tuple[mx.array, mx.array]:
+    """Causal depthwise convolution followed by SiLU, computed in fp32 and returned in
+    ``out_dtype`` (default: x's dtype, as a bf16 model run through fla's ShortConvolution).
 
     Shapes:
         x: [B, T, C]; weight: [C, 1, W] (checkpoint layout); state: [B, W-1, C] or None.
@@ -40,7 +43,7 @@ def short_conv(x: mx.array, weight: mx.array, state: mx.array | None) -> tuple[m
     xs = mx.concatenate([state.astype(x.dtype), x], axis=1)
     w = weight.reshape(C, W).astype(mx.float32)
     acc = sum(xs[:, j : j + T, :].astype(mx.float32) * w[:, j] for j in range(W))
-    return (acc * mx.sigmoid(acc)).astype(x.dtype), xs[:, T:, :]
+    return (acc * mx.sigmoid(acc)).astype(out_dtype or x.dtype), xs[:, T:, :]
 
 
 def l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:

@@ -68,3 +68,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/tests/cuda/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)
+
+
+def broken(kernel, old: str, new: str):
+    """A copy of the ``source.Kernel`` ``kernel`` with the one occurrence of ``old`` in its body
+    replaced by ``new``: a mutation the kernel tests must catch."""
+    from dataclasses import replace
+
+    assert kernel.body.count(old) == 1, old
+    return replace(
+        kernel, name=kernel.name + "_broken", body=kernel.body.replace(old, new), _built={}
+    )

@@ -1,11 +1,11 @@
 """KDA kernels (Metal rendering, run by the emulator) against the pure-MLX reference."""
 
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import broken
 
 from kimi_k3.kda import kda_mix, kda_mix_reference
 from kimi_k3.kernels import dispatch, kda_decode, kda_prefill
@@ -156,13 +156,6 @@ def test_dispatch_keeps_the_reference_where_kernels_do_not_apply(monkeypatch):
         kda_prefill.kda_chunk("emulator", *[mx.zeros((1, 5, 2, 32))] * 4, mx.zeros((1, 5, 2)), None)
     monkeypatch.delenv("KIMI_K3_KERNEL_BACKEND")
     assert dispatch.kda_mix_kernel(layer(2, 32), x[..., :64], None, None) is None  # CPU
-
-
-def broken(kernel, old, new):
-    assert kernel.body.count(old) == 1, old
-    return replace(
-        kernel, name=kernel.name + "_broken", body=kernel.body.replace(old, new), _built={}
-    )
 
 
 @pytest.mark.parametrize(

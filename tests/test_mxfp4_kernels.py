@@ -9,11 +9,11 @@ the kernels) and does the matmuls and SiTU-GLU in float64; MLX's ``expert_glu_re
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import broken
 from numpy_ref import mxfp4_decode, situ_glu
 
 from kimi_k3.experts import expert_glu, expert_glu_reference
@@ -134,13 +134,6 @@ def test_decode_matches_oracle(E, D, I, N, k, dtype):
     got = expert_glu_decode(*args, backend="emulator")
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
-
-
-def broken(kernel, old, new):
-    assert kernel.body.count(old) == 1, old
-    return replace(
-        kernel, name=kernel.name + "_broken", body=kernel.body.replace(old, new), _built={}
-    )
 
 
 @pytest.mark.parametrize(
