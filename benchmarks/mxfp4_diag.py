@@ -28,6 +28,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.bench_mxfp4 import random_words
+from benchmarks.bench_mxfp4 import rel_err as rel
 from kimi_k3.experts import expert_glu, expert_glu_reference, situ_glu
 from kimi_k3.kernels import source
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill
@@ -41,10 +43,7 @@ def random_experts(n: int, dim: int, hidden: int, seed: int) -> dict:
     ks = mx.random.split(mx.random.key(seed), 6)
 
     def quant(k1, k2, rows, cols):
-        lo, hi = mx.random.split(k1, 2)
-        a = mx.random.randint(0, 1 << 16, (n, rows, cols // 8), dtype=mx.int32, key=lo)
-        b = mx.random.randint(0, 1 << 16, (n, rows, cols // 8), dtype=mx.int32, key=hi)
-        wq = (b.astype(mx.uint32) << 16) | a.astype(mx.uint32)
+        wq = random_words((n, rows, cols // 8), k1)
         base = 127 - int(np.round(np.log2(np.sqrt(cols) * 2.9)))
         sc = mx.random.randint(base - 2, base + 3, (n, rows, cols // 32), key=k2)
         return wq, sc.astype(mx.uint8)
@@ -87,12 +86,6 @@ def oracle(z, w, inds, weights) -> mx.array:
         out.append((y * weights[t].astype(mx.float32)[:, None]).sum(0))
         mx.eval(out[-1])
     return mx.stack(out)
-
-
-def rel(a, b) -> float:
-    a = np.asarray(a.astype(mx.float32), np.float64)
-    b = np.asarray(b.astype(mx.float32), np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def compare(label, z, w, inds, wts, backend, n_oracle):

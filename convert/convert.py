@@ -49,7 +49,7 @@ from kimi_k3.checkpoint import (
 )
 from kimi_k3.config import ConfigError, ModelArgs
 from kimi_k3.layouts import detect
-from kimi_k3.model import Model, sanitize_weights
+from kimi_k3.model import NON_TEXT_PREFIXES, Model, sanitize_weights
 
 MANIFEST = "kimi_k3_manifest.json"
 STATE = ".kimi_k3_convert_state.json"
@@ -60,7 +60,6 @@ _EXPERT = re.compile(
     r"language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\."
     r"(w[123]\.weight_(?:packed|scale))$"
 )
-_IGNORED = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
 _MX = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 _ST = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint32: "U32"}
 _NOT_COPIED = ("config.json", "model.safetensors.index.json", MANIFEST)
@@ -140,7 +139,7 @@ def make_plan(src: CheckpointIndex, args: ModelArgs, settings: Settings) -> Plan
     """Validate the source against the model and lay out every output file."""
     dense, experts = [], {}
     for name, info in src.tensors.items():
-        if name.startswith(_IGNORED):
+        if name.startswith(NON_TEXT_PREFIXES):
             continue
         if m := _EXPERT.match(name):
             layer, e = int(m.group(1)), int(m.group(2))

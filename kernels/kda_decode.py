@@ -15,7 +15,7 @@ import weakref
 
 import mlx.core as mx
 
-from .source import Instance, Kernel
+from .source import Instance, Kernel, as_dtype, constant
 
 ROWS_PER_THREAD = 32  # KR: state rows a thread keeps in registers
 
@@ -175,10 +175,6 @@ def eligible(heads: int, head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim % kr == 0 and head_dim * head_dim // kr <= 1024
 
 
-def _as(x: mx.array, dtype) -> mx.array:
-    return x if x.dtype == dtype else x.astype(dtype)
-
-
 _WEIGHTS = ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm")
 _LAYERS: dict = {}  # (id of q_conv, dtype) -> (weak refs to the weights, scalars, inputs)
 
@@ -197,9 +193,12 @@ def _layer_inputs(p: dict, dt) -> list:
     if hit is None or hit[1] != scalars or any(ref() is not w for ref, w in zip(hit[0], found)):
         if len(_LAYERS) > 1024:
             _LAYERS.clear()
-        params = mx.array([float(x) for x in scalars], dtype=mx.float32)
         refs = [weakref.ref(w) for w in found]
-        hit = _LAYERS[key] = (refs, scalars, [_as(w, mx.float32) for w in found] + [params])
+        hit = _LAYERS[key] = (
+            refs,
+            scalars,
+            [as_dtype(w, mx.float32) for w in found] + [constant(scalars)],
+        )
     return hit[2]
 
 
@@ -240,7 +239,7 @@ def kda_decode(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv
         state = mx.zeros((B, H, K, K), dtype=mx.float32)
     acts = [x_q, x_k, x_v, g_raw, b_logits, gate, conv_state]
     if any(a.dtype != dt for a in acts):
-        acts = [_as(a, dt) for a in acts]
+        acts = [as_dtype(a, dt) for a in acts]
     if state.dtype != mx.float32:
         state = state.astype(mx.float32)
     launch = _launch(backend, dt, B, H, K, W)

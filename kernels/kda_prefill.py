@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .source import VEC4_HELPERS, Instance, Kernel
+from .source import VEC4_HELPERS, Instance, Kernel, as_dtype, constant
 
 CHUNK = 64
 
@@ -592,26 +592,8 @@ def eligible(heads: int, head_dim: int) -> bool:
     return head_dim in (64, 128)
 
 
-_CONST: dict = {}
-
-
-def _const(values, dtype=mx.float32) -> mx.array:
-    """A small constant array (scalar params, dims), built once per distinct value."""
-    key = (tuple(values), dtype)
-    hit = _CONST.get(key)
-    if hit is None:
-        if len(_CONST) > 512:
-            _CONST.clear()
-        hit = _CONST[key] = mx.array(list(values), dtype=dtype)
-    return hit
-
-
-def _as(x: mx.array, dtype) -> mx.array:
-    return x if x.dtype == dtype else x.astype(dtype)
-
-
 def _f32(x: mx.array) -> mx.array:
-    return _as(x, mx.float32)
+    return as_dtype(x, mx.float32)
 
 
 def chunk_prep(backend: str, q, k, v, g, beta):
@@ -621,7 +603,7 @@ def chunk_prep(backend: str, q, k, v, g, beta):
     mat = (B, H, N, CHUNK, K)
     return KDA_CHUNK_PREP(
         backend,
-        inputs=[*(_f32(x) for x in (q, k, v, g, beta)), _const([T, N], mx.int32)],
+        inputs=[*(_f32(x) for x in (q, k, v, g, beta)), constant([T, N], mx.int32)],
         output_shapes=[(B, H, N, CHUNK, CHUNK), mat, mat, mat, mat, (B, H, N, K)],
         output_dtypes=[mx.float32] * 6,
         grid=(256 * B * H * N, 1, 1),
@@ -640,7 +622,7 @@ def chunk_state(backend: str, prep, state, T: int):
         state = mx.zeros((B, H, K, K), dtype=mx.float32)
     return KDA_CHUNK_STATE(
         backend,
-        inputs=[*prep, _f32(state), _const([T, N], mx.int32)],
+        inputs=[*prep, _f32(state), constant([T, N], mx.int32)],
         output_shapes=[(B, T, H, K), (B, H, K, K)],
         output_dtypes=[mx.float32, mx.float32],
         grid=(128 * B * H * (K // 32), 1, 1),
@@ -670,12 +652,12 @@ def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state):
     f32 = mx.float32
     if conv_state is None:
         conv_state = mx.zeros((B, W - 1, 3 * P), dtype=dt)
-    acts = [_as(x, dt) for x in (x_q, x_k, x_v, g_raw, b_logits, conv_state)]
+    acts = [as_dtype(x, dt) for x in (x_q, x_k, x_v, g_raw, b_logits, conv_state)]
     weights = [_f32(p[n]) for n in ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias")]
     shape = (B, T, H, K)
     return KDA_PRE(
         backend,
-        inputs=[*acts, *weights, _const([float(p["lower_bound"])]), _const([T], mx.int32)],
+        inputs=[*acts, *weights, constant([float(p["lower_bound"])]), constant([T], mx.int32)],
         output_shapes=[shape, shape, shape, shape, (B, T, H), (B, W - 1, 3 * P)],
         output_dtypes=[f32] * 5 + [dt],
         grid=(128 * B * H * (-(-T // 64)), 1, 1),
@@ -690,7 +672,13 @@ def post(backend: str, p: dict, o, gate):
     rows = B * T * H
     (y,) = KDA_POST(
         backend,
-        inputs=[o, gate, _f32(p["o_norm"]), _const([float(p["eps"])]), _const([rows], mx.int32)],
+        inputs=[
+            o,
+            gate,
+            _f32(p["o_norm"]),
+            constant([float(p["eps"])]),
+            constant([rows], mx.int32),
+        ],
         output_shapes=[(B, T, H * K)],
         output_dtypes=[gate.dtype],
         grid=(128 * (-(-rows // 4)), 1, 1),
@@ -709,4 +697,4 @@ def kda_prefill(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, con
     """
     q, k, v, g, beta, conv_out = pre(backend, p, x_q, x_k, x_v, g_raw, b_logits, conv_state)
     o, state = kda_chunk(backend, q, k, v, g, beta, state)
-    return post(backend, p, o, _as(gate, x_q.dtype)), conv_out, state
+    return post(backend, p, o, as_dtype(gate, x_q.dtype)), conv_out, state

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .source import Instance, Kernel
+from .source import Instance, Kernel, constant
 from .source import backend as default_backend
 
 # Shared with mxfp4_prefill: the E2M1 table entry for a code, SiTU-GLU, and one word's dot
@@ -273,16 +273,6 @@ MXFP4_SUM = Kernel(
     instances=[Instance([F32], [F32], [("D", K3["D"]), ("K", K3["K"])])],
 )
 
-_ACT: dict = {}
-
-
-def act_params(beta: float, cap: float) -> mx.array:
-    """``[beta, cap]`` as the small fp32 input the kernels read (one array per value pair)."""
-    key = (float(beta), float(cap))
-    if key not in _ACT:
-        _ACT[key] = mx.array(key, dtype=mx.float32)
-    return _ACT[key]
-
 
 def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None):
     """``kimi_k3.experts.expert_glu_reference`` in three launches, for few tokens.
@@ -296,17 +286,17 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
     D = z.shape[-1]
     I = w["w1"][0].shape[-2]
     flat = inds.reshape(-1).astype(I32)
-    R, nsg, tile = LAUNCH["gate_up"]
+    _, nsg, tile = LAUNCH["gate_up"]
     (h,) = MXFP4_GATE_UP(
         backend,
-        inputs=[z, *w["w1"], *w["w3"], flat, act_params(beta, cap)],
+        inputs=[z, *w["w1"], *w["w3"], flat, constant((beta, cap))],
         output_shapes=[(N * k, I)],
         output_dtypes=[F32],
         grid=(32 * nsg * -(-I // tile), N * k, 1),
         threadgroup=(32 * nsg, 1, 1),
         template=gate_up_template(z.dtype, D, I, k),
     )
-    R, nsg, tile = LAUNCH["down"]
+    _, nsg, tile = LAUNCH["down"]
     (part,) = MXFP4_DOWN(
         backend,
         inputs=[h, *w["w2"], flat, weights.reshape(-1).astype(F32)],

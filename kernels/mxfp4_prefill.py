@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .mxfp4_decode import HEADER, K3, act_params
-from .source import Instance, Kernel
+from .mxfp4_decode import HEADER, K3
+from .source import Instance, Kernel, constant
 from .source import backend as default_backend
 
 BODY = """
@@ -267,7 +267,7 @@ def expert_glu_prefill(
     order, tiles = group_by_expert(inds.reshape(-1).astype(I32), E, tm)
     xrow = order // k
     pair_w = weights.reshape(-1).astype(F32)[order]
-    act = act_params(beta, cap)
+    act = constant((beta, cap))
 
     def launch(x, wa, sa, wb, sb, kd, nout, nmat):
         bn = rows_per_group(nmat, tm)

@@ -149,6 +149,25 @@ def render_header(header: str, backend: str) -> str:
     return (CUDA_PRELUDE if backend == "cuda" else "") + render(header, backend)
 
 
+def as_dtype(x: mx.array, dtype) -> mx.array:
+    """``x`` in ``dtype``, converted only where it differs (kernel inputs)."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+_CONSTANTS: dict = {}
+
+
+def constant(values, dtype=mx.float32) -> mx.array:
+    """A small constant kernel input (scalar params, dims), built once per distinct value."""
+    key = (tuple(values), dtype)
+    hit = _CONSTANTS.get(key)
+    if hit is None:
+        if len(_CONSTANTS) > 512:
+            _CONSTANTS.clear()
+        hit = _CONSTANTS[key] = mx.array(list(values), dtype=dtype)
+    return hit
+
+
 def backend() -> str | None:
     """The kernel backend for this process: ``metal``, ``cuda`` or None (reference ops).
 

@@ -9,7 +9,6 @@ go to stderr. Exit codes: 0 done, 1 error, 2 bad arguments, 130 interrupted (Ctr
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,13 +32,11 @@ from kimi_k3.chat import (
 from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
 from kimi_k3.config import ConfigError
 from kimi_k3.expert_pack import PACK_DIR
+from kimi_k3.model import ROUTED_EXPERT_NAME
 from kimi_k3.streaming import get_stats, reset_stats
 from kimi_k3.streaming.cache import available_memory, default_cache_gb
 
 DEFAULT_PROMPT = "Hello! Who are you?"
-# Published and mlx-lm names of routed-expert tensors; a converted checkpoint keeps its
-# experts in PACK_DIR instead.
-EXPERT_TENSOR = re.compile(r"\.experts\.|\.switch_mlp\.")
 RESERVE_GB = 4.0  # memory left for the OS, activations and KV caches
 INTERRUPTED = 130
 
@@ -119,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_tokens", "prefill_step_size", "max_context"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            return _fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            return fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
         model, tokenizer = load_for_cli(*resolve_model(args.model, args.expert_cache_gb))
         if args.seed is not None:
@@ -131,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return INTERRUPTED
     except (UserError, ConfigError, CheckpointError, OSError) as e:
-        return _fail(str(e))
+        return fail(str(e))
 
 
-def _fail(message: str) -> int:
+def fail(message: str) -> int:
+    """Print ``error: message`` on stderr; the exit status for it (1)."""
     print(f"error: {message}", file=sys.stderr)
     return 1
 
@@ -163,7 +161,7 @@ def auto_expert_cache_gb(path: Path) -> float | None:
     with ``RESERVE_GB`` to spare; else the streamer's budget for what the dense weights
     leave (``kimi_k3.streaming.default_cache_gb``), announced on stderr."""
     tensors = CheckpointIndex(path).tensors
-    dense = sum(t.nbytes for n, t in tensors.items() if not EXPERT_TENSOR.search(n))
+    dense = sum(t.nbytes for n, t in tensors.items() if not ROUTED_EXPERT_NAME.search(n))
     experts = sum(t.nbytes for t in tensors.values()) - dense
     experts += sum(f.stat().st_size for f in (path / PACK_DIR).glob("*.pack"))
     if dense + experts + RESERVE_GB * 1e9 < available_memory():
@@ -320,7 +318,7 @@ def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply: R
         return INTERRUPTED
     except (OSError, CheckpointError) as e:
         sys.stdout.write("\n")
-        return _fail(f"reading experts from disk failed mid-generation: {e}")
+        return fail(f"reading experts from disk failed mid-generation: {e}")
     print(stats_line(model, reply), file=sys.stderr)
     return 0
 

@@ -7,7 +7,6 @@ MXFP4 experts become MLX ``mxfp4`` arrays by viewing their bytes, never re-quant
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,10 +17,13 @@ from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
 from kimi_k3.config import ModelArgs
 from kimi_k3.expert_pack import ExpertPack
 from kimi_k3.layouts import dequantize_f32, detect, from_mlx_lm, read_args
-from kimi_k3.model import KEEP_FP32, Model, sanitize_weights
-
-_IGNORED = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
-_EXPERTS = re.compile(r"\.experts\.|\.switch_mlp\.")  # published/mlx-lm routed experts
+from kimi_k3.model import (
+    KEEP_FP32,
+    NON_TEXT_PREFIXES,
+    ROUTED_EXPERT_NAME,
+    Model,
+    sanitize_weights,
+)
 
 
 def load_model(
@@ -74,7 +76,9 @@ def _read_tensors(index: CheckpointIndex, skip_experts: bool) -> dict:
         except Exception as e:  # mlx raises RuntimeError/ValueError with no file name
             raise CheckpointError(f"{file}: cannot be read as safetensors ({e})") from None
         for name, a in arrays.items():
-            if name.startswith(_IGNORED) or (skip_experts and _EXPERTS.search(name)):
+            if name.startswith(NON_TEXT_PREFIXES) or (
+                skip_experts and ROUTED_EXPERT_NAME.search(name)
+            ):
                 continue
             out[name] = a
     return out

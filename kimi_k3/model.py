@@ -131,7 +131,10 @@ class Model(nn.Module):
 
 
 KEEP_FP32 = ("A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight")
-_DROP = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
+# Tensors of the published checkpoint that are not the text model (dropped on load).
+NON_TEXT_PREFIXES = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
+# Routed-expert tensor names, published (``.experts.``) or mlx-lm converted (``.switch_mlp.``).
+ROUTED_EXPERT_NAME = re.compile(r"\.experts\.|\.switch_mlp\.")
 _RES = re.compile(r"(self_attention_res|mlp_res|output_attn_res)_(proj|norm)\.weight$")
 _EXPERT = re.compile(
     r"(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$"
@@ -150,7 +153,7 @@ def sanitize_weights(args: ModelArgs, weights: dict) -> dict:
     """
     out, experts = {}, {}
     for key, value in weights.items():
-        if key.startswith(_DROP):
+        if key.startswith(NON_TEXT_PREFIXES):
             continue
         key = _RES.sub(lambda m: f"{m.group(1)}.{m.group(2)}_weight", key)
         if m := _EXPERT.match(key):

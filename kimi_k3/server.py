@@ -32,7 +32,7 @@ from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, get_syst
 
 from kimi_k3.checkpoint import CheckpointError
 from kimi_k3.config import ConfigError
-from kimi_k3.generate import UserError, load_for_cli, resolve_model
+from kimi_k3.generate import INTERRUPTED, UserError, fail, load_for_cli, resolve_model
 
 # mlx-lm server options this server does not expose, at values that fit Kimi K3.
 FIXED_OPTIONS = dict(
@@ -151,10 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         provider.load("default_model")
         httpd = _bind(args.host, args.port)
     except (UserError, ConfigError, CheckpointError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(str(e))
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED
     generator = ResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size))
     httpd.RequestHandlerClass = partial(
         KimiAPIHandler, generator, system_fingerprint=get_system_fingerprint()

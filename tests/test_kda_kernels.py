@@ -177,6 +177,18 @@ def test_a_broken_decode_kernel_fails(monkeypatch, old, new):
         check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
 
 
+def assert_prefill_breaks(monkeypatch, name: str, old: str, new: str, T: int):
+    """With prefill kernel ``name`` mutated (``old`` -> ``new``), the whole prefill mixer on
+    T tokens (2 heads x 64, with state, fp32) no longer passes ``check``."""
+    monkeypatch.setattr(kda_prefill, name, broken(getattr(kda_prefill, name), old, new))
+    p = layer(2, 64)
+    args = activations(1, T, 2, 64, mx.float32, True)
+    with pytest.raises(AssertionError):
+        check(
+            kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32
+        )
+
+
 @pytest.mark.parametrize(
     "old, new",
     [
@@ -186,13 +198,7 @@ def test_a_broken_decode_kernel_fails(monkeypatch, old, new):
     ids=["missing-barrier", "off-by-one"],
 )
 def test_a_broken_prefill_kernel_fails(monkeypatch, old, new):
-    monkeypatch.setattr(kda_prefill, "KDA_CHUNK_PREP", broken(kda_prefill.KDA_CHUNK_PREP, old, new))
-    p = layer(2, 64)
-    args = activations(1, 65, 2, 64, mx.float32, True)
-    with pytest.raises(AssertionError):
-        check(
-            kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32
-        )
+    assert_prefill_breaks(monkeypatch, "KDA_CHUNK_PREP", old, new, T=65)
 
 
 @pytest.mark.parametrize(
@@ -219,13 +225,7 @@ def test_a_broken_prefill_kernel_fails(monkeypatch, old, new):
     ],
 )
 def test_a_broken_pre_or_post_kernel_fails(monkeypatch, kernel, old, new):
-    monkeypatch.setattr(kda_prefill, kernel, broken(getattr(kda_prefill, kernel), old, new))
-    p = layer(2, 64)
-    args = activations(1, 70, 2, 64, mx.float32, True)
-    with pytest.raises(AssertionError):
-        check(
-            kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32
-        )
+    assert_prefill_breaks(monkeypatch, kernel, old, new, T=70)
 
 
 @pytest.mark.parametrize(
@@ -239,14 +239,7 @@ def test_a_broken_pre_or_post_kernel_fails(monkeypatch, kernel, old, new):
 )
 def test_a_broken_state_kernel_fails(monkeypatch, old, new):
     """The register prefetch of the state kernel: each slip changes the result."""
-    kernel = broken(kda_prefill.KDA_CHUNK_STATE, old, new)
-    monkeypatch.setattr(kda_prefill, "KDA_CHUNK_STATE", kernel)
-    p = layer(2, 64)
-    args = activations(1, 130, 2, 64, mx.float32, True)
-    with pytest.raises(AssertionError):
-        check(
-            kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32
-        )
+    assert_prefill_breaks(monkeypatch, "KDA_CHUNK_STATE", old, new, T=130)
 
 
 def test_state_pass_at_head_dim_128():
