@@ -65,16 +65,20 @@ def random_words(shape, key) -> mx.array:
     return (b << 16) | a
 
 
-def random_experts(n: int, dim: int, hidden: int, seed: int) -> dict:
-    """A stack of ``n`` random MXFP4 experts in MLX's layout, built on the device."""
-    key = mx.random.key(seed)
-    ks = mx.random.split(key, 6)
-    # Scales near 2^-6 keep the gate and up outputs O(1) for unit-variance inputs at K3 width.
-    lo, hi = 119, 123
+def fixed_scales(cols: int) -> tuple[int, int]:
+    """E8M0 scale bytes in [119, 123): near 2^-6, which keeps the gate and up outputs O(1)
+    for unit-variance inputs at K3 width."""
+    return 119, 123
+
+
+def random_experts(n: int, dim: int, hidden: int, seed: int, scales=fixed_scales) -> dict:
+    """A stack of ``n`` random MXFP4 experts in MLX's layout, built on the device; scale
+    bytes uniform in ``scales(cols)`` (a half-open range, by reduction width)."""
+    ks = mx.random.split(mx.random.key(seed), 6)
 
     def quant(k1, k2, rows, cols):
         wq = random_words((n, rows, cols // 8), k1)
-        sc = mx.random.randint(lo, hi, (n, rows, cols // 32), key=k2).astype(mx.uint8)
+        sc = mx.random.randint(*scales(cols), (n, rows, cols // 32), key=k2).astype(mx.uint8)
         return wq, sc
 
     w = {

@@ -28,7 +28,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench_mxfp4 import random_words
+from benchmarks.bench_mxfp4 import random_experts
 from benchmarks.bench_mxfp4 import rel_err as rel
 from kimi_k3.experts import expert_glu, expert_glu_reference, situ_glu
 from kimi_k3.kernels import source
@@ -38,23 +38,10 @@ BETA, CAP = 4.0, 25.0
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
-def random_experts(n: int, dim: int, hidden: int, seed: int) -> dict:
-    """``n`` random MXFP4 experts (every code equally likely, scales near unit outputs)."""
-    ks = mx.random.split(mx.random.key(seed), 6)
-
-    def quant(k1, k2, rows, cols):
-        wq = random_words((n, rows, cols // 8), k1)
-        base = 127 - int(np.round(np.log2(np.sqrt(cols) * 2.9)))
-        sc = mx.random.randint(base - 2, base + 3, (n, rows, cols // 32), key=k2)
-        return wq, sc.astype(mx.uint8)
-
-    w = {
-        "w1": quant(ks[0], ks[1], hidden, dim),
-        "w3": quant(ks[2], ks[3], hidden, dim),
-        "w2": quant(ks[4], ks[5], dim, hidden),
-    }
-    mx.eval(w)
-    return w
+def unit_scales(cols: int) -> tuple[int, int]:
+    """Scale bytes around 1 / (2.9 sqrt(cols)), spread over 5 octaves: outputs near unit."""
+    base = 127 - int(np.round(np.log2(np.sqrt(cols) * 2.9)))
+    return base - 2, base + 3
 
 
 def dequant(q: mx.array, s: mx.array) -> mx.array:
@@ -129,7 +116,7 @@ def main():
         f"top-{args.topk}",
         flush=True,
     )
-    w = random_experts(args.experts, args.dim, args.hidden, 0)
+    w = random_experts(args.experts, args.dim, args.hidden, 0, scales=unit_scales)
     elems = args.experts * args.hidden * args.dim
     print(f"w1 stack: {elems:.3e} 4-bit elements, {elems // 2:.3e} bytes (2^31 = 2.147e9)")
     rng = np.random.default_rng(1)
