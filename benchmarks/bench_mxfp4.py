@@ -172,32 +172,48 @@ def compare(table, label, ours, ref, t_ours, t_ref, inputs):
         table.add(label, f"{t_ref / t_ours:.2f}x faster", "", "", f"rel err {err:.1e}")
 
 
-def with_launch(gate_up, down):
-    """The decode kernels at another launch shape (rows per set, simdgroups, tile)."""
-    from kimi_k3.kernels import mxfp4_decode
+def with_launch(module, gate_up, down):
+    """A decode kernel module's ``expert_glu_decode`` at another launch shape (its LAUNCH)."""
 
     def run(*a):
-        saved = dict(mxfp4_decode.LAUNCH)
-        mxfp4_decode.LAUNCH.update(gate_up=gate_up, down=down)
+        saved = dict(module.LAUNCH)
+        module.LAUNCH.update(gate_up=gate_up, down=down)
         try:
-            return expert_glu_decode(*a)
+            return module.expert_glu_decode(*a)
         finally:
-            mxfp4_decode.LAUNCH.update(saved)
+            module.LAUNCH.update(saved)
 
     return run
 
 
+# Launch shapes of the tensor-core decode kernels that --variants times: (gate/up, down),
+# each (row tiles, splits of a row, groups per step, double-buffered loads).
+MMA_SHAPES = [
+    ((4, 2, 4, True), (4, 2, 4, True)),
+    ((8, 1, 4, False), (4, 2, 4, False)),
+    ((8, 1, 4, False), (8, 1, 4, False)),
+    ((8, 1, 4, True), (8, 1, 4, True)),
+    ((8, 1, 4, True), (4, 1, 4, True)),
+    ((8, 1, 8, True), (4, 2, 8, True)),
+    ((4, 2, 4, False), (2, 4, 4, False)),
+]
+
+
 def decode_variants(sweep: bool) -> dict:
-    """The decode kernels at their launch shape, plus (``--variants``) other shapes."""
-    out = {"decode kernel": expert_glu_decode}
+    """The decode kernels at their launch shapes: tensor cores (``mxfp4_mma``, what the
+    dispatcher picks on CUDA) and the LUT kernels (``mxfp4_decode``, Metal's), plus
+    (``--variants``) other launch shapes of both."""
+    from kimi_k3.kernels import mxfp4_decode, mxfp4_mma
+
+    out = {
+        "decode kernel (tensor cores)": mxfp4_mma.expert_glu_decode,
+        "decode kernel (LUT)": expert_glu_decode,
+    }
     if sweep:
-        for gu, dn in [
-            ((2, 8, 96), (4, 8, 128)),
-            ((1, 4, 48), (4, 8, 128)),
-            ((1, 8, 96), (2, 8, 128)),
-            ((1, 8, 192), (4, 4, 64)),
-        ]:
-            out[f"decode kernel, launch {gu} {dn}"] = with_launch(gu, dn)
+        for gu, dn in MMA_SHAPES:
+            out[f"tensor cores, launch {gu} {dn}"] = with_launch(mxfp4_mma, gu, dn)
+        for gu, dn in [((2, 8, 96), (4, 8, 128)), ((1, 8, 192), (4, 4, 64))]:
+            out[f"LUT, launch {gu} {dn}"] = with_launch(mxfp4_decode, gu, dn)
     return out
 
 

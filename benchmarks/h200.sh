@@ -2,7 +2,7 @@
 # On the lent H200 (after `source .device/b/setup.sh`): run the named steps, append their
 # output to $OUT/log.txt and leave benchmark tables in $OUT/*.md. Measured step times on a
 # fresh machine (first use of each kernel instance included): kda_tests more than
-# 240 s (give it a call of its own), mxfp4_tests 170 s, model_cuda 210 s, bench_kda_final
+# 240 s (give it a call of its own; kda_tests_par runs it as 4 processes), mxfp4_tests 170 s, model_cuda 210 s, bench_kda_final
 # 186 s, bench_mxfp4 112 s, bench_streaming 149 s.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
@@ -27,10 +27,18 @@ for step in "$@"; do
     kda_tests) MLX_ENABLE_TF32=0 run kda_tests 580 python3 -m pytest -q -x tests/cuda/test_kda_cuda.py ;;
     mxfp4_tests) MLX_ENABLE_TF32=0 run mxfp4_tests 400 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py ;;
     model_tests) MLX_ENABLE_TF32=0 run model_tests 300 python3 -m pytest -q tests/cuda/test_model_cuda.py tests/test_model.py ;;
+    kda_tests_par) run kda_tests_par 560 bash benchmarks/pytest_split.sh 4 tests/cuda/test_kda_cuda.py ;;
+    cuda_tests_par)
+      # the three CUDA test modules at once (their time is mostly CPU references)
+      run kda_tests_par 270 bash benchmarks/pytest_split.sh 3 tests/cuda/test_kda_cuda.py &
+      MLX_ENABLE_TF32=0 run mxfp4_tests 270 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py &
+      MLX_ENABLE_TF32=0 run model_cuda 270 python3 -m pytest -q tests/cuda/test_model_cuda.py &
+      wait ;;
+    mxfp4_mma_tests) MLX_ENABLE_TF32=0 run mxfp4_mma_tests 300 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "mma or agree or k3_layer" ;;
     kda_tests_quick) MLX_ENABLE_TF32=0 run kda_tests_quick 120 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "decode or state_pass or uses_the_cuda" ;;
     mxfp4_tests_quick) MLX_ENABLE_TF32=0 run mxfp4_tests_quick 150 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "k3_layer or dispatcher or slots or agree" ;;
     model_cuda) MLX_ENABLE_TF32=0 run model_cuda 300 python3 -m pytest -q tests/cuda/test_model_cuda.py ;;
-    bench_kda_final) run bench_kda 200 python3 -m benchmarks.bench_kda --skip-slow --repeats 10 --out "$OUT/bench_kda.md" ;;
+    bench_kda_final) run bench_kda 320 python3 -m benchmarks.bench_kda --skip-slow --repeats 10 --out "$OUT/bench_kda.md" ;;
     bench_kda) run bench_kda 300 python3 -m benchmarks.bench_kda --out "$OUT/bench_kda.md" ;;
     bench_mxfp4) run bench_mxfp4 300 python3 -m benchmarks.bench_mxfp4 --out "$OUT/bench_mxfp4.md" ;;
     bench_e2e) run bench_e2e 400 python3 benchmarks/bench_e2e.py --preset k3-layers --set vocab_size=32768 --set intermediate_size=4096 --prompt-tokens 512 --decode-tokens 16 --dtypes bfloat16 --expert-cache-gb 0.6 --out "$OUT/bench_e2e_h200.md" ;;
@@ -39,6 +47,7 @@ for step in "$@"; do
     ptxas) run ptxas 200 python3 -m benchmarks.profile_kernels --ptxas ;;
     profile) run profile 300 ncu --metrics gpu__time_duration.sum,dram__bytes.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active python3 -m benchmarks.profile_kernels ;;
     profile_full) run profile_full 300 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats -k "regex:kda_|mxfp4_gate|mxfp4_down|mxfp4_sum" python3 -m benchmarks.profile_kernels --rounds 1 ;;
+    profile_mma) run profile_mma 300 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats -k "regex:mxfp4_mma|mxfp4_gate|mxfp4_down" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_decode,mxfp4_mma ;;
     kda_decode_diag) run kda_decode_diag 200 python3 -m benchmarks.kda_decode_diag ;;
     bench_mxfp4_variants) run bench_mxfp4_variants 300 python3 -m benchmarks.bench_mxfp4 --variants --skip-prefill --decode-tokens 1 4 --out "$OUT/bench_mxfp4_variants.md" ;;
     mxfp4_diag) run mxfp4_diag 120 python3 -m benchmarks.mxfp4_diag ;;

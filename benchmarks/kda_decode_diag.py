@@ -66,7 +66,10 @@ def main():
     L = args.chain
     layers = [decode_layer() for _ in range(L)]
     states = [lay[1][-1] for lay in layers]
-    nt = K * K // kda_decode.ROWS_PER_THREAD
+    W = layers[0][0]["q_conv"].shape[-1]
+    dt = layers[0][1][0].dtype
+    launch = kda_decode._launch(backend, dt, 1, H, K, W)  # the wrapper's cached launch arguments
+    nt = launch["threadgroup"][0]
     rows = []
 
     xs = [mx.array([float(i)]) for i in range(L)]
@@ -94,7 +97,7 @@ def main():
                 output_dtypes=[mx.float32],
                 grid=(nt * H, 1, 1),
                 threadgroup=(nt, 1, 1),
-                template=[("KR", kda_decode.ROWS_PER_THREAD)],
+                template=[("KR", K * K // nt)],
             )[0]
             for s in states
         ]
@@ -102,26 +105,14 @@ def main():
     def ours():
         return [kda_decode.kda_decode(backend, p, *x) for p, x, _ in layers]
 
-    # the bare kernel call with every input prepared: MLX's own per-call cost
-    prepared = []
-    for p, x, _ in layers:
-        inputs = list(x) + kda_decode._layer_inputs(p, x[0].dtype)
-        prepared.append(inputs)
-    tpl = kda_decode.template(x[0].dtype, H, K, p["q_conv"].shape[-1])
-    P = H * K
+    # the bare kernel call with every input prepared (activations, state, the packed
+    # weights): MLX's own per-call cost
+    prepared = [list(x) + kda_decode._layer_inputs(p) for p, x, _ in layers]
+    mx.eval(prepared)
+    kernel = kda_decode.KDA_DECODE.get(backend)
 
     def bare():
-        return [
-            kda_decode.KDA_DECODE.get(backend)(
-                inputs=inp,
-                output_shapes=[(1, 1, P), (1, 3, 3 * P), (1, H, K, K)],
-                output_dtypes=[inp[0].dtype, inp[0].dtype, mx.float32],
-                grid=(nt * H, 1, 1),
-                threadgroup=(nt, 1, 1),
-                template=tpl,
-            )[2]
-            for inp in prepared
-        ]
+        return [kernel(inputs=inp, **launch)[2] for inp in prepared]
 
     def ours_dependent():
         # each layer's input state is the previous layer's output: a serial chain on the GPU

@@ -62,10 +62,17 @@ def ptxas_report():
                 print(kernel.name, "FAILED", text[-2000:])
 
 
-def run_kernels(rounds: int):
+def run_kernels(rounds: int, only: str | None = None):
     from benchmarks.bench_kda import decode_layer, layer, mixer_inputs
     from benchmarks.bench_mxfp4 import BETA, CAP, random_experts, routing
-    from kimi_k3.kernels import kda_decode, kda_prefill, mxfp4_decode, mxfp4_prefill, source
+    from kimi_k3.kernels import (
+        kda_decode,
+        kda_prefill,
+        mxfp4_decode,
+        mxfp4_mma,
+        mxfp4_prefill,
+        source,
+    )
 
     backend = source.backend()
     p, x, _ = decode_layer()
@@ -79,11 +86,21 @@ def run_kernels(rounds: int):
     indsP, wtsP = routing(512, 96, 16, rng)
     zP = mx.random.normal((512, 3584)).astype(mx.bfloat16)
     mx.eval(xs, z1, zP, inds1, wts1, indsP, wtsP)
+    runs = {
+        "kda_decode": lambda: kda_decode.kda_decode(backend, p, *x),
+        "kda_prefill": lambda: kda_prefill.kda_prefill(backend, pl, *xs),
+        "mxfp4_decode": lambda: mxfp4_decode.expert_glu_decode(
+            z1, w, inds1, wts1, BETA, CAP, backend
+        ),
+        "mxfp4_mma": lambda: mxfp4_mma.expert_glu_decode(z1, w, inds1, wts1, BETA, CAP, backend),
+        "mxfp4_prefill": lambda: mxfp4_prefill.expert_glu_prefill(
+            zP, w896, indsP, wtsP, BETA, CAP, backend=backend
+        ),
+    }
     for _ in range(rounds):
-        mx.eval(kda_decode.kda_decode(backend, p, *x))
-        mx.eval(kda_prefill.kda_prefill(backend, pl, *xs))
-        mx.eval(mxfp4_decode.expert_glu_decode(z1, w, inds1, wts1, BETA, CAP, backend))
-        mx.eval(mxfp4_prefill.expert_glu_prefill(zP, w896, indsP, wtsP, BETA, CAP, backend=backend))
+        for name, fn in runs.items():
+            if only is None or name in only.split(","):
+                mx.eval(fn())
         mx.synchronize()
 
 
@@ -91,11 +108,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", help="comma-separated subset of the kernel groups to run")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
     else:
-        run_kernels(args.rounds)
+        run_kernels(args.rounds, args.only)
 
 
 if __name__ == "__main__":

@@ -69,13 +69,14 @@ def expert_glu_kernel(z, w, inds):
     """The kernel implementation of ``kimi_k3.experts.expert_glu`` for these inputs, or None.
 
     Metal or CUDA (``source.backend()``) and inputs ``mxfp4_decode.eligible`` accepts: the
-    per-pair decode kernels up to ``EXPERT_DECODE_MAX_PAIRS`` pairs, above that the grouped
-    (prefill) kernels where ``expert_prefill_choice`` says so. ``KIMI_K3_REFERENCE=1`` (or
-    ``experts``) forces the reference.
+    per-pair decode kernels up to ``EXPERT_DECODE_MAX_PAIRS`` pairs (on CUDA the tensor-core
+    ones of ``mxfp4_mma`` where they apply, elsewhere the LUT ones of ``mxfp4_decode``),
+    above that the grouped (prefill) kernels where ``expert_prefill_choice`` says so.
+    ``KIMI_K3_REFERENCE=1`` (or ``experts``) forces the reference.
     """
     from functools import partial
 
-    from . import mxfp4_decode, mxfp4_prefill, source
+    from . import mxfp4_decode, mxfp4_mma, mxfp4_prefill, source
 
     if reference_forced("experts"):
         return None
@@ -83,6 +84,8 @@ def expert_glu_kernel(z, w, inds):
     if backend is None or not mxfp4_decode.eligible(z, w, inds):
         return None
     if inds.size <= EXPERT_DECODE_MAX_PAIRS:
+        if backend == "cuda" and mxfp4_mma.eligible(z, w, inds):
+            return partial(mxfp4_mma.expert_glu_decode, backend=backend)
         return partial(mxfp4_decode.expert_glu_decode, backend=backend)
     if expert_prefill_choice(backend, w) == "reference":
         return None

@@ -67,6 +67,13 @@ CALLS = {
     "FMIN": ("metal::fmin", "fminf"),
     "FABS": ("metal::abs", "fabsf"),
     "AS_FLOAT": ("as_type<float>", "__uint_as_float"),
+    "AS_UINT": ("as_type<uint>", "__float_as_uint"),
+    "UINT2": ("uint2", "make_uint2"),
+    "UINT4": ("uint4", "make_uint4"),
+    # fp16 and the tensor-core product (helpers in the preludes below)
+    "PACK_HALF2": ("kk_pack_half2", "kk_pack_half2"),
+    "ROUND_HALF": ("kk_round_half", "kk_round_half"),
+    "SIMD_MMA": ("kk_mma", "kk_mma"),
 }
 
 # Barrier words take no arguments in the dialect; Metal needs the memory flags.
@@ -99,6 +106,51 @@ template <typename T> __device__ inline T kk_warp_shuffle_xor(T v, int mask) {
 }
 template <typename T> __device__ inline T kk_warp_shuffle_down(T v, int delta) {
   return __shfl_down_sync(0xffffffffu, v, delta);
+}
+__device__ inline uint kk_pack_half2(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint*>(&v);
+}
+__device__ inline float kk_round_half(float x) { return __half2float(__float2half_rn(x)); }
+// c + A B for one warp: A 16x16 fp16 (4 regs), B 16x8 fp16 (2 regs), C 16x8 fp32 (4 regs),
+// in PTX's m16n8k16 fragment layout (SIMD_MMA in kernels/README.md).
+__device__ inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c.x), "+f"(c.y), "+f"(c.z), "+f"(c.w)
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
+  return c;
+}
+"""
+
+# The same helpers for Metal. SIMD_MMA here is the product spelled out with simdgroup
+# shuffles in the CUDA fragment layout: exact fp32 arithmetic on the fp16 inputs, so the
+# emulator can check a kernel's fragment bookkeeping; Metal's simdgroup_matrix is not used
+# (kernels that rely on SIMD_MMA for speed are dispatched on CUDA only).
+METAL_PRELUDE = """
+inline uint kk_pack_half2(float lo, float hi) { return as_type<uint>(half2(half(lo), half(hi))); }
+inline float kk_round_half(float x) { return float(half(x)); }
+inline float2 kk_half2_bits(uint u) { return float2(as_type<half2>(u)); }
+inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
+  const uint g = lane / 4, t = lane % 4;
+  for (uint s = 0; s < 4; ++s) {
+    const ushort la = ushort(4 * g + s);             // holds rows g, g+8 at k = 2s.., 2s+8..
+    const ushort l0 = ushort(8 * t + s);             // holds column 2t at k = 2s.., 2s+8..
+    const ushort l1 = ushort(8 * t + 4 + s);         // column 2t+1
+    const float2 a0 = kk_half2_bits(metal::simd_shuffle(a.x, la));
+    const float2 a1 = kk_half2_bits(metal::simd_shuffle(a.y, la));
+    const float2 a2 = kk_half2_bits(metal::simd_shuffle(a.z, la));
+    const float2 a3 = kk_half2_bits(metal::simd_shuffle(a.w, la));
+    const float2 b00 = kk_half2_bits(metal::simd_shuffle(b.x, l0));
+    const float2 b01 = kk_half2_bits(metal::simd_shuffle(b.y, l0));
+    const float2 b10 = kk_half2_bits(metal::simd_shuffle(b.x, l1));
+    const float2 b11 = kk_half2_bits(metal::simd_shuffle(b.y, l1));
+    c.x += a0.x * b00.x + a0.y * b00.y + a2.x * b01.x + a2.y * b01.y;
+    c.y += a0.x * b10.x + a0.y * b10.y + a2.x * b11.x + a2.y * b11.y;
+    c.z += a1.x * b00.x + a1.y * b00.y + a3.x * b01.x + a3.y * b01.y;
+    c.w += a1.x * b10.x + a1.y * b10.y + a3.x * b11.x + a3.y * b11.y;
+  }
+  return c;
 }
 """
 
@@ -146,7 +198,7 @@ def render(text: str, backend: str) -> str:
 
 def render_header(header: str, backend: str) -> str:
     """The header handed to MLX: the backend's helpers, then the rendered header."""
-    return (CUDA_PRELUDE if backend == "cuda" else "") + render(header, backend)
+    return (CUDA_PRELUDE if backend == "cuda" else METAL_PRELUDE) + render(header, backend)
 
 
 def as_dtype(x: mx.array, dtype) -> mx.array:

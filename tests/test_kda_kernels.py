@@ -74,8 +74,12 @@ def test_decode_layer_cache_follows_the_layer():
     p = layer(2, 64)
     args = activations(1, 1, 2, 64, mx.float32, True)
     check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+    (packed,) = kda_decode._layer_inputs(p)
+    assert packed.dtype == mx.float32 and packed.size == 3 * 128 * W + 2 + 128 + 64 + 2
+    assert kda_decode._layer_inputs(dict(p))[0] is packed  # a fresh dict, the same weights
     p["lower_bound"] = -3.0  # the same weight arrays, another scalar
     check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+    assert kda_decode._layer_inputs(p)[0] is not packed
     p["o_norm"] = p["o_norm"] * 1.5
     p["A_log"] = p["A_log"] + 0.3
     check(
@@ -161,13 +165,12 @@ def test_dispatch_keeps_the_reference_where_kernels_do_not_apply(monkeypatch):
 @pytest.mark.parametrize(
     "old, new",
     [
-        (
-            "  s_part[r * K + v] = pred;\n  s_part[(R + r) * K + v] = oq;\n  BARRIER();",
-            "  s_part[r * K + v] = pred;\n  s_part[(R + r) * K + v] = oq;",
-        ),
-        ("s[j] = S[(r * KR + j) * K + v];", "s[j] = S[(r * KR + j) * K + v + 1];"),
+        ("Sm[3 * K]);\n  }\n  BARRIER();", "Sm[3 * K]);\n  }"),
+        ("s_oo[SIMDGROUP] = oo;\n  BARRIER();", "s_oo[SIMDGROUP] = oo;"),
+        ("Sm[0], Sm[K], Sm[2 * K], Sm[3 * K]", "Sm[0], Sm[K], Sm[2 * K + 1], Sm[3 * K]"),
+        ("for (uint o = 1; o < R; o <<= 1)", "for (uint o = 2; o < R; o <<= 1)"),
     ],
-    ids=["missing-barrier", "off-by-one"],
+    ids=["missing-barrier", "missing-rms-barrier", "off-by-one", "partial-column-sum"],
 )
 def test_a_broken_decode_kernel_fails(monkeypatch, old, new):
     monkeypatch.setattr(kda_decode, "KDA_DECODE", broken(kda_decode.KDA_DECODE, old, new))

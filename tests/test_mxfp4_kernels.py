@@ -17,7 +17,7 @@ from conftest import broken
 from numpy_ref import mxfp4_decode, situ_glu
 
 from kimi_k3.experts import expert_glu, expert_glu_reference
-from kimi_k3.kernels import dispatch, mxfp4_prefill
+from kimi_k3.kernels import dispatch, mxfp4_mma, mxfp4_prefill
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
@@ -186,6 +186,82 @@ def test_a_broken_decode_kernel_fails(monkeypatch, name, old, new):
 def test_the_unbroken_decode_kernels_pass_the_mutation_case():
     args, want = case(4, 1280, 1152, 2, 2, "float32")
     assert rel_err(expert_glu_decode(*args, backend="emulator"), want) < TOL
+
+
+# The tensor-core decode kernels (mxfp4_mma; D and I multiples of 128). Their Metal rendering
+# spells each MMA out with shuffles, so the emulator runs them slowly: small dims, plus one
+# pair at K3's. (4, 1280, 1152) splits rows of 40 and 36 groups unevenly over two warps.
+MMA_CASES = [
+    (3, 128, 128, 2, 2, "float32"),
+    (5, 256, 384, 3, 2, "bfloat16"),
+    (4, 1280, 1152, 2, 2, "float32"),
+    (20, 128, 256, 1, 16, "float16"),
+    (896, 128, 128, 2, 16, "bfloat16"),
+    (2, 3584, 3072, 1, 1, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("E,D,I,N,k,dtype", MMA_CASES)
+def test_mma_decode_matches_oracle(E, D, I, N, k, dtype):
+    args, want = case(E, D, I, N, k, dtype)
+    got = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize(
+    "launch", [(4, 2, 4, True), (8, 1, 8, True), (8, 1, 4, False), (2, 4, 8, False)]
+)
+def test_mma_decode_launch_shapes(monkeypatch, launch):
+    """Every launch shape the benchmark sweeps computes the same thing (warps per row tile
+    and per row, groups per step, double-buffered loads or not)."""
+    monkeypatch.setitem(mxfp4_mma.LAUNCH, "gate_up", launch)
+    monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", launch)
+    args, want = case(5, 256, 512, 3, 2, "bfloat16")
+    assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want) < TOL
+
+
+def test_mma_decode_handles_large_and_tiny_activations():
+    """The power-of-two scaling keeps fp16 fragments in range: latents far above fp16's
+    largest value and far below its smallest give the oracle's result, scaled."""
+    (z, w, inds, wts, beta, cap), _ = case(3, 128, 128, 2, 2, "float32")
+    for s in (2.0**40, 2.0**-40):
+        zs = z * s
+        want = oracle(np.array(zs), (3, 128, 128, 0), np.array(inds), np.array(wts))
+        got = mxfp4_mma.expert_glu_decode(zs, w, inds, wts, beta, cap, backend="emulator")
+        assert rel_err(got, want) < TOL, s
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("PACK_HALF2(v[3], v[7]));\n  }\n  BARRIER();", "PACK_HALF2(v[3], v[7]));\n  }"),
+        ("v[e] -= ROUND_HALF(v[e]);", "v[e] = 0.0f;"),
+        ("frag[((bb) + j) * 8 + lane]", "frag[((bb) + j) * 8 + lane % 4]"),
+        ("sc[4 * j + 1] = ea[2 * G + (bb) / 4 + j];", "sc[4 * j + 1] = ea[2 * G + j];"),
+        ("kk_e2m1_pair(wa0, 3)", "kk_e2m1_pair(wa0, 2)"),
+        ("for (int s = 0; s < SK; ++s) total", "for (int s = 1; s < SK; ++s) total"),
+        ("const size_t rb = GLU ? ra : ra + 16;", "const size_t rb = GLU ? ra : ra + 8;"),
+    ],
+    ids=[
+        "missing-barrier",
+        "lo-part-dropped",
+        "lo-lanes-read-hi",
+        "stale-scale-word",
+        "pair-mixed-up",
+        "split-dropped",
+        "down-second-tile-offset",
+    ],
+)
+def test_a_broken_mma_kernel_fails(monkeypatch, old, new):
+    monkeypatch.setattr(mxfp4_mma, "MXFP4_MMA", broken(mxfp4_mma.MXFP4_MMA, old, new))
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    try:
+        got = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+    except RuntimeError:
+        return
+    err = rel_err(got, want)
+    assert not err < 10 * TOL, err
 
 
 @pytest.mark.parametrize("E,D,I,N,k,dtype,tm", PREFILL_CASES)

@@ -79,6 +79,8 @@ struct kk_vec<T, 2> {
   kk_vec() = default;
   kk_vec(T s) : x(s), y(s) {}
   kk_vec(T a, T b) : x(a), y(b) {}
+  template <typename U, typename = std::enable_if_t<!std::is_same_v<U, T>>>
+  explicit kk_vec(const kk_vec<U, 2>& o) : x(T(o.x)), y(T(o.y)) {}  // float2(half2) etc.
   T& operator[](int i) { return (&x)[i]; }
   const T& operator[](int i) const { return (&x)[i]; }
 };
@@ -88,6 +90,8 @@ struct kk_vec<T, 3> {
   kk_vec() = default;
   kk_vec(T s) : x(s), y(s), z(s) {}
   kk_vec(T a, T b, T c) : x(a), y(b), z(c) {}
+  template <typename U, typename = std::enable_if_t<!std::is_same_v<U, T>>>
+  explicit kk_vec(const kk_vec<U, 3>& o) : x(T(o.x)), y(T(o.y)), z(T(o.z)) {}
   T& operator[](int i) { return (&x)[i]; }
   const T& operator[](int i) const { return (&x)[i]; }
 };
@@ -97,6 +101,8 @@ struct kk_vec<T, 4> {
   kk_vec() = default;
   kk_vec(T s) : x(s), y(s), z(s), w(s) {}
   kk_vec(T a, T b, T c, T d) : x(a), y(b), z(c), w(d) {}
+  template <typename U, typename = std::enable_if_t<!std::is_same_v<U, T>>>
+  explicit kk_vec(const kk_vec<U, 4>& o) : x(T(o.x)), y(T(o.y)), z(T(o.z)), w(T(o.w)) {}
   T& operator[](int i) { return (&x)[i]; }
   const T& operator[](int i) const { return (&x)[i]; }
 };

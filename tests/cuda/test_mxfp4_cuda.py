@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from test_mxfp4_kernels import (  # noqa: E402
     DECODE_CASES,
+    MMA_CASES,
     PREFILL_CASES,
     TOL,
     case,
@@ -20,8 +22,9 @@ from test_mxfp4_kernels import (  # noqa: E402
     rel_err,
 )
 
+from benchmarks.bench_mxfp4 import MMA_SHAPES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
-from kimi_k3.kernels import dispatch  # noqa: E402
+from kimi_k3.kernels import dispatch, mxfp4_mma  # noqa: E402
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill  # noqa: E402
 
@@ -41,6 +44,38 @@ def test_decode_matches_oracle(E, D, I, N, k, dtype):
     got = expert_glu_decode(*args, backend="cuda")
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype", MMA_CASES + [(16, *K3, 4, 16, "bfloat16"), (16, *K3, 8, 16, "float32")]
+)
+def test_mma_decode_matches_oracle(E, D, I, N, k, dtype):
+    """The tensor-core decode kernels: fp16 MMAs with fp32 accumulators, activations split
+    into fp16 hi + lo, against the float64 oracle at the fp32 kernels' tolerance."""
+    args, want = case(E, D, I, N, k, dtype)
+    got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("gate_up, down", MMA_SHAPES)
+def test_mma_launch_shapes(monkeypatch, gate_up, down):
+    """Every launch shape the benchmark times, at K3 size (so any of them may be the default)."""
+    monkeypatch.setitem(mxfp4_mma.LAUNCH, "gate_up", gate_up)
+    monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", down)
+    args, want = case(16, *K3, 4, 16, "bfloat16")
+    assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="cuda"), want) < TOL
+
+
+def test_mma_decode_handles_large_and_tiny_activations():
+    from test_mxfp4_kernels import oracle
+
+    (z, w, inds, wts, beta, cap), _ = case(3, 128, 128, 2, 2, "float32")
+    for s in (2.0**40, 2.0**-40):
+        zs = z * s
+        want = oracle(np.array(zs), (3, 128, 128, 0), np.array(inds), np.array(wts))
+        got = mxfp4_mma.expert_glu_decode(zs, w, inds, wts, beta, cap, backend="cuda")
+        assert rel_err(got, want) < TOL, s
 
 
 @pytest.mark.parametrize(
@@ -76,7 +111,7 @@ def test_decode_and_prefill_agree_with_gather_qmm():
     """Same K3-size inputs through both kernels and MLX's quantized ops (float32 latents)."""
     args, want = case(16, *K3, 8, 16, "float32")
     ref = expert_glu_reference(*args)
-    for fn in (expert_glu_decode, expert_glu_prefill):
+    for fn in (expert_glu_decode, mxfp4_mma.expert_glu_decode, expert_glu_prefill):
         got = fn(*args, backend="cuda")
         assert rel_err(got, want) < TOL
         assert rel_err(got, ref) < 1e-3  # gather_qmm may take TF32 paths on CUDA
@@ -117,5 +152,8 @@ def test_k3_layer_scale_against_dense_oracle(k3_layer, monkeypatch, lo):
     want = oracle(z, w, inds, wts)
     got = expert_glu_decode(z[:1], w, inds[:1], wts[:1], B, C, backend="cuda")
     assert rel_err(got, want[:1]) < 1e-5
+    got = mxfp4_mma.expert_glu_decode(z[:4], w, inds[:4], wts[:4], B, C, backend="cuda")
+    assert rel_err(got, want[:4]) < 1e-5
+    assert dispatch.expert_glu_kernel(z[:4], w, inds[:4]).func is mxfp4_mma.expert_glu_decode
     assert rel_err(expert_glu_prefill(z, w, inds, wts, B, C, backend="cuda"), want) < 1e-5
     assert rel_err(expert_glu(z, w, inds, wts, B, C), want) < 1e-5  # N*k > 128: prefill path

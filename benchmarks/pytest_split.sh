@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run one pytest module as N processes on disjoint sets of its tests (round-robin over the
+# collected ids), for GPU test modules whose time goes mostly into CPU references:
+#   bash benchmarks/pytest_split.sh 4 tests/cuda/test_kda_cuda.py
+# Prints each part's summary; fails if any part fails.
+set -u
+n=$1
+shift
+dir=$(mktemp -d)
+python3 -m pytest -q --co "$@" | grep "::" >"$dir/ids"
+echo "$(wc -l <"$dir/ids") tests in $n parts"
+split -n "r/$n" "$dir/ids" "$dir/part_"
+for f in "$dir"/part_*; do
+  (MLX_ENABLE_TF32=0 python3 -m pytest -q -p no:cacheprovider $(cat "$f") >"$f.log" 2>&1
+   echo "rc=$?" >>"$f.log") &
+done
+wait
+rc=0
+for f in "$dir"/part_*.log; do
+  echo "--- $(basename "$f")"
+  grep -E "passed|failed|error|rc=" "$f" | tail -3
+  grep -q "^rc=0$" "$f" || { rc=1; grep -E "^(FAILED|ERROR)" "$f"; }
+done
+exit $rc

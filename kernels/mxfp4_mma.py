@@ -1,0 +1,308 @@
+"""MXFP4 expert decode on tensor cores: the dot products as fp16 MMAs with fp32 accumulators.
+
+Same contract and launches as ``mxfp4_decode`` (gate/up + SiTU-GLU, down weighted by the
+routing weight, the ordered sum over the k choices), with the per-code work cut down. The
+LUT kernels spend four issue slots on every 4-bit code (shift, mask, table load, FMA); here
+a code costs about two, and the multiply-adds go to the tensor cores:
+
+* **Codes to fp16 in registers.** An E2M1 code ``s e1 e0 m`` placed at fp16 bits 15 and
+  11..9 is that code's value times 2^-14 exactly (e = 0 lands on fp16's subnormals, which
+  are E2M1's 0 and 0.5). Nibbles j and j + 4 of a 32-bit word sit 16 bits apart, so one
+  shift and two masks give a half2 of two codes; the 2^14 goes into the scale.
+* **fp32-exact activations as two fp16 columns.** The activation row (the latent for
+  gate/up, ``h`` for down) is scaled by a power of two (largest |x| in [2^14, 2^15)) and
+  split as x = hi + lo, both fp16; hi goes to column 0 of the MMA's B operand and lo to
+  column 1, so one MMA gives both halves of every row's dot product (22 significant bits
+  of x; the products themselves are exact and summed in fp32).
+* **Per-block scales after the MMA.** One 32-code scale group is two m16n8k16 MMAs (the k
+  order inside a group is permuted to match the half2 pairs; B is laid out the same way),
+  so each group's fp32 result is multiplied by its E8M0 scale and added, as in the oracle.
+
+A warp owns 16 rows of two matrices that share the activations (gate and up rows, or two
+16-row tiles of down) for a range of scale groups; ``RT`` warps take different row tiles,
+``SK`` warps split the groups of a row (summed through threadgroup memory). Every threadgroup
+stages the activations' B fragments once, in threadgroup memory (128 bytes per group).
+
+``SIMD_MMA`` is PTX's ``mma.sync.m16n8k16`` on CUDA. On Metal it is spelled out with
+simdgroup shuffles (exact fp32 arithmetic, kernels/source.py) so that the emulator checks
+these kernels' fragment bookkeeping; that rendering is slow, and the dispatcher uses these
+kernels on CUDA only (Metal keeps ``mxfp4_decode``'s LUT kernels).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .mxfp4_decode import HEADER, K3, MXFP4_SUM
+from .source import Instance, Kernel, constant
+from .source import backend as default_backend
+
+MMA_HEADER = (
+    HEADER
+    + """
+// Codes j and j + 4 of a word as a half2 (code j low) worth code * 2^-14 each.
+HELPER uint kk_e2m1_pair(uint w, int j) {
+  const uint x = w >> (4 * j);
+  return ((x & 0x00070007u) << 9) | ((x & 0x00080008u) << 12);
+}
+// Byte j of a word of four E8M0 scales as a float: its bits in the exponent field, and
+// 2^-127 (the one subnormal) for a zero byte, as the max of the two bit patterns.
+HELPER float kk_e8m0_byte(uint w, int j) {
+  const uint e = (j < 3 ? w << (23 - 8 * j) : w >> 1) & 0x7F800000u;
+  return AS_FLOAT(e > 0x00400000u ? e : 0x00400000u);
+}
+"""
+)
+
+BODY = """
+  constexpr int G = KD / 32;                                 // scale groups per row
+  constexpr int NW = RT * SK;                                // warps
+  constexpr int GB = ((G + SK - 1) / SK + GW - 1) / GW * GW; // groups per split, whole steps
+  constexpr int WR = KD / 8;                                 // code words per row
+  constexpr int UNITS = GLU ? NR / 16 : NR / 32;             // row units (one warp's rows)
+  constexpr int NS = GW / 4;                                 // scale words per row per step
+  SHARED uint4 frag[G * 8];
+  SHARED float red[SK * RT * 32];
+  SHARED float s_max[NW];
+  const uint tid = THREAD_INDEX;
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint p = GROUP_POS.y;
+
+  // Lane (g, tq) holds word tq of rows g and g + 8 of both tiles: the A fragments of a
+  // group's two MMAs, codes (8 tq + j, 8 tq + j + 4) per half2. A step is GW groups; the
+  // first step's loads go out before the staging below, every later one a step ahead.
+  const uint rt = warp % RT;
+  const uint sk = warp / RT;
+  const uint unit = GROUP_POS.x * RT + rt;
+  const bool active = unit < UNITS;               // the whole warp agrees
+  const uint g = lane / 4;
+  const uint tq = lane % 4;
+  const size_t ra = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0) + g;
+  const size_t rb = GLU ? ra : ra + 16;
+  const DEVICE uint* qa = w_a + ra * WR + tq;
+  const DEVICE uint* qb = w_b + rb * WR + tq;
+  const DEVICE uint* ea = (const DEVICE uint*)(s_a + ra * G);   // 4 scale bytes a word
+  const DEVICE uint* eb = (const DEVICE uint*)(s_b + rb * G);
+  const uint b0 = sk * GB;
+  const uint b1 = b0 + GB < G ? b0 + GB : G;
+  const bool work = active && b0 < b1;            // the whole warp agrees
+  // One step: GW groups' words (4 per group: A row g, g+8, B row g, g+8) and their scale
+  // words (4 per 4 groups), read relative to the step's first group.
+#define KK_LOAD(q, sc, bb)                                                          \
+  {                                                                                 \
+    const DEVICE uint* pa = qa + (bb) * 4;                                          \
+    const DEVICE uint* pb = qb + (bb) * 4;                                          \
+    _Pragma("unroll") for (int j = 0; j < GW; ++j) {                                \
+      q[4 * j] = pa[4 * j];                                                         \
+      q[4 * j + 1] = pa[8 * WR + 4 * j];                                            \
+      q[4 * j + 2] = pb[4 * j];                                                     \
+      q[4 * j + 3] = pb[8 * WR + 4 * j];                                            \
+    }                                                                               \
+    _Pragma("unroll") for (int j = 0; j < NS; ++j) {                                \
+      sc[4 * j] = ea[(bb) / 4 + j];                                                 \
+      sc[4 * j + 1] = ea[2 * G + (bb) / 4 + j];                                     \
+      sc[4 * j + 2] = eb[(bb) / 4 + j];                                             \
+      sc[4 * j + 3] = eb[2 * G + (bb) / 4 + j];                                     \
+    }                                                                               \
+  }
+  uint qx[4 * GW], sx[4 * NS], qy[4 * GW], sy[4 * NS];
+  if (work) KK_LOAD(qx, sx, b0);
+  // The activations times 2^n (largest |x| in [2^14, 2^15)) as fp16 hi (lanes 0-3 of a
+  // group's fragment) and lo = x - hi (lanes 4-7); 2^(14 - n) undoes both scalings.
+  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;
+  float m = 0.0f;
+  for (uint i = tid; i < KD; i += 32 * NW) m = FMAX(m, FABS(static_cast<float>(xr[i])));
+  m = SIMD_MAX(m);
+  if (lane == 0) s_max[warp] = m;
+  BARRIER();
+  m = s_max[0];
+  for (int w = 1; w < NW; ++w) m = FMAX(m, s_max[w]);
+  int n = 141 - int((AS_UINT(m) >> 23) & 255u);
+  n = n > 127 ? 127 : (n < -113 ? -113 : n);
+  const float up = AS_FLOAT(uint(n + 127) << 23);
+  const float unscale = AS_FLOAT(uint(141 - n) << 23);
+  for (uint it = tid; it < G * 8; it += 32 * NW) {
+    const DEVICE T* src = xr + 32 * (it / 8) + 8 * (it % 4);
+    float v[8];
+    for (int e = 0; e < 8; ++e) v[e] = static_cast<float>(src[e]) * up;
+    if ((it / 4) % 2) {
+      for (int e = 0; e < 8; ++e) v[e] -= ROUND_HALF(v[e]);
+    }
+    frag[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
+                     PACK_HALF2(v[3], v[7]));
+  }
+  BARRIER();
+
+  float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
+  // The step's MMAs: per group, two for tile A and two for tile B, then each row's result
+  // (columns 0 and 1, hi and lo, in lanes tq = 0; the other lanes add zeros) times its scale.
+#define KK_STEP(q, sc, bb)                                                             \
+  _Pragma("unroll") for (int j = 0; j < GW; ++j) {                                    \
+    const uint4 f = lane < 8 ? frag[((bb) + j) * 8 + lane] : UINT4(0u, 0u, 0u, 0u);    \
+    const uint2 f0 = UINT2(f.x, f.y);                                                  \
+    const uint2 f1 = UINT2(f.z, f.w);                                                  \
+    const uint wa0 = q[4 * j], wa8 = q[4 * j + 1], wb0 = q[4 * j + 2], wb8 = q[4 * j + 3]; \
+    float4 ca = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f);                                        \
+    float4 cb = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f);                                        \
+    ca = SIMD_MMA(ca, UINT4(kk_e2m1_pair(wa0, 0), kk_e2m1_pair(wa8, 0),               \
+                            kk_e2m1_pair(wa0, 1), kk_e2m1_pair(wa8, 1)), f0, lane);   \
+    cb = SIMD_MMA(cb, UINT4(kk_e2m1_pair(wb0, 0), kk_e2m1_pair(wb8, 0),               \
+                            kk_e2m1_pair(wb0, 1), kk_e2m1_pair(wb8, 1)), f0, lane);   \
+    ca = SIMD_MMA(ca, UINT4(kk_e2m1_pair(wa0, 2), kk_e2m1_pair(wa8, 2),               \
+                            kk_e2m1_pair(wa0, 3), kk_e2m1_pair(wa8, 3)), f1, lane);   \
+    cb = SIMD_MMA(cb, UINT4(kk_e2m1_pair(wb0, 2), kk_e2m1_pair(wb8, 2),               \
+                            kk_e2m1_pair(wb0, 3), kk_e2m1_pair(wb8, 3)), f1, lane);   \
+    const int jw = 4 * (j / 4);                                                        \
+    acc0 += kk_e8m0_byte(sc[jw], j % 4) * (ca.x + ca.y);                               \
+    acc1 += kk_e8m0_byte(sc[jw + 1], j % 4) * (ca.z + ca.w);                           \
+    acc2 += kk_e8m0_byte(sc[jw + 2], j % 4) * (cb.x + cb.y);                           \
+    acc3 += kk_e8m0_byte(sc[jw + 3], j % 4) * (cb.z + cb.w);                           \
+  }
+  // PP: two register buffers take turns, a step's loads go out before the previous one's
+  // math. Without it each step loads then computes (fewer registers, more warps resident).
+  if (work && !PP) {
+    for (uint b = b0; b < b1; b += GW) {
+      if (b > b0) KK_LOAD(qx, sx, b);
+      KK_STEP(qx, sx, b);
+    }
+  }
+  if (work && PP) {
+    for (uint b = b0; b < b1; b += 2 * GW) {
+      const bool second = b + GW < b1;            // the whole warp agrees
+      if (second) KK_LOAD(qy, sy, b + GW);
+      KK_STEP(qx, sx, b);
+      if (second) {
+        if (b + 2 * GW < b1) KK_LOAD(qx, sx, b + 2 * GW);
+        KK_STEP(qy, sy, b + GW);
+      }
+    }
+  }
+#undef KK_LOAD
+#undef KK_STEP
+  if (tq == 0) {
+    red[(sk * RT + rt) * 32 + g] = acc0;
+    red[(sk * RT + rt) * 32 + 8 + g] = acc1;
+    red[(sk * RT + rt) * 32 + 16 + g] = acc2;
+    red[(sk * RT + rt) * 32 + 24 + g] = acc3;
+  }
+  BARRIER();
+
+  // Entry i of a unit's 32 sums: tile A rows 0-15, then tile B rows 0-15.
+  const uint ru = tid / 32;
+  const uint i = tid % 32;
+  const uint unit_out = GROUP_POS.x * RT + ru;
+  if ((int)tid < RT * 32 && unit_out < UNITS) {
+    if (GLU) {
+      if (i < 16) {
+        float gate = 0.0f, upv = 0.0f;
+        for (int s = 0; s < SK; ++s) {
+          gate += red[(s * RT + ru) * 32 + i];
+          upv += red[(s * RT + ru) * 32 + 16 + i];
+        }
+        out[(size_t)p * NR + 16 * unit_out + i] =
+            kk_situ_glu(gate * unscale, upv * unscale, params[0], params[1]);
+      }
+    } else {
+      float total = 0.0f;
+      for (int s = 0; s < SK; ++s) total += red[(s * RT + ru) * 32 + i];
+      out[(size_t)p * NR + 32 * unit_out + i] = params[p] * (total * unscale);
+    }
+  }
+"""
+
+U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
+
+# Warps per threadgroup as row tiles (RT) x splits of a row's groups (SK), scale groups per
+# step (GW: 4 or 8), and whether a step's loads go out during the previous step (PP).
+LAUNCH = {"gate_up": (8, 1, 4, True), "down": (4, 2, 4, True)}
+
+
+def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True):
+    return [
+        ("T", dtype),
+        ("KD", KD),
+        ("NR", NR),
+        ("K", K),
+        ("GLU", glu),
+        ("RT", rt),
+        ("SK", sk),
+        ("GW", gw),
+        ("PP", pp),
+    ]
+
+
+MXFP4_MMA = Kernel(
+    "mxfp4_mma",
+    ["x", "w_a", "s_a", "w_b", "s_b", "inds", "params"],
+    ["out"],
+    BODY,
+    header=MMA_HEADER,
+    instances=[
+        Instance(
+            [dt, U32, U8, U32, U8, I32, F32],
+            [F32],
+            template(dt, K3["D"], K3["I"], 16, True, *LAUNCH["gate_up"]),
+        )
+        for dt in (mx.bfloat16, mx.float16, mx.float32)
+    ]
+    + [
+        Instance(
+            [F32, U32, U8, U32, U8, I32, F32],
+            [F32],
+            template(F32, K3["I"], K3["D"], 16, False, *LAUNCH["down"]),
+        )
+    ],
+)
+
+
+def _launch(backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, pairs):
+    rt, sk, gw, pp = LAUNCH["gate_up" if glu else "down"]
+    if (KD // 32) % gw:
+        gw = 4  # whole steps only; eligible() guarantees multiples of 4 groups
+    units = NR // 16 if glu else NR // 32
+    (out,) = MXFP4_MMA(
+        backend,
+        inputs=[x, wa, sa, wb, sb, inds, params],
+        output_shapes=[(pairs, NR)],
+        output_dtypes=[F32],
+        grid=(32 * rt * sk * -(-units // rt), pairs, 1),
+        threadgroup=(32 * rt * sk, 1, 1),
+        template=template(x.dtype, KD, NR, k, glu, rt, sk, gw, pp),
+    )
+    return out
+
+
+def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None):
+    """``mxfp4_decode.expert_glu_decode`` with tensor-core dot products (same shapes and
+    return: fp32 [N, D]). Needs ``eligible`` inputs."""
+    backend = backend or default_backend()
+    N, k = inds.shape
+    D = z.shape[-1]
+    I = w["w1"][0].shape[-2]
+    flat = inds.reshape(-1).astype(I32)
+    h = _launch(backend, z, *w["w1"], *w["w3"], flat, constant((beta, cap)), D, I, k, True, N * k)
+    wts = weights.reshape(-1).astype(F32)
+    part = _launch(backend, h, *w["w2"], *w["w2"], flat, wts, I, D, k, False, N * k)
+    (y,) = MXFP4_SUM(
+        backend,
+        inputs=[part],
+        output_shapes=[(N, D)],
+        output_dtypes=[F32],
+        grid=(256 * -(-D // 256), N, 1),
+        threadgroup=(256, 1, 1),
+        template=[("D", D), ("K", k)],
+    )
+    return y
+
+
+def eligible(z, w, inds) -> bool:
+    """What ``mxfp4_decode.eligible`` accepts, with D and I multiples of 128 (scale bytes read
+    four at a time) and the activations' fragments within threadgroup memory."""
+    from . import mxfp4_decode
+
+    if not mxfp4_decode.eligible(z, w, inds):
+        return False
+    D = z.shape[-1]
+    I = w["w1"][0].shape[-2]
+    return D % 128 == 0 and I % 128 == 0 and 4 * max(D, I) <= 24 * 1024
