@@ -306,6 +306,13 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
         threadgroup=(32 * nsg, 1, 1),
         template=down_template(D, I, k),
     )
+    return sum_pairs(backend, part, N, k)
+
+
+def sum_pairs(backend: str, part, N: int, k: int):
+    """``mxfp4_sum``: ``y [N, D]`` from the weighted pairs ``part [N*k, D]``, k per token in
+    order."""
+    D = part.shape[-1]
     (y,) = MXFP4_SUM(
         backend,
         inputs=[part],

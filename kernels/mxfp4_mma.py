@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .mxfp4_decode import HEADER, K3, MXFP4_SUM
+from .mxfp4_decode import HEADER, K3, sum_pairs
 from .source import Instance, Kernel, constant
 from .source import backend as default_backend
 
@@ -284,16 +284,7 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
     h = _launch(backend, z, *w["w1"], *w["w3"], flat, constant((beta, cap)), D, I, k, True, N * k)
     wts = weights.reshape(-1).astype(F32)
     part = _launch(backend, h, *w["w2"], *w["w2"], flat, wts, I, D, k, False, N * k)
-    (y,) = MXFP4_SUM(
-        backend,
-        inputs=[part],
-        output_shapes=[(N, D)],
-        output_dtypes=[F32],
-        grid=(256 * -(-D // 256), N, 1),
-        threadgroup=(256, 1, 1),
-        template=[("D", D), ("K", k)],
-    )
-    return y
+    return sum_pairs(backend, part, N, k)
 
 
 def eligible(z, w, inds) -> bool:
