@@ -54,13 +54,12 @@ HELPER float kk_e8m0_byte(uint w, int j) {
 """
 )
 
-BODY = """
+_FP16_MAIN = """
   constexpr int G = KD / 32;                                 // scale groups per row
   constexpr int NW = RT * SK;                                // warps
+  constexpr int NB = GW / 4;                                 // 4-group blocks per step
   constexpr int GB = ((G + SK - 1) / SK + GW - 1) / GW * GW; // groups per split, whole steps
-  constexpr int WR = KD / 8;                                 // code words per row
   constexpr int UNITS = GLU ? NR / 16 : NR / 32;             // row units (one warp's rows)
-  constexpr int NS = GW / 4;                                 // scale words per row per step
   SHARED uint4 frag[G * 8];
   SHARED float red[SK * RT * 32];
   SHARED float s_max[NW];
@@ -69,47 +68,46 @@ BODY = """
   const uint warp = SIMDGROUP;
   const uint p = GROUP_POS.y;
 
-  // Lane (g, tq) holds word tq of rows g and g + 8 of both tiles: the A fragments of a
-  // group's two MMAs, codes (8 tq + j, 8 tq + j + 4) per half2. A step is GW groups; the
-  // first step's loads go out before the staging below, every later one a step ahead.
+  // Four groups side by side: in a block of 4 scale groups, lane (g, tq) holds the whole group
+  // tq of rows g and g + 8 of both tiles (one 128-bit load each), and the MMA's output
+  // columns 2 tq, 2 tq + 1 (hi, lo) collect that group alone: B is zero outside a column's
+  // group. So one 128-bit load, eight MMAs and one scale per row and group per lane.
   const uint rt = warp % RT;
   const uint sk = warp / RT;
   const uint unit = GROUP_POS.x * RT + rt;
   const bool active = unit < UNITS;               // the whole warp agrees
   const uint g = lane / 4;
   const uint tq = lane % 4;
+  const bool bcol = g / 2 == tq;                  // this lane's B column is in its group
   const size_t ra = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0) + g;
   const size_t rb = GLU ? ra : ra + 16;
-  const DEVICE uint* qa = w_a + ra * WR + tq;
-  const DEVICE uint* qb = w_b + rb * WR + tq;
-  const DEVICE uint* ea = (const DEVICE uint*)(s_a + ra * G);   // 4 scale bytes a word
-  const DEVICE uint* eb = (const DEVICE uint*)(s_b + rb * G);
+  const DEVICE uint4* qa = (const DEVICE uint4*)w_a + ra * G + tq;
+  const DEVICE uint4* qb = (const DEVICE uint4*)w_b + rb * G + tq;
+  const DEVICE uint8_t* ea = s_a + ra * G + tq;
+  const DEVICE uint8_t* eb = s_b + rb * G + tq;
   const uint b0 = sk * GB;
   const uint b1 = b0 + GB < G ? b0 + GB : G;
   const bool work = active && b0 < b1;            // the whole warp agrees
-  // One step: GW groups' words (4 per group: A row g, g+8, B row g, g+8) and their scale
-  // words (4 per 4 groups), read relative to the step's first group.
-#define KK_LOAD(q, sc, bb)                                                          \
-  {                                                                                 \
-    const DEVICE uint* pa = qa + (bb) * 4;                                          \
-    const DEVICE uint* pb = qb + (bb) * 4;                                          \
-    _Pragma("unroll") for (int j = 0; j < GW; ++j) {                                \
-      q[4 * j] = pa[4 * j];                                                         \
-      q[4 * j + 1] = pa[8 * WR + 4 * j];                                            \
-      q[4 * j + 2] = pb[4 * j];                                                     \
-      q[4 * j + 3] = pb[8 * WR + 4 * j];                                            \
-    }                                                                               \
-    _Pragma("unroll") for (int j = 0; j < NS; ++j) {                                \
-      sc[4 * j] = ea[(bb) / 4 + j];                                                 \
-      sc[4 * j + 1] = ea[2 * G + (bb) / 4 + j];                                     \
-      sc[4 * j + 2] = eb[(bb) / 4 + j];                                             \
-      sc[4 * j + 3] = eb[2 * G + (bb) / 4 + j];                                     \
-    }                                                                               \
+  // One step: per block, the lane's group of A row g, g+8, B row g, g+8 and their scales.
+#define KK_LOAD(q, sc, bb)                                                          \\
+  {                                                                                 \\
+    _Pragma("unroll") for (int u = 0; u < NB; ++u) {                                \\
+      q[4 * u] = qa[(bb) + 4 * u];                                                  \\
+      q[4 * u + 1] = qa[8 * G + (bb) + 4 * u];                                      \\
+      q[4 * u + 2] = qb[(bb) + 4 * u];                                              \\
+      q[4 * u + 3] = qb[8 * G + (bb) + 4 * u];                                      \\
+      sc[4 * u] = ea[(bb) + 4 * u];                                                 \\
+      sc[4 * u + 1] = ea[8 * G + (bb) + 4 * u];                                     \\
+      sc[4 * u + 2] = eb[(bb) + 4 * u];                                             \\
+      sc[4 * u + 3] = eb[8 * G + (bb) + 4 * u];                                     \\
+    }                                                                               \\
   }
-  uint qx[4 * GW], sx[4 * NS], qy[4 * GW], sy[4 * NS];
+  uint4 qx[4 * NB], qy[4 * NB];
+  uint sx[4 * NB], sy[4 * NB];
   if (work) KK_LOAD(qx, sx, b0);
-  // The activations times 2^n (largest |x| in [2^14, 2^15)) as fp16 hi (lanes 0-3 of a
-  // group's fragment) and lo = x - hi (lanes 4-7); 2^(14 - n) undoes both scalings.
+  // The activations times 2^n (largest |x| in [2^14, 2^15)) as fp16 hi and lo = x - hi;
+  // 2^(14 - n) undoes both scalings. Fragment (block, p, column) holds codes 8p..8p+7 of the
+  // column's group (block * 4 + column / 2), hi for even columns, lo for odd.
   const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;
   float m = 0.0f;
   for (uint i = tid; i < KD; i += 32 * NW) m = FMAX(m, FABS(static_cast<float>(xr[i])));
@@ -123,10 +121,13 @@ BODY = """
   const float up = AS_FLOAT(uint(n + 127) << 23);
   const float unscale = AS_FLOAT(uint(141 - n) << 23);
   for (uint it = tid; it < G * 8; it += 32 * NW) {
-    const DEVICE T* src = xr + 32 * (it / 8) + 8 * (it % 4);
+    const uint col = it % 8;
+    const uint pq = (it / 8) % 4;
+    const uint grp = (it / 32) * 4 + col / 2;
+    const DEVICE T* src = xr + 32 * grp + 8 * pq;
     float v[8];
     for (int e = 0; e < 8; ++e) v[e] = static_cast<float>(src[e]) * up;
-    if ((it / 4) % 2) {
+    if (col % 2) {
       for (int e = 0; e < 8; ++e) v[e] -= ROUND_HALF(v[e]);
     }
     frag[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
@@ -135,29 +136,32 @@ BODY = """
   BARRIER();
 
   float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
-  // The step's MMAs: per group, two for tile A and two for tile B, then each row's result
-  // (columns 0 and 1, hi and lo, in lanes tq = 0; the other lanes add zeros) times its scale.
-#define KK_STEP(q, sc, bb)                                                             \
-  _Pragma("unroll") for (int j = 0; j < GW; ++j) {                                    \
-    const uint4 f = lane < 8 ? frag[((bb) + j) * 8 + lane] : UINT4(0u, 0u, 0u, 0u);    \
-    const uint2 f0 = UINT2(f.x, f.y);                                                  \
-    const uint2 f1 = UINT2(f.z, f.w);                                                  \
-    const uint wa0 = q[4 * j], wa8 = q[4 * j + 1], wb0 = q[4 * j + 2], wb8 = q[4 * j + 3]; \
-    float4 ca = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f);                                        \
-    float4 cb = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f);                                        \
-    ca = SIMD_MMA(ca, UINT4(kk_e2m1_pair(wa0, 0), kk_e2m1_pair(wa8, 0),               \
-                            kk_e2m1_pair(wa0, 1), kk_e2m1_pair(wa8, 1)), f0, lane);   \
-    cb = SIMD_MMA(cb, UINT4(kk_e2m1_pair(wb0, 0), kk_e2m1_pair(wb8, 0),               \
-                            kk_e2m1_pair(wb0, 1), kk_e2m1_pair(wb8, 1)), f0, lane);   \
-    ca = SIMD_MMA(ca, UINT4(kk_e2m1_pair(wa0, 2), kk_e2m1_pair(wa8, 2),               \
-                            kk_e2m1_pair(wa0, 3), kk_e2m1_pair(wa8, 3)), f1, lane);   \
-    cb = SIMD_MMA(cb, UINT4(kk_e2m1_pair(wb0, 2), kk_e2m1_pair(wb8, 2),               \
-                            kk_e2m1_pair(wb0, 3), kk_e2m1_pair(wb8, 3)), f1, lane);   \
-    const int jw = 4 * (j / 4);                                                        \
-    acc0 += kk_e8m0_byte(sc[jw], j % 4) * (ca.x + ca.y);                               \
-    acc1 += kk_e8m0_byte(sc[jw + 1], j % 4) * (ca.z + ca.w);                           \
-    acc2 += kk_e8m0_byte(sc[jw + 2], j % 4) * (cb.x + cb.y);                           \
-    acc3 += kk_e8m0_byte(sc[jw + 3], j % 4) * (cb.z + cb.w);                           \
+  // A block's eight MMAs per tile: word pq of the lane's group gives the k-pairs (codes
+  // j, j + 4) j = 0, 1 of one MMA and j = 2, 3 of the next; then each row's result (its
+  // group's hi and lo columns) times the group's scale.
+#define KK_STEP(q, sc, bb)                                                             \\
+  _Pragma("unroll") for (int u = 0; u < NB; ++u) {                                    \\
+    float4 ca0 = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), ca1 = ca0, cb0 = ca0, cb1 = ca0;      \\
+    const uint4 wa0 = q[4 * u], wa8 = q[4 * u + 1], wb0 = q[4 * u + 2], wb8 = q[4 * u + 3]; \\
+    _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {                                \\
+      const uint4 f = bcol ? frag[((bb) / 4 + u) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u); \\
+      const uint xa0 = pq == 0 ? wa0.x : (pq == 1 ? wa0.y : (pq == 2 ? wa0.z : wa0.w)); \\
+      const uint xa8 = pq == 0 ? wa8.x : (pq == 1 ? wa8.y : (pq == 2 ? wa8.z : wa8.w)); \\
+      const uint xb0 = pq == 0 ? wb0.x : (pq == 1 ? wb0.y : (pq == 2 ? wb0.z : wb0.w)); \\
+      const uint xb8 = pq == 0 ? wb8.x : (pq == 1 ? wb8.y : (pq == 2 ? wb8.z : wb8.w)); \\
+      ca0 = SIMD_MMA(ca0, UINT4(kk_e2m1_pair(xa0, 0), kk_e2m1_pair(xa8, 0),           \\
+                                kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), UINT2(f.x, f.y), lane); \\
+      cb0 = SIMD_MMA(cb0, UINT4(kk_e2m1_pair(xb0, 0), kk_e2m1_pair(xb8, 0),           \\
+                                kk_e2m1_pair(xb0, 1), kk_e2m1_pair(xb8, 1)), UINT2(f.x, f.y), lane); \\
+      ca1 = SIMD_MMA(ca1, UINT4(kk_e2m1_pair(xa0, 2), kk_e2m1_pair(xa8, 2),           \\
+                                kk_e2m1_pair(xa0, 3), kk_e2m1_pair(xa8, 3)), UINT2(f.z, f.w), lane); \\
+      cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),           \\
+                                kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), UINT2(f.z, f.w), lane); \\
+    }                                                                                  \\
+    acc0 += kk_e8m0_byte(sc[4 * u], 0) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));         \\
+    acc1 += kk_e8m0_byte(sc[4 * u + 1], 0) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));     \\
+    acc2 += kk_e8m0_byte(sc[4 * u + 2], 0) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));     \\
+    acc3 += kk_e8m0_byte(sc[4 * u + 3], 0) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));     \\
   }
   // PP: two register buffers take turns, a step's loads go out before the previous one's
   // math. Without it each step loads then computes (fewer registers, more warps resident).
@@ -180,6 +184,172 @@ BODY = """
   }
 #undef KK_LOAD
 #undef KK_STEP
+"""
+
+_IMMA_MAIN = """
+  constexpr int G = KD / 32;                                 // scale groups per row
+  constexpr int NW = RT * SK;                                // warps
+  constexpr int NP = GW / 2;                                 // group pairs per step
+  constexpr int GB = ((G + SK - 1) / SK + GW - 1) / GW * GW; // groups per split, whole steps
+  constexpr int WR2 = KD / 16;                               // uint2 of codes per row
+  constexpr int UNITS = GLU ? NR / 16 : NR / 32;             // row units (one warp's rows)
+  SHARED uint4 frag[G * 8];
+  SHARED float red[SK * RT * 32];
+  SHARED float s_max[NW];
+  const uint tid = THREAD_INDEX;
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint p = GROUP_POS.y;
+
+  // An int8 MMA (k = 32) takes two scale groups side by side: lanes tq = 0, 1 hold words
+  // 0-1 and 2-3 of the first group of rows g and g + 8, lanes 2, 3 those of the second;
+  // output columns 0-3 are the first group's four activation limbs, 4-7 the second's (B is
+  // zero outside a column's group). Codes become twice their value as int8 by byte
+  // permutes: 2 |v| where the sign is clear plus -|v| everywhere, two MMAs into one sum.
+  const uint rt = warp % RT;
+  const uint sk = warp / RT;
+  const uint unit = GROUP_POS.x * RT + rt;
+  const bool active = unit < UNITS;               // the whole warp agrees
+  const uint g = lane / 4;
+  const uint tq = lane % 4;
+  const uint hp = tq / 2;                         // which group of the pair
+  const bool bcol = g / 4 == hp;                  // this lane's B column is in its group
+  const size_t ra = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0) + g;
+  const size_t rb = GLU ? ra : ra + 16;
+  const DEVICE uint2* qa = (const DEVICE uint2*)w_a + ra * WR2 + tq;
+  const DEVICE uint2* qb = (const DEVICE uint2*)w_b + rb * WR2 + tq;
+  const DEVICE uint8_t* ea = s_a + ra * G + hp;
+  const DEVICE uint8_t* eb = s_b + rb * G + hp;
+  const uint b0 = sk * GB;
+  const uint b1 = b0 + GB < G ? b0 + GB : G;
+  const bool work = active && b0 < b1;            // the whole warp agrees
+  // One step: per group pair, the lane's two words of A row g, g+8, B row g, g+8 and scales.
+#define KK_LOAD(q, sc, bb)                                                          \\
+  {                                                                                 \\
+    _Pragma("unroll") for (int u = 0; u < NP; ++u) {                                \\
+      q[4 * u] = qa[2 * (bb) + 4 * u];                                              \\
+      q[4 * u + 1] = qa[8 * WR2 + 2 * (bb) + 4 * u];                                \\
+      q[4 * u + 2] = qb[2 * (bb) + 4 * u];                                          \\
+      q[4 * u + 3] = qb[8 * WR2 + 2 * (bb) + 4 * u];                                \\
+      sc[4 * u] = ea[(bb) + 2 * u];                                                 \\
+      sc[4 * u + 1] = ea[8 * G + (bb) + 2 * u];                                     \\
+      sc[4 * u + 2] = eb[(bb) + 2 * u];                                             \\
+      sc[4 * u + 3] = eb[8 * G + (bb) + 2 * u];                                     \\
+    }                                                                               \\
+  }
+  uint2 qx[4 * NP], qy[4 * NP];
+  uint sx[4 * NP], sy[4 * NP];
+  if (work) KK_LOAD(qx, sx, b0);
+  // The activations times 2^n (largest |x| in [2^29, 2^30)), truncated to integers and
+  // split into four balanced int8 limbs, most significant first: x = sum l_i 2^(24 - 8i).
+  // Fragment (pair, quarter tq', limb) holds, for both words of quarter tq' (first group
+  // for tq' < 2), that limb of the 8 codes of each word, in B's byte order.
+  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;
+  float m = 0.0f;
+  for (uint i = tid; i < KD; i += 32 * NW) m = FMAX(m, FABS(static_cast<float>(xr[i])));
+  m = SIMD_MAX(m);
+  if (lane == 0) s_max[warp] = m;
+  BARRIER();
+  m = s_max[0];
+  for (int w = 1; w < NW; ++w) m = FMAX(m, s_max[w]);
+  int n = 156 - int((AS_UINT(m) >> 23) & 255u);
+  n = n > 125 ? 125 : (n < -100 ? -100 : n);
+  const float up = AS_FLOAT(uint(n + 127) << 23);
+  const float unscale = AS_FLOAT(uint(126 - n) << 23);   // 2^-n, and the codes' factor 2
+  for (uint it = tid; it < G * 4; it += 32 * NW) {        // one word (8 codes) of x
+    const uint grp = it / 4;
+    const uint wd = it % 4;
+    const DEVICE T* src = xr + 32 * grp + 8 * wd;
+    uint lb[4][2];
+    for (int l = 0; l < 4; ++l) lb[l][0] = lb[l][1] = 0u;
+    for (int e = 0; e < 8; ++e) {
+      int v = static_cast<int>(static_cast<float>(src[e]) * up);
+      for (int l = 3; l >= 0; --l) {
+        const int d = ((v + 128) & 255) - 128;
+        v = (v - d) >> 8;
+        lb[l][e / 4] |= uint(d & 255) << (8 * (e % 4));
+      }
+    }
+    const uint q4 = 2 * (grp % 2) + wd / 2;               // the lane quarter that holds it
+    for (int l = 0; l < 4; ++l) {
+      const uint f = (grp / 2) * 16 + q4 * 4 + l;
+      if (wd % 2) {
+        frag[f].z = lb[l][0];
+        frag[f].w = lb[l][1];
+      } else {
+        frag[f].x = lb[l][0];
+        frag[f].y = lb[l][1];
+      }
+    }
+  }
+  BARRIER();
+
+  const uint LP0 = 0x06040200u, LP1 = 0x18100C08u;  // 2 |v| of magnitudes 0-7 (int8)
+  const uint LN0 = 0xFDFEFF00u, LN1 = 0xF4F8FAFCu;  // -|v|
+  float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
+  // A pair's four MMAs per tile (two words per lane, each as 2|v|[sign clear] and -|v|);
+  // then each row's two limbs of its group, combined exactly, times the group's scale.
+#define KK_A(w, mask, lo, hi)                                                          \\
+  UINT4(BYTE_PERM(lo, hi, (w) & (mask)), BYTE_PERM(lo, hi, (w##8) & (mask)),          \\
+        BYTE_PERM(lo, hi, ((w) >> 16) & (mask)), BYTE_PERM(lo, hi, ((w##8) >> 16) & (mask)))
+#define KK_STEP(q, sc, bb)                                                             \\
+  _Pragma("unroll") for (int u = 0; u < NP; ++u) {                                    \\
+    const uint4 f = bcol ? frag[((bb) / 2 + u) * 16 + tq * 4 + g % 4] : UINT4(0u, 0u, 0u, 0u); \\
+    int4 ca = INT4(0, 0, 0, 0), cb = ca;                                               \\
+    _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                   \\
+      const uint2 fb = h ? UINT2(f.z, f.w) : UINT2(f.x, f.y);                          \\
+      const uint xa = h ? q[4 * u].y : q[4 * u].x, xa8 = h ? q[4 * u + 1].y : q[4 * u + 1].x; \\
+      const uint xb = h ? q[4 * u + 2].y : q[4 * u + 2].x, xb8 = h ? q[4 * u + 3].y : q[4 * u + 3].x; \\
+      ca = SIMD_IMMA(ca, KK_A(xa, 0xFFFFFFFFu, LP0, LP1), fb, lane);                    \\
+      cb = SIMD_IMMA(cb, KK_A(xb, 0xFFFFFFFFu, LP0, LP1), fb, lane);                    \\
+      ca = SIMD_IMMA(ca, KK_A(xa, 0x7777u, LN0, LN1), fb, lane);                    \\
+      cb = SIMD_IMMA(cb, KK_A(xb, 0x7777u, LN0, LN1), fb, lane);                    \\
+    }                                                                                  \\
+    acc0 += kk_e8m0_byte(sc[4 * u], 0) * static_cast<float>(ca.x * 256 + ca.y);       \\
+    acc1 += kk_e8m0_byte(sc[4 * u + 1], 0) * static_cast<float>(ca.z * 256 + ca.w);   \\
+    acc2 += kk_e8m0_byte(sc[4 * u + 2], 0) * static_cast<float>(cb.x * 256 + cb.y);   \\
+    acc3 += kk_e8m0_byte(sc[4 * u + 3], 0) * static_cast<float>(cb.z * 256 + cb.w);   \\
+  }
+  if (work && !PP) {
+    for (uint b = b0; b < b1; b += GW) {
+      if (b > b0) KK_LOAD(qx, sx, b);
+      KK_STEP(qx, sx, b);
+    }
+  }
+  if (work && PP) {
+    for (uint b = b0; b < b1; b += 2 * GW) {
+      const bool second = b + GW < b1;            // the whole warp agrees
+      if (second) KK_LOAD(qy, sy, b + GW);
+      KK_STEP(qx, sx, b);
+      if (second) {
+        if (b + 2 * GW < b1) KK_LOAD(qx, sx, b + 2 * GW);
+        KK_STEP(qy, sy, b + GW);
+      }
+    }
+  }
+#undef KK_LOAD
+#undef KK_STEP
+#undef KK_A
+  // Lanes tq = 0, 2 hold limbs 0-1 (worth 2^16 more than limbs 2-3 of lanes 1, 3); a row's
+  // groups and limbs are spread over its four lanes: add them up.
+  const float lw = tq % 2 ? 1.0f : 65536.0f;
+  acc0 *= lw;
+  acc1 *= lw;
+  acc2 *= lw;
+  acc3 *= lw;
+"""
+
+# Both bodies end alike: a row's sums are spread over its four lanes.
+_EPILOGUE = """
+  // A row's groups are spread over its four lanes (tq): add them up.
+  acc0 += SIMD_SHUFFLE_XOR(acc0, 1);
+  acc1 += SIMD_SHUFFLE_XOR(acc1, 1);
+  acc2 += SIMD_SHUFFLE_XOR(acc2, 1);
+  acc3 += SIMD_SHUFFLE_XOR(acc3, 1);
+  acc0 += SIMD_SHUFFLE_XOR(acc0, 2);
+  acc1 += SIMD_SHUFFLE_XOR(acc1, 2);
+  acc2 += SIMD_SHUFFLE_XOR(acc2, 2);
+  acc3 += SIMD_SHUFFLE_XOR(acc3, 2);
   if (tq == 0) {
     red[(sk * RT + rt) * 32 + g] = acc0;
     red[(sk * RT + rt) * 32 + 8 + g] = acc1;
@@ -211,11 +381,14 @@ BODY = """
   }
 """
 
+BODY = _FP16_MAIN + _EPILOGUE
+IMMA_BODY = _IMMA_MAIN + _EPILOGUE
+
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 # Warps per threadgroup as row tiles (RT) x splits of a row's groups (SK), scale groups per
 # step (GW: 4 or 8), and whether a step's loads go out during the previous step (PP).
-LAUNCH = {"gate_up": (8, 1, 4, True), "down": (4, 2, 4, True)}
+LAUNCH = {"gate_up": (8, 1, 8, True), "down": (8, 1, 8, True)}
 
 
 def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True):
@@ -232,28 +405,35 @@ def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True):
     ]
 
 
-MXFP4_MMA = Kernel(
-    "mxfp4_mma",
-    ["x", "w_a", "s_a", "w_b", "s_b", "inds", "params"],
-    ["out"],
-    BODY,
-    header=MMA_HEADER,
-    instances=[
-        Instance(
-            [dt, U32, U8, U32, U8, I32, F32],
-            [F32],
-            template(dt, K3["D"], K3["I"], 16, True, *LAUNCH["gate_up"]),
-        )
-        for dt in (mx.bfloat16, mx.float16, mx.float32)
-    ]
-    + [
-        Instance(
-            [F32, U32, U8, U32, U8, I32, F32],
-            [F32],
-            template(F32, K3["I"], K3["D"], 16, False, *LAUNCH["down"]),
-        )
-    ],
-)
+def _kernel(name, body):
+    return Kernel(
+        name,
+        ["x", "w_a", "s_a", "w_b", "s_b", "inds", "params"],
+        ["out"],
+        body,
+        header=MMA_HEADER,
+        instances=[
+            Instance(
+                [dt, U32, U8, U32, U8, I32, F32],
+                [F32],
+                template(dt, K3["D"], K3["I"], 16, True, *LAUNCH["gate_up"]),
+            )
+            for dt in (mx.bfloat16, mx.float16, mx.float32)
+        ]
+        + [
+            Instance(
+                [F32, U32, U8, U32, U8, I32, F32],
+                [F32],
+                template(F32, K3["I"], K3["D"], 16, False, *LAUNCH["down"]),
+            )
+        ],
+    )
+
+
+MXFP4_MMA = _kernel("mxfp4_mma", BODY)
+MXFP4_IMMA = _kernel("mxfp4_imma", IMMA_BODY)
+# Which of the two bodies expert_glu_decode runs: "int8" (MXFP4_IMMA) or "fp16" (MXFP4_MMA).
+VARIANT = {"kind": "fp16"}
 
 
 def _launch(backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, pairs):
@@ -261,7 +441,8 @@ def _launch(backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, pairs):
     if (KD // 32) % gw:
         gw = 4  # whole steps only; eligible() guarantees multiples of 4 groups
     units = NR // 16 if glu else NR // 32
-    (out,) = MXFP4_MMA(
+    kernel = MXFP4_IMMA if VARIANT["kind"] == "int8" else MXFP4_MMA
+    (out,) = kernel(
         backend,
         inputs=[x, wa, sa, wb, sb, inds, params],
         output_shapes=[(pairs, NR)],
