@@ -172,22 +172,16 @@ def compare(table, label, ours, ref, t_ours, t_ref, inputs):
         table.add(label, f"{t_ref / t_ours:.2f}x faster", "", "", f"rel err {err:.1e}")
 
 
-def with_launch(module, gate_up, down, kind=None):
-    """A decode kernel module's ``expert_glu_decode`` at another launch shape (its LAUNCH;
-    None keeps one) and, for ``mxfp4_mma``, another body (``kind``)."""
+def with_launch(module, gate_up, down):
+    """A decode kernel module's ``expert_glu_decode`` at another launch shape (its LAUNCH)."""
 
     def run(*a):
         saved = dict(module.LAUNCH)
-        module.LAUNCH.update({k: v for k, v in (("gate_up", gate_up), ("down", down)) if v})
-        if kind:
-            saved_kind = dict(module.VARIANT)
-            module.VARIANT["kind"] = kind
+        module.LAUNCH.update(gate_up=gate_up, down=down)
         try:
             return module.expert_glu_decode(*a)
         finally:
             module.LAUNCH.update(saved)
-            if kind:
-                module.VARIANT.update(saved_kind)
 
     return run
 
@@ -196,31 +190,26 @@ def with_launch(module, gate_up, down, kind=None):
 # each (row tiles, splits of a row, groups per step, double-buffered loads).
 MMA_SHAPES = [
     ((8, 1, 4, True), (4, 2, 4, True)),
+    ((8, 1, 8, True), (4, 2, 8, True)),
     ((8, 1, 8, False), (4, 2, 8, False)),
-    ((8, 1, 16, True), (8, 1, 16, True)),
     ((4, 1, 8, True), (2, 2, 8, True)),
-    ((8, 1, 8, True), (8, 1, 8, True)),
-    ((8, 1, 4, False), (8, 1, 4, False)),
+    ((8, 1, 16, True), (8, 1, 16, True)),
 ]
 
 
 def decode_variants(sweep: bool) -> dict:
     """The decode kernels at their launch shapes: tensor cores (``mxfp4_mma``, what the
-    dispatcher picks on CUDA; its int8 and fp16 bodies) and the LUT kernels
-    (``mxfp4_decode``, Metal's), plus (``--variants``) other launch shapes of both."""
+    dispatcher picks on CUDA) and the LUT kernels (``mxfp4_decode``, Metal's), plus
+    (``--variants``) other launch shapes of both."""
     from kimi_k3.kernels import mxfp4_decode, mxfp4_mma
 
-    kind = mxfp4_mma.VARIANT["kind"]
-    other = "fp16" if kind == "int8" else "int8"
     out = {
-        f"decode kernel (tensor cores, {kind})": mxfp4_mma.expert_glu_decode,
-        f"decode kernel (tensor cores, {other})": with_launch(mxfp4_mma, None, None, other),
+        "decode kernel (tensor cores)": mxfp4_mma.expert_glu_decode,
         "decode kernel (LUT)": expert_glu_decode,
     }
     if sweep:
-        for k in (kind, other):
-            for gu, dn in MMA_SHAPES:
-                out[f"tensor cores {k}, launch {gu} {dn}"] = with_launch(mxfp4_mma, gu, dn, k)
+        for gu, dn in MMA_SHAPES:
+            out[f"tensor cores, launch {gu} {dn}"] = with_launch(mxfp4_mma, gu, dn)
         for gu, dn in [((2, 8, 96), (4, 8, 128)), ((1, 8, 192), (4, 4, 64))]:
             out[f"LUT, launch {gu} {dn}"] = with_launch(mxfp4_decode, gu, dn)
     return out

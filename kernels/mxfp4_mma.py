@@ -9,19 +9,28 @@ a code costs about two, and the multiply-adds go to the tensor cores:
   11..9 is that code's value times 2^-14 exactly (e = 0 lands on fp16's subnormals, which
   are E2M1's 0 and 0.5). Nibbles j and j + 4 of a 32-bit word sit 16 bits apart, so one
   shift and two masks give a half2 of two codes; the 2^14 goes into the scale.
-* **fp32-exact activations as two fp16 columns.** The activation row (the latent for
+* **fp32-exact activations as fp16 hi and lo.** The activation row (the latent for
   gate/up, ``h`` for down) is scaled by a power of two (largest |x| in [2^14, 2^15)) and
-  split as x = hi + lo, both fp16; hi goes to column 0 of the MMA's B operand and lo to
-  column 1, so one MMA gives both halves of every row's dot product (22 significant bits
-  of x; the products themselves are exact and summed in fp32).
-* **Per-block scales after the MMA.** One 32-code scale group is two m16n8k16 MMAs (the k
-  order inside a group is permuted to match the half2 pairs; B is laid out the same way),
-  so each group's fp32 result is multiplied by its E8M0 scale and added, as in the oracle.
+  split as x = hi + lo, both fp16 (22 significant bits of x; the products themselves are
+  exact and summed in fp32).
+* **Four scale groups side by side.** A block of four 32-code scale groups is eight
+  m16n8k16 MMAs per 16 rows. Lane (g, tq) holds all of group tq of rows g and g + 8 (one
+  128-bit load each), and output columns 2 tq, 2 tq + 1 (hi, lo) collect that group alone:
+  B's column pair c is the activations of group c and zero elsewhere. So after the eight
+  MMAs every lane has its own group's result for its two rows, multiplies it by that
+  group's E8M0 scale and adds it up; a row's four lanes are summed once at the end (two
+  shuffles). The k order inside a group is permuted to match the half2 pairs; B is laid
+  out the same way.
 
 A warp owns 16 rows of two matrices that share the activations (gate and up rows, or two
 16-row tiles of down) for a range of scale groups; ``RT`` warps take different row tiles,
 ``SK`` warps split the groups of a row (summed through threadgroup memory). Every threadgroup
 stages the activations' B fragments once, in threadgroup memory (128 bytes per group).
+
+An int8 body (m16n8k32 with the codes turned into int8 by byte permutes and the activations
+split into four int8 limbs; commit a61ec75) executed 20% fewer instructions but needed 158
+registers and was not faster at any launch shape on the H200 (docs/benchmarks.md), so it
+was removed.
 
 ``SIMD_MMA`` is PTX's ``mma.sync.m16n8k16`` on CUDA. On Metal it is spelled out with
 simdgroup shuffles (exact fp32 arithmetic, kernels/source.py) so that the emulator checks
@@ -54,7 +63,7 @@ HELPER float kk_e8m0_byte(uint w, int j) {
 """
 )
 
-_FP16_MAIN = """
+BODY = """
   constexpr int G = KD / 32;                                 // scale groups per row
   constexpr int NW = RT * SK;                                // warps
   constexpr int NB = GW / 4;                                 // 4-group blocks per step
@@ -145,18 +154,19 @@ _FP16_MAIN = """
     const uint4 wa0 = q[4 * u], wa8 = q[4 * u + 1], wb0 = q[4 * u + 2], wb8 = q[4 * u + 3]; \\
     _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {                                \\
       const uint4 f = bcol ? frag[((bb) / 4 + u) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u); \\
+      const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);                          \\
       const uint xa0 = pq == 0 ? wa0.x : (pq == 1 ? wa0.y : (pq == 2 ? wa0.z : wa0.w)); \\
       const uint xa8 = pq == 0 ? wa8.x : (pq == 1 ? wa8.y : (pq == 2 ? wa8.z : wa8.w)); \\
       const uint xb0 = pq == 0 ? wb0.x : (pq == 1 ? wb0.y : (pq == 2 ? wb0.z : wb0.w)); \\
       const uint xb8 = pq == 0 ? wb8.x : (pq == 1 ? wb8.y : (pq == 2 ? wb8.z : wb8.w)); \\
       ca0 = SIMD_MMA(ca0, UINT4(kk_e2m1_pair(xa0, 0), kk_e2m1_pair(xa8, 0),           \\
-                                kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), UINT2(f.x, f.y), lane); \\
+                                kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), f0, lane);    \\
       cb0 = SIMD_MMA(cb0, UINT4(kk_e2m1_pair(xb0, 0), kk_e2m1_pair(xb8, 0),           \\
-                                kk_e2m1_pair(xb0, 1), kk_e2m1_pair(xb8, 1)), UINT2(f.x, f.y), lane); \\
+                                kk_e2m1_pair(xb0, 1), kk_e2m1_pair(xb8, 1)), f0, lane);    \\
       ca1 = SIMD_MMA(ca1, UINT4(kk_e2m1_pair(xa0, 2), kk_e2m1_pair(xa8, 2),           \\
-                                kk_e2m1_pair(xa0, 3), kk_e2m1_pair(xa8, 3)), UINT2(f.z, f.w), lane); \\
+                                kk_e2m1_pair(xa0, 3), kk_e2m1_pair(xa8, 3)), f1, lane);    \\
       cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),           \\
-                                kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), UINT2(f.z, f.w), lane); \\
+                                kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), f1, lane);    \\
     }                                                                                  \\
     acc0 += kk_e8m0_byte(sc[4 * u], 0) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));         \\
     acc1 += kk_e8m0_byte(sc[4 * u + 1], 0) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));     \\
@@ -184,163 +194,6 @@ _FP16_MAIN = """
   }
 #undef KK_LOAD
 #undef KK_STEP
-"""
-
-_IMMA_MAIN = """
-  constexpr int G = KD / 32;                                 // scale groups per row
-  constexpr int NW = RT * SK;                                // warps
-  constexpr int NP = GW / 2;                                 // group pairs per step
-  constexpr int GB = ((G + SK - 1) / SK + GW - 1) / GW * GW; // groups per split, whole steps
-  constexpr int WR2 = KD / 16;                               // uint2 of codes per row
-  constexpr int UNITS = GLU ? NR / 16 : NR / 32;             // row units (one warp's rows)
-  SHARED uint4 frag[G * 8];
-  SHARED float red[SK * RT * 32];
-  SHARED float s_max[NW];
-  const uint tid = THREAD_INDEX;
-  const uint lane = LANE;
-  const uint warp = SIMDGROUP;
-  const uint p = GROUP_POS.y;
-
-  // An int8 MMA (k = 32) takes two scale groups side by side: lanes tq = 0, 1 hold words
-  // 0-1 and 2-3 of the first group of rows g and g + 8, lanes 2, 3 those of the second;
-  // output columns 0-3 are the first group's four activation limbs, 4-7 the second's (B is
-  // zero outside a column's group). Codes become twice their value as int8 by byte
-  // permutes: 2 |v| where the sign is clear plus -|v| everywhere, two MMAs into one sum.
-  const uint rt = warp % RT;
-  const uint sk = warp / RT;
-  const uint unit = GROUP_POS.x * RT + rt;
-  const bool active = unit < UNITS;               // the whole warp agrees
-  const uint g = lane / 4;
-  const uint tq = lane % 4;
-  const uint hp = tq / 2;                         // which group of the pair
-  const bool bcol = g / 4 == hp;                  // this lane's B column is in its group
-  const size_t ra = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0) + g;
-  const size_t rb = GLU ? ra : ra + 16;
-  const DEVICE uint2* qa = (const DEVICE uint2*)w_a + ra * WR2 + tq;
-  const DEVICE uint2* qb = (const DEVICE uint2*)w_b + rb * WR2 + tq;
-  const DEVICE uint8_t* ea = s_a + ra * G + hp;
-  const DEVICE uint8_t* eb = s_b + rb * G + hp;
-  const uint b0 = sk * GB;
-  const uint b1 = b0 + GB < G ? b0 + GB : G;
-  const bool work = active && b0 < b1;            // the whole warp agrees
-  // One step: per group pair, the lane's two words of A row g, g+8, B row g, g+8 and scales.
-#define KK_LOAD(q, sc, bb)                                                          \\
-  {                                                                                 \\
-    _Pragma("unroll") for (int u = 0; u < NP; ++u) {                                \\
-      q[4 * u] = qa[2 * (bb) + 4 * u];                                              \\
-      q[4 * u + 1] = qa[8 * WR2 + 2 * (bb) + 4 * u];                                \\
-      q[4 * u + 2] = qb[2 * (bb) + 4 * u];                                          \\
-      q[4 * u + 3] = qb[8 * WR2 + 2 * (bb) + 4 * u];                                \\
-      sc[4 * u] = ea[(bb) + 2 * u];                                                 \\
-      sc[4 * u + 1] = ea[8 * G + (bb) + 2 * u];                                     \\
-      sc[4 * u + 2] = eb[(bb) + 2 * u];                                             \\
-      sc[4 * u + 3] = eb[8 * G + (bb) + 2 * u];                                     \\
-    }                                                                               \\
-  }
-  uint2 qx[4 * NP], qy[4 * NP];
-  uint sx[4 * NP], sy[4 * NP];
-  if (work) KK_LOAD(qx, sx, b0);
-  // The activations times 2^n (largest |x| in [2^29, 2^30)), truncated to integers and
-  // split into four balanced int8 limbs, most significant first: x = sum l_i 2^(24 - 8i).
-  // Fragment (pair, quarter tq', limb) holds, for both words of quarter tq' (first group
-  // for tq' < 2), that limb of the 8 codes of each word, in B's byte order.
-  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;
-  float m = 0.0f;
-  for (uint i = tid; i < KD; i += 32 * NW) m = FMAX(m, FABS(static_cast<float>(xr[i])));
-  m = SIMD_MAX(m);
-  if (lane == 0) s_max[warp] = m;
-  BARRIER();
-  m = s_max[0];
-  for (int w = 1; w < NW; ++w) m = FMAX(m, s_max[w]);
-  int n = 156 - int((AS_UINT(m) >> 23) & 255u);
-  n = n > 125 ? 125 : (n < -100 ? -100 : n);
-  const float up = AS_FLOAT(uint(n + 127) << 23);
-  const float unscale = AS_FLOAT(uint(126 - n) << 23);   // 2^-n, and the codes' factor 2
-  for (uint it = tid; it < G * 4; it += 32 * NW) {        // one word (8 codes) of x
-    const uint grp = it / 4;
-    const uint wd = it % 4;
-    const DEVICE T* src = xr + 32 * grp + 8 * wd;
-    uint lb[4][2];
-    for (int l = 0; l < 4; ++l) lb[l][0] = lb[l][1] = 0u;
-    for (int e = 0; e < 8; ++e) {
-      int v = static_cast<int>(static_cast<float>(src[e]) * up);
-      for (int l = 3; l >= 0; --l) {
-        const int d = ((v + 128) & 255) - 128;
-        v = (v - d) >> 8;
-        lb[l][e / 4] |= uint(d & 255) << (8 * (e % 4));
-      }
-    }
-    const uint q4 = 2 * (grp % 2) + wd / 2;               // the lane quarter that holds it
-    for (int l = 0; l < 4; ++l) {
-      const uint f = (grp / 2) * 16 + q4 * 4 + l;
-      if (wd % 2) {
-        frag[f].z = lb[l][0];
-        frag[f].w = lb[l][1];
-      } else {
-        frag[f].x = lb[l][0];
-        frag[f].y = lb[l][1];
-      }
-    }
-  }
-  BARRIER();
-
-  const uint LP0 = 0x06040200u, LP1 = 0x18100C08u;  // 2 |v| of magnitudes 0-7 (int8)
-  const uint LN0 = 0xFDFEFF00u, LN1 = 0xF4F8FAFCu;  // -|v|
-  float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
-  // A pair's four MMAs per tile (two words per lane, each as 2|v|[sign clear] and -|v|);
-  // then each row's two limbs of its group, combined exactly, times the group's scale.
-#define KK_A(w, mask, lo, hi)                                                          \\
-  UINT4(BYTE_PERM(lo, hi, (w) & (mask)), BYTE_PERM(lo, hi, (w##8) & (mask)),          \\
-        BYTE_PERM(lo, hi, ((w) >> 16) & (mask)), BYTE_PERM(lo, hi, ((w##8) >> 16) & (mask)))
-#define KK_STEP(q, sc, bb)                                                             \\
-  _Pragma("unroll") for (int u = 0; u < NP; ++u) {                                    \\
-    const uint4 f = bcol ? frag[((bb) / 2 + u) * 16 + tq * 4 + g % 4] : UINT4(0u, 0u, 0u, 0u); \\
-    int4 ca = INT4(0, 0, 0, 0), cb = ca;                                               \\
-    _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                   \\
-      const uint2 fb = h ? UINT2(f.z, f.w) : UINT2(f.x, f.y);                          \\
-      const uint xa = h ? q[4 * u].y : q[4 * u].x, xa8 = h ? q[4 * u + 1].y : q[4 * u + 1].x; \\
-      const uint xb = h ? q[4 * u + 2].y : q[4 * u + 2].x, xb8 = h ? q[4 * u + 3].y : q[4 * u + 3].x; \\
-      ca = SIMD_IMMA(ca, KK_A(xa, 0xFFFFFFFFu, LP0, LP1), fb, lane);                    \\
-      cb = SIMD_IMMA(cb, KK_A(xb, 0xFFFFFFFFu, LP0, LP1), fb, lane);                    \\
-      ca = SIMD_IMMA(ca, KK_A(xa, 0x7777u, LN0, LN1), fb, lane);                    \\
-      cb = SIMD_IMMA(cb, KK_A(xb, 0x7777u, LN0, LN1), fb, lane);                    \\
-    }                                                                                  \\
-    acc0 += kk_e8m0_byte(sc[4 * u], 0) * static_cast<float>(ca.x * 256 + ca.y);       \\
-    acc1 += kk_e8m0_byte(sc[4 * u + 1], 0) * static_cast<float>(ca.z * 256 + ca.w);   \\
-    acc2 += kk_e8m0_byte(sc[4 * u + 2], 0) * static_cast<float>(cb.x * 256 + cb.y);   \\
-    acc3 += kk_e8m0_byte(sc[4 * u + 3], 0) * static_cast<float>(cb.z * 256 + cb.w);   \\
-  }
-  if (work && !PP) {
-    for (uint b = b0; b < b1; b += GW) {
-      if (b > b0) KK_LOAD(qx, sx, b);
-      KK_STEP(qx, sx, b);
-    }
-  }
-  if (work && PP) {
-    for (uint b = b0; b < b1; b += 2 * GW) {
-      const bool second = b + GW < b1;            // the whole warp agrees
-      if (second) KK_LOAD(qy, sy, b + GW);
-      KK_STEP(qx, sx, b);
-      if (second) {
-        if (b + 2 * GW < b1) KK_LOAD(qx, sx, b + 2 * GW);
-        KK_STEP(qy, sy, b + GW);
-      }
-    }
-  }
-#undef KK_LOAD
-#undef KK_STEP
-#undef KK_A
-  // Lanes tq = 0, 2 hold limbs 0-1 (worth 2^16 more than limbs 2-3 of lanes 1, 3); a row's
-  // groups and limbs are spread over its four lanes: add them up.
-  const float lw = tq % 2 ? 1.0f : 65536.0f;
-  acc0 *= lw;
-  acc1 *= lw;
-  acc2 *= lw;
-  acc3 *= lw;
-"""
-
-# Both bodies end alike: a row's sums are spread over its four lanes.
-_EPILOGUE = """
   // A row's groups are spread over its four lanes (tq): add them up.
   acc0 += SIMD_SHUFFLE_XOR(acc0, 1);
   acc1 += SIMD_SHUFFLE_XOR(acc1, 1);
@@ -381,9 +234,6 @@ _EPILOGUE = """
   }
 """
 
-BODY = _FP16_MAIN + _EPILOGUE
-IMMA_BODY = _IMMA_MAIN + _EPILOGUE
-
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 # Warps per threadgroup as row tiles (RT) x splits of a row's groups (SK), scale groups per
@@ -405,35 +255,28 @@ def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True):
     ]
 
 
-def _kernel(name, body):
-    return Kernel(
-        name,
-        ["x", "w_a", "s_a", "w_b", "s_b", "inds", "params"],
-        ["out"],
-        body,
-        header=MMA_HEADER,
-        instances=[
-            Instance(
-                [dt, U32, U8, U32, U8, I32, F32],
-                [F32],
-                template(dt, K3["D"], K3["I"], 16, True, *LAUNCH["gate_up"]),
-            )
-            for dt in (mx.bfloat16, mx.float16, mx.float32)
-        ]
-        + [
-            Instance(
-                [F32, U32, U8, U32, U8, I32, F32],
-                [F32],
-                template(F32, K3["I"], K3["D"], 16, False, *LAUNCH["down"]),
-            )
-        ],
-    )
-
-
-MXFP4_MMA = _kernel("mxfp4_mma", BODY)
-MXFP4_IMMA = _kernel("mxfp4_imma", IMMA_BODY)
-# Which of the two bodies expert_glu_decode runs: "int8" (MXFP4_IMMA) or "fp16" (MXFP4_MMA).
-VARIANT = {"kind": "fp16"}
+MXFP4_MMA = Kernel(
+    "mxfp4_mma",
+    ["x", "w_a", "s_a", "w_b", "s_b", "inds", "params"],
+    ["out"],
+    BODY,
+    header=MMA_HEADER,
+    instances=[
+        Instance(
+            [dt, U32, U8, U32, U8, I32, F32],
+            [F32],
+            template(dt, K3["D"], K3["I"], 16, True, *LAUNCH["gate_up"]),
+        )
+        for dt in (mx.bfloat16, mx.float16, mx.float32)
+    ]
+    + [
+        Instance(
+            [F32, U32, U8, U32, U8, I32, F32],
+            [F32],
+            template(F32, K3["I"], K3["D"], 16, False, *LAUNCH["down"]),
+        )
+    ],
+)
 
 
 def _launch(backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, pairs):
@@ -441,8 +284,7 @@ def _launch(backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, pairs):
     if (KD // 32) % gw:
         gw = 4  # whole steps only; eligible() guarantees multiples of 4 groups
     units = NR // 16 if glu else NR // 32
-    kernel = MXFP4_IMMA if VARIANT["kind"] == "int8" else MXFP4_MMA
-    (out,) = kernel(
+    (out,) = MXFP4_MMA(
         backend,
         inputs=[x, wa, sa, wb, sb, inds, params],
         output_shapes=[(pairs, NR)],

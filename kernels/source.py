@@ -74,10 +74,6 @@ CALLS = {
     "PACK_HALF2": ("kk_pack_half2", "kk_pack_half2"),
     "ROUND_HALF": ("kk_round_half", "kk_round_half"),
     "SIMD_MMA": ("kk_mma", "kk_mma"),
-    # int8 tensor-core product and byte permute (helpers in the preludes below)
-    "SIMD_IMMA": ("kk_imma", "kk_imma"),
-    "BYTE_PERM": ("kk_prmt", "kk_prmt"),
-    "INT4": ("int4", "make_int4"),
 }
 
 # Barrier words take no arguments in the dialect; Metal needs the memory flags.
@@ -125,22 +121,6 @@ __device__ inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
   return c;
 }
-// c + A B for one warp: A 16x32 int8 (4 regs of 4), B 32x8 int8 (2 regs), C 16x8 int32, in
-// PTX's m16n8k32 fragment layout (SIMD_IMMA in kernels/README.md).
-__device__ inline int4 kk_imma(int4 c, uint4 a, uint2 b, uint lane) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+r"(c.x), "+r"(c.y), "+r"(c.z), "+r"(c.w)
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
-  return c;
-}
-// PTX prmt.b32 (default mode): output byte n is byte (s >> 4n) & 7 of {a, b}, or that byte's
-// sign bit replicated where bit 3 of the selector nibble is set.
-__device__ inline uint kk_prmt(uint a, uint b, uint s) {
-  uint d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
-  return d;
-}
 """
 
 # The same helpers for Metal. SIMD_MMA here is the product spelled out with simdgroup
@@ -171,42 +151,6 @@ inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
     c.w += a1.x * b10.x + a1.y * b10.y + a3.x * b11.x + a3.y * b11.y;
   }
   return c;
-}
-inline int kk_dot4_s8(uint a, uint b) {
-  int s = 0;
-  for (uint i = 0; i < 4; ++i) {
-    const int x = int((a >> (8 * i)) & 255u), y = int((b >> (8 * i)) & 255u);
-    s += (x < 128 ? x : x - 256) * (y < 128 ? y : y - 256);
-  }
-  return s;
-}
-inline int4 kk_imma(int4 c, uint4 a, uint2 b, uint lane) {
-  const uint g = lane / 4, t = lane % 4;
-  for (uint s = 0; s < 4; ++s) {
-    const ushort la = ushort(4 * g + s);             // rows g, g+8 at k = 4s.., 4s+16..
-    const ushort l0 = ushort(8 * t + s);             // column 2t at k = 4s.., 4s+16..
-    const ushort l1 = ushort(8 * t + 4 + s);         // column 2t+1
-    const uint a0 = metal::simd_shuffle(a.x, la), a1 = metal::simd_shuffle(a.y, la);
-    const uint a2 = metal::simd_shuffle(a.z, la), a3 = metal::simd_shuffle(a.w, la);
-    const uint b00 = metal::simd_shuffle(b.x, l0), b01 = metal::simd_shuffle(b.y, l0);
-    const uint b10 = metal::simd_shuffle(b.x, l1), b11 = metal::simd_shuffle(b.y, l1);
-    c.x += kk_dot4_s8(a0, b00) + kk_dot4_s8(a2, b01);
-    c.y += kk_dot4_s8(a0, b10) + kk_dot4_s8(a2, b11);
-    c.z += kk_dot4_s8(a1, b00) + kk_dot4_s8(a3, b01);
-    c.w += kk_dot4_s8(a1, b10) + kk_dot4_s8(a3, b11);
-  }
-  return c;
-}
-inline uint kk_prmt(uint a, uint b, uint s) {
-  uint r = 0u;
-  for (uint n = 0; n < 4; ++n) {
-    const uint sel = (s >> (4 * n)) & 15u;
-    const uint src = sel & 7u;
-    uint byte = (src < 4u ? a >> (8u * src) : b >> (8u * (src - 4u))) & 255u;
-    if (sel & 8u) byte = (byte & 128u) ? 255u : 0u;
-    r |= byte << (8u * n);
-  }
-  return r;
 }
 """
 
