@@ -54,12 +54,8 @@ HELPER uint kk_e2m1_pair(uint w, int j) {
   const uint x = w >> (4 * j);
   return ((x & 0x00070007u) << 9) | ((x & 0x00080008u) << 12);
 }
-// Byte j of a word of four E8M0 scales as a float: its bits in the exponent field, and
-// 2^-127 (the one subnormal) for a zero byte, as the max of the two bit patterns.
-HELPER float kk_e8m0_byte(uint w, int j) {
-  const uint e = (j < 3 ? w << (23 - 8 * j) : w >> 1) & 0x7F800000u;
-  return AS_FLOAT(e > 0x00400000u ? e : 0x00400000u);
-}
+// Word i (0-3) of a uint4 (i a compile-time constant in the unrolled loops).
+HELPER uint kk_word(uint4 v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w)); }
 """
 )
 
@@ -155,10 +151,8 @@ BODY = """
     _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {                                \\
       const uint4 f = bcol ? frag[((bb) / 4 + u) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u); \\
       const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);                          \\
-      const uint xa0 = pq == 0 ? wa0.x : (pq == 1 ? wa0.y : (pq == 2 ? wa0.z : wa0.w)); \\
-      const uint xa8 = pq == 0 ? wa8.x : (pq == 1 ? wa8.y : (pq == 2 ? wa8.z : wa8.w)); \\
-      const uint xb0 = pq == 0 ? wb0.x : (pq == 1 ? wb0.y : (pq == 2 ? wb0.z : wb0.w)); \\
-      const uint xb8 = pq == 0 ? wb8.x : (pq == 1 ? wb8.y : (pq == 2 ? wb8.z : wb8.w)); \\
+      const uint xa0 = kk_word(wa0, pq), xa8 = kk_word(wa8, pq);                       \\
+      const uint xb0 = kk_word(wb0, pq), xb8 = kk_word(wb8, pq);                       \\
       ca0 = SIMD_MMA(ca0, UINT4(kk_e2m1_pair(xa0, 0), kk_e2m1_pair(xa8, 0),           \\
                                 kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), f0, lane);    \\
       cb0 = SIMD_MMA(cb0, UINT4(kk_e2m1_pair(xb0, 0), kk_e2m1_pair(xb8, 0),           \\
@@ -168,10 +162,10 @@ BODY = """
       cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),           \\
                                 kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), f1, lane);    \\
     }                                                                                  \\
-    acc0 += kk_e8m0_byte(sc[4 * u], 0) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));         \\
-    acc1 += kk_e8m0_byte(sc[4 * u + 1], 0) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));     \\
-    acc2 += kk_e8m0_byte(sc[4 * u + 2], 0) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));     \\
-    acc3 += kk_e8m0_byte(sc[4 * u + 3], 0) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));     \\
+    acc0 += kk_e8m0_bits(sc[4 * u]) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));             \\
+    acc1 += kk_e8m0_bits(sc[4 * u + 1]) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));     \\
+    acc2 += kk_e8m0_bits(sc[4 * u + 2]) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));     \\
+    acc3 += kk_e8m0_bits(sc[4 * u + 3]) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));     \\
   }
   // PP: two register buffers take turns, a step's loads go out before the previous one's
   // math. Without it each step loads then computes (fewer registers, more warps resident).
