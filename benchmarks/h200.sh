@@ -46,6 +46,7 @@ for step in "$@"; do
     bench_kda_final) run bench_kda 320 python3 -m benchmarks.bench_kda --skip-slow --repeats 10 --out "$OUT/bench_kda.md" ;;
     bench_kda) run bench_kda 300 python3 -m benchmarks.bench_kda --out "$OUT/bench_kda.md" ;;
     bench_mxfp4) run bench_mxfp4 300 python3 -m benchmarks.bench_mxfp4 --out "$OUT/bench_mxfp4.md" ;;
+    bench_mxfp4_decode) run bench_mxfp4_decode 200 python3 -m benchmarks.bench_mxfp4 --skip-prefill --out "$OUT/bench_mxfp4_decode.md" ;;
     bench_e2e) run bench_e2e 400 python3 benchmarks/bench_e2e.py --preset k3-layers --set vocab_size=32768 --set intermediate_size=4096 --prompt-tokens 512 --decode-tokens 16 --dtypes bfloat16 --expert-cache-gb 0.6 --out "$OUT/bench_e2e_h200.md" ;;
     bench_e2e_cpu) run bench_e2e_cpu 300 python3 benchmarks/bench_e2e.py --preset small --device cpu --repeats 3 --out "$OUT/bench_e2e_cpu.md" ;;
     bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --quick --out "$OUT/bench_streaming_h200.md" ;;
@@ -56,6 +57,7 @@ for step in "$@"; do
     profile_mma2) run profile_mma2 300 ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis -k "regex:mxfp4_mma" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma ;;
     kda_decode_diag) run kda_decode_diag 200 python3 -m benchmarks.kda_decode_diag ;;
     bench_mxfp4_variants) run bench_mxfp4_variants 300 python3 -m benchmarks.bench_mxfp4 --variants --skip-prefill --decode-tokens 1 4 --out "$OUT/bench_mxfp4_variants.md" ;;
+    mxfp4_sweep) run mxfp4_sweep 300 python3 -m benchmarks.mxfp4_sweep --probe ;;
     mxfp4_diag) run mxfp4_diag 120 python3 -m benchmarks.mxfp4_diag ;;
     *) echo "unknown step $step" | tee -a "$log" ;;
   esac

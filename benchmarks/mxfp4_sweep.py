@@ -1,0 +1,271 @@
+"""Where the tensor-core MXFP4 decode kernels lose time: each projection timed alone.
+
+For the gate/up and the down launch of ``mxfp4_mma`` at K3 size (16 experts of 64, one
+token), this times every launch shape given (with the relative difference of its result to
+the first shape's), and with ``--probe`` the same grid with the math taken out:
+
+- ``probe``: the kernel's own loads, addresses, staging and occupancy, the MMAs and decoding
+  replaced by an XOR of the loaded words;
+- ``probe, no staging``: the same without the activation staging and its barriers;
+- ``stream``: each warp's code bytes read as 16 rows x GW groups at a time (GW = 0: whole
+  rows), lane l taking 16-byte words l, l + 32, ... of that order (the scales not read).
+
+Beside them: a device copy, and ptxas's register count per shape (nvcc -Xptxas -v, sm_90,
+when nvcc is on PATH). GB/s are over the weight bytes, scales included.
+
+    python3 -m benchmarks.mxfp4_sweep                     # on the H200
+    python3 -m benchmarks.mxfp4_sweep --probe --shapes 8,1,8,1 8,1,8,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_batch
+from kimi_k3.kernels import mxfp4_mma
+from kimi_k3.kernels.source import Instance, Kernel, constant, cuda_translation_unit
+
+DEFAULT_SHAPES = [
+    "4,1,8,1",
+    "4,2,8,1",
+    "2,2,8,1",
+    "8,1,8,0",
+    "8,1,16,0",
+    "4,1,8,0",
+    "4,2,8,0",
+]
+
+PROBE_STEP = r"""#define KK_BLOCK(q, bb, u)                                              \
+  {                                                                                   \
+    const uint4 v0 = q[4 * (u)], v1 = q[4 * (u) + 1];                                 \
+    const uint4 v2 = q[4 * (u) + 2], v3 = q[4 * (u) + 3];                             \
+    const uint x = v0.x ^ v0.y ^ v0.z ^ v0.w ^ v1.x ^ v1.y ^ v1.z ^ v1.w ^ v2.x ^ v2.y \
+        ^ v2.z ^ v2.w ^ v3.x ^ v3.y ^ v3.z ^ v3.w                                     \
+        ^ s_sc[(rt * 32 + g) * (G / 4) + (bb) / 4 + (u)];                             \
+    acc0 += AS_FLOAT(x & 0x3f7fffffu);                                                \
+  }
+"""
+
+
+def probe_kernel() -> Kernel:
+    """``mxfp4_mma`` with its step's math replaced by an XOR of the step's words."""
+    body = mxfp4_mma.BODY
+    start = body.index("#define KK_BLOCK(q, bb, u)")
+    end = body.index("  // Without XC: one register buffer")
+    body = body[:start] + PROBE_STEP + body[end:]
+    return Kernel(
+        "mxfp4_probe",
+        mxfp4_mma.MXFP4_MMA.input_names,
+        mxfp4_mma.MXFP4_MMA.output_names,
+        body,
+        header=mxfp4_mma.MMA_HEADER,
+    )
+
+
+def runs_as(kernel: Kernel, shape, KD: int) -> tuple:
+    """The launch shape as ``mxfp4_mma`` runs it (the stream probe takes GW as it is)."""
+    return (
+        shape if kernel.name == "mxfp4_probe_stream" else mxfp4_mma.launch_shape(shape, KD, "cuda")
+    )
+
+
+def registers(kernel: Kernel, dtype, KD, NR, k, glu, shape) -> str:
+    """ptxas's register count for one instance (nvcc -Xptxas -v, sm_90), or '?'."""
+    x_dt = dtype if glu else mx.float32
+    inst = Instance(
+        [x_dt, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.int32, mx.float32],
+        [mx.float32],
+        mxfp4_mma.template(x_dt, KD, NR, k, glu, *runs_as(kernel, shape, KD)),
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = Path(tmp) / "k.cu"
+        cu.write_text(cuda_translation_unit(kernel, [inst]))
+        cmd = [
+            "nvcc",
+            "-arch=sm_90",
+            "-std=c++17",
+            "-O3",
+            "-Xptxas",
+            "-v",
+            "--cubin",
+            str(cu),
+            "-o",
+            str(cu.with_suffix(".cubin")),
+        ]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired):
+            return "?"
+        m = re.search(r"Used (\d+) registers", res.stderr)
+        spill = re.search(r"(\d+) bytes spill stores", res.stderr)
+        if not m:
+            return "?"
+        spilled = spill and spill.group(1) != "0"
+        return m.group(1) + (f" (spill {spill.group(1)})" if spilled else "")
+
+
+def nostage_kernel() -> Kernel:
+    """The probe without the activation staging and its barriers (warps start at once)."""
+    body = probe_kernel().body
+    start = body.index("  const DEVICE T* xr")
+    end = body.index("  float acc0")
+    body = body[:start] + "  const float unscale = 1.0f;\n" + body[end:]
+    return Kernel(
+        "mxfp4_probe_nostage",
+        mxfp4_mma.MXFP4_MMA.input_names,
+        mxfp4_mma.MXFP4_MMA.output_names,
+        body,
+        header=mxfp4_mma.MMA_HEADER,
+    )
+
+
+# The same bytes per warp (its 16 rows of both matrices, or 32 rows of one), without the math,
+# visited GW groups (16 bytes each) of every row at a time (GW = 0: whole rows, one
+# contiguous stream), lane l taking 16-byte words l, l + 32, ... of the visit order, eight
+# loads in flight per matrix: what the memory system gives each visit size.
+STREAM_BODY = """
+  constexpr int G = KD / 32;
+  constexpr int GV = GW ? GW : G;                 // groups per row visit
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint p = GROUP_POS.y;
+  const uint unit = GROUP_POS.x * RT + warp % RT;
+  constexpr int UNITS = GLU ? NR / 16 : NR / 32;
+  if (unit >= UNITS) return;
+  const size_t r0 = (size_t)inds[p] * NR + (GLU ? 16 : 32) * unit;
+  const DEVICE uint4* qa = (const DEVICE uint4*)w_a + r0 * G;
+  const DEVICE uint4* qb = (const DEVICE uint4*)w_b + (GLU ? r0 : r0 + 16) * G;
+  uint acc = 0;
+  for (int i = lane; i < 16 * G; i += 32 * 8) {
+    uint4 a[8], b[8];
+    _Pragma("unroll") for (int j = 0; j < 8; ++j) {
+      const int e = i + 32 * j < 16 * G ? i + 32 * j : i;
+      const int s = e / (16 * GV), r = e % (16 * GV);
+      const int at = (r / GV) * G + s * GV + r % GV;
+      a[j] = qa[at];
+      b[j] = qb[at];
+    }
+    _Pragma("unroll") for (int j = 0; j < 8; ++j) acc ^= a[j].x ^ a[j].y ^ a[j].z ^ a[j].w
+        ^ b[j].x ^ b[j].y ^ b[j].z ^ b[j].w;
+  }
+  out[(size_t)p * NR + (GLU ? 16 : 32) * unit + lane % 16] = AS_FLOAT(acc & 0x3f7fffffu);
+"""
+
+
+def stream_kernel() -> Kernel:
+    return Kernel(
+        "mxfp4_probe_stream",
+        mxfp4_mma.MXFP4_MMA.input_names,
+        mxfp4_mma.MXFP4_MMA.output_names,
+        STREAM_BODY,
+        header=mxfp4_mma.MMA_HEADER,
+    )
+
+
+def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
+    rt, sk, gw, xc = runs_as(kernel, shape, KD)
+    units = NR // 16 if glu else NR // 32
+    (out,) = kernel(
+        "cuda",
+        inputs=[x, wa, sa, wb, sb, inds, params],
+        output_shapes=[(inds.size, NR)],
+        output_dtypes=[mx.float32],
+        grid=(32 * rt * sk * -(-units // rt), inds.size, 1),
+        threadgroup=(32 * rt * sk, 1, 1),
+        template=mxfp4_mma.template(x.dtype, KD, NR, k, glu, rt, sk, gw, xc),
+    )
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="rt,sk,gw,xc each")
+    p.add_argument("--probe", action="store_true", help="also time the load-only probes")
+    p.add_argument("--dim", type=int, default=3584)
+    p.add_argument("--hidden", type=int, default=3072)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=16)
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+
+    D, I, k = args.dim, args.hidden, args.topk
+    w = random_experts(args.experts, D, I, 0)
+    rng = np.random.default_rng(0)
+    sets = []
+    for _ in range(args.calls):
+        inds, wts = routing(1, args.experts, k, rng)
+        z = mx.random.normal((1, D)).astype(mx.bfloat16)
+        h = mx.random.normal((k, I)).astype(mx.float32)
+        sets.append((z, h, inds.reshape(-1).astype(mx.int32), wts.reshape(-1)))
+    mx.eval(sets)
+    gu_bytes = k * 2 * (I * D // 2 + I * D // 32)
+    dn_bytes = k * (I * D // 2 + I * D // 32)
+    print(f"device copy: {copy_gbps(1 << 31, args.repeats):.0f} GB/s (read + write)")
+    kernels = {"mma": mxfp4_mma.MXFP4_MMA}
+    if args.probe:
+        kernels["probe"] = probe_kernel()
+        kernels["probe, no staging"] = nostage_kernel()
+        kernels["stream"] = stream_kernel()
+    params_gu = constant((4.0, 25.0))
+    jobs = []
+    for spec in args.shapes:
+        rt, sk, gw, xc = (int(v) for v in spec.split(","))
+        shape = (rt, sk, gw, bool(xc))
+        for name, kern in kernels.items():
+            for proj in ("gate_up", "down"):
+                glu = proj == "gate_up"
+                KD, NR = (D, I) if glu else (I, D)
+                if 32 * shape[0] * shape[1] > 1024:
+                    continue
+                if shape[2] == 0 or (KD // 32) % shape[2]:  # visit sizes: the stream only
+                    if name != "stream" or (shape[2] and (KD // 32) % shape[2]):
+                        continue
+                jobs.append((name, kern, proj, glu, KD, NR, shape))
+    with ThreadPoolExecutor(8) as pool:
+        regs = list(
+            pool.map(lambda j: registers(j[1], mx.bfloat16, j[4], j[5], k, j[3], j[6]), jobs)
+        )
+    print(
+        "| kernel | proj | shape (rt, sk, gw, xc) | registers | threadgroups | us | GB/s | "
+        "rel diff to the first shape |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    first = {}
+    for (name, kern, proj, glu, KD, NR, shape), reg in zip(jobs, regs):
+        units = NR // 16 if glu else NR // 32
+        tgs = -(-units // runs_as(kern, shape, KD)[0]) * k
+
+        def fn(z, h, inds, wts, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
+            if glu:
+                a = (z, *w["w1"], *w["w3"], inds, params_gu)
+            else:
+                a = (h, *w["w2"], *w["w2"], inds, wts)
+            return launch(kern, *a, KD, NR, k, glu, shape)
+
+        row = f"| {name} | {proj} | {runs_as(kern, shape, KD)} | {reg} | {tgs} |"
+        try:
+            t = time_batch(fn, sets, args.repeats)
+        except Exception as e:  # noqa: BLE001 - a shape that cannot launch is a row
+            msg = re.sub(r"\s+", " ", str(e))[:80]
+            print(row, f"failed: {msg} | |", flush=True)
+            continue
+        nbytes = gu_bytes if glu else dn_bytes
+        check = ""
+        if name == "mma":  # against the first shape's result on the same inputs
+            got = np.array(fn(*sets[0]))
+            ref = first.setdefault(proj, got)
+            check = f" {np.linalg.norm(got - ref) / np.linalg.norm(ref):.1e} |"
+        print(row, f"{t * 1e6:.1f} | {nbytes / t / 1e9:.0f} |{check}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
