@@ -187,14 +187,13 @@ def with_launch(module, gate_up, down):
 
 
 # Launch shapes of the tensor-core decode kernels that --variants times: (gate/up, down),
-# each (row tiles, splits of a row, groups per step, coalesced loads exchanged through
-# threadgroup memory or not).
+# each (row tiles, splits of a row, groups per step, double-buffered loads).
 MMA_SHAPES = [
-    ((4, 1, 8, True), (4, 1, 8, True)),
-    ((8, 1, 8, False), (8, 1, 8, False)),
-    ((8, 1, 16, False), (8, 1, 16, False)),
-    ((4, 2, 8, True), (4, 2, 8, True)),
-    ((2, 2, 8, True), (4, 1, 8, True)),
+    ((8, 1, 4, True), (4, 2, 4, True)),
+    ((8, 1, 8, True), (4, 2, 8, True)),
+    ((8, 1, 8, False), (4, 2, 8, False)),
+    ((4, 1, 8, True), (2, 2, 8, True)),
+    ((8, 1, 16, True), (8, 1, 16, True)),
 ]
 
 

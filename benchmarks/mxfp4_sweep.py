@@ -7,6 +7,7 @@ the first shape's), and with ``--probe`` the same grid with the math taken out:
 - ``probe``: the kernel's own loads, addresses, staging and occupancy, the MMAs and decoding
   replaced by an XOR of the loaded words;
 - ``probe, no staging``: the same without the activation staging and its barriers;
+- ``probe, no scales``: the same without the scale-byte loads;
 - ``stream``: each warp's code bytes read as 16 rows x GW groups at a time (GW = 0: whole
   rows), lane l taking 16-byte words l, l + 32, ... of that order (the scales not read).
 
@@ -33,23 +34,14 @@ from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_batc
 from kimi_k3.kernels import mxfp4_mma
 from kimi_k3.kernels.source import Instance, Kernel, constant, cuda_translation_unit
 
-DEFAULT_SHAPES = [
-    "4,1,8,1",
-    "4,2,8,1",
-    "2,2,8,1",
-    "8,1,8,0",
-    "8,1,16,0",
-    "4,1,8,0",
-    "4,2,8,0",
-]
+DEFAULT_SHAPES = ["8,1,8,1", "4,1,8,1", "16,1,8,1", "4,2,8,1", "8,1,8,0", "2,2,8,1"]
 
-PROBE_STEP = r"""#define KK_BLOCK(q, bb, u)                                              \
-  {                                                                                   \
-    const uint4 v0 = q[4 * (u)], v1 = q[4 * (u) + 1];                                 \
-    const uint4 v2 = q[4 * (u) + 2], v3 = q[4 * (u) + 3];                             \
+PROBE_STEP = r"""#define KK_STEP(q, sc, bb)                                              \
+  _Pragma("unroll") for (int u = 0; u < NB; ++u) {                                    \
+    const uint4 v0 = q[4 * u], v1 = q[4 * u + 1], v2 = q[4 * u + 2], v3 = q[4 * u + 3]; \
     const uint x = v0.x ^ v0.y ^ v0.z ^ v0.w ^ v1.x ^ v1.y ^ v1.z ^ v1.w ^ v2.x ^ v2.y \
         ^ v2.z ^ v2.w ^ v3.x ^ v3.y ^ v3.z ^ v3.w                                     \
-        ^ s_sc[(rt * 32 + g) * (G / 4) + (bb) / 4 + (u)];                             \
+        ^ sc[4 * u] ^ sc[4 * u + 1] ^ sc[4 * u + 2] ^ sc[4 * u + 3];                  \
     acc0 += AS_FLOAT(x & 0x3f7fffffu);                                                \
   }
 """
@@ -58,8 +50,8 @@ PROBE_STEP = r"""#define KK_BLOCK(q, bb, u)                                     
 def probe_kernel() -> Kernel:
     """``mxfp4_mma`` with its step's math replaced by an XOR of the step's words."""
     body = mxfp4_mma.BODY
-    start = body.index("#define KK_BLOCK(q, bb, u)")
-    end = body.index("  // Without XC: one register buffer")
+    start = body.index("#define KK_STEP(q, sc, bb)")
+    end = body.index("  // PP: two register buffers")
     body = body[:start] + PROBE_STEP + body[end:]
     return Kernel(
         "mxfp4_probe",
@@ -70,20 +62,13 @@ def probe_kernel() -> Kernel:
     )
 
 
-def runs_as(kernel: Kernel, shape, KD: int) -> tuple:
-    """The launch shape as ``mxfp4_mma`` runs it (the stream probe takes GW as it is)."""
-    return (
-        shape if kernel.name == "mxfp4_probe_stream" else mxfp4_mma.launch_shape(shape, KD, "cuda")
-    )
-
-
 def registers(kernel: Kernel, dtype, KD, NR, k, glu, shape) -> str:
     """ptxas's register count for one instance (nvcc -Xptxas -v, sm_90), or '?'."""
     x_dt = dtype if glu else mx.float32
     inst = Instance(
         [x_dt, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.int32, mx.float32],
         [mx.float32],
-        mxfp4_mma.template(x_dt, KD, NR, k, glu, *runs_as(kernel, shape, KD)),
+        mxfp4_mma.template(x_dt, KD, NR, k, glu, *shape),
     )
     with tempfile.TemporaryDirectory() as tmp:
         cu = Path(tmp) / "k.cu"
@@ -120,6 +105,21 @@ def nostage_kernel() -> Kernel:
     body = body[:start] + "  const float unscale = 1.0f;\n" + body[end:]
     return Kernel(
         "mxfp4_probe_nostage",
+        mxfp4_mma.MXFP4_MMA.input_names,
+        mxfp4_mma.MXFP4_MMA.output_names,
+        body,
+        header=mxfp4_mma.MMA_HEADER,
+    )
+
+
+def noscale_kernel() -> Kernel:
+    """The probe without the scale-byte loads (the code words only)."""
+    body = probe_kernel().body
+    for lhs in ("sc[4 * u]", "sc[4 * u + 1]", "sc[4 * u + 2]", "sc[4 * u + 3]"):
+        i = body.index(lhs + " = e")
+        body = body[:i] + lhs + " = 0u" + body[body.index(";", i) :]
+    return Kernel(
+        "mxfp4_probe_noscale",
         mxfp4_mma.MXFP4_MMA.input_names,
         mxfp4_mma.MXFP4_MMA.output_names,
         body,
@@ -171,7 +171,7 @@ def stream_kernel() -> Kernel:
 
 
 def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
-    rt, sk, gw, xc = runs_as(kernel, shape, KD)
+    rt, sk, gw, pp = shape
     units = NR // 16 if glu else NR // 32
     (out,) = kernel(
         "cuda",
@@ -180,14 +180,14 @@ def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
         output_dtypes=[mx.float32],
         grid=(32 * rt * sk * -(-units // rt), inds.size, 1),
         threadgroup=(32 * rt * sk, 1, 1),
-        template=mxfp4_mma.template(x.dtype, KD, NR, k, glu, rt, sk, gw, xc),
+        template=mxfp4_mma.template(x.dtype, KD, NR, k, glu, rt, sk, gw, pp),
     )
     return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="rt,sk,gw,xc each")
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="rt,sk,gw,pp each")
     p.add_argument("--probe", action="store_true", help="also time the load-only probes")
     p.add_argument("--dim", type=int, default=3584)
     p.add_argument("--hidden", type=int, default=3072)
@@ -214,12 +214,13 @@ def main():
     if args.probe:
         kernels["probe"] = probe_kernel()
         kernels["probe, no staging"] = nostage_kernel()
+        kernels["probe, no scales"] = noscale_kernel()
         kernels["stream"] = stream_kernel()
     params_gu = constant((4.0, 25.0))
     jobs = []
     for spec in args.shapes:
-        rt, sk, gw, xc = (int(v) for v in spec.split(","))
-        shape = (rt, sk, gw, bool(xc))
+        rt, sk, gw, pp = (int(v) for v in spec.split(","))
+        shape = (rt, sk, gw, bool(pp))
         for name, kern in kernels.items():
             for proj in ("gate_up", "down"):
                 glu = proj == "gate_up"
@@ -235,14 +236,14 @@ def main():
             pool.map(lambda j: registers(j[1], mx.bfloat16, j[4], j[5], k, j[3], j[6]), jobs)
         )
     print(
-        "| kernel | proj | shape (rt, sk, gw, xc) | registers | threadgroups | us | GB/s | "
+        "| kernel | proj | shape (rt, sk, gw, pp) | registers | threadgroups | us | GB/s | "
         "rel diff to the first shape |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     first = {}
     for (name, kern, proj, glu, KD, NR, shape), reg in zip(jobs, regs):
         units = NR // 16 if glu else NR // 32
-        tgs = -(-units // runs_as(kern, shape, KD)[0]) * k
+        tgs = -(-units // shape[0]) * k
 
         def fn(z, h, inds, wts, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
             if glu:
@@ -251,7 +252,7 @@ def main():
                 a = (h, *w["w2"], *w["w2"], inds, wts)
             return launch(kern, *a, KD, NR, k, glu, shape)
 
-        row = f"| {name} | {proj} | {runs_as(kern, shape, KD)} | {reg} | {tgs} |"
+        row = f"| {name} | {proj} | {shape} | {reg} | {tgs} |"
         try:
             t = time_batch(fn, sets, args.repeats)
         except Exception as e:  # noqa: BLE001 - a shape that cannot launch is a row

@@ -25,23 +25,7 @@ a code costs about two, and the multiply-adds go to the tensor cores:
 A warp owns 16 rows of two matrices that share the activations (gate and up rows, or two
 16-row tiles of down) for a range of scale groups; ``RT`` warps take different row tiles,
 ``SK`` warps split the groups of a row (summed through threadgroup memory). Every threadgroup
-stages the activations' B fragments once, in threadgroup memory (128 bytes per group), and
-each row tile's E8M0 bytes (its 16 A rows and 16 B rows are each contiguous in memory, so
-they are read coalesced, 4 bytes per lane); the main loop then loads code words only.
-
-Two load schedules (``XC``), both keeping a step's loads in flight during the previous
-step's math:
-
-* without XC, lane (g, tq) loads its own fragment words (a warp load is 8 rows x 64
-  bytes) into one register buffer, each block reloaded for the next step as soon as its
-  MMAs have read it;
-* with XC (steps of 8 groups), instruction i and lane l load tile row 4 i + l / 8, group
-  l % 8 of the step (4 rows x 128 contiguous bytes), and a per-warp exchange in threadgroup
-  memory (4 KB, swizzled so that neither the stores nor the fragment reads conflict) turns
-  that into the fragment order. A load-only probe of the same grid (benchmarks/mxfp4_sweep)
-  went from about 2.6 to 3.0 TB/s with the scales staged and the loads coalesced; the
-  kernel itself did not get faster, because its decoding and MMAs, not its loads, are what
-  it waits on (docs/benchmarks.md).
+stages the activations' B fragments once, in threadgroup memory (128 bytes per group).
 
 An int8 body (m16n8k32 with the codes turned into int8 by byte permutes and the activations
 split into four int8 limbs; commit a61ec75) executed 20% fewer instructions but needed 158
@@ -82,8 +66,6 @@ BODY = """
   constexpr int GB = ((G + SK - 1) / SK + GW - 1) / GW * GW; // groups per split, whole steps
   constexpr int UNITS = GLU ? NR / 16 : NR / 32;             // row units (one warp's rows)
   SHARED uint4 frag[G * 8];
-  SHARED uint s_sc[RT * 8 * G];  // row tile rt's E8M0 bytes: A rows 0-15, B rows 0-15, by group
-  SHARED uint4 xch[XC ? NW * 256 : 1];  // XC: each warp's step, 32 rows x 8 groups
   SHARED float red[SK * RT * 32];
   SHARED float s_max[NW];
   const uint tid = THREAD_INDEX;
@@ -106,54 +88,28 @@ BODY = """
   const size_t rb = GLU ? ra : ra + 16;
   const DEVICE uint4* qa = (const DEVICE uint4*)w_a + ra * G + tq;
   const DEVICE uint4* qb = (const DEVICE uint4*)w_b + rb * G + tq;
+  const DEVICE uint8_t* ea = s_a + ra * G + tq;
+  const DEVICE uint8_t* eb = s_b + rb * G + tq;
   const uint b0 = sk * GB;
   const uint b1 = b0 + GB < G ? b0 + GB : G;
   const bool work = active && b0 < b1;            // the whole warp agrees
-  // One block of a step: the lane's group of A rows g, g+8 and B rows g, g+8.
-#define KK_LOAD_BLOCK(q, bb, u)                                                     \\
+  // One step: per block, the lane's group of A row g, g+8, B row g, g+8 and their scales.
+#define KK_LOAD(q, sc, bb)                                                          \\
   {                                                                                 \\
-    q[4 * (u)] = qa[(bb) + 4 * (u)];                                                \\
-    q[4 * (u) + 1] = qa[8 * G + (bb) + 4 * (u)];                                    \\
-    q[4 * (u) + 2] = qb[(bb) + 4 * (u)];                                            \\
-    q[4 * (u) + 3] = qb[8 * G + (bb) + 4 * (u)];                                    \\
+    _Pragma("unroll") for (int u = 0; u < NB; ++u) {                                \\
+      q[4 * u] = qa[(bb) + 4 * u];                                                  \\
+      q[4 * u + 1] = qa[8 * G + (bb) + 4 * u];                                      \\
+      q[4 * u + 2] = qb[(bb) + 4 * u];                                              \\
+      q[4 * u + 3] = qb[8 * G + (bb) + 4 * u];                                      \\
+      sc[4 * u] = ea[(bb) + 4 * u];                                                 \\
+      sc[4 * u + 1] = ea[8 * G + (bb) + 4 * u];                                     \\
+      sc[4 * u + 2] = eb[(bb) + 4 * u];                                             \\
+      sc[4 * u + 3] = eb[8 * G + (bb) + 4 * u];                                     \\
+    }                                                                               \\
   }
-#define KK_LOAD(q, bb) \\
-  _Pragma("unroll") for (int u = 0; u < NB; ++u) KK_LOAD_BLOCK(q, bb, u)
-  uint4 qx[4 * NB];
-  if (work && !XC) KK_LOAD(qx, b0);
-  // XC loads a step coalesced instead: instruction i, lane l reads tile row 4 i + l / 8
-  // (A rows 0-15, then B rows 0-15), group l % 8 of the step, so a warp's load is 4 rows x
-  // 128 contiguous bytes (the fragment order above is 8 rows x 64). Threadgroup memory
-  // turns it into the fragment order: slot (group ^ 4 (row & 1)) of the row, which keeps
-  // both the stores and the fragment reads free of bank conflicts.
-  const uint cr = lane / 8;
-  const uint cg = lane % 8;
-  const size_t c0 = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0);
-  const DEVICE uint4* ca = (const DEVICE uint4*)w_a + (c0 + cr) * G + cg;
-  const DEVICE uint4* cb = (const DEVICE uint4*)w_b + ((GLU ? c0 : c0 + 16) + cr) * G + cg;
-#define KK_CLOAD(c, bb)                                                              \\
-  _Pragma("unroll") for (int i = 0; i < 8; ++i) c[i] = (i < 4 ? ca : cb)[4 * (i % 4) * G + (bb)];
-  uint4 cq[XC ? 8 : 1];
-  if (work && XC) KK_CLOAD(cq, b0);
-  // The scale bytes of the warp's row tile, read once, four per 32-bit word (G is a multiple
-  // of 4), so the main loop loads code words only. A tile's 16 A rows are contiguous in
-  // memory, and so are its 16 B rows: 4 G words each, read coalesced by the tile's SK warps
-  // (word (j SK + sk) 32 + lane), stored after the activations' maximum is known.
-  // s_sc[rt][r][w]: row r of the tile (A 0-15, B 16-31), groups 4w..4w+3.
-  constexpr int SW = (8 * G + 32 * SK - 1) / (32 * SK);     // staged words per lane
-  uint tw[SW];
-  {
-    const size_t a0 = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0);
-    const DEVICE uint* sa4 = (const DEVICE uint*)(s_a + a0 * G);
-    const DEVICE uint* sb4 = (const DEVICE uint*)(s_b + (GLU ? a0 : a0 + 16) * G);
-    _Pragma("unroll") for (int j = 0; j < SW; ++j) {
-      const uint wd = (j * SK + sk) * 32 + lane;
-      tw[j] = active && wd < 8 * G ? (wd < 4 * G ? sa4[wd] : sb4[wd - 4 * G]) : 0u;
-    }
-  }
-  // The scale byte of group (bb) + 4 u + tq of tile row r (A: 0 / 8, B: 16 / 24) + g.
-#define KK_SCALE(r, bb, u) \\
-  kk_e8m0_bits((s_sc[(rt * 32 + (r) + g) * (G / 4) + (bb) / 4 + (u)] >> (8 * tq)) & 255u)
+  uint4 qx[4 * NB], qy[4 * NB];
+  uint sx[4 * NB], sy[4 * NB];
+  if (work) KK_LOAD(qx, sx, b0);
   // The activations times 2^n (largest |x| in [2^14, 2^15)) as fp16 hi and lo = x - hi;
   // 2^(14 - n) undoes both scalings. Fragment (block, p, column) holds codes 8p..8p+7 of the
   // column's group (block * 4 + column / 2), hi for even columns, lo for odd.
@@ -182,23 +138,18 @@ BODY = """
     frag[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
                      PACK_HALF2(v[3], v[7]));
   }
-  _Pragma("unroll") for (int j = 0; j < SW; ++j) {
-    const uint wd = (j * SK + sk) * 32 + lane;
-    if (wd < 8 * G) s_sc[rt * 8 * G + wd] = tw[j];
-  }
   BARRIER();
 
   float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
   // A block's eight MMAs per tile: word pq of the lane's group gives the k-pairs (codes
   // j, j + 4) j = 0, 1 of one MMA and j = 2, 3 of the next; then each row's result (its
   // group's hi and lo columns) times the group's scale.
-#define KK_BLOCK(q, bb, u)                                                             \\
-  {                                                                                    \\
+#define KK_STEP(q, sc, bb)                                                             \\
+  _Pragma("unroll") for (int u = 0; u < NB; ++u) {                                    \\
     float4 ca0 = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), ca1 = ca0, cb0 = ca0, cb1 = ca0;      \\
-    const uint4 wa0 = q[4 * (u)], wa8 = q[4 * (u) + 1];                                \\
-    const uint4 wb0 = q[4 * (u) + 2], wb8 = q[4 * (u) + 3];                            \\
+    const uint4 wa0 = q[4 * u], wa8 = q[4 * u + 1], wb0 = q[4 * u + 2], wb8 = q[4 * u + 3]; \\
     _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {                                \\
-      const uint4 f = bcol ? frag[((bb) / 4 + (u)) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u); \\
+      const uint4 f = bcol ? frag[((bb) / 4 + u) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u); \\
       const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);                          \\
       const uint xa0 = kk_word(wa0, pq), xa8 = kk_word(wa8, pq);                       \\
       const uint xb0 = kk_word(wb0, pq), xb8 = kk_word(wb8, pq);                       \\
@@ -211,47 +162,32 @@ BODY = """
       cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),           \\
                                 kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), f1, lane);    \\
     }                                                                                  \\
-    acc0 += KK_SCALE(0, bb, u) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));                  \\
-    acc1 += KK_SCALE(8, bb, u) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));                  \\
-    acc2 += KK_SCALE(16, bb, u) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));                 \\
-    acc3 += KK_SCALE(24, bb, u) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));                 \\
+    acc0 += kk_e8m0_bits(sc[4 * u]) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));             \\
+    acc1 += kk_e8m0_bits(sc[4 * u + 1]) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));     \\
+    acc2 += kk_e8m0_bits(sc[4 * u + 2]) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));     \\
+    acc3 += kk_e8m0_bits(sc[4 * u + 3]) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));     \\
   }
-  // Without XC: one register buffer, each block reloaded for the next step as soon as its
-  // MMAs have read it (a step's loads in flight during the math, with one buffer's
-  // registers; two buffers taking turns measured no faster and held 135 registers).
-  if (work && !XC) {
+  // PP: two register buffers take turns, a step's loads go out before the previous one's
+  // math. Without it each step loads then computes (fewer registers, more warps resident).
+  if (work && !PP) {
     for (uint b = b0; b < b1; b += GW) {
-      const bool more = b + GW < b1;              // the whole warp agrees
-      _Pragma("unroll") for (int u = 0; u < NB; ++u) {
-        KK_BLOCK(qx, b, u);
-        if (more) KK_LOAD_BLOCK(qx, b + GW, u);
+      if (b > b0) KK_LOAD(qx, sx, b);
+      KK_STEP(qx, sx, b);
+    }
+  }
+  if (work && PP) {
+    for (uint b = b0; b < b1; b += 2 * GW) {
+      const bool second = b + GW < b1;            // the whole warp agrees
+      if (second) KK_LOAD(qy, sy, b + GW);
+      KK_STEP(qx, sx, b);
+      if (second) {
+        if (b + 2 * GW < b1) KK_LOAD(qx, sx, b + 2 * GW);
+        KK_STEP(qy, sy, b + GW);
       }
     }
   }
-  if (work && XC) {
-    const uint xw = warp * 256;
-    const uint xs = 4 * (g & 1);                  // the fragment rows' swizzle (same parity)
-    for (uint b = b0; b < b1; b += GW) {
-      SIMD_BARRIER();                             // the previous step's reads are done
-      _Pragma("unroll") for (int i = 0; i < 8; ++i) {
-        xch[xw + (4 * i + cr) * 8 + (cg ^ (4 * (cr & 1)))] = cq[i];
-      }
-      SIMD_BARRIER();
-      if (b + GW < b1) KK_CLOAD(cq, b + GW);
-      _Pragma("unroll") for (int u = 0; u < NB; ++u) {
-        const uint sl = (4 * u + tq) ^ xs;
-        qx[4 * u] = xch[xw + g * 8 + sl];
-        qx[4 * u + 1] = xch[xw + (8 + g) * 8 + sl];
-        qx[4 * u + 2] = xch[xw + (16 + g) * 8 + sl];
-        qx[4 * u + 3] = xch[xw + (24 + g) * 8 + sl];
-        KK_BLOCK(qx, b, u);
-      }
-    }
-  }
-#undef KK_LOAD_BLOCK
-#undef KK_CLOAD
-#undef KK_BLOCK
-#undef KK_SCALE
+#undef KK_LOAD
+#undef KK_STEP
   // A row's groups are spread over its four lanes (tq): add them up.
   acc0 += SIMD_SHUFFLE_XOR(acc0, 1);
   acc1 += SIMD_SHUFFLE_XOR(acc1, 1);
@@ -295,12 +231,11 @@ BODY = """
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 # Warps per threadgroup as row tiles (RT) x splits of a row's groups (SK), scale groups per
-# step (GW: 4, 8 or 16), and the load schedule (XC: coalesced loads exchanged through
-# threadgroup memory; otherwise fragment-order loads into one register buffer).
-LAUNCH = {"gate_up": (4, 1, 8, True), "down": (4, 1, 8, True)}
+# step (GW: 4 or 8), and whether a step's loads go out during the previous step (PP).
+LAUNCH = {"gate_up": (8, 1, 8, True), "down": (8, 1, 8, True)}
 
 
-def template(dtype, KD, NR, K, glu, rt, sk, gw, xc):
+def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True):
     return [
         ("T", dtype),
         ("KD", KD),
@@ -310,36 +245,8 @@ def template(dtype, KD, NR, K, glu, rt, sk, gw, xc):
         ("RT", rt),
         ("SK", sk),
         ("GW", gw),
-        ("XC", bool(xc)),
+        ("PP", pp),
     ]
-
-
-# Threadgroup memory per threadgroup: 48 KB of static shared memory on CUDA, 32 KB on Apple
-# GPUs (and in the emulator).
-SHARED_LIMIT = {"cuda": 48 * 1024}
-METAL_SHARED_LIMIT = 32 * 1024
-
-
-def shared_bytes(KD: int, rt: int, sk: int, xc: bool = False) -> int:
-    """The body's threadgroup arrays: B fragments, the row tiles' scales, the split sums, and
-    (XC) the exchange buffers."""
-    G = KD // 32
-    xch = 16 * 256 * rt * sk if xc else 16
-    return 128 * G + 4 * rt * 8 * G + 4 * sk * rt * 32 + 4 * rt * sk + xch
-
-
-def launch_shape(shape, KD: int, backend: str) -> tuple:
-    """``shape`` (RT, SK, GW, XC) as it can run for rows of KD: whole steps of groups, the
-    exchange (XC) only with steps of 8, and row tiles halved until the threadgroup arrays
-    fit the backend's threadgroup memory."""
-    rt, sk, gw, xc = shape
-    if (KD // 32) % gw:
-        gw = 4  # whole steps only; eligible() guarantees multiples of 4 groups
-    xc = bool(xc) and gw == 8  # the coalesced exchange is laid out for steps of 8 groups
-    limit = SHARED_LIMIT.get(backend, METAL_SHARED_LIMIT)
-    while rt > 1 and shared_bytes(KD, rt, sk, xc) > limit:
-        rt //= 2  # fewer row tiles per threadgroup, so their scales fit
-    return rt, sk, gw, xc
 
 
 MXFP4_MMA = Kernel(
@@ -352,9 +259,7 @@ MXFP4_MMA = Kernel(
         Instance(
             [dt, U32, U8, U32, U8, I32, F32],
             [F32],
-            template(
-                dt, K3["D"], K3["I"], 16, True, *launch_shape(LAUNCH["gate_up"], K3["D"], "cuda")
-            ),
+            template(dt, K3["D"], K3["I"], 16, True, *LAUNCH["gate_up"]),
         )
         for dt in (mx.bfloat16, mx.float16, mx.float32)
     ]
@@ -362,16 +267,16 @@ MXFP4_MMA = Kernel(
         Instance(
             [F32, U32, U8, U32, U8, I32, F32],
             [F32],
-            template(
-                F32, K3["I"], K3["D"], 16, False, *launch_shape(LAUNCH["down"], K3["I"], "cuda")
-            ),
+            template(F32, K3["I"], K3["D"], 16, False, *LAUNCH["down"]),
         )
     ],
 )
 
 
 def _launch(backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, pairs):
-    rt, sk, gw, xc = launch_shape(LAUNCH["gate_up" if glu else "down"], KD, backend)
+    rt, sk, gw, pp = LAUNCH["gate_up" if glu else "down"]
+    if (KD // 32) % gw:
+        gw = 4  # whole steps only; eligible() guarantees multiples of 4 groups
     units = NR // 16 if glu else NR // 32
     (out,) = MXFP4_MMA(
         backend,
@@ -380,7 +285,7 @@ def _launch(backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, pairs):
         output_dtypes=[F32],
         grid=(32 * rt * sk * -(-units // rt), pairs, 1),
         threadgroup=(32 * rt * sk, 1, 1),
-        template=template(x.dtype, KD, NR, k, glu, rt, sk, gw, xc),
+        template=template(x.dtype, KD, NR, k, glu, rt, sk, gw, pp),
     )
     return out
 
@@ -401,12 +306,11 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
 
 def eligible(z, w, inds) -> bool:
     """What ``mxfp4_decode.eligible`` accepts, with D and I multiples of 128 (scale bytes read
-    four at a time) and one row tile's fragments and scales within threadgroup memory."""
+    four at a time) and the activations' fragments within threadgroup memory."""
     from . import mxfp4_decode
 
     if not mxfp4_decode.eligible(z, w, inds):
         return False
     D = z.shape[-1]
     I = w["w1"][0].shape[-2]
-    fits = all(shared_bytes(KD, 1, 8) <= METAL_SHARED_LIMIT for KD in (D, I))
-    return D % 128 == 0 and I % 128 == 0 and fits
+    return D % 128 == 0 and I % 128 == 0 and 4 * max(D, I) <= 24 * 1024

@@ -210,22 +210,11 @@ def test_mma_decode_matches_oracle(E, D, I, N, k, dtype):
 
 
 @pytest.mark.parametrize(
-    "launch",
-    [
-        (4, 2, 4, False),
-        (8, 1, 8, False),
-        (2, 4, 8, False),
-        (2, 2, 4, False),
-        (4, 1, 8, True),
-        (2, 2, 8, True),
-        (2, 4, 4, True),
-    ],
+    "launch", [(4, 2, 4, True), (8, 1, 8, True), (8, 1, 4, False), (2, 4, 8, False)]
 )
 def test_mma_decode_launch_shapes(monkeypatch, launch):
     """Every launch shape the benchmark sweeps computes the same thing (warps per row tile
-    and per row, groups per step, fragment-order loads into one register buffer or coalesced
-    loads exchanged through threadgroup memory, which falls back to the former below steps
-    of 8 groups)."""
+    and per row, groups per step, double-buffered loads or not)."""
     monkeypatch.setitem(mxfp4_mma.LAUNCH, "gate_up", launch)
     monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", launch)
     args, want = case(5, 256, 512, 3, 2, "bfloat16")
@@ -250,14 +239,10 @@ def test_mma_decode_handles_large_and_tiny_activations():
 @pytest.mark.parametrize(
     "old, new",
     [
-        ("= tw[j];\n  }\n  BARRIER();", "= tw[j];\n  }"),
+        ("PACK_HALF2(v[3], v[7]));\n  }\n  BARRIER();", "PACK_HALF2(v[3], v[7]));\n  }"),
         ("v[e] -= ROUND_HALF(v[e]);", "v[e] = 0.0f;"),
         ("pq * 8 + g]", "pq * 8 + (g & 6u)]"),
-        ("(bb) / 4 + (u)] >> (8 * tq)", "(u)] >> (8 * tq)"),
-        (
-            "(wd < 4 * G ? sa4[wd] : sb4[wd - 4 * G])",
-            "(wd < 4 * G ? sa4[wd] : sb4[wd - 4 * G + 1])",
-        ),
+        ("sc[4 * u + 1] = ea[8 * G + (bb) + 4 * u];", "sc[4 * u + 1] = ea[8 * G + 4 * u];"),
         ("kk_e2m1_pair(xa0, 3)", "kk_e2m1_pair(xa0, 2)"),
         ("for (int s = 0; s < SK; ++s) total", "for (int s = 1; s < SK; ++s) total"),
         ("const size_t rb = GLU ? ra : ra + 16;", "const size_t rb = GLU ? ra : ra + 8;"),
@@ -269,7 +254,6 @@ def test_mma_decode_handles_large_and_tiny_activations():
         "lo-part-dropped",
         "lo-columns-read-hi",
         "stale-scale",
-        "b-scales-off-by-one",
         "pair-mixed-up",
         "split-dropped",
         "down-second-tile-offset",
@@ -280,38 +264,6 @@ def test_mma_decode_handles_large_and_tiny_activations():
 def test_a_broken_mma_kernel_fails(monkeypatch, old, new):
     monkeypatch.setattr(mxfp4_mma, "MXFP4_MMA", broken(mxfp4_mma.MXFP4_MMA, old, new))
     args, want = case(4, 1280, 1152, 2, 2, "float32")
-    try:
-        got = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
-    except RuntimeError:
-        return
-    err = rel_err(got, want)
-    assert not err < 10 * TOL, err
-
-
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        (
-            "      SIMD_BARRIER();\n      if (b + GW < b1) KK_CLOAD",
-            "      if (b + GW < b1) KK_CLOAD",
-        ),
-        ("(cg ^ (4 * (cr & 1)))", "cg"),
-        ("4 * (i % 4) * G + (bb)]", "4 * (i % 4) * G]"),
-        ("((GLU ? c0 : c0 + 16) + cr)", "((GLU ? c0 : c0 + 8) + cr)"),
-    ],
-    ids=[
-        "exchange-barrier-missing",
-        "exchange-swizzle-mismatch",
-        "exchange-step-ignored",
-        "exchange-down-second-tile-offset",
-    ],
-)
-def test_a_broken_exchange_fails(monkeypatch, old, new):
-    """The coalesced loads (XC): their threadgroup-memory exchange matters."""
-    monkeypatch.setattr(mxfp4_mma, "MXFP4_MMA", broken(mxfp4_mma.MXFP4_MMA, old, new))
-    monkeypatch.setitem(mxfp4_mma.LAUNCH, "gate_up", (4, 1, 8, True))
-    monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", (4, 1, 8, True))
-    args, want = case(5, 256, 512, 3, 2, "float32")
     try:
         got = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
     except RuntimeError:
