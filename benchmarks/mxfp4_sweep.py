@@ -23,16 +23,15 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_batch
+from benchmarks.profile_kernels import ptxas
 from kimi_k3.kernels import mxfp4_mma
-from kimi_k3.kernels.source import Instance, Kernel, constant, cuda_translation_unit
+from kimi_k3.kernels.source import Instance, Kernel, constant
 
 DEFAULT_SHAPES = ["8,1,8,1", "4,1,8,1", "16,1,8,1", "4,2,8,1", "8,1,8,0", "2,2,8,1"]
 
@@ -47,54 +46,36 @@ PROBE_STEP = r"""#define KK_STEP(q, sc, bb)                                     
 """
 
 
+def _variant(name: str, body: str) -> Kernel:
+    """A kernel with ``mxfp4_mma``'s inputs, outputs and header, and another body."""
+    mma = mxfp4_mma.MXFP4_MMA
+    return Kernel(name, mma.input_names, mma.output_names, body, header=mxfp4_mma.MMA_HEADER)
+
+
 def probe_kernel() -> Kernel:
     """``mxfp4_mma`` with its step's math replaced by an XOR of the step's words."""
     body = mxfp4_mma.BODY
     start = body.index("#define KK_STEP(q, sc, bb)")
     end = body.index("  // PP: two register buffers")
-    body = body[:start] + PROBE_STEP + body[end:]
-    return Kernel(
-        "mxfp4_probe",
-        mxfp4_mma.MXFP4_MMA.input_names,
-        mxfp4_mma.MXFP4_MMA.output_names,
-        body,
-        header=mxfp4_mma.MMA_HEADER,
-    )
+    return _variant("mxfp4_probe", body[:start] + PROBE_STEP + body[end:])
 
 
 def registers(kernel: Kernel, dtype, KD, NR, k, glu, shape) -> str:
-    """ptxas's register count for one instance (nvcc -Xptxas -v, sm_90), or '?'."""
+    """ptxas's register count for one instance (sm_90), with its spill stores if any, or '?'."""
     x_dt = dtype if glu else mx.float32
     inst = Instance(
         [x_dt, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.int32, mx.float32],
         [mx.float32],
         mxfp4_mma.template(x_dt, KD, NR, k, glu, *shape),
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        cu = Path(tmp) / "k.cu"
-        cu.write_text(cuda_translation_unit(kernel, [inst]))
-        cmd = [
-            "nvcc",
-            "-arch=sm_90",
-            "-std=c++17",
-            "-O3",
-            "-Xptxas",
-            "-v",
-            "--cubin",
-            str(cu),
-            "-o",
-            str(cu.with_suffix(".cubin")),
-        ]
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired):
-            return "?"
-        m = re.search(r"Used (\d+) registers", res.stderr)
-        spill = re.search(r"(\d+) bytes spill stores", res.stderr)
-        if not m:
-            return "?"
-        spilled = spill and spill.group(1) != "0"
-        return m.group(1) + (f" (spill {spill.group(1)})" if spilled else "")
+    try:
+        _, _, entries = ptxas(kernel, [inst], timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    if not entries or entries[0][1] is None:
+        return "?"
+    _, regs, stack = entries[0]
+    return regs + (f" (spill {stack[1]})" if stack and stack[1] != "0" else "")
 
 
 def nostage_kernel() -> Kernel:
@@ -102,13 +83,8 @@ def nostage_kernel() -> Kernel:
     body = probe_kernel().body
     start = body.index("  const DEVICE T* xr")
     end = body.index("  float acc0")
-    body = body[:start] + "  const float unscale = 1.0f;\n" + body[end:]
-    return Kernel(
-        "mxfp4_probe_nostage",
-        mxfp4_mma.MXFP4_MMA.input_names,
-        mxfp4_mma.MXFP4_MMA.output_names,
-        body,
-        header=mxfp4_mma.MMA_HEADER,
+    return _variant(
+        "mxfp4_probe_nostage", body[:start] + "  const float unscale = 1.0f;\n" + body[end:]
     )
 
 
@@ -118,13 +94,7 @@ def noscale_kernel() -> Kernel:
     for lhs in ("sc[4 * u]", "sc[4 * u + 1]", "sc[4 * u + 2]", "sc[4 * u + 3]"):
         i = body.index(lhs + " = e")
         body = body[:i] + lhs + " = 0u" + body[body.index(";", i) :]
-    return Kernel(
-        "mxfp4_probe_noscale",
-        mxfp4_mma.MXFP4_MMA.input_names,
-        mxfp4_mma.MXFP4_MMA.output_names,
-        body,
-        header=mxfp4_mma.MMA_HEADER,
-    )
+    return _variant("mxfp4_probe_noscale", body)
 
 
 # The same bytes per warp (its 16 rows of both matrices, or 32 rows of one), without the math,
@@ -161,13 +131,7 @@ STREAM_BODY = """
 
 
 def stream_kernel() -> Kernel:
-    return Kernel(
-        "mxfp4_probe_stream",
-        mxfp4_mma.MXFP4_MMA.input_names,
-        mxfp4_mma.MXFP4_MMA.output_names,
-        STREAM_BODY,
-        header=mxfp4_mma.MMA_HEADER,
-    )
+    return _variant("mxfp4_probe_stream", STREAM_BODY)
 
 
 def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
@@ -220,17 +184,16 @@ def main():
     jobs = []
     for spec in args.shapes:
         rt, sk, gw, pp = (int(v) for v in spec.split(","))
-        shape = (rt, sk, gw, bool(pp))
+        if 32 * rt * sk > 1024:
+            continue
         for name, kern in kernels.items():
             for proj in ("gate_up", "down"):
                 glu = proj == "gate_up"
                 KD, NR = (D, I) if glu else (I, D)
-                if 32 * shape[0] * shape[1] > 1024:
+                # whole steps of GW groups; GW = 0 (whole rows) is a stream visit size only
+                if (gw and (KD // 32) % gw) or (gw == 0 and name != "stream"):
                     continue
-                if shape[2] == 0 or (KD // 32) % shape[2]:  # visit sizes: the stream only
-                    if name != "stream" or (shape[2] and (KD // 32) % shape[2]):
-                        continue
-                jobs.append((name, kern, proj, glu, KD, NR, shape))
+                jobs.append((name, kern, proj, glu, KD, NR, (rt, sk, gw, bool(pp))))
     with ThreadPoolExecutor(8) as pool:
         regs = list(
             pool.map(lambda j: registers(j[1], mx.bfloat16, j[4], j[5], k, j[3], j[6]), jobs)

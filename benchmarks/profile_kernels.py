@@ -22,44 +22,45 @@ import mlx.core as mx
 import numpy as np
 
 
-def ptxas_report():
+def ptxas(kernel, instances=None, timeout=None):
+    """``nvcc -Xptxas -v`` (sm_90, -O3, to a cubin) of the kernel's CUDA translation unit.
+    Returns (return code, stderr, [(entry function, registers, (stack, spill stores, spill
+    loads))]); registers and the triple are None where ptxas did not report them."""
     from kimi_k3.kernels import source
-    from tests.test_cuda_compile import KERNELS
 
     with tempfile.TemporaryDirectory() as tmp:
-        for kernel in KERNELS:
-            cu = Path(tmp) / f"{kernel.name}.cu"
-            cu.write_text(source.cuda_translation_unit(kernel))
-            cmd = [
-                "nvcc",
-                "-arch=sm_90",
-                "-std=c++17",
-                "-O3",
-                "-Xptxas",
-                "-v",
-                "--cubin",
-                str(cu),
-                "-o",
-                str(cu.with_suffix(".cubin")),
-            ]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            text = res.stderr
-            for fn, body in re.findall(
-                r"Compiling entry function '([^']+)'.*?\n(.*?)(?=ptxas info    : Compiling|\Z)",
-                text,
-                re.S,
-            ):
-                regs = re.search(r"Used (\d+) registers", body)
-                stack = re.search(
-                    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
-                    body,
-                )
-                print(
-                    f"{fn[:90]:90s} regs {regs.group(1) if regs else '?':>4s} "
-                    f"stack/spill-st/spill-ld {stack.groups() if stack else '?'}"
-                )
-            if res.returncode:
-                print(kernel.name, "FAILED", text[-2000:])
+        cu = Path(tmp) / f"{kernel.name}.cu"
+        cu.write_text(source.cuda_translation_unit(kernel, instances))
+        cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-O3", "-Xptxas", "-v", "--cubin", str(cu)]
+        res = subprocess.run(
+            cmd + ["-o", str(cu.with_suffix(".cubin"))],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    entries = []
+    for fn, body in re.findall(
+        r"Compiling entry function '([^']+)'.*?\n(.*?)(?=ptxas info    : Compiling|\Z)",
+        res.stderr,
+        re.S,
+    ):
+        regs = re.search(r"Used (\d+) registers", body)
+        stack = re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", body
+        )
+        entries.append((fn, regs and regs.group(1), stack and stack.groups()))
+    return res.returncode, res.stderr, entries
+
+
+def ptxas_report():
+    from tests.test_cuda_compile import KERNELS
+
+    for kernel in KERNELS:
+        code, err, entries = ptxas(kernel)
+        for fn, regs, stack in entries:
+            print(f"{fn[:90]:90s} regs {regs or '?':>4s} stack/spill-st/spill-ld {stack or '?'}")
+        if code:
+            print(kernel.name, "FAILED", err[-2000:])
 
 
 def run_kernels(rounds: int, only: str | None = None):

@@ -4,12 +4,12 @@ still in a probe), and, where nvcc is on PATH, compile each probe as MLX's cuda_
 would wrap it at K3's shape."""
 
 import shutil
-import subprocess
 
 import mlx.core as mx
 import pytest
 
 from benchmarks import mxfp4_sweep
+from benchmarks.profile_kernels import ptxas
 from kimi_k3.kernels import mxfp4_mma, source
 
 PROBES = {
@@ -35,7 +35,7 @@ def test_probes_keep_the_loads_and_drop_the_math(name):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("name", PROBES)
-def test_probes_compile_for_cuda(name, tmp_path):
+def test_probes_compile_for_cuda(name):
     kernel = PROBES[name]()
     insts = [
         source.Instance(
@@ -45,8 +45,5 @@ def test_probes_compile_for_cuda(name, tmp_path):
         )
         for dt, KD, NR, glu in ((mx.bfloat16, 3584, 3072, True), (mx.float32, 3072, 3584, False))
     ]
-    cu = tmp_path / f"{kernel.name}.cu"
-    cu.write_text(source.cuda_translation_unit(kernel, insts))
-    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", str(cu), "-o", str(tmp_path / "k.ptx")]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
+    code, err, _ = ptxas(kernel, insts)
+    assert code == 0, err[-3000:]
