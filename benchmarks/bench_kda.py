@@ -30,6 +30,7 @@ from kimi_k3.kda import kda_chunked, kda_mix_reference, l2norm
 from kimi_k3.kernels import kda_decode, kda_prefill, source
 
 H, K, W = 96, 128, 4
+STATE_MMA_SWEEP = (2, 4, 8)  # kda_chunk_state_mma launch shapes timed beside the default
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200 HBM3e)")
     parser.add_argument("--chain", type=int, default=CHAIN, help="layers in the chained decode")
     parser.add_argument("--skip-slow", action="store_true", help="skip comparators over 1 s")
+    parser.add_argument("--no-decode", action="store_true", help="prefill sections only")
+    parser.add_argument(
+        "--cases", nargs="+", help="prefill rows to time: those whose name contains one of these"
+    )
     return parser
 
 
@@ -211,7 +216,23 @@ def fla_run(T: int, bf16: bool = True):
     return run
 
 
-def prefill_cases(backend, T: int, skip_slow: bool):
+def state_pass(backend, kind: str, fn, warps: int | None = None):
+    """``fn`` built with ``kda_prefill.STATE_PASS[backend]`` set to ``kind`` (fma or mma) and,
+    where given, ``kda_prefill.STATE_MMA_WARPS`` to ``warps``."""
+
+    def call():
+        old = kda_prefill.STATE_PASS.get(backend), kda_prefill.STATE_MMA_WARPS
+        kda_prefill.STATE_PASS[backend] = kind
+        kda_prefill.STATE_MMA_WARPS = warps or old[1]
+        try:
+            return fn()
+        finally:
+            kda_prefill.STATE_PASS[backend], kda_prefill.STATE_MMA_WARPS = old
+
+    return call
+
+
+def prefill_cases(backend, T: int, skip_slow: bool, only=None):
     p, x = layer(), mixer_inputs(T)
     r = recurrence_inputs(T)
     mx.eval(p, x)
@@ -219,6 +240,10 @@ def prefill_cases(backend, T: int, skip_slow: bool):
     prep = kda_prefill.chunk_prep(backend, *r[:5])
     o = mx.random.normal((1, T, H, K))
     mx.eval(prep, o)
+
+    def state_only():
+        return kda_prefill.chunk_state(backend, prep, r[5], T)
+
     cases = [
         ("ours: chunk kernels (recurrence)", mlx_run(lambda: kda_prefill.kda_chunk(backend, *r))),
         (
@@ -231,9 +256,25 @@ def prefill_cases(backend, T: int, skip_slow: bool):
         ),
         ("ours, alone: kda_chunk_prep", mlx_run(lambda: kda_prefill.chunk_prep(backend, *r[:5]))),
         (
-            "ours, alone: state pass",
-            mlx_run(lambda: kda_prefill.chunk_state(backend, prep, r[5], T)),
+            f"ours, alone: state pass ({kda_prefill.STATE_PASS.get(backend)})",
+            mlx_run(state_only),
         ),
+        *[
+            (
+                f"ours, alone: state pass ({kind})",
+                mlx_run(state_pass(backend, kind, state_only)),
+            )
+            for kind in ("fma", "mma")
+            if kind != kda_prefill.STATE_PASS.get(backend)
+        ],
+        *[
+            (
+                f"ours, alone: state pass (mma, {w} simdgroups per threadgroup)",
+                mlx_run(state_pass(backend, "mma", state_only, w)),
+            )
+            for w in STATE_MMA_SWEEP
+            if w != kda_prefill.STATE_MMA_WARPS
+        ],
         (
             "ours, alone: kda_post (RMSNorm x gate)",
             mlx_run(lambda: kda_prefill.post(backend, p, o, x[5])),
@@ -242,6 +283,8 @@ def prefill_cases(backend, T: int, skip_slow: bool):
         ("fla chunk_kda (Triton, fp32)", lambda: fla_run(T, bf16=False)),
         ("pure-MLX kda_chunked (recurrence)", mlx_run(lambda: kda_chunked(*r))),
     ]
+    if only:
+        cases = [c for c in cases if any(s in c[0] for s in only)]
     if not skip_slow:
         gamma = mx.exp(r[3].mean(-1))
         state_vk = r[5].swapaxes(-1, -2)
@@ -292,19 +335,24 @@ def main(argv=None):
     if backend is None:
         raise SystemExit("no kernel backend here (needs Metal or CUDA)")
     mx.random.seed(0)
-    sections = [
-        (
-            "decode, 1 token, single call (eval + sync per layer)",
-            measure(decode_cases(backend, args.bandwidth), args.repeats),
-        ),
-        (
-            f"decode, 1 token, chained ({args.chain} layers, one eval; per layer)",
-            measure(chained_decode_cases(backend, args.bandwidth, args.chain), args.repeats),
-        ),
-    ]
+    sections = []
+    if not args.no_decode:
+        sections += [
+            (
+                "decode, 1 token, single call (eval + sync per layer)",
+                measure(decode_cases(backend, args.bandwidth), args.repeats),
+            ),
+            (
+                f"decode, 1 token, chained ({args.chain} layers, one eval; per layer)",
+                measure(chained_decode_cases(backend, args.bandwidth, args.chain), args.repeats),
+            ),
+        ]
     for T in args.lengths:
         sections.append(
-            (f"prefill T={T}", measure(prefill_cases(backend, T, args.skip_slow), args.repeats))
+            (
+                f"prefill T={T}",
+                measure(prefill_cases(backend, T, args.skip_slow, args.cases), args.repeats),
+            )
         )
     try:
         device = mx.device_info().get("device_name", "")

@@ -41,6 +41,9 @@ for step in "$@"; do
       MLX_ENABLE_TF32=0 run model_cuda 300 python3 -m pytest -q tests/cuda/test_model_cuda.py &
       wait ;;
     mxfp4_mma_tests) MLX_ENABLE_TF32=0 run mxfp4_mma_tests 300 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "mma or agree or k3_layer" ;;
+    kda_state) MLX_ENABLE_TF32=0 run kda_state 300 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "state_pass" ;;
+    bench_kda_prefill) run bench_kda_prefill 300 python3 -m benchmarks.bench_kda --no-decode --skip-slow --repeats 10 --out "$OUT/bench_kda_prefill.md" ;;
+    bench_kda_state) run bench_kda_state 200 python3 -m benchmarks.bench_kda --no-decode --skip-slow --repeats 10 --cases "state pass" "fla chunk_kda (Triton, bf16" --out "$OUT/bench_kda_state.md" ;;
     kda_tests_quick) MLX_ENABLE_TF32=0 run kda_tests_quick 120 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "decode or state_pass or uses_the_cuda" ;;
     mxfp4_tests_quick) MLX_ENABLE_TF32=0 run mxfp4_tests_quick 150 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "k3_layer or dispatcher or slots or agree" ;;
     model_cuda) MLX_ENABLE_TF32=0 run model_cuda 300 python3 -m pytest -q tests/cuda/test_model_cuda.py ;;
@@ -55,6 +58,7 @@ for step in "$@"; do
     profile) run profile 300 ncu --metrics gpu__time_duration.sum,dram__bytes.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active python3 -m benchmarks.profile_kernels ;;
     profile_full) run profile_full 300 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats -k "regex:kda_|mxfp4_gate|mxfp4_down|mxfp4_sum" python3 -m benchmarks.profile_kernels --rounds 1 ;;
     profile_mma) run profile_mma 300 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats -k "regex:mxfp4_mma|mxfp4_gate|mxfp4_down" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_decode,mxfp4_mma ;;
+    profile_kda) run profile_kda 300 ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis -k "regex:kda_chunk" python3 -m benchmarks.profile_kernels --rounds 1 --only kda_prefill ;;
     profile_mma2) run profile_mma2 300 ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis -k "regex:mxfp4_mma" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma ;;
     kda_decode_diag) run kda_decode_diag 200 python3 -m benchmarks.kda_decode_diag ;;
     bench_mxfp4_variants) run bench_mxfp4_variants 300 python3 -m benchmarks.bench_mxfp4 --variants --skip-prefill --decode-tokens 1 4 --out "$OUT/bench_mxfp4_variants.md" ;;

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .source import VEC4_HELPERS, Instance, Kernel, as_dtype, constant
+from .source import TF32X3_HELPERS, VEC4_HELPERS, Instance, Kernel, as_dtype, constant
 
 CHUNK = 64
 
@@ -365,6 +365,194 @@ STATE_BODY = """
   }
 """
 
+STATE_MMA_BODY = """
+  // The state pass on tf32 tensor cores (3xTF32, about fp32 precision). Simdgroup w of a
+  // threadgroup owns 16 state columns of one (batch, head); the WG simdgroups of a
+  // threadgroup share their head's chunk data through threadgroup memory. Everything is
+  // computed transposed, so that each product's A operand (16 state columns x k) is an
+  // accumulator the simdgroup already holds: S^T for W S and Qd S, then V'^T for Aqk V' and
+  // Kd^T V'. An m16n8k8 accumulator tile holds columns {2tq, 2tq + 1} of rows {g, g + 8}; read
+  // as an A tile it is the same 16 x 8 block with its k order permuted (a.y takes c.z, a.z
+  // takes c.y), and every B tile is read in that permuted k order.
+  //
+  // A chunk's data goes through one threadgroup buffer in 14 stages of 512 float4 (8 KB):
+  // 8 slices of 16 state rows of W and Qd, 2 halves of Aqk, 4 (K = 128) slices of rows of
+  // Kd. Each thread loads its share of the next stage into registers before the MMAs of
+  // this one, so the loads are in flight during the math (the last stage of a chunk loads
+  // the first of the next chunk).
+  constexpr int C = 64;
+  constexpr int NS = K / 8;                 // state row tiles
+  constexpr int NC = C / 8;                 // chunk row tiles
+  constexpr int NT = 32 * WG;               // threads
+  constexpr int PER = 512 / NT;             // float4 of a stage per thread
+  constexpr int RW = 24;                    // padded row (floats) of a W / Qd slice
+  constexpr int RA = 72;                    // of an Aqk half
+  constexpr int RK = K + 4;                 // of a Kd slice
+  constexpr int JR = 2048 / K;              // chunk rows per Kd slice
+  constexpr int NWQ = K / 16;               // W / Qd stages
+  constexpr int NST = NWQ + 2 + C / JR;     // stages per chunk
+  SHARED float2 sm[1536];                   // 12 KB: the largest stage (W and Qd slices)
+
+  const int T = dims[0];
+  const int N = dims[1];
+  const uint t = THREAD_INDEX;
+  const uint lane = LANE;
+  const uint g = lane / 4;
+  const uint tq = lane % 4;
+  const uint gw = GROUP_POS.x * WG + SIMDGROUP;
+  const uint bh = gw / (K / 16);
+  const uint b = bh / H;
+  const uint h = bh % H;
+  const uint ca = (gw % (K / 16)) * 16 + g;   // this lane's two state columns
+  const uint cb = ca + 8;
+
+  // S[s] = (S[r][ca], S[r + 1][ca], S[r][cb], S[r + 1][cb]) with r = 8 s + 2 tq.
+  float4 S[NS];
+  {
+    const DEVICE float* s_in = state + (size_t)bh * K * K + 2 * tq * K;
+#pragma unroll
+    for (int s = 0; s < NS; ++s) {
+      const DEVICE float* r = s_in + 8 * s * K;
+      S[s] = FLOAT4(r[ca], r[K + ca], r[cb], r[K + cb]);
+    }
+  }
+
+  // Stage st of chunk n: element e (< 512) of it as a float4 in global memory, and where it
+  // goes in sm (float2 index).
+#define KK_STAGE_SRC(n, st, e)                                                              \\
+  ((st) < NWQ ? ((e) < 256 ? Wc : Qd) + ((size_t)bh * N + (n)) * C * K +                   \\
+                    ((e) % 256 / 4) * K + 16 * (st) + 4 * ((e) % 4)                          \\
+   : (st) < NWQ + 2 ? Aqk + ((size_t)bh * N + (n)) * C * C + (32 * ((st) - NWQ) + (e) / 16) * C \\
+                          + 4 * ((e) % 16)                                                  \\
+   : Kd + ((size_t)bh * N + (n)) * C * K + (JR * ((st) - NWQ - 2) + (e) / (K / 4)) * K +     \\
+         4 * ((e) % (K / 4)))
+#define KK_STAGE_DST(st, e)                                                                 \\
+  ((st) < NWQ ? (((e) / 256) * 64 + (e) % 256 / 4) * RW / 2 + 2 * ((e) % 4)                  \\
+   : (st) < NWQ + 2 ? ((e) / 16) * RA / 2 + 2 * ((e) % 16)                                   \\
+   : ((e) / (K / 4)) * RK / 2 + 2 * ((e) % (K / 4)))
+  float4 nx[PER];
+#pragma unroll
+  for (int r = 0; r < PER; ++r) {
+    nx[r] = *reinterpret_cast<const DEVICE float4*>(KK_STAGE_SRC(0, 0, t + NT * r));
+  }
+
+  for (int n = 0; n < N; ++n) {
+    const size_t ch = (size_t)bh * N + n;
+    float4 P1[NC];      // (W S)^T, then V'^T = U^T - (W S)^T
+    float4 P2[NC];      // (Qd S)^T, then O^T
+    kk_split4_t V[NC];  // V'^T split, k-permuted: the A operand of the last two products
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+      P1[j] = kk_zero4();
+      P2[j] = kk_zero4();
+    }
+#pragma unroll
+    for (int st = 0; st < NST; ++st) {
+      BARRIER();        // the previous stage's reads are done
+#pragma unroll
+      for (int r = 0; r < PER; ++r) {
+        const int e = t + NT * r;
+        sm[KK_STAGE_DST(st, e)] = FLOAT2(nx[r].x, nx[r].y);
+        sm[KK_STAGE_DST(st, e) + 1] = FLOAT2(nx[r].z, nx[r].w);
+      }
+      BARRIER();
+      {                 // the next stage, or the next chunk's first
+        const int nn = st + 1 < NST ? n : n + 1;
+        const int ns = st + 1 < NST ? st + 1 : 0;
+        if (nn < N) {
+#pragma unroll
+          for (int r = 0; r < PER; ++r) {
+            nx[r] = *reinterpret_cast<const DEVICE float4*>(KK_STAGE_SRC(nn, ns, t + NT * r));
+          }
+        }
+      }
+      if (st < NWQ) {
+        // P1 += W^T-slice products, P2 += Qd^T-slice: B tiles are float2s of row 8 j + g.
+#pragma unroll
+        for (int k2 = 0; k2 < 2; ++k2) {
+          const int kk = 2 * st + k2;
+          const kk_split4_t a = kk_split4(FLOAT4(S[kk].x, S[kk].z, S[kk].y, S[kk].w));
+#pragma unroll
+          for (int j = 0; j < NC; ++j) {
+            const uint i = ((8 * j + g) * RW + 8 * k2 + 2 * tq) / 2;
+            P1[j] = kk_mma3(P1[j], a, sm[i], lane);
+            P2[j] = kk_mma3(P2[j], a, sm[i + 64 * RW / 2], lane);
+          }
+        }
+        if (st == NWQ - 1) {
+          // V'^T = U^T - (W S)^T, split once for the two products that read it.
+          const DEVICE float* Un = Uc + ch * C * K + 2 * tq * K;
+#pragma unroll
+          for (int j = 0; j < NC; ++j) {
+            const DEVICE float* u = Un + 8 * j * K;
+            V[j] = kk_split4(FLOAT4(u[ca] - P1[j].x, u[cb] - P1[j].z, u[K + ca] - P1[j].y,
+                                    u[K + cb] - P1[j].w));
+          }
+        }
+      } else if (st < NWQ + 2) {
+        // O^T = P2 + V'^T Aqk^T over j <= i (Aqk is zero above the diagonal), rows of this
+        // half; B tiles are float2s of Aqk row 8 it + g.
+        const int h2 = st - NWQ;
+#pragma unroll
+        for (int i4 = 0; i4 < 4; ++i4) {
+          const int it = 4 * h2 + i4;
+#pragma unroll
+          for (int jt = 0; jt <= it; ++jt) {
+            P2[it] = kk_mma3(P2[it], V[jt], sm[((8 * i4 + g) * RA + 8 * jt + 2 * tq) / 2], lane);
+          }
+          const int tk = n * C + 8 * it + 2 * tq;
+          if (tk < T) {
+            DEVICE float* orow = o + (((size_t)b * T + tk) * H + h) * K;
+            orow[ca] = P2[it].x;
+            orow[cb] = P2[it].z;
+          }
+          if (tk + 1 < T) {
+            DEVICE float* orow = o + (((size_t)b * T + tk + 1) * H + h) * K;
+            orow[ca] = P2[it].y;
+            orow[cb] = P2[it].w;
+          }
+        }
+      } else {
+        // S^T = S^T decay + V'^T Kd over this slice's chunk rows: B tiles are
+        // Kd[8 jt + 2 tq (+1)][8 s + g].
+        const int js = st - NWQ - 2;
+        if (js == 0) {
+          const DEVICE float* dk = decay + ch * K + 2 * tq;
+#pragma unroll
+          for (int s = 0; s < NS; ++s) {
+            const float2 d = *reinterpret_cast<const DEVICE float2*>(dk + 8 * s);
+            S[s] = FLOAT4(d.x * S[s].x, d.y * S[s].y, d.x * S[s].z, d.y * S[s].w);
+          }
+        }
+#pragma unroll
+        for (int j2 = 0; j2 < JR / 8; ++j2) {
+          const int jt = JR / 8 * js + j2;
+#pragma unroll
+          for (int s = 0; s < NS; ++s) {
+            const uint i = (8 * j2 + 2 * tq) * RK + 8 * s + g;
+            const float2 k0 = sm[i / 2];
+            const float2 k1 = sm[(i + RK) / 2];
+            const float2 kb = (g & 1) ? FLOAT2(k0.y, k1.y) : FLOAT2(k0.x, k1.x);
+            S[s] = kk_mma3(S[s], V[jt], kb, lane);
+          }
+        }
+      }
+    }
+  }
+#undef KK_STAGE_SRC
+#undef KK_STAGE_DST
+
+  DEVICE float* s_out = state_out + (size_t)bh * K * K + 2 * tq * K;
+#pragma unroll
+  for (int s = 0; s < NS; ++s) {
+    DEVICE float* r = s_out + 8 * s * K;
+    r[ca] = S[s].x;
+    r[K + ca] = S[s].y;
+    r[cb] = S[s].z;
+    r[K + cb] = S[s].w;
+  }
+"""
+
 PRE_BODY = """
   // Everything before the recurrence, per token and head: the q/k/v short convs (window =
   // conv_state followed by x) with SiLU rounded to T as the reference does, L2 norms of q and k
@@ -563,8 +751,9 @@ def _prep_instance(H, K):
     return Instance([mx.float32] * 5 + [mx.int32], [mx.float32] * 6, [("H", H), ("K", K)])
 
 
-def _state_instance(H, K):
-    return Instance([mx.float32] * 7 + [mx.int32], [mx.float32] * 2, [("H", H), ("K", K)])
+def _state_instance(H, K, WG=None):
+    template = [("H", H), ("K", K)] + ([("WG", WG)] if WG is not None else [])
+    return Instance([mx.float32] * 7 + [mx.int32], [mx.float32] * 2, template)
 
 
 KDA_CHUNK_PREP = Kernel(
@@ -584,6 +773,22 @@ KDA_CHUNK_STATE = Kernel(
     header=VEC4_HELPERS,
     instances=[_state_instance(96, 128)],
 )
+
+
+KDA_CHUNK_STATE_MMA = Kernel(
+    "kda_chunk_state_mma",
+    ["Aqk", "Wc", "Uc", "Qd", "Kd", "decay", "state", "dims"],
+    ["o", "state_out"],
+    STATE_MMA_BODY,
+    header=VEC4_HELPERS + TF32X3_HELPERS,
+    instances=[_state_instance(96, 128, w) for w in (2, 4, 8)],
+)
+
+# Which state pass serves a backend: the tensor-core one needs real MMAs (its Metal spelling
+# is exact but slow, made of shuffles), so Metal keeps the fp32 FMA one. Tests set "emulator"
+# to "mma" to check the tensor-core kernel's fragment bookkeeping.
+STATE_PASS = {"cuda": "mma", "metal": "fma", "emulator": "fma"}
+STATE_MMA_WARPS = 4  # simdgroups per threadgroup of kda_chunk_state_mma (2, 4 or 8)
 
 
 def eligible(heads: int, head_dim: int) -> bool:
@@ -620,6 +825,18 @@ def chunk_state(backend: str, prep, state, T: int):
     B, H, N, _, K = prep[1].shape
     if state is None:
         state = mx.zeros((B, H, K, K), dtype=mx.float32)
+    if STATE_PASS.get(backend) == "mma":
+        warps = B * H * (K // 16)
+        wg = min(STATE_MMA_WARPS, K // 16)  # a threadgroup's simdgroups share one head
+        return KDA_CHUNK_STATE_MMA(
+            backend,
+            inputs=[*prep, _f32(state), constant([T, N], mx.int32)],
+            output_shapes=[(B, T, H, K), (B, H, K, K)],
+            output_dtypes=[mx.float32, mx.float32],
+            grid=(32 * warps, 1, 1),
+            threadgroup=(32 * wg, 1, 1),
+            template=[("H", H), ("K", K), ("WG", wg)],
+        )
     return KDA_CHUNK_STATE(
         backend,
         inputs=[*prep, _f32(state), constant([T, N], mx.int32)],

@@ -57,6 +57,7 @@ CALLS = {
     "SIMD_SHUFFLE_XOR": ("metal::simd_shuffle_xor", "kk_warp_shuffle_xor"),
     "SIMD_SHUFFLE_DOWN": ("metal::simd_shuffle_down", "kk_warp_shuffle_down"),
     "SIMD_BROADCAST": ("metal::simd_broadcast", "kk_warp_shuffle"),
+    "FLOAT2": ("float2", "make_float2"),
     "FLOAT4": ("float4", "make_float4"),
     "EXP": ("metal::exp", "expf"),
     "LOG": ("metal::log", "logf"),
@@ -74,6 +75,7 @@ CALLS = {
     "PACK_HALF2": ("kk_pack_half2", "kk_pack_half2"),
     "ROUND_HALF": ("kk_round_half", "kk_round_half"),
     "SIMD_MMA": ("kk_mma", "kk_mma"),
+    "SIMD_MMA_TF32": ("kk_mma_tf32", "kk_mma_tf32"),
 }
 
 # Barrier words take no arguments in the dialect; Metal needs the memory flags.
@@ -121,6 +123,17 @@ __device__ inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
   return c;
 }
+// c + A B for one warp: A 16x8 tf32 (float4), B 8x8 tf32 (float2), C 16x8 fp32, in PTX's
+// m16n8k8 fragment layout (SIMD_MMA_TF32 in kernels/README.md). The operands must already be
+// tf32 values (low 13 bits zero).
+__device__ inline float4 kk_mma_tf32(float4 c, float4 a, float2 b, uint lane) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c.x), "+f"(c.y), "+f"(c.z), "+f"(c.w)
+      : "r"(__float_as_uint(a.x)), "r"(__float_as_uint(a.y)), "r"(__float_as_uint(a.z)),
+        "r"(__float_as_uint(a.w)), "r"(__float_as_uint(b.x)), "r"(__float_as_uint(b.y)));
+  return c;
+}
 """
 
 # The same helpers for Metal. SIMD_MMA here is the product spelled out with simdgroup
@@ -152,6 +165,27 @@ inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
   }
   return c;
 }
+inline float4 kk_mma_tf32(float4 c, float4 a, float2 b, uint lane) {
+  const uint g = lane / 4, t = lane % 4;
+  for (uint s = 0; s < 4; ++s) {
+    const ushort la = ushort(4 * g + s);             // A[g][s], A[g+8][s], A[g][s+4], A[g+8][s+4]
+    const ushort l0 = ushort(8 * t + s);             // B[s][2t], B[s+4][2t]
+    const ushort l1 = ushort(8 * t + 4 + s);         // B[s][2t+1], B[s+4][2t+1]
+    const float a0 = metal::simd_shuffle(a.x, la);
+    const float a1 = metal::simd_shuffle(a.y, la);
+    const float a2 = metal::simd_shuffle(a.z, la);
+    const float a3 = metal::simd_shuffle(a.w, la);
+    const float b00 = metal::simd_shuffle(b.x, l0);
+    const float b01 = metal::simd_shuffle(b.y, l0);
+    const float b10 = metal::simd_shuffle(b.x, l1);
+    const float b11 = metal::simd_shuffle(b.y, l1);
+    c.x += a0 * b00 + a2 * b01;
+    c.y += a0 * b10 + a2 * b11;
+    c.z += a1 * b00 + a3 * b01;
+    c.w += a1 * b10 + a3 * b11;
+  }
+  return c;
+}
 """
 
 # float4 arithmetic both backends accept (CUDA's float4 has no operators). Add to a
@@ -173,6 +207,34 @@ HELPER float4 kk_fma4(float s, float4 a, float4 acc) {
 HELPER float kk_dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
 HELPER float4 kk_exp4(float4 a) { return FLOAT4(EXP(a.x), EXP(a.y), EXP(a.z), EXP(a.w)); }
 HELPER float4 kk_zero4() { return FLOAT4(0.0f, 0.0f, 0.0f, 0.0f); }
+"""
+
+# fp32 products on tf32 tensor cores ("3xTF32"): x = hi + lo with hi = x rounded to tf32
+# (nearest, ties away from zero) and lo = the rest truncated to tf32, and a b = lo_a hi_b +
+# hi_a lo_b + hi_a hi_b (the lo lo term and lo's truncation cost about 2^-21 relative).
+# Needs SIMD_MMA_TF32; add to a kernel's header (with VEC4_HELPERS before it).
+TF32X3_HELPERS = """
+HELPER float kk_tf32(float x) { return AS_FLOAT((AS_UINT(x) + 0x1000u) & 0xffffe000u); }
+HELPER float kk_tf32_lo(float x, float hi) { return AS_FLOAT(AS_UINT(x - hi) & 0xffffe000u); }
+struct kk_split4_t {
+  float4 hi;
+  float4 lo;
+};
+HELPER kk_split4_t kk_split4(float4 x) {
+  kk_split4_t r;
+  r.hi = FLOAT4(kk_tf32(x.x), kk_tf32(x.y), kk_tf32(x.z), kk_tf32(x.w));
+  r.lo = FLOAT4(kk_tf32_lo(x.x, r.hi.x), kk_tf32_lo(x.y, r.hi.y), kk_tf32_lo(x.z, r.hi.z),
+                kk_tf32_lo(x.w, r.hi.w));
+  return r;
+}
+// c + A B in about fp32 precision: A already split (kk_split4), B split here.
+HELPER float4 kk_mma3(float4 c, kk_split4_t a, float2 b, uint lane) {
+  const float2 bh = FLOAT2(kk_tf32(b.x), kk_tf32(b.y));
+  const float2 bl = FLOAT2(kk_tf32_lo(b.x, bh.x), kk_tf32_lo(b.y, bh.y));
+  c = SIMD_MMA_TF32(c, a.lo, bh, lane);
+  c = SIMD_MMA_TF32(c, a.hi, bl, lane);
+  return SIMD_MMA_TF32(c, a.hi, bh, lane);
+}
 """
 
 _WORD_RE = re.compile(r"\b(" + "|".join(sorted(WORDS, key=len, reverse=True)) + r")\b")

@@ -249,3 +249,70 @@ def test_state_pass_at_head_dim_128():
     p = layer(2, 128)
     args = activations(1, 130, 2, 128, mx.float32, True)
     check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+
+
+# The tensor-core state pass (kda_chunk_state_mma, CUDA's): its Metal rendering spells each
+# MMA out with shuffles, exact but slow, so Metal dispatches the FMA one; here the emulator
+# checks its fragment bookkeeping, staging and barriers on a few shapes.
+MMA_STATE_CASES = [
+    (2, 2, 64, mx.float32, True),
+    (65, 2, 64, mx.float32, True),
+    (64, 2, 64, mx.float32, False),
+    (130, 1, 128, mx.float32, True),
+    (100, 2, 64, mx.bfloat16, True),
+]
+
+
+def mma_state_pass(monkeypatch, warps=None):
+    monkeypatch.setitem(kda_prefill.STATE_PASS, "emulator", "mma")
+    if warps is not None:
+        monkeypatch.setattr(kda_prefill, "STATE_MMA_WARPS", warps)
+
+
+@pytest.mark.parametrize("T, H, K, dtype, with_state", MMA_STATE_CASES)
+def test_mma_state_pass_matches_reference(monkeypatch, T, H, K, dtype, with_state):
+    mma_state_pass(monkeypatch)
+    p = layer(H, K)
+    args = activations(1, T, H, K, dtype, with_state)
+    check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), dtype)
+
+
+@pytest.mark.parametrize("warps", [2, 8])
+def test_mma_state_pass_launch_shapes(monkeypatch, warps):
+    """2 and 8 simdgroups per threadgroup (8 is capped to the head's K / 16 = 4 at K = 64)."""
+    mma_state_pass(monkeypatch, warps)
+    p = layer(2, 128)
+    args = activations(1, 70, 2, 128, mx.float32, True)
+    check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+
+
+def test_mma_state_pass_matches_fla(monkeypatch):
+    mma_state_pass(monkeypatch)
+    test_chunk_kernels_match_fla()
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (
+            "FLOAT4(S[kk].x, S[kk].z, S[kk].y, S[kk].w)",
+            "FLOAT4(S[kk].x, S[kk].y, S[kk].z, S[kk].w)",
+        ),
+        ("      }\n      BARRIER();\n      {", "      }\n      {"),
+        ("jt <= it; ++jt", "jt < it; ++jt"),
+        ("st + 1 < NST ? n : n + 1;", "st + 1 < NST ? n : n;"),
+        ("(g & 1) ? FLOAT2(k0.y, k1.y)", "(g & 1) ? FLOAT2(k0.x, k1.y)"),
+        ("d.x * S[s].z, d.y * S[s].w", "S[s].z, d.y * S[s].w"),
+    ],
+    ids=[
+        "unpermuted-a",
+        "missing-barrier",
+        "causal-bound",
+        "stale-next-chunk",
+        "kd-parity",
+        "decay",
+    ],
+)
+def test_a_broken_mma_state_kernel_fails(monkeypatch, old, new):
+    mma_state_pass(monkeypatch)
+    assert_prefill_breaks(monkeypatch, "KDA_CHUNK_STATE_MMA", old, new, T=130)

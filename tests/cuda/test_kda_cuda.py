@@ -83,3 +83,14 @@ def test_prefill_state_pass_k3_shape():
     p = layer(96, 128)
     args = activations(1, 257, 96, 128, mx.float32, True)
     check_cuda(kda_prefill.kda_prefill("cuda", p, *args), reference(p, args), mx.float32)
+
+
+@pytest.mark.parametrize("kind", ["fma", "mma"])
+@pytest.mark.parametrize("T, H, K", [(65, 2, 64), (1000, 3, 128), (257, 96, 128)])
+def test_state_passes(monkeypatch, kind, T, H, K):
+    """Both state passes on the GPU: the tensor-core one (CUDA's default) and the fp32 FMA one
+    (Metal's, also compiled and run here)."""
+    monkeypatch.setitem(kda_prefill.STATE_PASS, "cuda", kind)
+    p = layer(H, K)
+    args = activations(1, T, H, K, mx.float32, True)
+    check_cuda(kda_prefill.kda_prefill("cuda", p, *args), reference(p, args), mx.float32)
