@@ -379,9 +379,7 @@ STATE_MMA_BODY = """
   // 8 slices of 16 state rows of W and Qd, 2 halves of Aqk, 4 (K = 128) slices of rows of
   // Kd. Each thread loads its share of the next stage into registers before the MMAs of
   // this one, so the loads are in flight during the math (the last stage of a chunk loads
-  // the first of the next chunk), and stores it split (tf32 hi and lo parts, sm[0, SZ) and
-  // sm[SZ, 2 SZ)), so the split is done once per threadgroup instead of once per simdgroup.
-  // Kd is stored as pairs (Kd[j][r], Kd[j + 1][r]), j even: a B tile's float2.
+  // the first of the next chunk).
   constexpr int C = 64;
   constexpr int NS = K / 8;                 // state row tiles
   constexpr int NC = C / 8;                 // chunk row tiles
@@ -389,12 +387,11 @@ STATE_MMA_BODY = """
   constexpr int PER = 512 / NT;             // float4 of a stage per thread
   constexpr int RW = 24;                    // padded row (floats) of a W / Qd slice
   constexpr int RA = 72;                    // of an Aqk half
-  constexpr int RK = K + 4;                 // padded row (pairs) of a Kd slice
+  constexpr int RK = K + 4;                 // of a Kd slice
   constexpr int JR = 2048 / K;              // chunk rows per Kd slice
   constexpr int NWQ = K / 16;               // W / Qd stages
   constexpr int NST = NWQ + 2 + C / JR;     // stages per chunk
-  constexpr int SZ = 1536;                  // float2 per part: the largest stage (W and Qd)
-  SHARED float2 sm[2 * SZ];                 // 24 KB
+  SHARED float2 sm[1536];                   // 12 KB: the largest stage (W and Qd slices)
 
   const int T = dims[0];
   const int N = dims[1];
@@ -427,11 +424,12 @@ STATE_MMA_BODY = """
                     ((e) % 256 / 4) * K + 16 * (st) + 4 * ((e) % 4)                          \\
    : (st) < NWQ + 2 ? Aqk + ((size_t)bh * N + (n)) * C * C + (32 * ((st) - NWQ) + (e) / 16) * C \\
                           + 4 * ((e) % 16)                                                  \\
-   : Kd + ((size_t)bh * N + (n)) * C * K + (JR * ((st) - NWQ - 2) + (e) % JR) * K +          \\
-         4 * ((e) / JR))
+   : Kd + ((size_t)bh * N + (n)) * C * K + (JR * ((st) - NWQ - 2) + (e) / (K / 4)) * K +     \\
+         4 * ((e) % (K / 4)))
 #define KK_STAGE_DST(st, e)                                                                 \\
   ((st) < NWQ ? (((e) / 256) * 64 + (e) % 256 / 4) * RW / 2 + 2 * ((e) % 4)                  \\
-   : ((e) / 16) * RA / 2 + 2 * ((e) % 16))
+   : (st) < NWQ + 2 ? ((e) / 16) * RA / 2 + 2 * ((e) % 16)                                   \\
+   : ((e) / (K / 4)) * RK / 2 + 2 * ((e) % (K / 4)))
   float4 nx[PER];
 #pragma unroll
   for (int r = 0; r < PER; ++r) {
@@ -454,25 +452,8 @@ STATE_MMA_BODY = """
 #pragma unroll
       for (int r = 0; r < PER; ++r) {
         const int e = t + NT * r;
-        const kk_split4_t x = kk_split4(nx[r]);
-        if (st < NWQ + 2) {
-          const uint d = KK_STAGE_DST(st, e);
-          sm[d] = FLOAT2(x.hi.x, x.hi.y);
-          sm[d + 1] = FLOAT2(x.hi.z, x.hi.w);
-          sm[SZ + d] = FLOAT2(x.lo.x, x.lo.y);
-          sm[SZ + d + 1] = FLOAT2(x.lo.z, x.lo.w);
-        } else {        // Kd row j = JR js + e % JR, state rows 4 (e / JR)..: one half of 4 pairs
-          const uint d = (e % JR / 2) * RK + 4 * (e / JR);
-          if (e % 2 == 0) {
-            sm[d].x = x.hi.x; sm[d + 1].x = x.hi.y; sm[d + 2].x = x.hi.z; sm[d + 3].x = x.hi.w;
-            sm[SZ + d].x = x.lo.x; sm[SZ + d + 1].x = x.lo.y;
-            sm[SZ + d + 2].x = x.lo.z; sm[SZ + d + 3].x = x.lo.w;
-          } else {
-            sm[d].y = x.hi.x; sm[d + 1].y = x.hi.y; sm[d + 2].y = x.hi.z; sm[d + 3].y = x.hi.w;
-            sm[SZ + d].y = x.lo.x; sm[SZ + d + 1].y = x.lo.y;
-            sm[SZ + d + 2].y = x.lo.z; sm[SZ + d + 3].y = x.lo.w;
-          }
-        }
+        sm[KK_STAGE_DST(st, e)] = FLOAT2(nx[r].x, nx[r].y);
+        sm[KK_STAGE_DST(st, e) + 1] = FLOAT2(nx[r].z, nx[r].w);
       }
       BARRIER();
       {                 // the next stage, or the next chunk's first
@@ -494,8 +475,8 @@ STATE_MMA_BODY = """
 #pragma unroll
           for (int j = 0; j < NC; ++j) {
             const uint i = ((8 * j + g) * RW + 8 * k2 + 2 * tq) / 2;
-            P1[j] = kk_mma3s(P1[j], a, sm[i], sm[SZ + i], lane);
-            P2[j] = kk_mma3s(P2[j], a, sm[i + 32 * RW], sm[SZ + i + 32 * RW], lane);
+            P1[j] = kk_mma3(P1[j], a, sm[i], lane);
+            P2[j] = kk_mma3(P2[j], a, sm[i + 64 * RW / 2], lane);
           }
         }
         if (st == NWQ - 1) {
@@ -517,8 +498,7 @@ STATE_MMA_BODY = """
           const int it = 4 * h2 + i4;
 #pragma unroll
           for (int jt = 0; jt <= it; ++jt) {
-            const uint i = ((8 * i4 + g) * RA + 8 * jt + 2 * tq) / 2;
-            P2[it] = kk_mma3s(P2[it], V[jt], sm[i], sm[SZ + i], lane);
+            P2[it] = kk_mma3(P2[it], V[jt], sm[((8 * i4 + g) * RA + 8 * jt + 2 * tq) / 2], lane);
           }
           const int tk = n * C + 8 * it + 2 * tq;
           if (tk < T) {
@@ -533,8 +513,8 @@ STATE_MMA_BODY = """
           }
         }
       } else {
-        // S^T = S^T decay + V'^T Kd over this slice's chunk rows: B tiles are the pairs
-        // (Kd[8 jt + 2 tq][8 s + g], Kd[8 jt + 2 tq + 1][8 s + g]).
+        // S^T = S^T decay + V'^T Kd over this slice's chunk rows: B tiles are
+        // Kd[8 jt + 2 tq (+1)][8 s + g].
         const int js = st - NWQ - 2;
         if (js == 0) {
           const DEVICE float* dk = decay + ch * K + 2 * tq;
@@ -549,8 +529,11 @@ STATE_MMA_BODY = """
           const int jt = JR / 8 * js + j2;
 #pragma unroll
           for (int s = 0; s < NS; ++s) {
-            const uint i = (4 * j2 + tq) * RK + 8 * s + g;
-            S[s] = kk_mma3s(S[s], V[jt], sm[i], sm[SZ + i], lane);
+            const uint i = (8 * j2 + 2 * tq) * RK + 8 * s + g;
+            const float2 k0 = sm[i / 2];
+            const float2 k1 = sm[(i + RK) / 2];
+            const float2 kb = (g & 1) ? FLOAT2(k0.y, k1.y) : FLOAT2(k0.x, k1.x);
+            S[s] = kk_mma3(S[s], V[jt], kb, lane);
           }
         }
       }

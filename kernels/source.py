@@ -235,12 +235,6 @@ HELPER float4 kk_mma3(float4 c, kk_split4_t a, float2 b, uint lane) {
   c = SIMD_MMA_TF32(c, a.hi, bl, lane);
   return SIMD_MMA_TF32(c, a.hi, bh, lane);
 }
-// The same with B split beforehand (bh, bl: kk_tf32 and kk_tf32_lo of B).
-HELPER float4 kk_mma3s(float4 c, kk_split4_t a, float2 bh, float2 bl, uint lane) {
-  c = SIMD_MMA_TF32(c, a.lo, bh, lane);
-  c = SIMD_MMA_TF32(c, a.hi, bl, lane);
-  return SIMD_MMA_TF32(c, a.hi, bh, lane);
-}
 """
 
 _WORD_RE = re.compile(r"\b(" + "|".join(sorted(WORDS, key=len, reverse=True)) + r")\b")

@@ -301,7 +301,7 @@ def test_mma_state_pass_matches_fla(monkeypatch):
         ("      }\n      BARRIER();\n      {", "      }\n      {"),
         ("jt <= it; ++jt", "jt < it; ++jt"),
         ("st + 1 < NST ? n : n + 1;", "st + 1 < NST ? n : n;"),
-        ("if (e % 2 == 0) {", "if (e % 2 == 1) {"),
+        ("(g & 1) ? FLOAT2(k0.y, k1.y)", "(g & 1) ? FLOAT2(k0.x, k1.y)"),
         ("d.x * S[s].z, d.y * S[s].w", "S[s].z, d.y * S[s].w"),
     ],
     ids=[
