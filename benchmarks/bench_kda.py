@@ -241,8 +241,6 @@ def prefill_cases(backend, T: int, skip_slow: bool, only=None):
     o = mx.random.normal((1, T, H, K))
     mx.eval(prep, o)
 
-    prep_v1 = kda_prefill.KDA_CHUNK_PREP_V1
-
     def state_only():
         return kda_prefill.chunk_state(backend, prep, r[5], T)
 
@@ -257,18 +255,6 @@ def prefill_cases(backend, T: int, skip_slow: bool, only=None):
             mlx_run(lambda: kda_prefill.pre(backend, p, *x[:5], x[6])),
         ),
         ("ours, alone: kda_chunk_prep", mlx_run(lambda: kda_prefill.chunk_prep(backend, *r[:5]))),
-        (
-            "ours, alone: kda_chunk_prep_v1 (previous)",
-            mlx_run(lambda: kda_prefill.chunk_prep(backend, *r[:5], kernel=prep_v1)),
-        ),
-        (
-            "ours: recurrence with kda_chunk_prep_v1 (previous)",
-            mlx_run(
-                lambda: kda_prefill.chunk_state(
-                    backend, kda_prefill.chunk_prep(backend, *r[:5], kernel=prep_v1), r[5], T
-                )
-            ),
-        ),
         (
             f"ours, alone: state pass ({kda_prefill.STATE_PASS.get(backend)})",
             mlx_run(state_only),

@@ -40,177 +40,6 @@ PREP_BODY = """
   constexpr int DT = 16;            // channels per pass-1 tile
   constexpr int NT = 256;           // threads
   constexpr int RQ = DT / 4 + 1;    // float4 per padded tile row (the pad avoids bank conflicts)
-  // sm4 regions, in float4. Pass 1: the G tile; left factors of q and k (each row against its
-  // sub-block's first row); right factors of k against each sub-block I's first row, for the
-  // rows up to that sub-block's end (16 + 32 + 48 + 64 rows, from ORK + RKOFF(I) * RQ); scan
-  // partials. Pass 2: L, one row of 16 float4 per chunk row (zero on and above the diagonal).
-  constexpr int OG = 0, OLQ = C * RQ, OLK = 2 * C * RQ, ORK = 3 * C * RQ;
-  constexpr int OSEG = ORK + 160 * RQ, OL = 0;
-#define RKOFF(I) (8 * (I) * ((I) + 1))
-  SHARED float4 sm4[OSEG + 64];
-  SHARED float s_beta[C];
-
-  const int T = dims[0];
-  const int N = dims[1];
-  const uint t = THREAD_INDEX;
-  const uint n = GROUP_POS.x % N;
-  const uint bh = GROUP_POS.x / N;
-  const uint b = bh / H;
-  const uint h = bh % H;
-  const int t0 = n * C;
-  const int rows = T - t0 < C ? T - t0 : C;         // valid rows in this chunk
-  const size_t tok = (size_t)H * K;                 // token stride of q, k, v, g
-  const size_t in0 = ((size_t)b * T + t0) * tok + h * K;
-  const size_t ch = (size_t)bh * N + n;
-  DEVICE float* W_out = Wc + ch * C * K;
-  DEVICE float* U_out = Uc + ch * C * K;
-
-  if (t < C) s_beta[t] = (int)t < rows ? beta[((size_t)b * T + t0 + t) * H + h] : 0.0f;
-
-  // Entry (i, j) = (16 I + ii, 16 m + jj) of both score matrices lives in acc[I * 4 + m].
-  const uint ii = t / 16;
-  const uint jj = t % 16;
-  float accq[16];
-  float acck[16];
-  for (int e = 0; e < 16; ++e) {
-    accq[e] = 0.0f;
-    acck[e] = 0.0f;
-  }
-  const uint row = t / 4;       // this thread's tile row and float4 column
-  const uint dq = t % 4;
-  const uint r0 = row / 16 * 16;  // the first row of its sub-block
-
-  // The thread's float4 of the q, k, g tiles, loaded one tile ahead.
-  const size_t src = in0 + row * tok + 4 * dq;
-  const bool ok = (int)row < rows;
-  float4 pq = ok ? *reinterpret_cast<const DEVICE float4*>(q + src) : kk_zero4();
-  float4 pk = ok ? *reinterpret_cast<const DEVICE float4*>(k + src) : kk_zero4();
-  float4 pg = ok ? *reinterpret_cast<const DEVICE float4*>(g + src) : kk_zero4();
-
-  for (int d0 = 0; d0 < K; d0 += DT) {
-    const float4 qv = pq;
-    const float4 kv = pk;
-    sm4[OG + row * RQ + dq] = pg;
-    if (ok && d0 + DT < K) {
-      pq = *reinterpret_cast<const DEVICE float4*>(q + src + d0 + DT);
-      pk = *reinterpret_cast<const DEVICE float4*>(k + src + d0 + DT);
-      pg = *reinterpret_cast<const DEVICE float4*>(g + src + d0 + DT);
-    }
-    BARRIER();
-    // Cumulative sum down the rows: 16 segments of 4 rows, one thread per (segment, float4).
-    if (t < 64) {
-      float4 run = kk_zero4();
-      for (uint r = 0; r < 4; ++r) run = kk_add4(run, sm4[OG + (4 * row + r) * RQ + dq]);
-      sm4[OSEG + t] = run;
-    }
-    BARRIER();
-    if (t < 64) {
-      float4 off = kk_zero4();
-      for (uint s2 = 0; s2 < row; ++s2) off = kk_add4(off, sm4[OSEG + 4 * s2 + dq]);
-      for (uint r = 0; r < 4; ++r) {
-        off = kk_add4(off, sm4[OG + (4 * row + r) * RQ + dq]);
-        sm4[OG + (4 * row + r) * RQ + dq] = off;
-      }
-    }
-    BARRIER();
-    {
-      const float4 G = sm4[OG + row * RQ + dq];
-      const float4 G_last = sm4[OG + (C - 1) * RQ + dq];
-      const float4 eG = kk_exp4(G);
-      const size_t o = ch * C * K + row * K + d0 + 4 * dq;
-      *reinterpret_cast<DEVICE float4*>(Qd + o) = kk_mul4(qv, eG);
-      *reinterpret_cast<DEVICE float4*>(Kd + o) = kk_mul4(kv, kk_exp4(kk_sub4(G_last, G)));
-      // beta exp(G) k, solved into W in pass 2
-      *reinterpret_cast<DEVICE float4*>(Wc + o) = kk_scale4(s_beta[row], kk_mul4(kv, eG));
-      if (t < 4) *reinterpret_cast<DEVICE float4*>(decay + ch * K + d0 + 4 * t) = kk_exp4(G_last);
-      // Left factors exp(G_i - G_r) of q and k; right factors exp(G_r - G_j) of k for every
-      // sub-block whose columns reach row j (the whole simdgroup has the same r0).
-      const float4 f = kk_exp4(kk_sub4(G, sm4[OG + r0 * RQ + dq]));
-      sm4[OLQ + row * RQ + dq] = kk_mul4(qv, f);
-      sm4[OLK + row * RQ + dq] = kk_mul4(kv, f);
-      for (uint I = r0 / 16; I < 4; ++I) {
-        const float4 fr = kk_exp4(kk_sub4(sm4[OG + 16 * I * RQ + dq], G));
-        sm4[ORK + (RKOFF(I) + row) * RQ + dq] = kk_mul4(kv, fr);
-      }
-    }
-    BARRIER();
-#pragma unroll
-    for (int I = 0; I < 4; ++I) {
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        if (m <= I) {
-          const uint i = OLQ + (16 * I + ii) * RQ;
-          const uint j = ORK + (RKOFF(I) + m * 16 + jj) * RQ;
-          float aq = 0.0f, ak = 0.0f;
-#pragma unroll
-          for (int c = 0; c < DT / 4; ++c) {
-            const float4 rk = sm4[j + c];
-            aq += kk_dot4(sm4[i + c], rk);
-            ak += kk_dot4(sm4[i + C * RQ + c], rk);
-          }
-          accq[I * 4 + m] += aq;
-          acck[I * 4 + m] += ak;
-        }
-      }
-    }
-  }
-#undef RKOFF
-  BARRIER();  // the factor regions are read until here; L overwrites them
-
-  // Aqk (lower, with the diagonal) out; L = beta_i * (k scores), strictly lower, to sm4.
-#define KK_SET_L(i, j, val)                                  \\
-  switch ((j) & 3) {                                         \\
-    case 0: sm4[OL + (i) * 16 + (j) / 4].x = (val); break;   \\
-    case 1: sm4[OL + (i) * 16 + (j) / 4].y = (val); break;   \\
-    case 2: sm4[OL + (i) * 16 + (j) / 4].z = (val); break;   \\
-    default: sm4[OL + (i) * 16 + (j) / 4].w = (val); break;  \\
-  }
-#pragma unroll
-  for (int I = 0; I < 4; ++I) {
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const uint i = I * 16 + ii;
-      const uint j = m * 16 + jj;
-      Aqk[ch * C * C + i * C + j] = j <= i ? accq[I * 4 + m] : 0.0f;
-      KK_SET_L(i, j, j < i ? s_beta[i] * acck[I * 4 + m] : 0.0f);
-    }
-  }
-#undef KK_SET_L
-  // Pass 1 wrote W_out (beta exp(G) k) by rows; pass 2 reads it by columns.
-  BARRIER_DEVICE();
-
-  // Pass 2: solve (I + L) X = RHS down the chunk, one column per thread, the column in
-  // registers: W (RHS = beta exp(G) k) for t < K, U (RHS = beta v) for K <= t < 2K.
-  if ((int)t < 2 * K) {
-    const uint d = t % K;
-    const bool is_w = (int)t < K;
-    DEVICE float* out = is_w ? W_out : U_out;
-    float x[C];
-#pragma unroll
-    for (int i = 0; i < C; ++i) {
-      x[i] = is_w ? W_out[i * K + d] : (i < rows ? s_beta[i] * v[in0 + i * tok + d] : 0.0f);
-    }
-#pragma unroll
-    for (int i = 1; i < C; ++i) {
-      float a0 = 0.0f, a1 = 0.0f;
-#pragma unroll
-      for (int j4 = 0; j4 < (i + 3) / 4; ++j4) {   // L is zero from the diagonal on
-        const float4 l = sm4[OL + i * 16 + j4];
-        a0 += l.x * x[4 * j4] + l.y * x[4 * j4 + 1];
-        a1 += l.z * x[4 * j4 + 2] + l.w * x[4 * j4 + 3];
-      }
-      x[i] -= a0 + a1;
-    }
-#pragma unroll
-    for (int i = 0; i < C; ++i) out[i * K + d] = x[i];
-  }
-"""
-
-PREP_BODY_V1 = """
-  constexpr int C = 64;             // chunk
-  constexpr int DT = 16;            // channels per pass-1 tile
-  constexpr int NT = 256;           // threads
-  constexpr int RQ = DT / 4 + 1;    // float4 per padded tile row (the pad avoids bank conflicts)
   // sm4 regions, in float4. Pass 1: q, k, G tiles; left factors of a sub-block; right factors;
   // scan partials. Pass 2: L, one row of 16 float4 per chunk row (zero on and above the diagonal).
   constexpr int OQ = 0, OK = C * RQ, OG = 2 * C * RQ, OLQ = 3 * C * RQ, OLK = OLQ + 16 * RQ;
@@ -936,17 +765,6 @@ KDA_CHUNK_PREP = Kernel(
     instances=[_prep_instance(96, 128)],
 )
 
-# The previous kda_chunk_prep (factors per sub-block, two barriers each; no prefetch), kept
-# for a same-run comparison (bench_kda).
-KDA_CHUNK_PREP_V1 = Kernel(
-    "kda_chunk_prep_v1",
-    ["q", "k", "v", "g", "beta", "dims"],
-    ["Aqk", "Wc", "Uc", "Qd", "Kd", "decay"],
-    PREP_BODY_V1,
-    header=VEC4_HELPERS,
-    instances=[_prep_instance(96, 128)],
-)
-
 KDA_CHUNK_STATE = Kernel(
     "kda_chunk_state",
     ["Aqk", "Wc", "Uc", "Qd", "Kd", "decay", "state", "dims"],
@@ -983,12 +801,12 @@ def _f32(x: mx.array) -> mx.array:
     return as_dtype(x, mx.float32)
 
 
-def chunk_prep(backend: str, q, k, v, g, beta, kernel=None):
+def chunk_prep(backend: str, q, k, v, g, beta):
     """``kda_chunk_prep``: (Aqk, W, U, Qd, Kd, decay) of every chunk. Shapes as ``kda_chunk``."""
     B, T, H, K = k.shape
     N = -(-T // CHUNK)
     mat = (B, H, N, CHUNK, K)
-    return (kernel or KDA_CHUNK_PREP)(
+    return KDA_CHUNK_PREP(
         backend,
         inputs=[*(_f32(x) for x in (q, k, v, g, beta)), constant([T, N], mx.int32)],
         output_shapes=[(B, H, N, CHUNK, CHUNK), mat, mat, mat, mat, (B, H, N, K)],
