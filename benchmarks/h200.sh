@@ -4,7 +4,9 @@
 # fresh machine (first use of each kernel instance included): kda_tests more than
 # 240 s (give it a call of its own; kda_tests_par runs it as 4 processes), mxfp4_tests 170 s, model_cuda 210 s, bench_kda_final
 # 186 s, bench_mxfp4 112 s, bench_mxfp4_decode 47 s, mxfp4_mma_tests 80-115 s, bench_streaming
-# 149 s; mxfp4_sweep 100-120 s (7-12 shapes, with the probes).
+# 149 s; mxfp4_sweep 100-120 s (7-12 shapes, with the probes); kda_state 80-92 s, bench_kda_state
+# 114-125 s, bench_kda_prefill 201 s, profile_kda / profile_kda_stalls 17-18 s, cuda_tests_par 260 s,
+# bench_kda_final 232 s.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
 OUT=${OUT:-/tmp/out}

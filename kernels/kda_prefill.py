@@ -19,10 +19,14 @@ The state pass carries the state through the chunks in order, the state in regis
 
     V' = U - W S,   O = Qd S + Aqk V',   S = decay * S + Kd^T V'
 
-``kda_chunk_state`` computes O inside the sequential loop, with a register prefetch of the
-next slice. Three other state passes (without the prefetch; split into a sequential kernel
-plus an all-chunks output kernel, at 32 or 16 columns per threadgroup) were measured slower
-on the H200 (docs/benchmarks.md) and removed.
+Two state passes compute O inside the sequential loop. ``kda_chunk_state_mma`` (CUDA's) runs
+the four products on tf32 tensor cores in the 3xTF32 split (about fp32 accuracy), the state
+transposed in each simdgroup's MMA accumulators, the chunk's operands staged through
+threadgroup memory one stage ahead; its Metal spelling is exact but made of shuffles, so
+Metal keeps ``kda_chunk_state`` (fp32 FMAs, a register prefetch of the next slice).
+``STATE_PASS`` picks one per backend. Three other FMA state passes (without the prefetch;
+split into a sequential kernel plus an all-chunks output kernel, at 32 or 16 columns per
+threadgroup) were measured slower on the H200 (docs/benchmarks.md) and removed.
 
 Any T works: rows past the end of the input are zero (zero g, k, v, beta leave S alone).
 """
@@ -818,7 +822,8 @@ def chunk_prep(backend: str, q, k, v, g, beta):
 
 
 def chunk_state(backend: str, prep, state, T: int):
-    """The state pass (``kda_chunk_state``) over ``chunk_prep``'s outputs.
+    """The state pass over ``chunk_prep``'s outputs: ``kda_chunk_state_mma`` where
+    ``STATE_PASS[backend]`` is ``"mma"`` (CUDA), else ``kda_chunk_state``.
 
     Returns (o [B, T, H, K] fp32, state fp32).
     """

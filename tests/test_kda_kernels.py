@@ -316,3 +316,45 @@ def test_mma_state_pass_matches_fla(monkeypatch):
 def test_a_broken_mma_state_kernel_fails(monkeypatch, old, new):
     mma_state_pass(monkeypatch)
     assert_prefill_breaks(monkeypatch, "KDA_CHUNK_STATE_MMA", old, new, T=130)
+
+
+def check_mma_tf32_layout(backend: str):
+    """SIMD_MMA_TF32 on one simdgroup with the layout kernels/README.md documents: A 16x8 and
+    B 8x8 (tf32 values) in, C = A B out, against float64."""
+    from kimi_k3.kernels.source import Instance, Kernel
+
+    body = """
+  const uint l = LANE, g = l / 4, t = l % 4;
+  const float4 a = FLOAT4(A[g * 8 + t], A[(g + 8) * 8 + t], A[g * 8 + t + 4],
+                          A[(g + 8) * 8 + t + 4]);
+  const float2 b = FLOAT2(B[t * 8 + g], B[(t + 4) * 8 + g]);
+  const float4 c = SIMD_MMA_TF32(FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), a, b, l);
+  out[g * 8 + 2 * t] = c.x;
+  out[g * 8 + 2 * t + 1] = c.y;
+  out[(g + 8) * 8 + 2 * t] = c.z;
+  out[(g + 8) * 8 + 2 * t + 1] = c.w;
+"""
+    kernel = Kernel(
+        "mma_tf32_layout",
+        ["A", "B"],
+        ["out"],
+        body,
+        instances=[Instance([mx.float32] * 2, [mx.float32])],
+    )
+    rng = np.random.default_rng(0)
+    tf32 = lambda x: (x.astype(np.float32).view(np.uint32) & 0xFFFFE000).view(np.float32)  # noqa: E731
+    A, B = tf32(rng.normal(size=(16, 8))), tf32(rng.normal(size=(8, 8)))
+    (out,) = kernel(
+        backend,
+        inputs=[mx.array(A), mx.array(B)],
+        output_shapes=[(16, 8)],
+        output_dtypes=[mx.float32],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+    )
+    want = A.astype(np.float64) @ B.astype(np.float64)
+    assert np.abs(np.array(out) - want).max() < 1e-5 * np.abs(want).max()
+
+
+def test_mma_tf32_layout():
+    check_mma_tf32_layout("emulator")

@@ -94,3 +94,10 @@ def test_state_passes(monkeypatch, kind, T, H, K):
     p = layer(H, K)
     args = activations(1, T, H, K, mx.float32, True)
     check_cuda(kda_prefill.kda_prefill("cuda", p, *args), reference(p, args), mx.float32)
+
+
+def test_mma_tf32_layout():
+    """SIMD_MMA_TF32's PTX spelling has the documented fragment layout."""
+    from test_kda_kernels import check_mma_tf32_layout
+
+    check_mma_tf32_layout("cuda")
