@@ -283,8 +283,6 @@ def prefill_cases(backend, T: int, skip_slow: bool, only=None):
         ("fla chunk_kda (Triton, fp32)", lambda: fla_run(T, bf16=False)),
         ("pure-MLX kda_chunked (recurrence)", mlx_run(lambda: kda_chunked(*r))),
     ]
-    if only:
-        cases = [c for c in cases if any(s in c[0] for s in only)]
     if not skip_slow:
         gamma = mx.exp(r[3].mean(-1))
         state_vk = r[5].swapaxes(-1, -2)
@@ -294,6 +292,8 @@ def prefill_cases(backend, T: int, skip_slow: bool, only=None):
                 mlx_run(lambda: mx.fast.gated_delta_update(*r[:3], gamma, r[4], state_vk)),
             )
         )
+    if only:
+        cases = [c for c in cases if any(s in c[0] for s in only)]
     return cases
 
 

@@ -833,6 +833,11 @@ def chunk_state(backend: str, prep, state, T: int):
     if STATE_PASS.get(backend) == "mma":
         warps = B * H * (K // 16)
         wg = min(STATE_MMA_WARPS, K // 16)  # a threadgroup's simdgroups share one head
+        if (K // 16) % wg:
+            raise ValueError(
+                f"kda_prefill.STATE_MMA_WARPS = {STATE_MMA_WARPS} must divide a head's "
+                f"{K // 16} simdgroups (head_dim {K} / 16)"
+            )
         return KDA_CHUNK_STATE_MMA(
             backend,
             inputs=[*prep, _f32(state), constant([T, N], mx.int32)],

@@ -255,11 +255,12 @@ def test_state_pass_at_head_dim_128():
 # MMA out with shuffles, exact but slow, so Metal dispatches the FMA one; here the emulator
 # checks its fragment bookkeeping, staging and barriers on a few shapes.
 MMA_STATE_CASES = [
-    (2, 2, 64, mx.float32, True),
-    (65, 2, 64, mx.float32, True),
-    (64, 2, 64, mx.float32, False),
-    (130, 1, 128, mx.float32, True),
-    (100, 2, 64, mx.bfloat16, True),
+    (1, 2, 2, 64, mx.float32, True),
+    (1, 65, 2, 64, mx.float32, True),
+    (1, 64, 2, 64, mx.float32, False),
+    (1, 130, 1, 128, mx.float32, True),
+    (1, 100, 2, 64, mx.bfloat16, True),
+    (2, 70, 3, 64, mx.float32, True),
 ]
 
 
@@ -269,21 +270,30 @@ def mma_state_pass(monkeypatch, warps=None):
         monkeypatch.setattr(kda_prefill, "STATE_MMA_WARPS", warps)
 
 
-@pytest.mark.parametrize("T, H, K, dtype, with_state", MMA_STATE_CASES)
-def test_mma_state_pass_matches_reference(monkeypatch, T, H, K, dtype, with_state):
+@pytest.mark.parametrize("B, T, H, K, dtype, with_state", MMA_STATE_CASES)
+def test_mma_state_pass_matches_reference(monkeypatch, B, T, H, K, dtype, with_state):
     mma_state_pass(monkeypatch)
     p = layer(H, K)
-    args = activations(1, T, H, K, dtype, with_state)
+    args = activations(B, T, H, K, dtype, with_state)
     check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), dtype)
 
 
-@pytest.mark.parametrize("warps", [2, 8])
-def test_mma_state_pass_launch_shapes(monkeypatch, warps):
-    """2 and 8 simdgroups per threadgroup (8 is capped to the head's K / 16 = 4 at K = 64)."""
+@pytest.mark.parametrize("warps, K", [(2, 128), (8, 128), (8, 64)])
+def test_mma_state_pass_launch_shapes(monkeypatch, warps, K):
+    """2, 4 and 8 simdgroups per threadgroup (8 is capped to the head's K / 16 = 4 at K =
+    64: a threadgroup's simdgroups share one head's staged data)."""
     mma_state_pass(monkeypatch, warps)
-    p = layer(2, 128)
-    args = activations(1, 70, 2, 128, mx.float32, True)
+    p = layer(2, K)
+    args = activations(1, 70, 2, K, mx.float32, True)
     check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), mx.float32)
+
+
+def test_mma_state_pass_refuses_a_threadgroup_across_heads(monkeypatch):
+    mma_state_pass(monkeypatch, 3)
+    p = layer(2, 64)
+    args = activations(1, 70, 2, 64, mx.float32, True)
+    with pytest.raises(ValueError, match="STATE_MMA_WARPS"):
+        kda_prefill.kda_prefill("emulator", p, *args)
 
 
 def test_mma_state_pass_matches_fla(monkeypatch):
