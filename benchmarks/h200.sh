@@ -46,6 +46,7 @@ for step in "$@"; do
     kda_state) MLX_ENABLE_TF32=0 run kda_state 300 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "state_pass" ;;
     bench_kda_prefill) run bench_kda_prefill 300 python3 -m benchmarks.bench_kda --no-decode --skip-slow --repeats 10 --out "$OUT/bench_kda_prefill.md" ;;
     bench_kda_state) run bench_kda_state 200 python3 -m benchmarks.bench_kda --no-decode --skip-slow --repeats 10 --cases "state pass" "fla chunk_kda (Triton, bf16" --out "$OUT/bench_kda_state.md" ;;
+    kda_prep_probes) run kda_prep_probes 200 python3 -m benchmarks.kda_prep_probes --out "$OUT/kda_prep_probes.md" ;;
     kda_tests_quick) MLX_ENABLE_TF32=0 run kda_tests_quick 120 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "decode or state_pass or uses_the_cuda" ;;
     mxfp4_tests_quick) MLX_ENABLE_TF32=0 run mxfp4_tests_quick 150 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "k3_layer or dispatcher or slots or agree" ;;
     model_cuda) MLX_ENABLE_TF32=0 run model_cuda 300 python3 -m pytest -q tests/cuda/test_model_cuda.py ;;

@@ -805,12 +805,13 @@ def _f32(x: mx.array) -> mx.array:
     return as_dtype(x, mx.float32)
 
 
-def chunk_prep(backend: str, q, k, v, g, beta):
-    """``kda_chunk_prep``: (Aqk, W, U, Qd, Kd, decay) of every chunk. Shapes as ``kda_chunk``."""
+def chunk_prep(backend: str, q, k, v, g, beta, kernel=None):
+    """``kda_chunk_prep`` (or ``kernel``, a variant with its inputs and outputs: the
+    benchmarks' probes): (Aqk, W, U, Qd, Kd, decay) of every chunk. Shapes as ``kda_chunk``."""
     B, T, H, K = k.shape
     N = -(-T // CHUNK)
     mat = (B, H, N, CHUNK, K)
-    return KDA_CHUNK_PREP(
+    return (kernel or KDA_CHUNK_PREP)(
         backend,
         inputs=[*(_f32(x) for x in (q, k, v, g, beta)), constant([T, N], mx.int32)],
         output_shapes=[(B, H, N, CHUNK, CHUNK), mat, mat, mat, mat, (B, H, N, K)],
