@@ -36,7 +36,7 @@ SHARED_LIMIT = 48 * 1024  # static shared memory per block without an opt-in
 
 def test_kernels_are_found_and_list_instances():
     names = {k.name for k in KERNELS}
-    assert {"kda_decode", "kda_chunk_prep", "kda_chunk_state"} <= names
+    assert {"kda_decode", "kda_chunk_prep", "kda_chunk_state", "kda_chunk_state_mma"} <= names
     for k in KERNELS:
         assert k.instances, f"{k.name} lists no instances to compile-check"
 
