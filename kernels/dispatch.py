@@ -47,21 +47,26 @@ def kda_mix_kernel(p, x_q, conv_state, state):
 EXPERT_DECODE_MAX_PAIRS = 128
 
 
-def expert_prefill_choice(backend: str, w) -> str:
+def expert_prefill_choice() -> str:
     """``"kernel"`` or ``"reference"`` for more than ``EXPERT_DECODE_MAX_PAIRS`` pairs.
 
-    ``KIMI_K3_EXPERT_PREFILL=kernel`` / ``reference`` forces one. Otherwise the kernel, on
-    Metal and on CUDA. On the H200 MLX's CUDA ``gather_qmm`` (mxfp4, sorted indices) is about
-    2x faster (29 vs 66 ms at 512 tokens of K3's 896-expert layer) but wrong there:
-    ``benchmarks/mxfp4_diag.py`` measured it at relative error 1.06 against an fp32 dense
-    oracle with flat routing over 896 experts, while the kernel agreed to 9.5e-7 (and both
-    agree when only 16 experts are used). Correct first: the kernel serves prefill.
+    ``KIMI_K3_EXPERT_PREFILL=kernel`` / ``reference`` forces one (another value is an error).
+    Otherwise the kernel, on every backend and shape. On the H200 MLX's CUDA ``gather_qmm``
+    (mxfp4, sorted indices) is about 2x faster (29 vs 66 ms at 512 tokens of K3's 896-expert
+    layer) but wrong there: ``benchmarks/mxfp4_diag.py`` measured it at relative error 1.06
+    against an fp32 dense oracle with flat routing over 896 experts, while the kernel agreed
+    to 9.5e-7 (and both agree when only 16 experts are used). Correct first: the kernel
+    serves prefill.
     """
     import os
 
     forced = os.environ.get("KIMI_K3_EXPERT_PREFILL", "")
     if forced in ("kernel", "reference"):
         return forced
+    if forced:
+        raise ValueError(
+            f"KIMI_K3_EXPERT_PREFILL={forced!r}: expected 'kernel', 'reference' or unset"
+        )
     return "kernel"
 
 
@@ -87,7 +92,7 @@ def expert_glu_kernel(z, w, inds):
         if backend == "cuda" and mxfp4_mma.eligible(z, w, inds):
             return partial(mxfp4_mma.expert_glu_decode, backend=backend)
         return partial(mxfp4_decode.expert_glu_decode, backend=backend)
-    if expert_prefill_choice(backend, w) == "reference":
+    if expert_prefill_choice() == "reference":
         return None
     return partial(mxfp4_prefill.expert_glu_prefill, backend=backend)
 
