@@ -7,12 +7,21 @@ import mlx.core as mx
 KDA_DTYPES = (mx.float32, mx.bfloat16)
 
 
+REFERENCE_VALUES = ("", "0", "1", "all", "kda", "experts")
+
+
 def reference_forced(part: str) -> bool:
     """``KIMI_K3_REFERENCE=1`` (or ``all``, or ``part``: ``kda`` / ``experts``) forces the
-    pure-MLX reference for that part of the model."""
+    pure-MLX reference for that part of the model; ``0`` or unset forces nothing, and any
+    other value is an error (a misspelt part would otherwise be silently ignored)."""
     import os
 
-    return os.environ.get("KIMI_K3_REFERENCE", "0") in ("1", "all", part)
+    value = os.environ.get("KIMI_K3_REFERENCE", "0")
+    if value not in REFERENCE_VALUES:
+        raise ValueError(
+            f"KIMI_K3_REFERENCE={value!r}: expected one of {', '.join(REFERENCE_VALUES[1:])}"
+        )
+    return value in ("1", "all", part)
 
 
 def kda_mix_kernel(p, x_q, conv_state, state):

@@ -362,6 +362,10 @@ def test_dispatcher(monkeypatch):
         assert dispatch.expert_glu_kernel(z, w, inds) is None
     monkeypatch.setenv("KIMI_K3_REFERENCE", "kda")
     assert dispatch.expert_glu_kernel(z, w, inds) is not None
+    monkeypatch.setenv("KIMI_K3_REFERENCE", "expert")  # misspelt: an error, not ignored
+    with pytest.raises(ValueError, match="KIMI_K3_REFERENCE='expert'"):
+        dispatch.expert_glu_kernel(z, w, inds)
+    monkeypatch.setenv("KIMI_K3_REFERENCE", "0")
     monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "none")
     assert dispatch.expert_glu_kernel(z, w, inds) is None
 
