@@ -329,11 +329,25 @@ def table(sections) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    args = setup_arg_parser().parse_args(argv)
+def kernel_backend() -> str:
+    """``source.backend()``, or exit: these benchmarks need Metal or CUDA."""
     backend = source.backend()
     if backend is None:
         raise SystemExit("no kernel backend here (needs Metal or CUDA)")
+    return backend
+
+
+def emit(text: str, out: str | None):
+    """Print a result table and, with ``--out``, write it there."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    backend = kernel_backend()
     mx.random.seed(0)
     sections = []
     if not args.no_decode:
@@ -360,10 +374,7 @@ def main(argv=None):
         device = str(mx.default_device())
     text = f"KDA at {H} heads x {K}, backend {backend}, {device}, MLX {mx.__version__}\n\n"
     text += table(sections)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,13 @@ registers per kernel where nvcc is on PATH.
 from __future__ import annotations
 
 import argparse
-import subprocess
 from dataclasses import replace
 
 import mlx.core as mx
 
-from benchmarks.bench_kda import median_time, mlx_run, recurrence_inputs
-from benchmarks.profile_kernels import ptxas
-from kimi_k3.kernels import kda_prefill, source
+from benchmarks.bench_kda import emit, kernel_backend, median_time, mlx_run, recurrence_inputs
+from benchmarks.profile_kernels import register_count
+from kimi_k3.kernels import kda_prefill
 
 # name: (first line of the cut, first line kept after it, what goes in its place)
 CUTS = {
@@ -64,25 +63,15 @@ def kernels():
     ]
 
 
-def registers(kernel) -> str:
-    try:
-        _, _, entries = ptxas(kernel, timeout=300)
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-    return entries[0][1] if entries and entries[0][1] else "?"
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", help="write the markdown table here")
     args = parser.parse_args(argv)
-    backend = source.backend()
-    if backend is None:
-        raise SystemExit("no kernel backend here (needs Metal or CUDA)")
+    backend = kernel_backend()
     mx.random.seed(0)
-    regs = {name: registers(k) for name, k in kernels()}
+    regs = {name: register_count(k) for name, k in kernels()}
     lines = ["| T | kernel | time (us) | / kernel | registers |", "|---:|---|---:|---:|---:|"]
     for T in args.lengths:
         r = recurrence_inputs(T)
@@ -97,11 +86,7 @@ def main(argv=None):
             base = base or us
             ratio = f"{us / base:.2f}x" if name != "kda_chunk_prep" else ""
             lines.append(f"| {T} | {name} | {us:,.1f} | {ratio} | {regs[name]} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

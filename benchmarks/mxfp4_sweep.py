@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
 
 from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_batch
-from benchmarks.profile_kernels import ptxas
+from benchmarks.profile_kernels import register_count
 from kimi_k3.kernels import mxfp4_mma
 from kimi_k3.kernels.source import Instance, Kernel, constant
 
@@ -68,14 +67,7 @@ def registers(kernel: Kernel, dtype, KD, NR, k, glu, shape) -> str:
         [mx.float32],
         mxfp4_mma.template(x_dt, KD, NR, k, glu, *shape),
     )
-    try:
-        _, _, entries = ptxas(kernel, [inst], timeout=300)
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-    if not entries or entries[0][1] is None:
-        return "?"
-    _, regs, stack = entries[0]
-    return regs + (f" (spill {stack[1]})" if stack and stack[1] != "0" else "")
+    return register_count(kernel, [inst])
 
 
 def nostage_kernel() -> Kernel:

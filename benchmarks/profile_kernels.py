@@ -52,6 +52,19 @@ def ptxas(kernel, instances=None, timeout=None):
     return res.returncode, res.stderr, entries
 
 
+def register_count(kernel, instances=None, timeout=300) -> str:
+    """ptxas's register count for the first entry of ``ptxas(kernel, instances)``, with its
+    spill stores if any (" (spill N)"), or "?" where nvcc is missing, fails or says nothing."""
+    try:
+        _, _, entries = ptxas(kernel, instances, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    if not entries or entries[0][1] is None:
+        return "?"
+    _, regs, stack = entries[0]
+    return regs + (f" (spill {stack[1]})" if stack and stack[1] != "0" else "")
+
+
 def ptxas_report():
     from tests.test_cuda_compile import KERNELS
 
