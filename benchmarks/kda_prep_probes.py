@@ -6,7 +6,24 @@ part cut out (their results are wrong by design; only their times are reported).
 - ``no scores``: pass 1's score dot products removed (the exponential factors, the
   barriers and everything else stay);
 - ``no sub-block loop``: pass 1's loop over the four sub-blocks removed (factors, dot
-  products and their 8 barriers per 16-channel tile), one barrier left in its place.
+  products and their 8 barriers per 16-channel tile), one barrier left in its place;
+- ``no cumsum``: the in-chunk cumulative sum of g (two passes, two barriers per tile) removed
+  (G is g itself);
+- ``no pass-1 stores``: the Qd, Kd, beta exp(G) k and decay stores removed (pass 2 then
+  solves whatever W holds);
+- ``no pass 2``: the whole solve pass removed (its loads, forward substitution and stores).
+
+Beside the cuts, whole variants (correct kernels, tests/test_kda_prep_probes.py checks them
+against ``kda_chunk_prep``) are timed the same way:
+
+- ``chunk-major grid``: consecutive threadgroups take the same chunk of consecutive heads
+  (a token's q, k, g rows are read whole by the threadgroups in flight) instead of
+  consecutive chunks of one head;
+- ``next tile in registers``: each thread loads its float4s of the next 16-channel tile
+  while the current one is worked on (12 more registers), so no tile waits on DRAM;
+- ``stores by assignment``, ``beta v per load``, ``before the two fixes``: the kernel as it
+  was before its float4 stores went through ``kk_store4`` and before pass 2's right-hand
+  side loads were all issued ahead of their use (one fix undone, or both).
 
 Inputs are ``bench_kda``'s recurrence inputs at K3's shape (96 heads x 128); ptxas's
 registers per kernel where nvcc is on PATH.
@@ -21,7 +38,15 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from benchmarks.bench_kda import emit, kernel_backend, median_time, mlx_run, recurrence_inputs
+from benchmarks.bench_kda import (
+    emit,
+    kernel_backend,
+    layer,
+    median_time,
+    mixer_inputs,
+    mlx_run,
+    recurrence_inputs,
+)
 from benchmarks.profile_kernels import register_count
 from kimi_k3.kernels import kda_prefill
 
@@ -42,24 +67,174 @@ CUTS = {
         "  }\n\n  // Aqk (lower",
         "    BARRIER();\n",
     ),
+    "no cumsum": (
+        "    // Cumulative sum down the rows",
+        "    {\n      const float4 G = sm4[OG + row * RQ + dq];",
+        "",
+    ),
+    "no pass-1 stores": (
+        "      kk_store4(Qd + o",
+        "    }\n\n#pragma unroll\n    for (int I = 0; I < 4; ++I) {",
+        "",
+    ),
+    "no pass 2": ("  // Pass 2: solve", None, ""),  # to the end of the body
 }
+
+
+_GRID_OLD = "  const uint n = GROUP_POS.x % N;\n  const uint bh = GROUP_POS.x / N;\n"
+_GRID_NEW = (
+    "  const uint nbh = NUM_GROUPS.x / N;               // batch x heads\n"
+    "  const uint n = GROUP_POS.x / nbh;\n"
+    "  const uint bh = GROUP_POS.x % nbh;\n"
+)
+_LOAD_OLD = """  for (int d0 = 0; d0 < K; d0 += DT) {
+    {
+      const size_t src = in0 + row * tok + d0 + 4 * dq;
+      const bool ok = (int)row < rows;
+      sm4[OQ + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(q + src) : kk_zero4();
+      sm4[OK + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(k + src) : kk_zero4();
+      sm4[OG + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(g + src) : kk_zero4();
+    }
+    BARRIER();
+"""
+_LOAD_NEW = """  const size_t src = in0 + row * tok + 4 * dq;
+  const bool ok = (int)row < rows;
+  float4 pq = ok ? *reinterpret_cast<const DEVICE float4*>(q + src) : kk_zero4();
+  float4 pk = ok ? *reinterpret_cast<const DEVICE float4*>(k + src) : kk_zero4();
+  float4 pg = ok ? *reinterpret_cast<const DEVICE float4*>(g + src) : kk_zero4();
+  for (int d0 = 0; d0 < K; d0 += DT) {
+    // the previous tile's last reads of these regions were before its last barrier
+    sm4[OQ + row * RQ + dq] = pq;
+    sm4[OK + row * RQ + dq] = pk;
+    sm4[OG + row * RQ + dq] = pg;
+    if (ok && d0 + DT < K) {
+      pq = *reinterpret_cast<const DEVICE float4*>(q + src + d0 + DT);
+      pk = *reinterpret_cast<const DEVICE float4*>(k + src + d0 + DT);
+      pg = *reinterpret_cast<const DEVICE float4*>(g + src + d0 + DT);
+    }
+    BARRIER();
+"""
+# The kernel before two fixes, for a same-run comparison: its float4 stores written as
+# assignments through a cast pointer (nvcc made four 4-byte stores of each), and beta v
+# multiplied right after each load (so each of the 64 loads waited out its latency).
+_STORES_NEW = (
+    "      kk_store4(Qd + o, kk_mul4(sm4[OQ + row * RQ + dq], eG));\n"
+    "      kk_store4(Kd + o, kk_mul4(kv, kk_exp4(kk_sub4(G_last, G))));\n"
+    "      kk_store4(Wc + o, kk_scale4(s_beta[row], kk_mul4(kv, eG)));  // beta exp(G) k: W's RHS\n"
+    "      if (t < 4) kk_store4(decay + ch * K + d0 + 4 * t, kk_exp4(G_last));"
+)
+_F4 = "*reinterpret_cast<DEVICE float4*>"
+_STORES_OLD = (
+    f"      {_F4}(Qd + o) = kk_mul4(sm4[OQ + row * RQ + dq], eG);\n"
+    f"      {_F4}(Kd + o) = kk_mul4(kv, kk_exp4(kk_sub4(G_last, G)));\n"
+    f"      {_F4}(Wc + o) = kk_scale4(s_beta[row], kk_mul4(kv, eG));\n"
+    f"      if (t < 4) {_F4}(decay + ch * K + d0 + 4 * t) = kk_exp4(G_last);"
+)
+_RHS_NEW = """    if (is_w) {
+#pragma unroll
+      for (int i = 0; i < C; ++i) x[i] = W_out[i * K + d];
+    } else {
+#pragma unroll
+      for (int i = 0; i < C; ++i) x[i] = i < rows ? v[in0 + i * tok + d] : 0.0f;
+#pragma unroll
+      for (int i = 0; i < C; ++i) x[i] *= s_beta[i];
+    }
+"""
+_RHS_OLD = """#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      x[i] = is_w ? W_out[i * K + d] : (i < rows ? s_beta[i] * v[in0 + i * tok + d] : 0.0f);
+    }
+"""
+# name: the (old, new) text swaps that make it
+VARIANTS = {
+    "chunk-major grid": [(_GRID_OLD, _GRID_NEW)],
+    "next tile in registers": [(_LOAD_OLD, _LOAD_NEW)],
+    "stores by assignment": [(_STORES_NEW, _STORES_OLD)],
+    "beta v per load": [(_RHS_NEW, _RHS_OLD)],
+    "before the two fixes": [(_STORES_NEW, _STORES_OLD), (_RHS_NEW, _RHS_OLD)],
+}
+
+
+def variant(name: str):
+    """``kda_chunk_prep`` with the swaps of ``VARIANTS[name]``."""
+    kernel = kda_prefill.KDA_CHUNK_PREP
+    body = kernel.body
+    for old, new in VARIANTS[name]:
+        assert body.count(old) == 1, f"{name}: the kernel changed"
+        body = body.replace(old, new)
+    label = "kda_chunk_prep_var_" + name.replace(" ", "_").replace("-", "_")
+    return replace(kernel, name=label, body=body, _built={})
+
+
+# kda_pre as it was before its token loads went one token ahead: (start, end, what was
+# there) of each region that changed.
+PRE_BEFORE = [
+    (
+        "    // A token's inputs are loaded during the token before it",
+        "        float aq = 0.0f, ak = 0.0f, av = 0.0f;",
+        """    for (int t = ta; t < tb; ++t) {
+      const size_t row = xb + (size_t)t * P;
+      float yq[CL], yk[CL];
+      float sq = 0.0f, sk = 0.0f;
+      for (int i = 0; i < CL; ++i) {
+        const uint c = h * K + LANE + 32 * i;
+        wq[i][W - 1] = static_cast<float>(x_q[row + c]);
+        wk[i][W - 1] = static_cast<float>(x_k[row + c]);
+        wv[i][W - 1] = static_cast<float>(x_v[row + c]);
+""",
+    ),
+    (
+        "        const float z = a_h * (gr[i] + dtb[i]);",
+        "\n        g[row + c] = lb",
+        "        const float z = a_h * (static_cast<float>(g_raw[row + c]) + dtb[i]);",
+    ),
+    (
+        "        beta[bi] = 1.0f / (1.0f + EXP(-bl));",
+        None,
+        "        beta[bi] = 1.0f / (1.0f + EXP(-static_cast<float>(b_logits[bi])));\n"
+        "      }\n    }\n  }\n",
+    ),
+]
+
+
+def cut(body: str, start: str, end: str | None, fill: str, what: str) -> str:
+    """``body`` with [start, end) (to the end where ``end`` is None) replaced by ``fill``."""
+    assert body.count(start) == 1, f"{what}: the kernel changed"
+    assert end is None or body.count(end) == 1, f"{what}: the kernel changed"
+    a = body.index(start)
+    b = len(body) if end is None else body.index(end)
+    assert a < b, what
+    return body[:a] + fill + body[b:]
+
+
+def pre_before():
+    """``kda_pre`` with its token loads back in the token they serve."""
+    body = kda_prefill.KDA_PRE.body
+    for start, end, fill in PRE_BEFORE:
+        body = cut(body, start, end, fill, "kda_pre before")
+    return replace(kda_prefill.KDA_PRE, name="kda_pre_before", body=body, _built={})
 
 
 def probe(name: str):
     """``kda_chunk_prep`` with the part ``name`` of ``CUTS`` cut out."""
     kernel = kda_prefill.KDA_CHUNK_PREP
     start, end, fill = CUTS[name]
-    body = kernel.body
-    assert body.count(start) == 1 and body.count(end) == 1, f"{name}: the kernel changed"
-    a, b = body.index(start), body.index(end)
-    assert a < b, name
-    label = "kda_chunk_prep_probe_" + name.replace(" ", "_").replace("-", "_")
-    return replace(kernel, name=label, body=body[:a] + fill + body[b:], _built={})
+    label = "kda_chunk_prep_cut_" + name.replace(" ", "_").replace("-", "_")
+    return replace(kernel, name=label, body=cut(kernel.body, start, end, fill, name), _built={})
 
 
 def kernels():
-    return [("kda_chunk_prep", kda_prefill.KDA_CHUNK_PREP)] + [
-        (f"probe: {name}", probe(name)) for name in CUTS
+    return (
+        [("kda_chunk_prep", kda_prefill.KDA_CHUNK_PREP)]
+        + [(f"probe: {name}", probe(name)) for name in CUTS]
+        + [(f"variant: {name}", variant(name)) for name in VARIANTS]
+    )
+
+
+def pre_kernels():
+    return [
+        ("kda_pre", kda_prefill.KDA_PRE),
+        ("kda_pre before (loads in their token)", pre_before()),
     ]
 
 
@@ -67,24 +242,35 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--only", nargs="+", help="time only these kernels (names as listed)")
     parser.add_argument("--out", help="write the markdown table here")
     args = parser.parse_args(argv)
     backend = kernel_backend()
     mx.random.seed(0)
-    regs = {name: register_count(k) for name, k in kernels()}
+    every = kernels() + pre_kernels()
+    chosen = [(n, k) for n, k in every if not args.only or n in args.only]
+    if args.only and len(chosen) != len(args.only):
+        parser.error(f"--only: unknown names among {args.only}; known: {[n for n, _ in every]}")
+    regs = {name: register_count(k) for name, k in chosen}
+    pre_names = {n for n, _ in pre_kernels()}
+    p = layer()
     lines = ["| T | kernel | time (us) | / kernel | registers |", "|---:|---|---:|---:|---:|"]
     for T in args.lengths:
         r = recurrence_inputs(T)
-        mx.eval(r)
-        base = None
-        for name, k in kernels():
+        xs = mixer_inputs(T)
+        mx.eval(r, xs)
+        base = {}
+        for name, k in chosen:
+            kind = "pre" if name in pre_names else "prep"
 
-            def run(k=k, r=r):
+            def run(k=k, r=r, xs=xs, kind=kind):
+                if kind == "pre":
+                    return kda_prefill.pre(backend, p, *xs[:5], xs[6], kernel=k)
                 return kda_prefill.chunk_prep(backend, *r[:5], kernel=k)
 
             us = median_time(mlx_run(run), args.repeats) * 1e6
-            base = base or us
-            ratio = f"{us / base:.2f}x" if name != "kda_chunk_prep" else ""
+            first = base.setdefault(kind, us)
+            ratio = f"{us / first:.2f}x" if us != first else ""
             lines.append(f"| {T} | {name} | {us:,.1f} | {ratio} | {regs[name]} |")
     emit("\n".join(lines) + "\n", args.out)
 

@@ -111,11 +111,10 @@ PREP_BODY = """
       const float4 eG = kk_exp4(G);
       const float4 kv = sm4[OK + row * RQ + dq];
       const size_t o = ch * C * K + row * K + d0 + 4 * dq;
-      *reinterpret_cast<DEVICE float4*>(Qd + o) = kk_mul4(sm4[OQ + row * RQ + dq], eG);
-      *reinterpret_cast<DEVICE float4*>(Kd + o) = kk_mul4(kv, kk_exp4(kk_sub4(G_last, G)));
-      // beta exp(G) k, solved into W in pass 2
-      *reinterpret_cast<DEVICE float4*>(Wc + o) = kk_scale4(s_beta[row], kk_mul4(kv, eG));
-      if (t < 4) *reinterpret_cast<DEVICE float4*>(decay + ch * K + d0 + 4 * t) = kk_exp4(G_last);
+      kk_store4(Qd + o, kk_mul4(sm4[OQ + row * RQ + dq], eG));
+      kk_store4(Kd + o, kk_mul4(kv, kk_exp4(kk_sub4(G_last, G))));
+      kk_store4(Wc + o, kk_scale4(s_beta[row], kk_mul4(kv, eG)));  // beta exp(G) k: W's RHS
+      if (t < 4) kk_store4(decay + ch * K + d0 + 4 * t, kk_exp4(G_last));
     }
 
 #pragma unroll
@@ -179,10 +178,17 @@ PREP_BODY = """
     const uint d = t % K;
     const bool is_w = (int)t < K;
     DEVICE float* out = is_w ? W_out : U_out;
+    // All 64 loads go out before any is used: a multiply right after each load (beta v)
+    // made the U threads wait out the memory latency 64 times.
     float x[C];
+    if (is_w) {
 #pragma unroll
-    for (int i = 0; i < C; ++i) {
-      x[i] = is_w ? W_out[i * K + d] : (i < rows ? s_beta[i] * v[in0 + i * tok + d] : 0.0f);
+      for (int i = 0; i < C; ++i) x[i] = W_out[i * K + d];
+    } else {
+#pragma unroll
+      for (int i = 0; i < C; ++i) x[i] = i < rows ? v[in0 + i * tok + d] : 0.0f;
+#pragma unroll
+      for (int i = 0; i < C; ++i) x[i] *= s_beta[i];
     }
 #pragma unroll
     for (int i = 1; i < C; ++i) {
@@ -635,15 +641,46 @@ PRE_BODY = """
         }
       }
     }
+    // A token's inputs are loaded during the token before it: the stores of each token's
+    // results may alias the inputs as far as the compiler knows, so it cannot move the next
+    // token's loads above them, and each token waited out the memory latency.
+    float nq[CL], nk[CL], nv[CL], ng[CL];
+    float nb = 0.0f;
+    {
+      const size_t row = xb + (size_t)ta * P;
+      for (int i = 0; i < CL; ++i) {
+        const uint c = h * K + LANE + 32 * i;
+        nq[i] = static_cast<float>(x_q[row + c]);
+        nk[i] = static_cast<float>(x_k[row + c]);
+        nv[i] = static_cast<float>(x_v[row + c]);
+        ng[i] = static_cast<float>(g_raw[row + c]);
+      }
+      if (LANE == 0) nb = static_cast<float>(b_logits[((size_t)b * n_tok + ta) * H + h]);
+    }
     for (int t = ta; t < tb; ++t) {
       const size_t row = xb + (size_t)t * P;
+      float gr[CL];
+      for (int i = 0; i < CL; ++i) {
+        wq[i][W - 1] = nq[i];
+        wk[i][W - 1] = nk[i];
+        wv[i][W - 1] = nv[i];
+        gr[i] = ng[i];
+      }
+      const float bl = nb;
+      if (t + 1 < tb) {
+        for (int i = 0; i < CL; ++i) {
+          const uint c = h * K + LANE + 32 * i;
+          nq[i] = static_cast<float>(x_q[row + P + c]);
+          nk[i] = static_cast<float>(x_k[row + P + c]);
+          nv[i] = static_cast<float>(x_v[row + P + c]);
+          ng[i] = static_cast<float>(g_raw[row + P + c]);
+        }
+        if (LANE == 0) nb = static_cast<float>(b_logits[((size_t)b * n_tok + t + 1) * H + h]);
+      }
       float yq[CL], yk[CL];
       float sq = 0.0f, sk = 0.0f;
       for (int i = 0; i < CL; ++i) {
         const uint c = h * K + LANE + 32 * i;
-        wq[i][W - 1] = static_cast<float>(x_q[row + c]);
-        wk[i][W - 1] = static_cast<float>(x_k[row + c]);
-        wv[i][W - 1] = static_cast<float>(x_v[row + c]);
         float aq = 0.0f, ak = 0.0f, av = 0.0f;
         const uint d = LANE + 32 * i;
         for (int j = 0; j < W; ++j) {
@@ -661,7 +698,7 @@ PRE_BODY = """
         v[row + c] = static_cast<float>(static_cast<T>(av / (1.0f + EXP(-av))));
         sq += yq[i] * yq[i];
         sk += yk[i] * yk[i];
-        const float z = a_h * (static_cast<float>(g_raw[row + c]) + dtb[i]);
+        const float z = a_h * (gr[i] + dtb[i]);
         g[row + c] = lb / (1.0f + EXP(-z));
       }
       sq = SIMD_SUM(sq);
@@ -675,7 +712,7 @@ PRE_BODY = """
       }
       if (LANE == 0) {
         const size_t bi = ((size_t)b * n_tok + t) * H + h;
-        beta[bi] = 1.0f / (1.0f + EXP(-static_cast<float>(b_logits[bi])));
+        beta[bi] = 1.0f / (1.0f + EXP(-bl));
       }
     }
   }
@@ -871,8 +908,9 @@ def kda_chunk(backend: str, q, k, v, g, beta, state):
     return chunk_state(backend, chunk_prep(backend, q, k, v, g, beta), state, T)
 
 
-def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state):
-    """``kda_pre``: (q, k, v, g [B, T, H, K] fp32, beta [B, T, H] fp32, new conv_state)."""
+def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state, kernel=None):
+    """``kda_pre`` (or ``kernel``, a variant of it: the benchmarks' probes): (q, k, v, g
+    [B, T, H, K] fp32, beta [B, T, H] fp32, new conv_state)."""
     B, T, P = x_q.shape
     H, K = p["heads"], p["head_dim"]
     W = p["q_conv"].shape[-1]
@@ -883,7 +921,7 @@ def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state):
     acts = [as_dtype(x, dt) for x in (x_q, x_k, x_v, g_raw, b_logits, conv_state)]
     weights = [_f32(p[n]) for n in ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias")]
     shape = (B, T, H, K)
-    return KDA_PRE(
+    return (kernel or KDA_PRE)(
         backend,
         inputs=[*acts, *weights, constant([float(p["lower_bound"])]), constant([T], mx.int32)],
         output_shapes=[shape, shape, shape, shape, (B, T, H), (B, W - 1, 3 * P)],

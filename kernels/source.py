@@ -114,6 +114,14 @@ __device__ inline uint kk_pack_half2(float lo, float hi) {
   return *reinterpret_cast<uint*>(&v);
 }
 __device__ inline float kk_round_half(float x) { return __half2float(__float2half_rn(x)); }
+// One 16-byte store of four floats at p (16-byte aligned). A float4 assigned through a cast
+// pointer can come out of nvcc as four 4-byte stores (kda_chunk_prep's did: a quarter of
+// each sector written per store); __stwb gives a vector store but a strong (.STRONG.SM) one.
+__device__ inline void kk_store4(float* p, float4 v) {
+  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w)
+               : "memory");
+}
 // c + A B for one warp: A 16x16 fp16 (4 regs), B 16x8 fp16 (2 regs), C 16x8 fp32 (4 regs),
 // in PTX's m16n8k16 fragment layout (SIMD_MMA in kernels/README.md).
 __device__ inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
@@ -143,6 +151,7 @@ __device__ inline float4 kk_mma_tf32(float4 c, float4 a, float2 b, uint lane) {
 METAL_PRELUDE = """
 inline uint kk_pack_half2(float lo, float hi) { return as_type<uint>(half2(half(lo), half(hi))); }
 inline float kk_round_half(float x) { return float(half(x)); }
+inline void kk_store4(device float* p, float4 v) { *reinterpret_cast<device float4*>(p) = v; }
 inline float2 kk_half2_bits(uint u) { return float2(as_type<half2>(u)); }
 inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
   const uint g = lane / 4, t = lane % 4;

@@ -197,8 +197,9 @@ def assert_prefill_breaks(monkeypatch, name: str, old: str, new: str, T: int):
     [
         ("(g + src) : kk_zero4();\n    }\n    BARRIER();", "(g + src) : kk_zero4();\n    }"),
         ("j4 < (i + 3) / 4; ++j4", "j4 < (i + 2) / 4; ++j4"),
+        ("for (int i = 0; i < C; ++i) x[i] *= s_beta[i];", ""),  # U's right-hand side
     ],
-    ids=["missing-barrier", "off-by-one"],
+    ids=["missing-barrier", "off-by-one", "rhs-without-beta"],
 )
 def test_a_broken_prefill_kernel_fails(monkeypatch, old, new):
     assert_prefill_breaks(monkeypatch, "KDA_CHUNK_PREP", old, new, T=65)
@@ -217,6 +218,9 @@ def test_a_broken_prefill_kernel_fails(monkeypatch, old, new):
             "    s_w[e] = w[c * W + j];\n  }",
         ),
         ("KDA_POST", "x[i] = o[base + LANE + 32 * i];", "x[i] = o[base + LANE + 32 * i + 1];"),
+        # the next token's inputs: the current token's loaded again
+        ("KDA_PRE", "x_k[row + P + c]", "x_k[row + c]"),
+        ("KDA_PRE", "b_logits[((size_t)b * n_tok + t + 1)", "b_logits[((size_t)b * n_tok + t)"),
     ],
     ids=[
         "pre-window-shift",
@@ -225,6 +229,8 @@ def test_a_broken_prefill_kernel_fails(monkeypatch, old, new):
         "pre-norm",
         "pre-missing-barrier",
         "post-off-by-one",
+        "pre-stale-next-token",
+        "pre-stale-next-beta",
     ],
 )
 def test_a_broken_pre_or_post_kernel_fails(monkeypatch, kernel, old, new):
