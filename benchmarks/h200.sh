@@ -38,6 +38,7 @@ for step in "$@"; do
       run kda_tests_par 270 bash benchmarks/pytest_split.sh 3 tests/cuda/test_kda_cuda.py &
       MLX_ENABLE_TF32=0 run mxfp4_tests 270 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py &
       MLX_ENABLE_TF32=0 run model_cuda 270 python3 -m pytest -q tests/cuda/test_model_cuda.py &
+      run async_copy 120 python3 -m pytest -q tests/cuda/test_async_copy_cuda.py &
       wait ;;
     mxfp4_model_par)
       # the MXFP4 and whole-model CUDA test modules at once (for a change that leaves KDA alone)
@@ -48,6 +49,7 @@ for step in "$@"; do
     kda_state) MLX_ENABLE_TF32=0 run kda_state 300 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "state_pass" ;;
     bench_kda_prefill) run bench_kda_prefill 300 python3 -m benchmarks.bench_kda --no-decode --skip-slow --repeats 10 --out "$OUT/bench_kda_prefill.md" ;;
     bench_kda_state) run bench_kda_state 200 python3 -m benchmarks.bench_kda --no-decode --skip-slow --repeats 10 --cases "state pass" "fla chunk_kda (Triton, bf16" --out "$OUT/bench_kda_state.md" ;;
+    async_copy) run async_copy 120 python3 -m pytest -q tests/cuda/test_async_copy_cuda.py ;;
     mma_layout) MLX_ENABLE_TF32=0 run mma_layout 120 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "mma_tf32_layout" ;;
     profile_prep)
       # ncu on kda_chunk_prep and its next-tile variant at T = 8192, one launch each

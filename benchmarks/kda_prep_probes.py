@@ -21,6 +21,12 @@ against ``kda_chunk_prep``) are timed the same way:
   consecutive chunks of one head;
 - ``next tile in registers``: each thread loads its float4s of the next 16-channel tile
   while the current one is worked on (12 more registers), so no tile waits on DRAM;
+- ``factors at once``: pass 1 with all four sub-blocks' exponential factors computed in one
+  phase (4 barriers per 16-channel tile instead of 11, 29 KB of threadgroup memory instead
+  of 24), q and k kept in registers;
+- ``shuffle-scan cumsum``: the in-chunk cumulative sum as a shuffle scan within each
+  warp's 8 rows plus the totals of the warps above (2 barriers per tile before the factors
+  instead of 3, all 256 threads instead of 64 adding serially);
 - ``stores by assignment``, ``beta v per load``, ``before the two fixes``: the kernel as it
   was before its float4 stores went through ``kk_store4`` and before pass 2's right-hand
   side loads were all issued ahead of their use (one fix undone, or both).
@@ -145,6 +151,156 @@ _RHS_OLD = """#pragma unroll
       x[i] = is_w ? W_out[i * K + d] : (i < rows ? s_beta[i] * v[in0 + i * tok + d] : 0.0f);
     }
 """
+# Pass 1 with every sub-block's exponential factors computed at once (4 barriers per tile
+# instead of 11; the session before's commit 0e942fa without its next-tile register loads,
+# which took the kernel past 128 registers on the H200): q and k stay in the registers of the
+# thread that loaded them, and the right factors of sub-block I for rows up to its end sit at
+# ORK + RKOFF(I) rows (16 + 32 + 48 + 64 rows).
+_FACTORS_START = "  // sm4 regions, in float4. Pass 1: q, k, G tiles;"
+_FACTORS_END = "  // Aqk (lower, with the diagonal) out;"
+_FACTORS_NEW = """\
+  // sm4 regions, in float4. Pass 1: the G tile; left factors of q and k (each row against
+  // its sub-block's first row); right factors of k against each sub-block I's first row, for the
+  // rows up to that sub-block's end (from ORK + RKOFF(I) * RQ); scan partials. Pass 2: L, one
+  // row of 16 float4 per chunk row (zero on and above the diagonal).
+  constexpr int OG = 0, OLQ = C * RQ, OLK = 2 * C * RQ, ORK = 3 * C * RQ;
+  constexpr int OSEG = ORK + 160 * RQ, OL = 0;
+#define RKOFF(I) (8 * (I) * ((I) + 1))
+  SHARED float4 sm4[OSEG + 64];
+  SHARED float s_beta[C];
+
+  const int T = dims[0];
+  const int N = dims[1];
+  const uint t = THREAD_INDEX;
+  const uint n = GROUP_POS.x % N;
+  const uint bh = GROUP_POS.x / N;
+  const uint b = bh / H;
+  const uint h = bh % H;
+  const int t0 = n * C;
+  const int rows = T - t0 < C ? T - t0 : C;         // valid rows in this chunk
+  const size_t tok = (size_t)H * K;                 // token stride of q, k, v, g
+  const size_t in0 = ((size_t)b * T + t0) * tok + h * K;
+  const size_t ch = (size_t)bh * N + n;
+  DEVICE float* W_out = Wc + ch * C * K;
+  DEVICE float* U_out = Uc + ch * C * K;
+
+  if (t < C) s_beta[t] = (int)t < rows ? beta[((size_t)b * T + t0 + t) * H + h] : 0.0f;
+
+  // Entry (i, j) = (16 I + ii, 16 m + jj) of both score matrices lives in acc[I * 4 + m].
+  const uint ii = t / 16;
+  const uint jj = t % 16;
+  float accq[16];
+  float acck[16];
+  for (int e = 0; e < 16; ++e) {
+    accq[e] = 0.0f;
+    acck[e] = 0.0f;
+  }
+  const uint row = t / 4;         // this thread's tile row and float4 column
+  const uint dq = t % 4;
+  const uint r0 = row / 16 * 16;  // the first row of its sub-block
+  const size_t src = in0 + row * tok + 4 * dq;
+  const bool ok = (int)row < rows;
+
+  for (int d0 = 0; d0 < K; d0 += DT) {
+    // (the previous tile's dot products read only the factor regions)
+    const float4 qv = ok ? *reinterpret_cast<const DEVICE float4*>(q + src + d0) : kk_zero4();
+    const float4 kv = ok ? *reinterpret_cast<const DEVICE float4*>(k + src + d0) : kk_zero4();
+    sm4[OG + row * RQ + dq] =
+        ok ? *reinterpret_cast<const DEVICE float4*>(g + src + d0) : kk_zero4();
+    BARRIER();
+    // Cumulative sum down the rows: 16 segments of 4 rows, one thread per (segment, float4).
+    if (t < 64) {
+      float4 run = kk_zero4();
+      for (uint r = 0; r < 4; ++r) run = kk_add4(run, sm4[OG + (4 * row + r) * RQ + dq]);
+      sm4[OSEG + t] = run;
+    }
+    BARRIER();
+    if (t < 64) {
+      float4 off = kk_zero4();
+      for (uint s2 = 0; s2 < row; ++s2) off = kk_add4(off, sm4[OSEG + 4 * s2 + dq]);
+      for (uint r = 0; r < 4; ++r) {
+        off = kk_add4(off, sm4[OG + (4 * row + r) * RQ + dq]);
+        sm4[OG + (4 * row + r) * RQ + dq] = off;
+      }
+    }
+    BARRIER();
+    {
+      const float4 G = sm4[OG + row * RQ + dq];
+      const float4 G_last = sm4[OG + (C - 1) * RQ + dq];
+      const float4 eG = kk_exp4(G);
+      const size_t o = ch * C * K + row * K + d0 + 4 * dq;
+      kk_store4(Qd + o, kk_mul4(qv, eG));
+      kk_store4(Kd + o, kk_mul4(kv, kk_exp4(kk_sub4(G_last, G))));
+      kk_store4(Wc + o, kk_scale4(s_beta[row], kk_mul4(kv, eG)));  // beta exp(G) k: W's RHS
+      if (t < 4) kk_store4(decay + ch * K + d0 + 4 * t, kk_exp4(G_last));
+      const float4 f = kk_exp4(kk_sub4(G, sm4[OG + r0 * RQ + dq]));
+      sm4[OLQ + row * RQ + dq] = kk_mul4(qv, f);
+      sm4[OLK + row * RQ + dq] = kk_mul4(kv, f);
+      for (uint I = r0 / 16; I < 4; ++I) {
+        const float4 fr = kk_exp4(kk_sub4(sm4[OG + 16 * I * RQ + dq], G));
+        sm4[ORK + (RKOFF(I) + row) * RQ + dq] = kk_mul4(kv, fr);
+      }
+    }
+    BARRIER();
+#pragma unroll
+    for (int I = 0; I < 4; ++I) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        if (m <= I) {
+          const uint i = OLQ + (16 * I + ii) * RQ;
+          const uint j = ORK + (RKOFF(I) + m * 16 + jj) * RQ;
+          float aq = 0.0f, ak = 0.0f;
+#pragma unroll
+          for (int c = 0; c < DT / 4; ++c) {
+            const float4 rk = sm4[j + c];
+            aq += kk_dot4(sm4[i + c], rk);
+            ak += kk_dot4(sm4[i + C * RQ + c], rk);
+          }
+          accq[I * 4 + m] += aq;
+          acck[I * 4 + m] += ak;
+        }
+      }
+    }
+  }
+#undef RKOFF
+  BARRIER();  // the factor regions are read until here; L overwrites them
+
+"""
+
+# The in-chunk cumulative sum of g as a shuffle scan: each thread keeps its float4 of g,
+# scans it down its warp's 8 rows (3 shuffle steps), and adds the totals of the warps above
+# (one barrier between); 2 barriers per tile before the factors instead of 3, every thread
+# working instead of 64 threads adding serially. A different order of additions, so not
+# bitwise the kernel's G (tests compare with a tolerance).
+_SCAN_START = "  for (int d0 = 0; d0 < K; d0 += DT) {\n    {\n      const size_t src"
+_SCAN_END = "    {\n      const float4 G = sm4[OG + row * RQ + dq];"
+_SCAN_NEW = """\
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint rl = lane / 4;  // the thread's row within its warp's 8 rows
+  for (int d0 = 0; d0 < K; d0 += DT) {
+    float4 Gv;
+    {
+      const size_t src = in0 + row * tok + d0 + 4 * dq;
+      const bool ok = (int)row < rows;
+      sm4[OQ + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(q + src) : kk_zero4();
+      sm4[OK + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(k + src) : kk_zero4();
+      Gv = ok ? *reinterpret_cast<const DEVICE float4*>(g + src) : kk_zero4();
+    }
+#pragma unroll
+    for (uint d = 1; d < 8; d *= 2) {
+      const uint from = rl >= d ? lane - 4 * d : lane;
+      const float4 up = FLOAT4(SIMD_SHUFFLE(Gv.x, from), SIMD_SHUFFLE(Gv.y, from),
+                               SIMD_SHUFFLE(Gv.z, from), SIMD_SHUFFLE(Gv.w, from));
+      if (rl >= d) Gv = kk_add4(Gv, up);
+    }
+    if (rl == 7) sm4[OSEG + 4 * warp + dq] = Gv;  // the warp's totals
+    BARRIER();
+    for (uint w2 = 0; w2 < warp; ++w2) Gv = kk_add4(Gv, sm4[OSEG + 4 * w2 + dq]);
+    sm4[OG + row * RQ + dq] = Gv;
+    BARRIER();
+"""
+
 # name: the (old, new) text swaps that make it
 VARIANTS = {
     "chunk-major grid": [(_GRID_OLD, _GRID_NEW)],
@@ -152,14 +308,22 @@ VARIANTS = {
     "stores by assignment": [(_STORES_NEW, _STORES_OLD)],
     "beta v per load": [(_RHS_NEW, _RHS_OLD)],
     "before the two fixes": [(_STORES_NEW, _STORES_OLD), (_RHS_NEW, _RHS_OLD)],
+    "factors at once": [(_FACTORS_START, _FACTORS_END, _FACTORS_NEW)],
+    "shuffle-scan cumsum": [(_SCAN_START, _SCAN_END, _SCAN_NEW)],
 }
+# variants that add in a different order: equal to the kernel within a tolerance, not bitwise
+REORDERED = {"shuffle-scan cumsum"}
 
 
 def variant(name: str):
     """``kda_chunk_prep`` with the swaps of ``VARIANTS[name]``."""
     kernel = kda_prefill.KDA_CHUNK_PREP
     body = kernel.body
-    for old, new in VARIANTS[name]:
+    for swap in VARIANTS[name]:
+        if len(swap) == 3:  # (start, end, what replaces [start, end))
+            body = cut(body, *swap, name)
+            continue
+        old, new = swap
         assert body.count(old) == 1, f"{name}: the kernel changed"
         body = body.replace(old, new)
     label = "kda_chunk_prep_var_" + name.replace(" ", "_").replace("-", "_")

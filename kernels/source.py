@@ -76,6 +76,10 @@ CALLS = {
     "ROUND_HALF": ("kk_round_half", "kk_round_half"),
     "SIMD_MMA": ("kk_mma", "kk_mma"),
     "SIMD_MMA_TF32": ("kk_mma_tf32", "kk_mma_tf32"),
+    # asynchronous copies into threadgroup memory (helpers in the preludes below)
+    "ASYNC_COPY16": ("kk_async_copy16", "kk_async_copy16"),
+    "ASYNC_COMMIT": ("kk_async_commit", "kk_async_commit"),
+    "ASYNC_WAIT": ("kk_async_wait", "kk_async_wait"),
 }
 
 # Barrier words take no arguments in the dialect; Metal needs the memory flags.
@@ -131,6 +135,28 @@ __device__ inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
   return c;
 }
+// ASYNC_COPY16(dst, src, valid): 16 bytes from global memory into the threadgroup-memory
+// element dst (a float4 or uint4 of a SHARED array), zeros where !valid (src must still be
+// a readable address), without holding registers: cp.async (sm_80+). ASYNC_COMMIT() closes a
+// group of copies; ASYNC_WAIT(n) (n = 0..3, a literal) waits until at most the n most recent
+// committed groups are in flight. Other threads see the data after a BARRIER().
+template <typename T>
+__device__ inline void kk_async_copy16(T& dst, const T* src, bool valid) {
+  static_assert(sizeof(T) == 16, "ASYNC_COPY16 copies 16 bytes");
+  const unsigned s = (unsigned)__cvta_generic_to_shared(&dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ inline void kk_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ inline void kk_async_wait(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+  }
+}
 // c + A B for one warp: A 16x8 tf32 (float4), B 8x8 tf32 (float2), C 16x8 fp32, in PTX's
 // m16n8k8 fragment layout (SIMD_MMA_TF32 in kernels/README.md). The operands must already be
 // tf32 values (low 13 bits zero).
@@ -152,6 +178,26 @@ METAL_PRELUDE = """
 inline uint kk_pack_half2(float lo, float hi) { return as_type<uint>(half2(half(lo), half(hi))); }
 inline float kk_round_half(float x) { return float(half(x)); }
 inline void kk_store4(device float* p, float4 v) { *reinterpret_cast<device float4*>(p) = v; }
+// ASYNC_COPY16 / ASYNC_COMMIT / ASYNC_WAIT (CUDA's spelling above). Metal copies at once; the
+// emulator holds each copy back until the ASYNC_WAIT that covers it, as cp.async may, so a
+// kernel that reads a copy before waiting for it (or before the barrier after) reads stale
+// threadgroup memory there.
+#ifdef KK_METAL_EMULATOR
+template <typename T>
+inline void kk_async_copy16(T& dst, const T* src, bool valid) {
+  static_assert(sizeof(T) == 16, "ASYNC_COPY16 copies 16 bytes");
+  kk::async_copy(&dst, valid ? src : nullptr, sizeof(T));
+}
+inline void kk_async_commit() { kk::async_commit(); }
+inline void kk_async_wait(int n) { kk::async_wait(n); }
+#else
+template <typename T>
+inline void kk_async_copy16(threadgroup T& dst, const device T* src, bool valid) {
+  dst = valid ? *src : T(0);
+}
+inline void kk_async_commit() {}
+inline void kk_async_wait(int) {}
+#endif
 inline float2 kk_half2_bits(uint u) { return float2(as_type<half2>(u)); }
 inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
   const uint g = lane / 4, t = lane % 4;

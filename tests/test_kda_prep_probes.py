@@ -59,12 +59,15 @@ def test_variants_match_the_kernel(name, T):
     var = kda_prefill.chunk_prep("emulator", *args, kernel=kda_prep_probes.variant(name))
     mx.eval(full, var)
     for a, b in zip(full, var):
-        np.testing.assert_array_equal(np.array(a), np.array(b))
+        if name in kda_prep_probes.REORDERED:
+            np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
 def test_pre_before_is_the_same_computation():
     """kda_pre with its loads back in their token: same outputs, different kernel text."""
-    from tests.test_kda_kernels import activations, layer
+    from test_kda_kernels import activations, layer
 
     before = kda_prep_probes.pre_before()
     assert before.body != kda_prefill.KDA_PRE.body

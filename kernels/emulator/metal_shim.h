@@ -13,6 +13,9 @@
 
 #include "runtime.h"
 
+// Lets a header tell the emulator from a Metal compiler (the ASYNC_COPY16 helpers use it).
+#define KK_METAL_EMULATOR 1
+
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;

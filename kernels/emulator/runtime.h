@@ -32,6 +32,16 @@ constexpr int kLanes = 32;
 constexpr int kSlot = 16;  // bytes a lane can exchange in one simdgroup operation
 constexpr size_t kStack = 256 * 1024;
 
+// An asynchronous copy into threadgroup memory (ASYNC_COPY16), held until an ASYNC_WAIT
+// covers its group; src == nullptr: zeros.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  unsigned bytes;
+  unsigned group;
+};
+constexpr unsigned kAsyncMax = 64;  // copies in flight per thread
+
 struct Fiber {
   ucontext_t ctx;  // its first entry (makecontext)
   jmp_buf jb;      // where it yielded (later entries)
@@ -41,6 +51,9 @@ struct Fiber {
   uvec3 pos;             // thread_position_in_threadgroup
   unsigned barriers;     // barriers passed
   unsigned simd_ops;     // simdgroup operations entered
+  AsyncCopy pending[kAsyncMax];
+  unsigned npending;     // copies not yet landed
+  unsigned committed;    // groups committed (the open group's number)
 };
 
 // One simdgroup operation in flight: the lanes' values and which lanes took part.
@@ -125,6 +138,33 @@ inline void fail(const char* msg) {
     std::snprintf(rt->err, rt->errlen, "%s (threadgroup %u,%u,%u)", msg, rt->group.x,
                   rt->group.y, rt->group.z);
   }
+}
+
+inline void async_copy(void* dst, const void* src, unsigned bytes) {
+  Fiber& f = me();
+  if (f.npending == kAsyncMax) {
+    fail("more than 64 asynchronous copies in flight in one thread (an ASYNC_WAIT missing?)");
+    return;
+  }
+  f.pending[f.npending++] = {dst, src, bytes, f.committed};
+}
+
+inline void async_commit() { me().committed++; }
+
+// Land the copies of every committed group but the n most recent, in issue order.
+inline void async_wait(int n) {
+  Fiber& f = me();
+  unsigned keep = 0;
+  for (unsigned i = 0; i < f.npending; ++i) {
+    const AsyncCopy& c = f.pending[i];
+    if (c.group + unsigned(n) < f.committed) {
+      if (c.src) std::memcpy(c.dst, c.src, c.bytes);
+      else std::memset(c.dst, 0, c.bytes);
+    } else {
+      f.pending[keep++] = c;
+    }
+  }
+  f.npending = keep;
 }
 
 inline void fiber_main() {
@@ -219,6 +259,7 @@ inline void run_group(unsigned* order) {
     f.state = RUNNABLE;
     f.started = false;
     f.barriers = f.simd_ops = 0;
+    f.npending = f.committed = 0;
     f.lin = t;
     f.pos = {t % rt->size.x, (t / rt->size.x) % rt->size.y, t / (rt->size.x * rt->size.y)};
     order[t] = t;

@@ -1,0 +1,94 @@
+"""The asynchronous-copy dialect words on the emulator: copies land at the ASYNC_WAIT that
+covers their group (not before), zero-fill, and a kernel that reads a copy still in flight
+reads stale threadgroup memory (the emulator poisons it), so the bug shows."""
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from async_copy_kernels import expected, rotate, rotate_kernel
+
+from benchmarks.profile_kernels import ptxas
+from kimi_k3.kernels import source
+
+
+def x256():
+    mx.random.seed(0)
+    return mx.random.normal((256,))
+
+
+def test_copies_land_at_the_wait():
+    x = x256()
+    np.testing.assert_array_equal(np.array(rotate("emulator", x)), expected(x))
+
+
+def test_invalid_rows_are_zeros():
+    x = x256()
+    np.testing.assert_array_equal(np.array(rotate("emulator", x, valid=40)), expected(x, 40))
+
+
+def test_a_group_still_in_flight_reads_stale_memory():
+    """ASYNC_WAIT(1) leaves the most recent group (the odd threads' copies) in flight:
+    the even threads read their odd neighbours' rows and see poison, the odd threads read
+    the even rows, which landed."""
+    x = x256()
+    got = np.array(rotate("emulator", x, wait_n=1)).reshape(64, 4)
+    want = expected(x).reshape(64, 4)
+    even, odd = got[0::2], got[1::2]  # thread t reads row t + 1
+    assert not np.isfinite(even).any()
+    np.testing.assert_array_equal(odd, want[1::2])
+
+
+def test_a_missing_wait_is_caught():
+    x = x256()
+    k = rotate_kernel(0, 64)
+    broken = source.Kernel(
+        "async_rotate_no_wait",
+        k.input_names,
+        k.output_names,
+        k.body.replace("ASYNC_WAIT(0);", ""),
+        instances=k.instances,
+    )
+    (got,) = broken(
+        "emulator",
+        inputs=[x],
+        output_shapes=[(256,)],
+        output_dtypes=[mx.float32],
+        grid=(64, 1, 1),
+        threadgroup=(64, 1, 1),
+    )
+    assert not np.isfinite(np.array(got)).all()
+
+
+def test_too_many_copies_in_flight_are_reported():
+    body = """
+  SHARED float4 buf[128];
+  const DEVICE float4* src = reinterpret_cast<const DEVICE float4*>(x);
+  for (int i = 0; i < 65; ++i) ASYNC_COPY16(buf[i], src, true);
+  out[THREAD_INDEX] = 0.0f;
+"""
+    k = source.Kernel("async_overflow", ["x"], ["out"], body)
+    with pytest.raises(RuntimeError, match="asynchronous copies in flight"):
+        k(
+            "emulator",
+            inputs=[x256()],
+            output_shapes=[(32,)],
+            output_dtypes=[mx.float32],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+        )
+
+
+def test_the_words_render_for_both_backends():
+    for backend in source.BACKENDS:
+        text = source.render("ASYNC_COPY16(b[0], p, true); ASYNC_COMMIT(); ASYNC_WAIT(1);", backend)
+        assert "kk_async_copy16(b[0], p, true)" in text and "kk_async_wait(1)" in text
+    assert "cp.async.cg.shared.global" in source.CUDA_PRELUDE
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("wait_n", [0, 1, 2, 3])
+def test_the_cuda_spelling_compiles(wait_n):
+    code, err, entries = ptxas(rotate_kernel(wait_n, 40))
+    assert code == 0 and entries, err[-2000:]
