@@ -92,3 +92,27 @@ def test_variants_change_the_kernel():
 def test_probe_compiles_for_cuda(name):
     make = kda_prep_probes.probe if name in kda_prep_probes.CUTS else kda_prep_probes.variant
     assert register_count(make(name)) != "?"
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("ASYNC_WAIT(1);", ""),  # the tile's copies read before they land
+        ("ASYNC_WAIT(1);", "ASYNC_WAIT(2);"),  # waits for one group too few
+        ("const int NQ = 512 - OQ;", "const int NQ = OQ;"),  # the next tile over this one
+        ("ASYNC_COMMIT();  // (empty", "// (empty"),  # the last tile's group never closed
+    ],
+    ids=["no-wait", "wait-too-short", "same-buffer", "missing-commit"],
+)
+def test_async_copy_variant_mistakes_are_caught(monkeypatch, old, new):
+    """The emulator holds asynchronous copies until their wait: each slip in the async-copy
+    variant's pipeline gives a wrong (NaN) result there."""
+    text = kda_prep_probes._ASYNC_NEW
+    assert text.count(old) == 1
+    swap = (kda_prep_probes._FACTORS_START, kda_prep_probes._FACTORS_END, text.replace(old, new))
+    monkeypatch.setitem(kda_prep_probes.VARIANTS, "broken", [swap])
+    args = inputs(T=130, H=2)
+    full = kda_prefill.chunk_prep("emulator", *args)
+    bad = kda_prefill.chunk_prep("emulator", *args, kernel=kda_prep_probes.variant("broken"))
+    mx.eval(full, bad)
+    assert not all(np.allclose(np.array(a), np.array(b)) for a, b in zip(full, bad))
