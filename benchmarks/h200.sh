@@ -61,7 +61,7 @@ for step in "$@"; do
           python3 -m benchmarks.kda_prep_probes --lengths 8192 --repeats 1 \
           --only kda_chunk_prep "variant: next tile in registers"
       done ;;
-    prep_variants) MLX_ENABLE_TF32=0 run prep_variants 200 python3 -m pytest -q tests/cuda/test_kda_cuda.py tests/cuda/test_async_copy_cuda.py -k "prep_variants or rotate" ;;
+    prep_variants) MLX_ENABLE_TF32=0 run prep_variants 200 python3 -m pytest -q tests/cuda/test_kda_cuda.py tests/cuda/test_async_copy_cuda.py -k "prep_variants or post_variant or rotate" ;;
     pre_tests) MLX_ENABLE_TF32=0 run pre_tests 200 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "(test_prefill and (1000 or 65) and not 96) or mix_uses or state_pass_k3" ;;
     prep_tests) MLX_ENABLE_TF32=0 run prep_tests 200 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "test_prefill and 1000" ;;
     bench_kda_recurrence) run bench_kda_recurrence 250 python3 -m benchmarks.bench_kda --no-decode --skip-slow --repeats 10 --cases "ours: chunk" "whole mixer" "alone: kda_pre" "alone: kda_chunk_prep" "state pass (mma)" "alone: kda_post" "fla chunk_kda (Triton, bf16" --out "$OUT/bench_kda_recurrence.md" ;;

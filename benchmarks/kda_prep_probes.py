@@ -49,6 +49,8 @@ from dataclasses import replace
 import mlx.core as mx
 
 from benchmarks.bench_kda import (
+    H,
+    K,
     emit,
     kernel_backend,
     layer,
@@ -527,11 +529,45 @@ def kernels():
     )
 
 
+# kda_post with gate and o_norm loaded beside o, before the row's sum: in the kernel they are
+# loaded in the output loop, each after the previous column's store (which may alias them
+# as far as the compiler knows), so a row waits out the memory latency five times.
+POST_EARLY = [
+    (
+        "    float x[CL];\n    float ss = 0.0f;\n    for (int i = 0; i < CL; ++i) {\n"
+        "      x[i] = o[base + LANE + 32 * i];\n",
+        "    float x[CL], gt[CL], on[CL];\n    float ss = 0.0f;\n"
+        "    for (int i = 0; i < CL; ++i) {\n"
+        "      x[i] = o[base + LANE + 32 * i];\n"
+        "      gt[i] = static_cast<float>(gate[base + LANE + 32 * i]);\n"
+        "      on[i] = o_norm[LANE + 32 * i];\n",
+    ),
+    (
+        "      const float gt = static_cast<float>(gate[base + d]);\n"
+        "      y[base + d] = static_cast<T>(x[i] * rs * o_norm[d] / (1.0f + EXP(-gt)));",
+        "      y[base + d] = static_cast<T>(x[i] * rs * on[i] / (1.0f + EXP(-gt[i])));",
+    ),
+]
+
+
+def post_early():
+    """``kda_post`` with its gate and o_norm loads issued beside o's."""
+    body = kda_prefill.KDA_POST.body
+    for old, new in POST_EARLY:
+        assert body.count(old) == 1, "kda_post: the kernel changed"
+        body = body.replace(old, new)
+    return replace(kda_prefill.KDA_POST, name="kda_post_early", body=body, _built={})
+
+
 def pre_kernels():
     return [
         ("kda_pre", kda_prefill.KDA_PRE),
         ("kda_pre before (loads in their token)", pre_before()),
     ]
+
+
+def post_kernels():
+    return [("kda_post", kda_prefill.KDA_POST), ("kda_post, gate loaded with o", post_early())]
 
 
 def main(argv=None):
@@ -543,25 +579,28 @@ def main(argv=None):
     args = parser.parse_args(argv)
     backend = kernel_backend()
     mx.random.seed(0)
-    every = kernels() + pre_kernels()
+    every = kernels() + pre_kernels() + post_kernels()
     chosen = [(n, k) for n, k in every if not args.only or n in args.only]
     if args.only and len(chosen) != len(args.only):
         parser.error(f"--only: unknown names among {args.only}; known: {[n for n, _ in every]}")
     regs = {name: register_count(k) for name, k in chosen}
-    pre_names = {n for n, _ in pre_kernels()}
+    kinds = {n: "pre" for n, _ in pre_kernels()} | {n: "post" for n, _ in post_kernels()}
     p = layer()
     lines = ["| T | kernel | time (us) | / kernel | registers |", "|---:|---|---:|---:|---:|"]
     for T in args.lengths:
         r = recurrence_inputs(T)
         xs = mixer_inputs(T)
-        mx.eval(r, xs)
+        o = mx.random.normal((1, T, H, K))  # kda_post's input: the recurrence's output
+        mx.eval(r, xs, o)
         base = {}
         for name, k in chosen:
-            kind = "pre" if name in pre_names else "prep"
+            kind = kinds.get(name, "prep")
 
-            def run(k=k, r=r, xs=xs, kind=kind):
+            def run(k=k, r=r, xs=xs, o=o, kind=kind):
                 if kind == "pre":
                     return kda_prefill.pre(backend, p, *xs[:5], xs[6], kernel=k)
+                if kind == "post":
+                    return kda_prefill.post(backend, p, o, xs[5], kernel=k)
                 return kda_prefill.chunk_prep(backend, *r[:5], kernel=k)
 
             us = median_time(mlx_run(run), args.repeats) * 1e6

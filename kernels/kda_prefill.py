@@ -932,11 +932,12 @@ def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state, kerne
     )
 
 
-def post(backend: str, p: dict, o, gate):
-    """``kda_post``: RMSNorm(o) o_norm sigmoid(gate), [B, T, H*K] in gate's dtype."""
+def post(backend: str, p: dict, o, gate, kernel=None):
+    """``kda_post`` (or ``kernel``, a variant: the benchmarks' probes): RMSNorm(o) o_norm
+    sigmoid(gate), [B, T, H*K] in gate's dtype."""
     B, T, H, K = o.shape
     rows = B * T * H
-    (y,) = KDA_POST(
+    (y,) = (kernel or KDA_POST)(
         backend,
         inputs=[
             o,

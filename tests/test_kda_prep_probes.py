@@ -82,6 +82,22 @@ def test_pre_before_is_the_same_computation():
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
+def test_post_early_is_the_same_computation():
+    from test_kda_kernels import activations, layer
+
+    early = kda_prep_probes.post_early()
+    assert early.body != kda_prefill.KDA_POST.body
+    p = layer(2, 64)
+    mx.random.seed(4)
+    o = mx.random.normal((1, 70, 2, 64))
+    gate = activations(1, 70, 2, 64, mx.bfloat16, False)[5]
+    new = kda_prefill.post("emulator", p, o, gate, kernel=early)
+    old = kda_prefill.post("emulator", p, o, gate)
+    np.testing.assert_array_equal(
+        np.array(new.astype(mx.float32)), np.array(old.astype(mx.float32))
+    )
+
+
 def test_variants_change_the_kernel():
     for name in kda_prep_probes.VARIANTS:
         assert kda_prep_probes.variant(name).body != kda_prefill.KDA_CHUNK_PREP.body

@@ -122,3 +122,15 @@ def test_prep_variants_match_the_kernel(name, T):
     mx.eval(full, var)
     for a, b in zip(full, var):
         assert rel_err(b, a) < 1e-5
+
+
+def test_post_variant_matches_the_kernel():
+    """benchmarks/kda_prep_probes.py's kda_post with its gate loads moved up: same output."""
+    from benchmarks import kda_prep_probes
+
+    p = layer(96, 128)
+    mx.random.seed(6)
+    o = mx.random.normal((1, 300, 96, 128))
+    gate = mx.random.normal((1, 300, 96 * 128)).astype(mx.bfloat16)
+    new = kda_prefill.post("cuda", p, o, gate, kernel=kda_prep_probes.post_early())
+    assert mx.array_equal(new, kda_prefill.post("cuda", p, o, gate))
