@@ -179,9 +179,9 @@ inline uint kk_pack_half2(float lo, float hi) { return as_type<uint>(half2(half(
 inline float kk_round_half(float x) { return float(half(x)); }
 inline void kk_store4(device float* p, float4 v) { *reinterpret_cast<device float4*>(p) = v; }
 // ASYNC_COPY16 / ASYNC_COMMIT / ASYNC_WAIT (CUDA's spelling above). Metal copies at once; the
-// emulator holds each copy back until the ASYNC_WAIT that covers it, as cp.async may, so a
-// kernel that reads a copy before waiting for it (or before the barrier after) reads stale
-// threadgroup memory there.
+// emulator lands each copy at once or at the ASYNC_WAIT that covers it (half each), the two
+// ends of what cp.async may do, so reading a copy too early or refilling a buffer still
+// being read gives a wrong result there.
 #ifdef KK_METAL_EMULATOR
 template <typename T>
 inline void kk_async_copy16(T& dst, const T* src, bool valid) {

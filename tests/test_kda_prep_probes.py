@@ -121,7 +121,7 @@ def test_probe_compiles_for_cuda(name):
     ids=["no-wait", "wait-too-short", "same-buffer", "missing-commit"],
 )
 def test_async_copy_variant_mistakes_are_caught(monkeypatch, old, new):
-    """The emulator holds asynchronous copies until their wait: each slip in the async-copy
+    """The emulator lands asynchronous copies at once or at their wait: each slip in the async-copy
     variant's pipeline gives a wrong (NaN) result there."""
     text = kda_prep_probes._ASYNC_NEW
     assert text.count(old) == 1

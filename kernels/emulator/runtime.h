@@ -140,7 +140,27 @@ inline void fail(const char* msg) {
   }
 }
 
+inline uint64_t next_random() {
+  uint64_t x = rt->rng;
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  return rt->rng = x;
+}
+
+inline void land(void* dst, const void* src, unsigned bytes) {
+  if (src) std::memcpy(dst, src, bytes);
+  else std::memset(dst, 0, bytes);
+}
+
+// A copy lands either at once or at the ASYNC_WAIT that covers it (seeded, half each), the
+// two ends of what the hardware may do: a kernel that refills a buffer others still read
+// sees the early ones, one that reads a copy before its wait sees the late ones.
 inline void async_copy(void* dst, const void* src, unsigned bytes) {
+  if (next_random() & 1) {
+    land(dst, src, bytes);
+    return;
+  }
   Fiber& f = me();
   if (f.npending == kAsyncMax) {
     fail("more than 64 asynchronous copies in flight in one thread (an ASYNC_WAIT missing?)");
@@ -158,8 +178,7 @@ inline void async_wait(int n) {
   for (unsigned i = 0; i < f.npending; ++i) {
     const AsyncCopy& c = f.pending[i];
     if (c.group + unsigned(n) < f.committed) {
-      if (c.src) std::memcpy(c.dst, c.src, c.bytes);
-      else std::memset(c.dst, 0, c.bytes);
+      land(c.dst, c.src, c.bytes);
     } else {
       f.pending[keep++] = c;
     }
@@ -170,14 +189,6 @@ inline void async_wait(int n) {
 inline void fiber_main() {
   rt->entry();
   block(DONE);
-}
-
-inline uint64_t next_random() {
-  uint64_t x = rt->rng;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return rt->rng = x;
 }
 
 // Release the simdgroups whose live lanes all wait at the same simdgroup operation.
