@@ -44,6 +44,7 @@ registers per kernel where nvcc is on PATH.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import replace
 
 import mlx.core as mx
@@ -157,56 +158,54 @@ _RHS_OLD = """#pragma unroll
       x[i] = is_w ? W_out[i * K + d] : (i < rows ? s_beta[i] * v[in0 + i * tok + d] : 0.0f);
     }
 """
+# Landmarks of the kernel's pass 1 that the variants below cut between.
+_LAYOUT = "  // sm4 regions, in float4. Pass 1: q, k, G tiles;"  # to the s_beta declaration
+_LAYOUT_END = "  SHARED float s_beta[C];"
+_TILE_LOOP = "  for (int d0 = 0; d0 < K; d0 += DT) {\n    {\n      const size_t src"
+_CUMSUM = "    // Cumulative sum down the rows"
+_STORES = "    {\n      const float4 G = sm4[OG + row * RQ + dq];"
+_PASS1_END = "  // Aqk (lower, with the diagonal) out;"
+
+# The in-chunk cumulative sum of g as a shuffle scan: each thread holds its float4 of g in
+# Gv, scans it down its warp's 8 rows (3 shuffle steps) and adds the totals of the warps
+# above (one barrier between); needs lane, warp and rl (the thread's row in its warp).
+_SHUFFLE_SCAN = """\
+#pragma unroll
+    for (uint d = 1; d < 8; d *= 2) {
+      const uint from = rl >= d ? lane - 4 * d : lane;
+      const float4 up = FLOAT4(SIMD_SHUFFLE(Gv.x, from), SIMD_SHUFFLE(Gv.y, from),
+                               SIMD_SHUFFLE(Gv.z, from), SIMD_SHUFFLE(Gv.w, from));
+      if (rl >= d) Gv = kk_add4(Gv, up);
+    }
+    if (rl == 7) sm4[OSEG + 4 * warp + dq] = Gv;  // the warp's totals
+    BARRIER();
+    for (uint w2 = 0; w2 < warp; ++w2) Gv = kk_add4(Gv, sm4[OSEG + 4 * w2 + dq]);
+"""
+_SCAN_LANES = """\
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint rl = lane / 4;  // the thread's row within its warp's 8 rows
+"""
+
 # Pass 1 with every sub-block's exponential factors computed at once (4 barriers per tile
 # instead of 11; the session before's commit 0e942fa without its next-tile register loads,
 # which took the kernel past 128 registers on the H200): q and k stay in the registers of the
 # thread that loaded them, and the right factors of sub-block I for rows up to its end sit at
-# ORK + RKOFF(I) rows (16 + 32 + 48 + 64 rows).
-_FACTORS_START = "  // sm4 regions, in float4. Pass 1: q, k, G tiles;"
-_FACTORS_END = "  // Aqk (lower, with the diagonal) out;"
-_FACTORS_NEW = """\
+# ORK + RKOFF(I) rows (16 + 32 + 48 + 64 rows). The cumulative sum is the kernel's.
+_FACTORS_LAYOUT = """\
   // sm4 regions, in float4. Pass 1: the G tile; left factors of q and k (each row against
-  // its sub-block's first row); right factors of k against each sub-block I's first row, for the
-  // rows up to that sub-block's end (from ORK + RKOFF(I) * RQ); scan partials. Pass 2: L, one
-  // row of 16 float4 per chunk row (zero on and above the diagonal).
+  // its sub-block's first row); right factors of k against each sub-block I's first row,
+  // for the rows up to that sub-block's end (from ORK + RKOFF(I) * RQ); scan partials.
+  // Pass 2: L, one row of 16 float4 per chunk row (zero on and above the diagonal).
   constexpr int OG = 0, OLQ = C * RQ, OLK = 2 * C * RQ, ORK = 3 * C * RQ;
   constexpr int OSEG = ORK + 160 * RQ, OL = 0;
 #define RKOFF(I) (8 * (I) * ((I) + 1))
   SHARED float4 sm4[OSEG + 64];
-  SHARED float s_beta[C];
-
-  const int T = dims[0];
-  const int N = dims[1];
-  const uint t = THREAD_INDEX;
-  const uint n = GROUP_POS.x % N;
-  const uint bh = GROUP_POS.x / N;
-  const uint b = bh / H;
-  const uint h = bh % H;
-  const int t0 = n * C;
-  const int rows = T - t0 < C ? T - t0 : C;         // valid rows in this chunk
-  const size_t tok = (size_t)H * K;                 // token stride of q, k, v, g
-  const size_t in0 = ((size_t)b * T + t0) * tok + h * K;
-  const size_t ch = (size_t)bh * N + n;
-  DEVICE float* W_out = Wc + ch * C * K;
-  DEVICE float* U_out = Uc + ch * C * K;
-
-  if (t < C) s_beta[t] = (int)t < rows ? beta[((size_t)b * T + t0 + t) * H + h] : 0.0f;
-
-  // Entry (i, j) = (16 I + ii, 16 m + jj) of both score matrices lives in acc[I * 4 + m].
-  const uint ii = t / 16;
-  const uint jj = t % 16;
-  float accq[16];
-  float acck[16];
-  for (int e = 0; e < 16; ++e) {
-    accq[e] = 0.0f;
-    acck[e] = 0.0f;
-  }
-  const uint row = t / 4;         // this thread's tile row and float4 column
-  const uint dq = t % 4;
+"""
+_FACTORS_LOADS = """\
   const uint r0 = row / 16 * 16;  // the first row of its sub-block
   const size_t src = in0 + row * tok + 4 * dq;
   const bool ok = (int)row < rows;
-
   for (int d0 = 0; d0 < K; d0 += DT) {
     // (the previous tile's dot products read only the factor regions)
     const float4 qv = ok ? *reinterpret_cast<const DEVICE float4*>(q + src + d0) : kk_zero4();
@@ -214,22 +213,8 @@ _FACTORS_NEW = """\
     sm4[OG + row * RQ + dq] =
         ok ? *reinterpret_cast<const DEVICE float4*>(g + src + d0) : kk_zero4();
     BARRIER();
-    // Cumulative sum down the rows: 16 segments of 4 rows, one thread per (segment, float4).
-    if (t < 64) {
-      float4 run = kk_zero4();
-      for (uint r = 0; r < 4; ++r) run = kk_add4(run, sm4[OG + (4 * row + r) * RQ + dq]);
-      sm4[OSEG + t] = run;
-    }
-    BARRIER();
-    if (t < 64) {
-      float4 off = kk_zero4();
-      for (uint s2 = 0; s2 < row; ++s2) off = kk_add4(off, sm4[OSEG + 4 * s2 + dq]);
-      for (uint r = 0; r < 4; ++r) {
-        off = kk_add4(off, sm4[OG + (4 * row + r) * RQ + dq]);
-        sm4[OG + (4 * row + r) * RQ + dq] = off;
-      }
-    }
-    BARRIER();
+"""
+_FACTORS_REST = """\
     {
       const float4 G = sm4[OG + row * RQ + dq];
       const float4 G_last = sm4[OG + (C - 1) * RQ + dq];
@@ -273,17 +258,12 @@ _FACTORS_NEW = """\
 
 """
 
-# The in-chunk cumulative sum of g as a shuffle scan: each thread keeps its float4 of g,
-# scans it down its warp's 8 rows (3 shuffle steps), and adds the totals of the warps above
-# (one barrier between); 2 barriers per tile before the factors instead of 3, every thread
-# working instead of 64 threads adding serially. A different order of additions, so not
-# bitwise the kernel's G (tests compare with a tolerance).
-_SCAN_START = "  for (int d0 = 0; d0 < K; d0 += DT) {\n    {\n      const size_t src"
-_SCAN_END = "    {\n      const float4 G = sm4[OG + row * RQ + dq];"
-_SCAN_NEW = """\
-  const uint lane = LANE;
-  const uint warp = SIMDGROUP;
-  const uint rl = lane / 4;  // the thread's row within its warp's 8 rows
+# The cumulative sum as a shuffle scan (2 barriers per tile before the factors instead of
+# 3, every thread working instead of 64 threads adding serially). A different order of
+# additions, so not bitwise the kernel's G (tests compare with a tolerance).
+_SCAN_LOOP = (
+    _SCAN_LANES
+    + """\
   for (int d0 = 0; d0 < K; d0 += DT) {
     float4 Gv;
     {
@@ -293,26 +273,21 @@ _SCAN_NEW = """\
       sm4[OK + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(k + src) : kk_zero4();
       Gv = ok ? *reinterpret_cast<const DEVICE float4*>(g + src) : kk_zero4();
     }
-#pragma unroll
-    for (uint d = 1; d < 8; d *= 2) {
-      const uint from = rl >= d ? lane - 4 * d : lane;
-      const float4 up = FLOAT4(SIMD_SHUFFLE(Gv.x, from), SIMD_SHUFFLE(Gv.y, from),
-                               SIMD_SHUFFLE(Gv.z, from), SIMD_SHUFFLE(Gv.w, from));
-      if (rl >= d) Gv = kk_add4(Gv, up);
-    }
-    if (rl == 7) sm4[OSEG + 4 * warp + dq] = Gv;  // the warp's totals
-    BARRIER();
-    for (uint w2 = 0; w2 < warp; ++w2) Gv = kk_add4(Gv, sm4[OSEG + 4 * w2 + dq]);
+"""
+    + _SHUFFLE_SCAN
+    + """\
     sm4[OG + row * RQ + dq] = Gv;
     BARRIER();
 """
+)
 
 # Pass 1 with the next tile's q and k arriving by asynchronous copies (ASYNC_COPY16) into a
 # second pair of tile buffers while the current tile is worked on, and its g loaded into a
-# register (4 registers, not the 12 of "next tile in registers"); the cumulative sum as in
-# "shuffle-scan cumsum". q, k and G tiles unpadded (their reads are one row per 4 threads, no
-# bank conflicts); 28 KB of threadgroup memory.
-_ASYNC_NEW = """\
+# register (4 registers, not the 12 of "next tile in registers"); the shuffle-scan cumulative
+# sum. The q, k and G tiles are unpadded (their reads are one row per 4 threads, no bank
+# conflicts), so the kernel's reads of them switch to rows of R4 float4 (_TILE_STRIDE);
+# 28 KB of threadgroup memory. The rest of the tile loop is the kernel's.
+_ASYNC_LAYOUT = """\
   // sm4 regions, in float4. Pass 1: two q tiles and two k tiles (rows of 4 float4; the next
   // tile's arrive while this one is worked on), the G tile, left factors of a sub-block,
   // right factors (padded rows), the warps' scan totals. Pass 2: L, one row of 16 float4 per
@@ -321,39 +296,10 @@ _ASYNC_NEW = """\
   constexpr int OG = 1024, OLQ = OG + C * R4, OLK = OLQ + 16 * RQ;
   constexpr int ORK = OLK + 16 * RQ, OSEG = ORK + C * RQ, OL = 0;
   SHARED float4 sm4[OSEG + 32];
-  SHARED float s_beta[C];
-
-  const int T = dims[0];
-  const int N = dims[1];
-  const uint t = THREAD_INDEX;
-  const uint n = GROUP_POS.x % N;
-  const uint bh = GROUP_POS.x / N;
-  const uint b = bh / H;
-  const uint h = bh % H;
-  const int t0 = n * C;
-  const int rows = T - t0 < C ? T - t0 : C;         // valid rows in this chunk
-  const size_t tok = (size_t)H * K;                 // token stride of q, k, v, g
-  const size_t in0 = ((size_t)b * T + t0) * tok + h * K;
-  const size_t ch = (size_t)bh * N + n;
-  DEVICE float* W_out = Wc + ch * C * K;
-  DEVICE float* U_out = Uc + ch * C * K;
-
-  if (t < C) s_beta[t] = (int)t < rows ? beta[((size_t)b * T + t0 + t) * H + h] : 0.0f;
-
-  // Entry (i, j) = (16 I + ii, 16 m + jj) of both score matrices lives in acc[I * 4 + m].
-  const uint ii = t / 16;
-  const uint jj = t % 16;
-  float accq[16];
-  float acck[16];
-  for (int e = 0; e < 16; ++e) {
-    accq[e] = 0.0f;
-    acck[e] = 0.0f;
-  }
-  const uint row = t / 4;       // this thread's tile row and float4 column
-  const uint dq = t % 4;
-  const uint lane = LANE;
-  const uint warp = SIMDGROUP;
-  const uint rl = lane / 4;     // its row within its warp's 8 rows
+"""
+_ASYNC_HEAD = (
+    _SCAN_LANES
+    + """\
   const bool ok = (int)row < rows;
   const size_t src = in0 + (ok ? row : 0) * tok + 4 * dq;   // a readable row where !ok
   ASYNC_COPY16(sm4[row * R4 + dq], reinterpret_cast<const DEVICE float4*>(q + src), ok);
@@ -374,94 +320,76 @@ _ASYNC_NEW = """\
       gn = ok ? *reinterpret_cast<const DEVICE float4*>(g + src + d0 + DT) : kk_zero4();
     }
     ASYNC_COMMIT();  // (empty on the last tile, so the wait below is the same every tile)
-#pragma unroll
-    for (uint d = 1; d < 8; d *= 2) {
-      const uint from = rl >= d ? lane - 4 * d : lane;
-      const float4 up = FLOAT4(SIMD_SHUFFLE(Gv.x, from), SIMD_SHUFFLE(Gv.y, from),
-                               SIMD_SHUFFLE(Gv.z, from), SIMD_SHUFFLE(Gv.w, from));
-      if (rl >= d) Gv = kk_add4(Gv, up);
-    }
-    if (rl == 7) sm4[OSEG + 4 * warp + dq] = Gv;  // the warp's totals
-    BARRIER();
-    for (uint w2 = 0; w2 < warp; ++w2) Gv = kk_add4(Gv, sm4[OSEG + 4 * w2 + dq]);
+"""
+    + _SHUFFLE_SCAN
+    + """\
     sm4[OG + row * R4 + dq] = Gv;
     ASYNC_WAIT(1);  // this tile's q and k have landed (the next tile's may be in flight)
     BARRIER();
-    {
-      const float4 G = Gv;
-      const float4 G_last = sm4[OG + (C - 1) * R4 + dq];
-      const float4 eG = kk_exp4(G);
-      const float4 kv = sm4[OK + row * R4 + dq];
-      const size_t o = ch * C * K + row * K + d0 + 4 * dq;
-      kk_store4(Qd + o, kk_mul4(sm4[OQ + row * R4 + dq], eG));
-      kk_store4(Kd + o, kk_mul4(kv, kk_exp4(kk_sub4(G_last, G))));
-      kk_store4(Wc + o, kk_scale4(s_beta[row], kk_mul4(kv, eG)));  // beta exp(G) k: W's RHS
-      if (t < 4) kk_store4(decay + ch * K + d0 + 4 * t, kk_exp4(G_last));
-    }
-
-#pragma unroll
-    for (int I = 0; I < 4; ++I) {
-      const int r0 = I * 16;              // reference row of sub-block I
-      if (t < 64) {                       // left factors exp(G_i - G_r) of its 16 rows
-        const uint i = r0 + row;
-        const float4 f = kk_exp4(kk_sub4(sm4[OG + i * R4 + dq], sm4[OG + r0 * R4 + dq]));
-        sm4[OLQ + row * RQ + dq] = kk_mul4(sm4[OQ + i * R4 + dq], f);
-        sm4[OLK + row * RQ + dq] = kk_mul4(sm4[OK + i * R4 + dq], f);
-      }
-      if ((int)row < r0 + 16) {           // right factors exp(G_r - G_j), columns up to its end
-        const float4 f = kk_exp4(kk_sub4(sm4[OG + r0 * R4 + dq], sm4[OG + row * R4 + dq]));
-        sm4[ORK + row * RQ + dq] = kk_mul4(sm4[OK + row * R4 + dq], f);
-      }
-      BARRIER();
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        if (m <= I) {
-          const uint j = m * 16 + jj;
-          float aq = 0.0f, ak = 0.0f;
-#pragma unroll
-          for (int c = 0; c < DT / 4; ++c) {
-            const float4 rk = sm4[ORK + j * RQ + c];
-            aq += kk_dot4(sm4[OLQ + ii * RQ + c], rk);
-            ak += kk_dot4(sm4[OLK + ii * RQ + c], rk);
-          }
-          accq[I * 4 + m] += aq;
-          acck[I * 4 + m] += ak;
-        }
-      }
-      BARRIER();
-    }
-  }
-
 """
+)
+_TILE_STRIDE = (
+    re.compile(r"sm4\[(OQ|OK|OG) \+ ([^\]]*?) \* RQ \+ dq\]"),
+    r"sm4[\1 + \2 * R4 + dq]",
+)
 
-# name: the (old, new) text swaps that make it
+# name: the rewrites of the kernel's body that make it (see ``rewrite``)
 VARIANTS = {
     "chunk-major grid": [(_GRID_OLD, _GRID_NEW)],
     "next tile in registers": [(_LOAD_OLD, _LOAD_NEW)],
     "stores by assignment": [(_STORES_NEW, _STORES_OLD)],
     "beta v per load": [(_RHS_NEW, _RHS_OLD)],
     "before the two fixes": [(_STORES_NEW, _STORES_OLD), (_RHS_NEW, _RHS_OLD)],
-    "factors at once": [(_FACTORS_START, _FACTORS_END, _FACTORS_NEW)],
-    "shuffle-scan cumsum": [(_SCAN_START, _SCAN_END, _SCAN_NEW)],
-    "next tile by async copy": [(_FACTORS_START, _FACTORS_END, _ASYNC_NEW)],
+    "factors at once": [
+        (_LAYOUT, _LAYOUT_END, _FACTORS_LAYOUT),
+        (_TILE_LOOP, _CUMSUM, _FACTORS_LOADS),
+        (_STORES, _PASS1_END, _FACTORS_REST),
+    ],
+    "shuffle-scan cumsum": [(_TILE_LOOP, _STORES, _SCAN_LOOP)],
+    "next tile by async copy": [
+        (_LAYOUT, _LAYOUT_END, _ASYNC_LAYOUT),
+        (_TILE_LOOP, _STORES, _ASYNC_HEAD),
+        _TILE_STRIDE,
+    ],
 }
 # variants that add in a different order: equal to the kernel within a tolerance, not bitwise
 REORDERED = {"shuffle-scan cumsum", "next tile by async copy"}
 
 
-def variant(name: str):
-    """``kda_chunk_prep`` with the swaps of ``VARIANTS[name]``."""
-    kernel = kda_prefill.KDA_CHUNK_PREP
+def rewrite(kernel, rewrites, label: str, what: str):
+    """``kernel`` renamed ``label`` with its body rewritten: each rewrite is (old, new), the
+    one occurrence of ``old`` replaced; (start, end, fill), [start, end) replaced by
+    ``fill`` (``end`` None: to the end); or (regex, repl), every match replaced (at least
+    one). ``what`` names the rewrite in the error when the kernel no longer matches."""
     body = kernel.body
-    for swap in VARIANTS[name]:
-        if len(swap) == 3:  # (start, end, what replaces [start, end))
-            body = cut(body, *swap, name)
-            continue
-        old, new = swap
-        assert body.count(old) == 1, f"{name}: the kernel changed"
-        body = body.replace(old, new)
-    label = "kda_chunk_prep_var_" + name.replace(" ", "_").replace("-", "_")
+    for rw in rewrites:
+        if len(rw) == 3:
+            start, end, fill = rw
+            assert body.count(start) == 1, f"{what}: the kernel changed"
+            assert end is None or body.count(end) == 1, f"{what}: the kernel changed"
+            a = body.index(start)
+            b = len(body) if end is None else body.index(end)
+            assert a < b, what
+            body = body[:a] + fill + body[b:]
+        elif isinstance(rw[0], re.Pattern):
+            body, n = rw[0].subn(rw[1], body)
+            assert n, f"{what}: the kernel changed"
+        else:
+            old, new = rw
+            assert body.count(old) == 1, f"{what}: the kernel changed"
+            body = body.replace(old, new)
     return replace(kernel, name=label, body=body, _built={})
+
+
+def _label(prefix: str, name: str) -> str:
+    return prefix + name.replace(" ", "_").replace("-", "_")
+
+
+def variant(name: str):
+    """``kda_chunk_prep`` rewritten as ``VARIANTS[name]``."""
+    return rewrite(
+        kda_prefill.KDA_CHUNK_PREP, VARIANTS[name], _label("kda_chunk_prep_var_", name), name
+    )
 
 
 # kda_pre as it was before its token loads went one token ahead: (start, end, what was
@@ -495,30 +423,16 @@ PRE_BEFORE = [
 ]
 
 
-def cut(body: str, start: str, end: str | None, fill: str, what: str) -> str:
-    """``body`` with [start, end) (to the end where ``end`` is None) replaced by ``fill``."""
-    assert body.count(start) == 1, f"{what}: the kernel changed"
-    assert end is None or body.count(end) == 1, f"{what}: the kernel changed"
-    a = body.index(start)
-    b = len(body) if end is None else body.index(end)
-    assert a < b, what
-    return body[:a] + fill + body[b:]
-
-
 def pre_before():
     """``kda_pre`` with its token loads back in the token they serve."""
-    body = kda_prefill.KDA_PRE.body
-    for start, end, fill in PRE_BEFORE:
-        body = cut(body, start, end, fill, "kda_pre before")
-    return replace(kda_prefill.KDA_PRE, name="kda_pre_before", body=body, _built={})
+    return rewrite(kda_prefill.KDA_PRE, PRE_BEFORE, "kda_pre_before", "kda_pre before")
 
 
 def probe(name: str):
     """``kda_chunk_prep`` with the part ``name`` of ``CUTS`` cut out."""
-    kernel = kda_prefill.KDA_CHUNK_PREP
-    start, end, fill = CUTS[name]
-    label = "kda_chunk_prep_cut_" + name.replace(" ", "_").replace("-", "_")
-    return replace(kernel, name=label, body=cut(kernel.body, start, end, fill, name), _built={})
+    return rewrite(
+        kda_prefill.KDA_CHUNK_PREP, [CUTS[name]], _label("kda_chunk_prep_cut_", name), name
+    )
 
 
 def kernels():
@@ -552,11 +466,7 @@ POST_EARLY = [
 
 def post_early():
     """``kda_post`` with its gate and o_norm loads issued beside o's."""
-    body = kda_prefill.KDA_POST.body
-    for old, new in POST_EARLY:
-        assert body.count(old) == 1, "kda_post: the kernel changed"
-        body = body.replace(old, new)
-    return replace(kda_prefill.KDA_POST, name="kda_post_early", body=body, _built={})
+    return rewrite(kda_prefill.KDA_POST, POST_EARLY, "kda_post_early", "kda_post early")
 
 
 def pre_kernels():

@@ -39,17 +39,23 @@ def rotate_kernel(wait_n: int, valid: int) -> Kernel:
     )
 
 
-def rotate(backend: str, x: mx.array, wait_n: int = 0, valid: int = 64) -> mx.array:
-    """x: 256 floats. Returns what ROTATE writes (256 floats)."""
-    (out,) = rotate_kernel(wait_n, valid)(
+def launch(kernel: Kernel, backend: str, x: mx.array, n_out: int, threads: int = 64):
+    """One threadgroup of ``threads`` running ``kernel`` on input ``x``: its fp32 output of
+    ``n_out`` elements."""
+    (out,) = kernel(
         backend,
         inputs=[x],
-        output_shapes=[(256,)],
+        output_shapes=[(n_out,)],
         output_dtypes=[mx.float32],
-        grid=(64, 1, 1),
-        threadgroup=(64, 1, 1),
+        grid=(threads, 1, 1),
+        threadgroup=(threads, 1, 1),
     )
     return out
+
+
+def rotate(backend: str, x: mx.array, wait_n: int = 0, valid: int = 64) -> mx.array:
+    """x: 256 floats. Returns what ROTATE writes (256 floats)."""
+    return launch(rotate_kernel(wait_n, valid), backend, x, 256)
 
 
 def expected(x, valid: int = 64):

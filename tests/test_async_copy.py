@@ -1,13 +1,15 @@
-"""The asynchronous-copy dialect words on the emulator: copies land at the ASYNC_WAIT that
-covers their group (not before), zero-fill, and a kernel that reads a copy still in flight
-reads stale threadgroup memory (the emulator poisons it), so the bug shows."""
+"""The asynchronous-copy dialect words on the emulator: every copy has landed after the
+ASYNC_WAIT that covers its group, invalid rows are zeros, and since the emulator lands each
+copy either at once or at that wait, a kernel that reads a copy still in flight (poisoned
+threadgroup memory) or refills a buffer still being read shows the bug."""
 
 import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from async_copy_kernels import expected, rotate, rotate_kernel
+from async_copy_kernels import expected, launch, rotate, rotate_kernel
+from conftest import broken
 
 from benchmarks.profile_kernels import ptxas
 from kimi_k3.kernels import source
@@ -59,36 +61,13 @@ REFILL = """
 def test_a_buffer_refilled_while_read_is_caught():
     """Copies that land at once (half of them on the emulator) show a buffer refilled before
     its readers are done: some reads see the new data instead of 1."""
-    k = source.Kernel("async_refill", ["x"], ["out"], REFILL)
-    (got,) = k(
-        "emulator",
-        inputs=[x256()],
-        output_shapes=[(64,)],
-        output_dtypes=[mx.float32],
-        grid=(64, 1, 1),
-        threadgroup=(64, 1, 1),
-    )
+    got = launch(source.Kernel("async_refill", ["x"], ["out"], REFILL), "emulator", x256(), 64)
     assert (np.array(got) != 1.0).any()
 
 
 def test_a_missing_wait_is_caught():
-    x = x256()
-    k = rotate_kernel(0, 64)
-    broken = source.Kernel(
-        "async_rotate_no_wait",
-        k.input_names,
-        k.output_names,
-        k.body.replace("ASYNC_WAIT(0);", ""),
-        instances=k.instances,
-    )
-    (got,) = broken(
-        "emulator",
-        inputs=[x],
-        output_shapes=[(256,)],
-        output_dtypes=[mx.float32],
-        grid=(64, 1, 1),
-        threadgroup=(64, 1, 1),
-    )
+    no_wait = broken(rotate_kernel(0, 64), "ASYNC_WAIT(0);", "")
+    got = launch(no_wait, "emulator", x256(), 256)
     assert not np.isfinite(np.array(got)).all()
 
 
@@ -101,14 +80,7 @@ def test_too_many_copies_in_flight_are_reported():
 """
     k = source.Kernel("async_overflow", ["x"], ["out"], body)
     with pytest.raises(RuntimeError, match="asynchronous copies in flight"):
-        k(
-            "emulator",
-            inputs=[x256()],
-            output_shapes=[(32,)],
-            output_dtypes=[mx.float32],
-            grid=(32, 1, 1),
-            threadgroup=(32, 1, 1),
-        )
+        launch(k, "emulator", x256(), 32, threads=32)
 
 
 def test_the_words_render_for_both_backends():

@@ -121,12 +121,15 @@ def test_probe_compiles_for_cuda(name):
     ids=["no-wait", "wait-too-short", "same-buffer", "missing-commit"],
 )
 def test_async_copy_variant_mistakes_are_caught(monkeypatch, old, new):
-    """The emulator lands asynchronous copies at once or at their wait: each slip in the async-copy
-    variant's pipeline gives a wrong (NaN) result there."""
-    text = kda_prep_probes._ASYNC_NEW
+    """The emulator lands asynchronous copies at once or at their wait: each slip in the
+    async-copy variant's pipeline gives a wrong (NaN) result there."""
+    text = kda_prep_probes._ASYNC_HEAD
     assert text.count(old) == 1
-    swap = (kda_prep_probes._FACTORS_START, kda_prep_probes._FACTORS_END, text.replace(old, new))
-    monkeypatch.setitem(kda_prep_probes.VARIANTS, "broken", [swap])
+    rewrites = [
+        (*rw[:2], text.replace(old, new)) if rw[-1] is text else rw
+        for rw in kda_prep_probes.VARIANTS["next tile by async copy"]
+    ]
+    monkeypatch.setitem(kda_prep_probes.VARIANTS, "broken", rewrites)
     args = inputs(T=130, H=2)
     full = kda_prefill.chunk_prep("emulator", *args)
     bad = kda_prefill.chunk_prep("emulator", *args, kernel=kda_prep_probes.variant("broken"))

@@ -110,15 +110,13 @@ def test_mma_tf32_layout():
 def test_prep_variants_match_the_kernel(name, T):
     """benchmarks/kda_prep_probes.py's variants of kda_chunk_prep give its outputs on the GPU
     too (to 1e-5 relative: two of them add in another order)."""
+    from test_kda_prep_probes import inputs
+
     from benchmarks import kda_prep_probes
 
-    mx.random.seed(5)
-    q, k = (mx.random.normal((1, T, 96, 128)) * 0.1 for _ in range(2))
-    v = mx.random.normal((1, T, 96, 128))
-    g = -mx.sigmoid(mx.random.normal((1, T, 96, 128)))
-    beta = mx.sigmoid(mx.random.normal((1, T, 96)))
-    full = kda_prefill.chunk_prep("cuda", q, k, v, g, beta)
-    var = kda_prefill.chunk_prep("cuda", q, k, v, g, beta, kernel=kda_prep_probes.variant(name))
+    args = inputs(T=T, H=96, K=128)
+    full = kda_prefill.chunk_prep("cuda", *args)
+    var = kda_prefill.chunk_prep("cuda", *args, kernel=kda_prep_probes.variant(name))
     mx.eval(full, var)
     for a, b in zip(full, var):
         assert rel_err(b, a) < 1e-5
