@@ -241,13 +241,17 @@ def prefill_cases(backend, T: int, skip_slow: bool, only=None):
     o = mx.random.normal((1, T, H, K))
     mx.eval(prep, o)
 
-    def state_only():
-        return kda_prefill.chunk_state(backend, prep, r[5], T)
+    def state_only(precision="fp32"):
+        return kda_prefill.chunk_state(backend, prep, r[5], T, precision)
 
     cases = [
         ("ours: chunk kernels (recurrence)", mlx_run(lambda: kda_prefill.kda_chunk(backend, *r))),
         (
-            "ours: kda_prefill (whole mixer)",
+            "ours: chunk kernels (recurrence, tf32 state pass: bf16 models)",
+            mlx_run(lambda: kda_prefill.kda_chunk(backend, *r, precision="tf32")),
+        ),
+        (
+            "ours: kda_prefill (whole mixer, bf16: tf32 state pass)",
             mlx_run(lambda: kda_prefill.kda_prefill(backend, p, *x)),
         ),
         (
@@ -258,6 +262,10 @@ def prefill_cases(backend, T: int, skip_slow: bool, only=None):
         (
             f"ours, alone: state pass ({kda_prefill.STATE_PASS.get(backend)})",
             mlx_run(state_only),
+        ),
+        (
+            "ours, alone: state pass (mma, tf32)",
+            mlx_run(state_pass(backend, "mma", lambda: state_only("tf32"))),
         ),
         *[
             (

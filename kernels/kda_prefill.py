@@ -43,12 +43,16 @@ PREP_BODY = """
   constexpr int C = 64;             // chunk
   constexpr int DT = 16;            // channels per pass-1 tile
   constexpr int NT = 256;           // threads
-  constexpr int RQ = DT / 4 + 1;    // float4 per padded tile row (the pad avoids bank conflicts)
-  // sm4 regions, in float4. Pass 1: q, k, G tiles; left factors of a sub-block; right factors;
-  // scan partials. Pass 2: L, one row of 16 float4 per chunk row (zero on and above the diagonal).
-  constexpr int OQ = 0, OK = C * RQ, OG = 2 * C * RQ, OLQ = 3 * C * RQ, OLK = OLQ + 16 * RQ;
+  constexpr int R4 = DT / 4;        // float4 per tile row
+  constexpr int RQ = R4 + 1;        // per padded row (the pad avoids bank conflicts)
+  // sm4 regions, in float4. Pass 1: q and k tiles for two tiles (tile parity p: q at 512 p,
+  // k at 512 p + 256; the next tile's arrive by asynchronous copies while this one is worked
+  // on), the G tile, left factors of a sub-block, right factors (padded rows), the warps'
+  // scan totals. The q, k and G tiles are read one row per 4 threads, so they need no pad.
+  // Pass 2: L, one row of 16 float4 per chunk row (zero on and above the diagonal).
+  constexpr int OG = 1024, OLQ = OG + C * R4, OLK = OLQ + 16 * RQ;
   constexpr int ORK = OLK + 16 * RQ, OSEG = ORK + C * RQ, OL = 0;
-  SHARED float4 sm4[OSEG + 64];
+  SHARED float4 sm4[OSEG + 32];
   SHARED float s_beta[C];
 
   const int T = dims[0];
@@ -80,38 +84,55 @@ PREP_BODY = """
   const uint row = t / 4;       // this thread's tile row and float4 column
   const uint dq = t % 4;
 
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint rl = lane / 4;     // the thread's row within its warp's 8 rows
+
+  // Tile d0's q and k are copied into threadgroup memory (ASYNC_COPY16: cp.async on CUDA, no
+  // registers held while in flight) during tile d0 - DT, into the other pair of buffers;
+  // its g is loaded into a register one tile ahead.
+  const bool ok = (int)row < rows;
+  const size_t src = in0 + (ok ? row : 0) * tok + 4 * dq;   // a readable row where !ok
+  ASYNC_COPY16(sm4[row * R4 + dq], reinterpret_cast<const DEVICE float4*>(q + src), ok);
+  ASYNC_COPY16(sm4[256 + row * R4 + dq], reinterpret_cast<const DEVICE float4*>(k + src), ok);
+  ASYNC_COMMIT();
+  float4 gn = ok ? *reinterpret_cast<const DEVICE float4*>(g + src) : kk_zero4();
+
   for (int d0 = 0; d0 < K; d0 += DT) {
+    const int OQ = ((d0 / DT) & 1) * 512, OK = OQ + 256;
+    float4 Gv = gn;
+    if (d0 + DT < K) {
+      // the other buffers were last read before the previous tile's last barrier
+      const int NQ = 512 - OQ;
+      ASYNC_COPY16(sm4[NQ + row * R4 + dq],
+                   reinterpret_cast<const DEVICE float4*>(q + src + d0 + DT), ok);
+      ASYNC_COPY16(sm4[NQ + 256 + row * R4 + dq],
+                   reinterpret_cast<const DEVICE float4*>(k + src + d0 + DT), ok);
+      gn = ok ? *reinterpret_cast<const DEVICE float4*>(g + src + d0 + DT) : kk_zero4();
+    }
+    ASYNC_COMMIT();  // (empty on the last tile, so the wait below is the same every tile)
+    // Cumulative sum of g down the chunk: a shuffle scan of each float4 column over the
+    // warp's 8 rows, plus the totals of the warps above.
+#pragma unroll
+    for (uint d = 1; d < 8; d *= 2) {
+      const uint from = rl >= d ? lane - 4 * d : lane;
+      const float4 up = FLOAT4(SIMD_SHUFFLE(Gv.x, from), SIMD_SHUFFLE(Gv.y, from),
+                               SIMD_SHUFFLE(Gv.z, from), SIMD_SHUFFLE(Gv.w, from));
+      if (rl >= d) Gv = kk_add4(Gv, up);
+    }
+    if (rl == 7) sm4[OSEG + 4 * warp + dq] = Gv;  // the warp's totals
+    BARRIER();
+    for (uint w2 = 0; w2 < warp; ++w2) Gv = kk_add4(Gv, sm4[OSEG + 4 * w2 + dq]);
+    sm4[OG + row * R4 + dq] = Gv;
+    ASYNC_WAIT(1);  // this tile's q and k have landed (the next tile's may be in flight)
+    BARRIER();
     {
-      const size_t src = in0 + row * tok + d0 + 4 * dq;
-      const bool ok = (int)row < rows;
-      sm4[OQ + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(q + src) : kk_zero4();
-      sm4[OK + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(k + src) : kk_zero4();
-      sm4[OG + row * RQ + dq] = ok ? *reinterpret_cast<const DEVICE float4*>(g + src) : kk_zero4();
-    }
-    BARRIER();
-    // Cumulative sum down the rows: 16 segments of 4 rows, one thread per (segment, float4).
-    if (t < 64) {
-      float4 run = kk_zero4();
-      for (uint r = 0; r < 4; ++r) run = kk_add4(run, sm4[OG + (4 * row + r) * RQ + dq]);
-      sm4[OSEG + t] = run;
-    }
-    BARRIER();
-    if (t < 64) {
-      float4 off = kk_zero4();
-      for (uint s2 = 0; s2 < row; ++s2) off = kk_add4(off, sm4[OSEG + 4 * s2 + dq]);
-      for (uint r = 0; r < 4; ++r) {
-        off = kk_add4(off, sm4[OG + (4 * row + r) * RQ + dq]);
-        sm4[OG + (4 * row + r) * RQ + dq] = off;
-      }
-    }
-    BARRIER();
-    {
-      const float4 G = sm4[OG + row * RQ + dq];
-      const float4 G_last = sm4[OG + (C - 1) * RQ + dq];
+      const float4 G = sm4[OG + row * R4 + dq];
+      const float4 G_last = sm4[OG + (C - 1) * R4 + dq];
       const float4 eG = kk_exp4(G);
-      const float4 kv = sm4[OK + row * RQ + dq];
+      const float4 kv = sm4[OK + row * R4 + dq];
       const size_t o = ch * C * K + row * K + d0 + 4 * dq;
-      kk_store4(Qd + o, kk_mul4(sm4[OQ + row * RQ + dq], eG));
+      kk_store4(Qd + o, kk_mul4(sm4[OQ + row * R4 + dq], eG));
       kk_store4(Kd + o, kk_mul4(kv, kk_exp4(kk_sub4(G_last, G))));
       kk_store4(Wc + o, kk_scale4(s_beta[row], kk_mul4(kv, eG)));  // beta exp(G) k: W's RHS
       if (t < 4) kk_store4(decay + ch * K + d0 + 4 * t, kk_exp4(G_last));
@@ -122,13 +143,13 @@ PREP_BODY = """
       const int r0 = I * 16;              // reference row of sub-block I
       if (t < 64) {                       // left factors exp(G_i - G_r) of its 16 rows
         const uint i = r0 + row;
-        const float4 f = kk_exp4(kk_sub4(sm4[OG + i * RQ + dq], sm4[OG + r0 * RQ + dq]));
-        sm4[OLQ + row * RQ + dq] = kk_mul4(sm4[OQ + i * RQ + dq], f);
-        sm4[OLK + row * RQ + dq] = kk_mul4(sm4[OK + i * RQ + dq], f);
+        const float4 f = kk_exp4(kk_sub4(sm4[OG + i * R4 + dq], sm4[OG + r0 * R4 + dq]));
+        sm4[OLQ + row * RQ + dq] = kk_mul4(sm4[OQ + i * R4 + dq], f);
+        sm4[OLK + row * RQ + dq] = kk_mul4(sm4[OK + i * R4 + dq], f);
       }
       if ((int)row < r0 + 16) {           // right factors exp(G_r - G_j), columns up to its end
-        const float4 f = kk_exp4(kk_sub4(sm4[OG + r0 * RQ + dq], sm4[OG + row * RQ + dq]));
-        sm4[ORK + row * RQ + dq] = kk_mul4(sm4[OK + row * RQ + dq], f);
+        const float4 f = kk_exp4(kk_sub4(sm4[OG + r0 * R4 + dq], sm4[OG + row * R4 + dq]));
+        sm4[ORK + row * RQ + dq] = kk_mul4(sm4[OK + row * R4 + dq], f);
       }
       BARRIER();
 #pragma unroll
@@ -376,7 +397,8 @@ STATE_BODY = """
 """
 
 STATE_MMA_BODY = """
-  // The state pass on tf32 tensor cores (3xTF32, about fp32 precision). Simdgroup w of a
+  // The state pass on tf32 tensor cores: 3xTF32 (about fp32 precision) where X3, else one
+  // tf32 MMA per product (about 1e-3 relative: for bf16 activations). Simdgroup w of a
   // threadgroup owns 16 state columns of one (batch, head); the WG simdgroups of a
   // threadgroup share their head's chunk data through threadgroup memory. Everything is
   // computed transposed, so that each product's A operand (16 state columns x k) is an
@@ -485,8 +507,8 @@ STATE_MMA_BODY = """
 #pragma unroll
           for (int j = 0; j < NC; ++j) {
             const uint i = ((8 * j + g) * RW + 8 * k2 + 2 * tq) / 2;
-            P1[j] = kk_mma3(P1[j], a, sm[i], lane);
-            P2[j] = kk_mma3(P2[j], a, sm[i + 64 * RW / 2], lane);
+            P1[j] = kk_mma(P1[j], a, sm[i], lane, X3);
+            P2[j] = kk_mma(P2[j], a, sm[i + 64 * RW / 2], lane, X3);
           }
         }
         if (st == NWQ - 1) {
@@ -508,7 +530,8 @@ STATE_MMA_BODY = """
           const int it = 4 * h2 + i4;
 #pragma unroll
           for (int jt = 0; jt <= it; ++jt) {
-            P2[it] = kk_mma3(P2[it], V[jt], sm[((8 * i4 + g) * RA + 8 * jt + 2 * tq) / 2], lane);
+            const float2 bt = sm[((8 * i4 + g) * RA + 8 * jt + 2 * tq) / 2];
+            P2[it] = kk_mma(P2[it], V[jt], bt, lane, X3);
           }
           const int tk = n * C + 8 * it + 2 * tq;
           if (tk < T) {
@@ -543,7 +566,7 @@ STATE_MMA_BODY = """
             const float2 k0 = sm[i / 2];
             const float2 k1 = sm[(i + RK) / 2];
             const float2 kb = (g & 1) ? FLOAT2(k0.y, k1.y) : FLOAT2(k0.x, k1.x);
-            S[s] = kk_mma3(S[s], V[jt], kb, lane);
+            S[s] = kk_mma(S[s], V[jt], kb, lane, X3);
           }
         }
       }
@@ -725,18 +748,21 @@ POST_BODY = """
   const uint r = GROUP_POS.x * 4 + SIMDGROUP;
   if ((int)r < rows) {              // the whole simdgroup agrees
     const size_t base = (size_t)r * K;
-    float x[CL];
+    // gate and o_norm are loaded beside o: loaded in the output loop, each would wait for
+    // the previous column's store (which may alias it as far as the compiler knows).
+    float x[CL], gt[CL], on[CL];
     float ss = 0.0f;
     for (int i = 0; i < CL; ++i) {
       x[i] = o[base + LANE + 32 * i];
+      gt[i] = static_cast<float>(gate[base + LANE + 32 * i]);
+      on[i] = o_norm[LANE + 32 * i];
       ss += x[i] * x[i];
     }
     ss = SIMD_SUM(ss);
     const float rs = RSQRT(ss / K + params[0]);
     for (int i = 0; i < CL; ++i) {
       const uint d = LANE + 32 * i;
-      const float gt = static_cast<float>(gate[base + d]);
-      y[base + d] = static_cast<T>(x[i] * rs * o_norm[d] / (1.0f + EXP(-gt)));
+      y[base + d] = static_cast<T>(x[i] * rs * on[i] / (1.0f + EXP(-gt[i])));
     }
   }
 """
@@ -792,8 +818,8 @@ def _prep_instance(H, K):
     return Instance([mx.float32] * 5 + [mx.int32], [mx.float32] * 6, [("H", H), ("K", K)])
 
 
-def _state_instance(H, K, WG=None):
-    template = [("H", H), ("K", K)] + ([("WG", WG)] if WG is not None else [])
+def _state_instance(H, K, WG=None, X3=None):
+    template = [("H", H), ("K", K)] + ([("WG", WG), ("X3", X3)] if WG is not None else [])
     return Instance([mx.float32] * 7 + [mx.int32], [mx.float32] * 2, template)
 
 
@@ -822,7 +848,7 @@ KDA_CHUNK_STATE_MMA = Kernel(
     ["o", "state_out"],
     STATE_MMA_BODY,
     header=VEC4_HELPERS + TF32X3_HELPERS,
-    instances=[_state_instance(96, 128, w) for w in (2, 4, 8)],
+    instances=[_state_instance(96, 128, w, x3) for w in (2, 4, 8) for x3 in (True, False)],
 )
 
 # Which state pass serves a backend: the tensor-core one needs real MMAs (its Metal spelling
@@ -830,6 +856,12 @@ KDA_CHUNK_STATE_MMA = Kernel(
 # to "mma" to check the tensor-core kernel's fragment bookkeeping.
 STATE_PASS = {"cuda": "mma", "metal": "fma", "emulator": "fma"}
 STATE_MMA_WARPS = 8  # simdgroups per threadgroup of kda_chunk_state_mma (2, 4 or 8)
+# The tensor-core state pass's precision by the dtype of the layer's activations: "fp32"
+# (3xTF32, within 2e-5 of the reference) or "tf32" (one MMA per product, about 3x fewer
+# MMAs; about 1e-3 relative, below bf16's own rounding of the layer's output). The FMA state
+# pass is fp32 whatever this says. Set an entry to "fp32" for fp32 state passes everywhere.
+MMA_PRECISION = {mx.float32: "fp32", mx.bfloat16: "tf32", mx.float16: "tf32"}
+PRECISIONS = ("fp32", "tf32")
 
 
 def eligible(heads: int, head_dim: int) -> bool:
@@ -859,13 +891,16 @@ def chunk_prep(backend: str, q, k, v, g, beta, kernel=None):
     )
 
 
-def chunk_state(backend: str, prep, state, T: int):
+def chunk_state(backend: str, prep, state, T: int, precision: str = "fp32"):
     """The state pass over ``chunk_prep``'s outputs: ``kda_chunk_state_mma`` where
-    ``STATE_PASS[backend]`` is ``"mma"`` (CUDA), else ``kda_chunk_state``.
+    ``STATE_PASS[backend]`` is ``"mma"`` (CUDA), in ``precision`` (``PRECISIONS``; see
+    ``MMA_PRECISION``), else ``kda_chunk_state`` (fp32).
 
     Returns (o [B, T, H, K] fp32, state fp32).
     """
     B, H, N, _, K = prep[1].shape
+    if precision not in PRECISIONS:
+        raise ValueError(f"state pass precision {precision!r}: expected one of {PRECISIONS}")
     if state is None:
         state = mx.zeros((B, H, K, K), dtype=mx.float32)
     if STATE_PASS.get(backend) == "mma":
@@ -883,7 +918,7 @@ def chunk_state(backend: str, prep, state, T: int):
             output_dtypes=[mx.float32, mx.float32],
             grid=(32 * warps, 1, 1),
             threadgroup=(32 * wg, 1, 1),
-            template=[("H", H), ("K", K), ("WG", wg)],
+            template=[("H", H), ("K", K), ("WG", wg), ("X3", precision == "fp32")],
         )
     return KDA_CHUNK_STATE(
         backend,
@@ -896,16 +931,17 @@ def chunk_state(backend: str, prep, state, T: int):
     )
 
 
-def kda_chunk(backend: str, q, k, v, g, beta, state):
+def kda_chunk(backend: str, q, k, v, g, beta, state, precision: str = "fp32"):
     """``kimi_k3.kda.kda_chunked`` on the kernels; same contract (o, state), K == V.
 
     Shapes: q, k, v, g: [B, T, H, K] (q scaled and normalised); beta: [B, T, H];
-    state: [B, H, K, K] fp32 or None. Returns (o [B, T, H, K] fp32, state fp32).
+    state: [B, H, K, K] fp32 or None. ``precision``: the tensor-core state pass's
+    (``chunk_state``). Returns (o [B, T, H, K] fp32, state fp32).
     """
     B, T, H, K = k.shape
     if not eligible(H, K) or v.shape[-1] != K:
         raise ValueError(f"kda_chunk kernels need K == V in (64, 128), got {K}, {v.shape[-1]}")
-    return chunk_state(backend, chunk_prep(backend, q, k, v, g, beta), state, T)
+    return chunk_state(backend, chunk_prep(backend, q, k, v, g, beta), state, T, precision)
 
 
 def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state, kernel=None):
@@ -960,8 +996,10 @@ def kda_prefill(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, con
 
     ``kda_pre`` (conv + SiLU, L2 norms, q scale, gate, beta, new conv window), the chunk
     kernels (``kda_chunk_prep``, ``kda_chunk_state``), ``kda_post`` (RMSNorm x sigmoid(gate)).
-    Same shapes and return contract as the reference.
+    Same shapes and return contract as the reference; the state pass's precision follows
+    the activations' dtype (``MMA_PRECISION``).
     """
     q, k, v, g, beta, conv_out = pre(backend, p, x_q, x_k, x_v, g_raw, b_logits, conv_state)
-    o, state = kda_chunk(backend, q, k, v, g, beta, state)
+    precision = MMA_PRECISION.get(x_q.dtype, "fp32")
+    o, state = kda_chunk(backend, q, k, v, g, beta, state, precision)
     return post(backend, p, o, as_dtype(gate, x_q.dtype)), conv_out, state

@@ -290,6 +290,12 @@ HELPER float4 kk_mma3(float4 c, kk_split4_t a, float2 b, uint lane) {
   c = SIMD_MMA_TF32(c, a.hi, bl, lane);
   return SIMD_MMA_TF32(c, a.hi, bh, lane);
 }
+// c + A B: kk_mma3 where x3, else one tf32 MMA of A's and B's rounded parts (about 1e-3
+// relative: for inputs that were bf16; a compile-time x3 leaves no trace of the other).
+HELPER float4 kk_mma(float4 c, kk_split4_t a, float2 b, uint lane, bool x3) {
+  if (x3) return kk_mma3(c, a, b, lane);
+  return SIMD_MMA_TF32(c, a.hi, FLOAT2(kk_tf32(b.x), kk_tf32(b.y)), lane);
+}
 """
 
 _WORD_RE = re.compile(r"\b(" + "|".join(sorted(WORDS, key=len, reverse=True)) + r")\b")

@@ -104,12 +104,10 @@ def test_mma_tf32_layout():
 
 
 @pytest.mark.parametrize("T", [65, 1000])
-@pytest.mark.parametrize(
-    "name", ["factors at once", "shuffle-scan cumsum", "next tile by async copy"]
-)
+@pytest.mark.parametrize("name", ["before async copy"])
 def test_prep_variants_match_the_kernel(name, T):
     """benchmarks/kda_prep_probes.py's variants of kda_chunk_prep give its outputs on the GPU
-    too (to 1e-5 relative: two of them add in another order)."""
+    too (to 1e-5 relative: they add in another order)."""
     from test_kda_prep_probes import inputs
 
     from benchmarks import kda_prep_probes
@@ -123,12 +121,13 @@ def test_prep_variants_match_the_kernel(name, T):
 
 
 def test_post_variant_matches_the_kernel():
-    """benchmarks/kda_prep_probes.py's kda_post with its gate loads moved up: same output."""
+    """benchmarks/kda_prep_probes.py's kda_post with its gate loads back in the output loop:
+    same output."""
     from benchmarks import kda_prep_probes
 
     p = layer(96, 128)
     mx.random.seed(6)
     o = mx.random.normal((1, 300, 96, 128))
     gate = mx.random.normal((1, 300, 96 * 128)).astype(mx.bfloat16)
-    new = kda_prefill.post("cuda", p, o, gate, kernel=kda_prep_probes.post_early())
+    new = kda_prefill.post("cuda", p, o, gate, kernel=kda_prep_probes.post_before())
     assert mx.array_equal(new, kda_prefill.post("cuda", p, o, gate))
