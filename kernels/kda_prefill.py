@@ -407,23 +407,27 @@ STATE_MMA_BODY = """
   // as an A tile it is the same 16 x 8 block with its k order permuted (a.y takes c.z, a.z
   // takes c.y), and every B tile is read in that permuted k order.
   //
-  // A chunk's data goes through one threadgroup buffer in 14 stages of 512 float4 (8 KB):
-  // 8 slices of 16 state rows of W and Qd, 2 halves of Aqk, 4 (K = 128) slices of rows of
-  // Kd. Each thread loads its share of the next stage into registers before the MMAs of
-  // this one, so the loads are in flight during the math (the last stage of a chunk loads
-  // the first of the next chunk).
+  // A chunk's data goes through threadgroup memory in 14 stages of 512 float4 (8 KB): 8
+  // slices of 16 state rows of W and Qd, 2 halves of Aqk, 4 (K = 128) slices of rows of Kd.
+  // Stage gs (= n NST + st, counted over the whole pass) lands in buffer gs % 3 of a ring of
+  // three by asynchronous copies (ASYNC_COPY16) issued two stages ahead, so two stages' loads
+  // are in flight during the math without holding registers, and one barrier per stage
+  // both publishes a stage and frees the buffer that the next copies refill.
   constexpr int C = 64;
   constexpr int NS = K / 8;                 // state row tiles
   constexpr int NC = C / 8;                 // chunk row tiles
   constexpr int NT = 32 * WG;               // threads
   constexpr int PER = 512 / NT;             // float4 of a stage per thread
-  constexpr int RW = 24;                    // padded row (floats) of a W / Qd slice
+  constexpr int RW = 16;                    // row (floats) of a W / Qd slice, swizzled:
+                                            // its halves swap in rows r with r & 2
   constexpr int RA = 72;                    // of an Aqk half
   constexpr int RK = K + 4;                 // of a Kd slice
   constexpr int JR = 2048 / K;              // chunk rows per Kd slice
   constexpr int NWQ = K / 16;               // W / Qd stages
   constexpr int NST = NWQ + 2 + C / JR;     // stages per chunk
-  SHARED float2 sm[1536];                   // 12 KB: the largest stage (W and Qd slices)
+  constexpr int SB = 1152;                  // float2 per buffer: the largest stage (Aqk)
+  // 27 KB, 16-byte aligned for the copies (the same attribute spelling in Metal and CUDA)
+  SHARED float2 sm[3 * SB] __attribute__((aligned(16)));
 
   const int T = dims[0];
   const int N = dims[1];
@@ -458,15 +462,21 @@ STATE_MMA_BODY = """
                           + 4 * ((e) % 16)                                                  \\
    : Kd + ((size_t)bh * N + (n)) * C * K + (JR * ((st) - NWQ - 2) + (e) / (K / 4)) * K +     \\
          4 * ((e) % (K / 4)))
+#define KK_SWZ(r) (((r) & 2) ? 4 : 0)  // float2 offset that swaps a W / Qd row's halves
 #define KK_STAGE_DST(st, e)                                                                 \\
-  ((st) < NWQ ? (((e) / 256) * 64 + (e) % 256 / 4) * RW / 2 + 2 * ((e) % 4)                  \\
+  ((st) < NWQ ? (((e) / 256) * 64 + (e) % 256 / 4) * RW / 2 +                                \\
+                    ((2 * ((e) % 4)) ^ KK_SWZ((e) % 256 / 4))                                \\
    : (st) < NWQ + 2 ? ((e) / 16) * RA / 2 + 2 * ((e) % 16)                                   \\
    : ((e) / (K / 4)) * RK / 2 + 2 * ((e) % (K / 4)))
-  float4 nx[PER];
-#pragma unroll
-  for (int r = 0; r < PER; ++r) {
-    nx[r] = *reinterpret_cast<const DEVICE float4*>(KK_STAGE_SRC(0, 0, t + NT * r));
+#define KK_ISSUE(n, st, buf)                                                                \\
+  for (int r = 0; r < PER; ++r) {                                                           \\
+    ASYNC_COPY16(sm[(buf) + KK_STAGE_DST(st, t + NT * r)],                                  \\
+                 reinterpret_cast<const DEVICE float4*>(KK_STAGE_SRC(n, st, t + NT * r)), true); \\
   }
+  KK_ISSUE(0, 0, 0);                        // stages 0 and 1 (NST >= 6)
+  ASYNC_COMMIT();
+  KK_ISSUE(0, 1, SB);
+  ASYNC_COMMIT();
 
   for (int n = 0; n < N; ++n) {
     const size_t ch = (size_t)bh * N + n;
@@ -480,23 +490,15 @@ STATE_MMA_BODY = """
     }
 #pragma unroll
     for (int st = 0; st < NST; ++st) {
-      BARRIER();        // the previous stage's reads are done
-#pragma unroll
-      for (int r = 0; r < PER; ++r) {
-        const int e = t + NT * r;
-        sm[KK_STAGE_DST(st, e)] = FLOAT2(nx[r].x, nx[r].y);
-        sm[KK_STAGE_DST(st, e) + 1] = FLOAT2(nx[r].z, nx[r].w);
-      }
-      BARRIER();
-      {                 // the next stage, or the next chunk's first
-        const int nn = st + 1 < NST ? n : n + 1;
-        const int ns = st + 1 < NST ? st + 1 : 0;
-        if (nn < N) {
-#pragma unroll
-          for (int r = 0; r < PER; ++r) {
-            nx[r] = *reinterpret_cast<const DEVICE float4*>(KK_STAGE_SRC(nn, ns, t + NT * r));
-          }
-        }
+      const int gs = n * NST + st;
+      const uint cur = (gs % 3) * SB;
+      ASYNC_WAIT(1);    // this thread's copies of stage gs have landed
+      BARRIER();        // everyone's have; everyone is done reading stage gs - 1's buffer
+      {                 // stage gs + 2, into that buffer (an empty group past the end)
+        const int n2 = st + 2 < NST ? n : n + 1;
+        const int s2 = st + 2 < NST ? st + 2 : st + 2 - NST;
+        if (n2 < N) KK_ISSUE(n2, s2, ((gs + 2) % 3) * SB);
+        ASYNC_COMMIT();
       }
       if (st < NWQ) {
         // P1 += W^T-slice products, P2 += Qd^T-slice: B tiles are float2s of row 8 j + g.
@@ -506,7 +508,7 @@ STATE_MMA_BODY = """
           const kk_split4_t a = kk_split4(FLOAT4(S[kk].x, S[kk].z, S[kk].y, S[kk].w));
 #pragma unroll
           for (int j = 0; j < NC; ++j) {
-            const uint i = ((8 * j + g) * RW + 8 * k2 + 2 * tq) / 2;
+            const uint i = cur + (8 * j + g) * RW / 2 + ((4 * k2 + tq) ^ KK_SWZ(8 * j + g));
             P1[j] = kk_mma(P1[j], a, sm[i], lane, X3);
             P2[j] = kk_mma(P2[j], a, sm[i + 64 * RW / 2], lane, X3);
           }
@@ -530,7 +532,7 @@ STATE_MMA_BODY = """
           const int it = 4 * h2 + i4;
 #pragma unroll
           for (int jt = 0; jt <= it; ++jt) {
-            const float2 bt = sm[((8 * i4 + g) * RA + 8 * jt + 2 * tq) / 2];
+            const float2 bt = sm[cur + ((8 * i4 + g) * RA + 8 * jt + 2 * tq) / 2];
             P2[it] = kk_mma(P2[it], V[jt], bt, lane, X3);
           }
           const int tk = n * C + 8 * it + 2 * tq;
@@ -563,8 +565,8 @@ STATE_MMA_BODY = """
 #pragma unroll
           for (int s = 0; s < NS; ++s) {
             const uint i = (8 * j2 + 2 * tq) * RK + 8 * s + g;
-            const float2 k0 = sm[i / 2];
-            const float2 k1 = sm[(i + RK) / 2];
+            const float2 k0 = sm[cur + i / 2];
+            const float2 k1 = sm[cur + (i + RK) / 2];
             const float2 kb = (g & 1) ? FLOAT2(k0.y, k1.y) : FLOAT2(k0.x, k1.x);
             S[s] = kk_mma(S[s], V[jt], kb, lane, X3);
           }
@@ -574,6 +576,8 @@ STATE_MMA_BODY = """
   }
 #undef KK_STAGE_SRC
 #undef KK_STAGE_DST
+#undef KK_SWZ
+#undef KK_ISSUE
 
   DEVICE float* s_out = state_out + (size_t)bh * K * K + 2 * tq * K;
 #pragma unroll

@@ -208,7 +208,10 @@ def metal_source(
 
 
 _THREADGROUP_DECL = re.compile(r"\bthreadgroup\b(?!_)([^;{}]*);")
-_ARRAY_DECL = re.compile(r"^\s*[\w:<>, ]+?\s+\w+\s*(\[[^\]]+\]\s*)+$")
+# an array, optionally aligned: ``float2 sm[N] __attribute__((aligned(16)))``
+_ARRAY_DECL = re.compile(
+    r"^\s*[\w:<>, ]+?\s+\w+\s*(\[[^\]]+\]\s*)+(__attribute__\(\(aligned\(\d+\)\)\)\s*)?$"
+)
 
 
 def check_threadgroup_declarations(text: str) -> None:

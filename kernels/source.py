@@ -148,6 +148,14 @@ __device__ inline void kk_async_copy16(T& dst, const T* src, bool valid) {
                "r"(valid ? 16 : 0)
                : "memory");
 }
+// The same into a float2 element at an even index and the one after it (a SHARED float2
+// array read by float2s).
+__device__ inline void kk_async_copy16(float2& dst, const float4* src, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(&dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
 __device__ inline void kk_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ inline void kk_async_wait(int n) {
   switch (n) {
@@ -188,12 +196,20 @@ inline void kk_async_copy16(T& dst, const T* src, bool valid) {
   static_assert(sizeof(T) == 16, "ASYNC_COPY16 copies 16 bytes");
   kk::async_copy(&dst, valid ? src : nullptr, sizeof(T));
 }
+inline void kk_async_copy16(float2& dst, const float4* src, bool valid) {
+  kk::async_copy(&dst, valid ? src : nullptr, 16);  // dst and the float2 after it
+}
 inline void kk_async_commit() { kk::async_commit(); }
 inline void kk_async_wait(int n) { kk::async_wait(n); }
 #else
 template <typename T>
 inline void kk_async_copy16(threadgroup T& dst, const device T* src, bool valid) {
   dst = valid ? *src : T(0);
+}
+inline void kk_async_copy16(threadgroup float2& dst, const device float4* src, bool valid) {
+  const float4 v = valid ? *src : float4(0.0f);
+  (&dst)[0] = v.xy;  // dst and the float2 after it
+  (&dst)[1] = v.zw;
 }
 inline void kk_async_commit() {}
 inline void kk_async_wait(int) {}
