@@ -36,7 +36,7 @@ for step in "$@"; do
     cuda_tests_par)
       # the three CUDA test modules at once (their time is mostly CPU references)
       run kda_tests_par 270 bash benchmarks/pytest_split.sh 3 tests/cuda/test_kda_cuda.py &
-      MLX_ENABLE_TF32=0 run mxfp4_tests 270 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py &
+      MLX_ENABLE_TF32=0 run mxfp4_tests 330 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py &
       MLX_ENABLE_TF32=0 run model_cuda 270 python3 -m pytest -q tests/cuda/test_model_cuda.py &
       run async_copy 120 python3 -m pytest -q tests/cuda/test_async_copy_cuda.py &
       wait ;;
@@ -64,7 +64,7 @@ for step in "$@"; do
     prep_variants) MLX_ENABLE_TF32=0 run prep_variants 200 python3 -m pytest -q tests/cuda/test_kda_cuda.py tests/cuda/test_async_copy_cuda.py -k "prep_variants or post_variant or rotate" ;;
     pre_tests) MLX_ENABLE_TF32=0 run pre_tests 200 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "(test_prefill and (1000 or 65) and not 96) or mix_uses or state_pass_k3" ;;
     prep_tests) MLX_ENABLE_TF32=0 run prep_tests 200 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "test_prefill and 1000" ;;
-    bench_kda_recurrence) run bench_kda_recurrence 250 python3 -m benchmarks.bench_kda --no-decode --skip-slow --repeats 10 --cases "ours: chunk" "whole mixer" "alone: kda_pre" "alone: kda_chunk_prep" "state pass (mma)" "state pass (mma, tf32" "alone: kda_post" "fla chunk_kda (Triton, bf16" --out "$OUT/bench_kda_recurrence.md" ;;
+    bench_kda_recurrence) run bench_kda_recurrence 250 python3 -m benchmarks.bench_kda --no-decode --skip-slow --repeats 10 --cases "ours: chunk" "whole mixer" "alone: kda_pre" "alone: kda_chunk_prep" "state pass (mma)" "state pass (mma, tf32" "alone: kda_post" "fla chunk_kda" --out "$OUT/bench_kda_recurrence.md" ;;
     kda_fixes) run kda_fixes 200 python3 -m benchmarks.kda_prep_probes --out "$OUT/kda_fixes.md" --only kda_chunk_prep "variant: before the two fixes" "variant: chunk-major grid" kda_pre "kda_pre before (loads in their token)" ;;
     kda_prep_probes) run kda_prep_probes 200 python3 -m benchmarks.kda_prep_probes --out "$OUT/kda_prep_probes.md" ;;
     kda_tests_quick) MLX_ENABLE_TF32=0 run kda_tests_quick 120 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "decode or state_pass or uses_the_cuda" ;;
