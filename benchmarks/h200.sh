@@ -2,12 +2,12 @@
 # On the lent H200 (after `source .device/b/setup.sh`): run the named steps, append their
 # output to $OUT/log.txt and leave benchmark tables in $OUT/*.md. Measured step times on a
 # fresh machine (first use of each kernel instance included): kda_tests more than
-# 240 s (give it a call of its own; kda_tests_par runs it as 4 processes), mxfp4_tests 170 s, model_cuda 210 s, bench_kda_final
+# 240 s (give it a call of its own; kda_tests_par runs it as 4 processes: 109 s), mxfp4_tests 170-263 s, model_cuda 210 s, bench_kda_final
 # 186 s, bench_mxfp4 112 s, bench_mxfp4_decode 47 s, mxfp4_mma_tests 80-115 s, bench_streaming
 # 149 s; mxfp4_sweep 100-120 s (7-12 shapes, with the probes); kda_state 80-92 s, bench_kda_state
 # 114-125 s, bench_kda_prefill 201 s, profile_kda / profile_kda_stalls 17-18 s, cuda_tests_par 260 s,
-# bench_kda_final 232 s, kda_prep_probes 35-84 s, profile_prep 41 s, prep_tests 169 s,
-# bench_kda_recurrence 98-101 s, kda_fixes 31 s, pre_tests 69 s, mma_layout 6 s.
+# bench_kda_final 232 s, kda_prep_probes 35-133 s, profile_prep 41 s, prep_tests 169 s,
+# bench_kda_recurrence 98-109 s (193 s with the fla fp32 rows, as now), prep_variants 18-34 s, kda_fixes 31 s, pre_tests 69 s, mma_layout 6 s.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
 OUT=${OUT:-/tmp/out}
@@ -52,20 +52,20 @@ for step in "$@"; do
     async_copy) run async_copy 120 python3 -m pytest -q tests/cuda/test_async_copy_cuda.py ;;
     mma_layout) MLX_ENABLE_TF32=0 run mma_layout 120 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "mma_tf32_layout" ;;
     profile_prep)
-      # ncu on kda_chunk_prep and its next-tile variant at T = 8192, one launch each
-      for k in "kda_chunk_prep_9" "kda_chunk_prep_var_next"; do
+      # ncu on kda_chunk_prep and the kernel before its async copies at T = 8192, one launch each
+      for k in "kda_chunk_prep_9" "kda_chunk_prep_var_before"; do
         run profile_prep 150 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
           --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
           --section Occupancy --section InstructionStats \
           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:$k" -c 1 \
           python3 -m benchmarks.kda_prep_probes --lengths 8192 --repeats 1 \
-          --only kda_chunk_prep "variant: next tile in registers"
+          --only kda_chunk_prep "variant: before async copy"
       done ;;
     prep_variants) MLX_ENABLE_TF32=0 run prep_variants 200 python3 -m pytest -q tests/cuda/test_kda_cuda.py tests/cuda/test_async_copy_cuda.py -k "prep_variants or post_variant or rotate" ;;
     pre_tests) MLX_ENABLE_TF32=0 run pre_tests 200 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "(test_prefill and (1000 or 65) and not 96) or mix_uses or state_pass_k3" ;;
     prep_tests) MLX_ENABLE_TF32=0 run prep_tests 200 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "test_prefill and 1000" ;;
     bench_kda_recurrence) run bench_kda_recurrence 250 python3 -m benchmarks.bench_kda --no-decode --skip-slow --repeats 10 --cases "ours: chunk" "whole mixer" "alone: kda_pre" "alone: kda_chunk_prep" "state pass (mma)" "state pass (mma, tf32" "alone: kda_post" "fla chunk_kda" --out "$OUT/bench_kda_recurrence.md" ;;
-    kda_fixes) run kda_fixes 200 python3 -m benchmarks.kda_prep_probes --out "$OUT/kda_fixes.md" --only kda_chunk_prep "variant: before the two fixes" "variant: chunk-major grid" kda_pre "kda_pre before (loads in their token)" ;;
+    kda_fixes) run kda_fixes 200 python3 -m benchmarks.kda_prep_probes --out "$OUT/kda_fixes.md" --only kda_chunk_prep "variant: before async copy" kda_pre "kda_pre before (loads in their token)" kda_post "kda_post before (gate loaded per column)" ;;
     kda_prep_probes) run kda_prep_probes 200 python3 -m benchmarks.kda_prep_probes --out "$OUT/kda_prep_probes.md" ;;
     kda_tests_quick) MLX_ENABLE_TF32=0 run kda_tests_quick 120 python3 -m pytest -q tests/cuda/test_kda_cuda.py -k "decode or state_pass or uses_the_cuda" ;;
     mxfp4_tests_quick) MLX_ENABLE_TF32=0 run mxfp4_tests_quick 150 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "k3_layer or dispatcher or slots or agree" ;;

@@ -7,8 +7,8 @@ part cut out (their results are wrong by design; only their times are reported).
   barriers and everything else stay);
 - ``no sub-block loop``: pass 1's loop over the four sub-blocks removed (factors, dot
   products and their 8 barriers per 16-channel tile), one barrier left in its place;
-- ``no cumsum``: the in-chunk cumulative sum of g (two passes, two barriers per tile) removed
-  (G is g itself);
+- ``no cumsum``: the in-chunk cumulative sum of g (a shuffle scan and one barrier per tile)
+  removed (G is g itself);
 - ``no pass-1 stores``: the Qd, Kd, beta exp(G) k and decay stores removed (pass 2 then
   solves whatever W holds);
 - ``no pass 2``: the whole solve pass removed (its loads, forward substitution and stores).
@@ -16,24 +16,17 @@ part cut out (their results are wrong by design; only their times are reported).
 Beside the cuts, whole variants (correct kernels, tests/test_kda_prep_probes.py checks them
 against ``kda_chunk_prep``) are timed the same way:
 
-- ``chunk-major grid``: consecutive threadgroups take the same chunk of consecutive heads
-  (a token's q, k, g rows are read whole by the threadgroups in flight) instead of
-  consecutive chunks of one head;
-- ``next tile in registers``: each thread loads its float4s of the next 16-channel tile
-  while the current one is worked on (12 more registers), so no tile waits on DRAM;
-- ``factors at once``: pass 1 with all four sub-blocks' exponential factors computed in one
-  phase (4 barriers per 16-channel tile instead of 11, 29 KB of threadgroup memory instead
-  of 24), q and k kept in registers;
-- ``shuffle-scan cumsum``: the in-chunk cumulative sum as a shuffle scan within each
-  warp's 8 rows plus the totals of the warps above (2 barriers per tile before the factors
-  instead of 3, all 256 threads instead of 64 adding serially);
-- ``next tile by async copy``: the next tile's q and k copied into a second pair of tile
-  buffers by ``ASYNC_COPY16`` (no registers held) and its g loaded into a register while the
-  current tile is worked on, with the shuffle-scan cumulative sum (28 KB of threadgroup
-  memory);
-- ``stores by assignment``, ``beta v per load``, ``before the two fixes``: the kernel as it
-  was before its float4 stores went through ``kk_store4`` and before pass 2's right-hand
-  side loads were all issued ahead of their use (one fix undone, or both).
+- ``before async copy``: the kernel of the session before, for a same-run comparison: each
+  tile's q, k and g loaded by every thread straight into padded tiles (no copy in flight
+  while the tile before is worked on), the cumulative sum in two passes of 64 threads;
+- ``kda_pre before (loads in their token)``: ``kda_pre`` with each token's loads back in
+  that token (the session before's fix undone);
+- ``kda_post before (gate loaded per column)``: ``kda_post`` with its gate and o_norm loads
+  back in the output loop.
+
+Variants timed in earlier sessions and then adopted or dropped (chunk-major grid, next
+tile in registers, factors at once, stores by assignment, beta v per load) are in
+docs/benchmarks.md with their numbers, and in this file's history.
 
 Inputs are ``bench_kda``'s recurrence inputs at K3's shape (96 heads x 128); ptxas's
 registers per kernel where nvcc is on PATH.
