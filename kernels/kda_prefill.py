@@ -5,7 +5,8 @@ writes the new conv window. Then the chunkwise recurrence (chunk 64, 16-token su
 then ``kda_post`` (per-head RMSNorm x sigmoid(gate)). No MLX elementwise pass runs over the
 [T, H*K] tensors.
 
-``kda_chunk_prep`` runs on every (batch, head, chunk) at once. For one 64-token chunk, with G
+``kda_chunk_prep`` runs on every (batch, head, chunk) at once (its 16-channel q and k tiles
+copied asynchronously one tile ahead). For one 64-token chunk, with G
 the in-chunk cumulative sum of g (``kimi_k3.kda.kda_chunked`` has the algebra):
 
     Aqk = lower(q_i . k_j exp(G_i - G_j))          Qd = exp(G) q,  Kd = exp(G_last - G) k
@@ -20,10 +21,12 @@ The state pass carries the state through the chunks in order, the state in regis
     V' = U - W S,   O = Qd S + Aqk V',   S = decay * S + Kd^T V'
 
 Two state passes compute O inside the sequential loop. ``kda_chunk_state_mma`` (CUDA's) runs
-the four products on tf32 tensor cores in the 3xTF32 split (about fp32 accuracy), the state
-transposed in each simdgroup's MMA accumulators, the chunk's operands staged through
-threadgroup memory one stage ahead; its Metal spelling is exact but made of shuffles, so
-Metal keeps ``kda_chunk_state`` (fp32 FMAs, a register prefetch of the next slice).
+the four products on tf32 tensor cores, in the 3xTF32 split (about fp32 accuracy) for fp32
+activations and in one tf32 MMA each for bf16 / fp16 ones (``MMA_PRECISION``), the state
+transposed in each simdgroup's MMA accumulators, the chunk's operands copied asynchronously
+into a ring of three threadgroup buffers two stages ahead; its Metal spelling is exact but
+made of shuffles, so Metal keeps ``kda_chunk_state`` (fp32 FMAs, a register prefetch of the
+next slice).
 ``STATE_PASS`` picks one per backend. Three other FMA state passes (without the prefetch;
 split into a sequential kernel plus an all-chunks output kernel, at 32 or 16 columns per
 threadgroup) were measured slower on the H200 (docs/benchmarks.md) and removed.
