@@ -115,7 +115,8 @@ class GatedMLA(nn.Module):
         self.g_proj = nn.Linear(D, H * self.vdim, bias=False)
 
     def _kv_b(self) -> tuple[mx.array, mx.array]:
-        """kv_b_proj as per-head key [H, nope, rank] and value [H, v, rank] maps."""
+        """kv_b_proj as per-head key [H, nope, rank] and value [H, v, rank] maps, dequantized
+        where it is quantized (prefill and kimi_k3.trace; decode uses ``_kv_b_matmul``)."""
         w = self.kv_b_proj
         if isinstance(w, nn.QuantizedLinear):
             w = mx.dequantize(w.weight, w.scales, w.get("biases"), w.group_size, w.bits, w.mode)
@@ -135,27 +136,58 @@ class GatedMLA(nn.Module):
         offset = 0 if cache is None else cache.offset
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
-        wk, wv = self._kv_b()
         if T == 1:
-            o = self._decode(q_nope, q_pe, latent, k_pe, wk, wv)
+            o = self._decode(q_nope, q_pe, latent, k_pe)
         else:
-            o = self._prefill(q_nope, q_pe, latent, k_pe, wk, wv, offset)
+            o = self._prefill(q_nope, q_pe, latent, k_pe, offset)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)
         return self.o_proj(o * mx.sigmoid(self.g_proj(x)))
 
-    def _prefill(self, q_nope, q_pe, latent, k_pe, wk, wv, offset):
+    def _kv_b_matmul(self, x: mx.array, part: str, transpose: bool) -> mx.array:
+        """``x`` times kv_b_proj's per-head key map (``part`` "k": [H, nope, rank]) or value map
+        ("v": [H, v, rank]), or its transpose; x broadcasts against the heads. A quantized
+        kv_b_proj is multiplied as it is stored (``mx.quantized_matmul``), not dequantized:
+        decode's path (one token: dequantizing the 12.6M weights per token and layer at K3's
+        shape made the two products 4.5x (bf16) to 23x (fp32) slower on the CPU,
+        benchmarks/bench_mla.py)."""
+        w = self.kv_b_proj
+        rows = slice(None, self.nope) if part == "k" else slice(self.nope, None)
+
+        def heads(a):
+            return a.reshape(self.heads, self.nope + self.vdim, -1)[:, rows]
+
+        if isinstance(w, nn.QuantizedLinear):
+            biases = w.get("biases")
+            return mx.quantized_matmul(
+                x,
+                heads(w.weight),
+                heads(w.scales),
+                None if biases is None else heads(biases),
+                transpose=transpose,
+                group_size=w.group_size,
+                bits=w.bits,
+                mode=w.mode,
+            )
+        m = heads(w.weight)
+        return x @ (m.swapaxes(-1, -2) if transpose else m)
+
+    def _prefill(self, q_nope, q_pe, latent, k_pe, offset):
         Tk = latent.shape[2]
-        k_nope = mx.einsum("bxtr,hnr->bhtn", latent, wk)
-        v = mx.einsum("bxtr,hvr->bhtv", latent, wv)
+        # A quantized kv_b_proj is dequantized once per call here, amortised over the call's
+        # tokens (MLX's CPU quantized_matmul in bf16 took 16x longer than dequantize + matmul
+        # at 128 tokens, benchmarks/bench_mla.py).
+        wk, wv = self._kv_b()
+        k_nope = latent @ wk.swapaxes(-1, -2)  # [B, H, Tk, nope]
+        v = latent @ wv.swapaxes(-1, -2)  # [B, H, Tk, v]
         k_pe = mx.broadcast_to(k_pe, (k_pe.shape[0], self.heads, Tk, self.pe))
         q = mx.concatenate([q_nope, q_pe], axis=-1)
         k = mx.concatenate([k_nope, k_pe], axis=-1)
         mask = causal_mask(q.shape[2], offset)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
-    def _decode(self, q_nope, q_pe, latent, k_pe, wk, wv):
-        q_lat = mx.einsum("bhtn,hnr->bhtr", q_nope, wk)  # absorb the key map into the query
+    def _decode(self, q_nope, q_pe, latent, k_pe):
+        q_lat = self._kv_b_matmul(q_nope, "k", transpose=False)  # the key map into the query
         s = q_lat @ latent.swapaxes(-1, -2) + q_pe @ k_pe.swapaxes(-1, -2)
         p = mx.softmax(s.astype(mx.float32) * self.scale, axis=-1, precise=True)
         o_lat = p.astype(latent.dtype) @ latent
-        return mx.einsum("bhtr,hvr->bhtv", o_lat, wv)  # absorb the value map into the output
+        return self._kv_b_matmul(o_lat, "v", transpose=True)  # the value map into the output

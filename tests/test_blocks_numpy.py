@@ -293,6 +293,38 @@ def test_mla_cached_decode():
     )
 
 
+@pytest.mark.parametrize("mode, bits", [("affine", 4), ("affine", 8), ("mxfp4", 4)])
+def test_mla_quantized_kv_b_matches_its_dequantized_weights(mode, bits):
+    """A quantized kv_b_proj is multiplied as stored (mx.quantized_matmul, no per-call
+    dequantization) in prefill and in the absorbed decode: the same outputs, over a cache,
+    as the module holding the dequantized weights in a plain Linear."""
+    import mlx.nn as nn
+
+    args = ModelArgs.from_dict({**CONFIG, "kv_lora_rank": 64})  # quantizable: 64 inputs
+    rng = np.random.default_rng(22)
+    plain = GatedMLA(args)
+    random_params(plain, rng)
+    quant = GatedMLA(args)
+    quant.update(plain.parameters())
+    nn.quantize(
+        quant,
+        group_size=32,
+        bits=bits,
+        mode=mode,
+        class_predicate=lambda path, m: path == "kv_b_proj",
+    )
+    kvb = quant.kv_b_proj
+    assert isinstance(kvb, nn.QuantizedLinear)
+    plain.kv_b_proj.weight = mx.dequantize(
+        kvb.weight, kvb.scales, kvb.get("biases"), kvb.group_size, kvb.bits, kvb.mode
+    )
+    x = mx.array(randn(rng, B, 10, CFG.hidden_size))
+    caches = KVCache(), KVCache()
+    for a, e in ((0, 5), (5, 6), (6, 9), (9, 10)):
+        want = plain(x[:, a:e], caches[0])
+        assert_close(quant(x[:, a:e], caches[1]), want, what=f"{mode}{bits} tokens {a}..{e}")
+
+
 # ---------------------------------------------------------------- AttnRes
 
 
