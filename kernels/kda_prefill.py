@@ -871,6 +871,19 @@ MMA_PRECISION = {mx.float32: "fp32", mx.bfloat16: "tf32", mx.float16: "tf32"}
 PRECISIONS = ("fp32", "tf32")
 
 
+def state_precision(dtype) -> str:
+    """The state pass's precision for activations of ``dtype``: ``KIMI_K3_KDA_PRECISION``
+    (fp32 or tf32) where set, else ``MMA_PRECISION`` (fp32 for dtypes it does not list)."""
+    import os
+
+    forced = os.environ.get("KIMI_K3_KDA_PRECISION", "")
+    if forced and forced not in PRECISIONS:
+        raise ValueError(
+            f"KIMI_K3_KDA_PRECISION={forced!r}: expected one of {', '.join(PRECISIONS)} or unset"
+        )
+    return forced or MMA_PRECISION.get(dtype, "fp32")
+
+
 def eligible(heads: int, head_dim: int) -> bool:
     """Shapes the kernels serve: head_dim 64 or 128 (float4 tiles of 16 rows, 32 KB of
     threadgroup memory)."""
@@ -1004,9 +1017,9 @@ def kda_prefill(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, con
     ``kda_pre`` (conv + SiLU, L2 norms, q scale, gate, beta, new conv window), the chunk
     kernels (``kda_chunk_prep``, ``kda_chunk_state``), ``kda_post`` (RMSNorm x sigmoid(gate)).
     Same shapes and return contract as the reference; the state pass's precision follows
-    the activations' dtype (``MMA_PRECISION``).
+    the activations' dtype (``state_precision``).
     """
     q, k, v, g, beta, conv_out = pre(backend, p, x_q, x_k, x_v, g_raw, b_logits, conv_state)
-    precision = MMA_PRECISION.get(x_q.dtype, "fp32")
+    precision = state_precision(x_q.dtype)
     o, state = kda_chunk(backend, q, k, v, g, beta, state, precision)
     return post(backend, p, o, as_dtype(gate, x_q.dtype)), conv_out, state

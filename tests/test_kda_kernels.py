@@ -321,7 +321,7 @@ def test_mma_state_pass_matches_reference(monkeypatch, B, T, H, K, dtype, with_s
 def test_tf32_state_pass_is_one_mma_per_product(monkeypatch, K):
     """precision="tf32" runs the single-MMA pass (within its bound, but visibly less exact
     than the 3xTF32 one), "fp32" the 3xTF32 pass; bf16 activations pick tf32 unless
-    MMA_PRECISION says otherwise; an unknown precision is refused."""
+    MMA_PRECISION or KIMI_K3_KDA_PRECISION says otherwise; unknown precisions are refused."""
     mma_state_pass(monkeypatch)
     p = layer(2, K)
     args = activations(1, 100, 2, K, mx.float32, True)
@@ -340,6 +340,14 @@ def test_tf32_state_pass_is_one_mma_per_product(monkeypatch, K):
     assert rel_err(S_fp, ref_bf) < 1e-5 < rel_err(S_bf, ref_bf) < TF32_STATE_TOL
     with pytest.raises(ValueError, match="precision"):
         kda_prefill.kda_chunk("emulator", *r, args[7], precision="fp16")
+    monkeypatch.undo()  # MMA_PRECISION back to tf32 for bf16; the variable overrides it
+    mma_state_pass(monkeypatch)
+    monkeypatch.setenv("KIMI_K3_KDA_PRECISION", "fp32")
+    _, _, S_env = kda_prefill.kda_prefill("emulator", p, *bf)
+    assert mx.array_equal(S_env, S_fp)
+    monkeypatch.setenv("KIMI_K3_KDA_PRECISION", "fp64")
+    with pytest.raises(ValueError, match="KIMI_K3_KDA_PRECISION='fp64'"):
+        kda_prefill.kda_prefill("emulator", p, *bf)
 
 
 @pytest.mark.parametrize("warps, K", [(2, 128), (8, 128), (8, 64)])
