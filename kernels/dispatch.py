@@ -7,20 +7,13 @@ import mlx.core as mx
 KDA_DTYPES = (mx.float32, mx.bfloat16)
 
 
-REFERENCE_VALUES = ("", "0", "1", "all", "kda", "experts")
-
-
 def reference_forced(part: str) -> bool:
     """``KIMI_K3_REFERENCE=1`` (or ``all``, or ``part``: ``kda`` / ``experts``) forces the
     pure-MLX reference for that part of the model; ``0`` or unset forces nothing, and any
     other value is an error (a misspelt part would otherwise be silently ignored)."""
-    import os
+    from .source import env_choice
 
-    value = os.environ.get("KIMI_K3_REFERENCE", "0")
-    if value not in REFERENCE_VALUES:
-        raise ValueError(
-            f"KIMI_K3_REFERENCE={value!r}: expected one of {', '.join(REFERENCE_VALUES[1:])}"
-        )
+    value = env_choice("KIMI_K3_REFERENCE", ("0", "1", "all", "kda", "experts"), "0")
     return value in ("1", "all", part)
 
 
@@ -67,16 +60,9 @@ def expert_prefill_choice() -> str:
     to 9.5e-7 (and both agree when only 16 experts are used). Correct first: the kernel
     serves prefill.
     """
-    import os
+    from .source import env_choice
 
-    forced = os.environ.get("KIMI_K3_EXPERT_PREFILL", "")
-    if forced in ("kernel", "reference"):
-        return forced
-    if forced:
-        raise ValueError(
-            f"KIMI_K3_EXPERT_PREFILL={forced!r}: expected 'kernel', 'reference' or unset"
-        )
-    return "kernel"
+    return env_choice("KIMI_K3_EXPERT_PREFILL", ("kernel", "reference"), "kernel")
 
 
 def expert_glu_kernel(z, w, inds):

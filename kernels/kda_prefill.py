@@ -38,7 +38,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .source import TF32X3_HELPERS, VEC4_HELPERS, Instance, Kernel, as_dtype, constant
+from .source import (
+    TF32X3_HELPERS,
+    VEC4_HELPERS,
+    Instance,
+    Kernel,
+    as_dtype,
+    constant,
+    env_choice,
+)
 
 CHUNK = 64
 
@@ -874,14 +882,7 @@ PRECISIONS = ("fp32", "tf32")
 def state_precision(dtype) -> str:
     """The state pass's precision for activations of ``dtype``: ``KIMI_K3_KDA_PRECISION``
     (fp32 or tf32) where set, else ``MMA_PRECISION`` (fp32 for dtypes it does not list)."""
-    import os
-
-    forced = os.environ.get("KIMI_K3_KDA_PRECISION", "")
-    if forced and forced not in PRECISIONS:
-        raise ValueError(
-            f"KIMI_K3_KDA_PRECISION={forced!r}: expected one of {', '.join(PRECISIONS)} or unset"
-        )
-    return forced or MMA_PRECISION.get(dtype, "fp32")
+    return env_choice("KIMI_K3_KDA_PRECISION", PRECISIONS) or MMA_PRECISION.get(dtype, "fp32")
 
 
 def eligible(heads: int, head_dim: int) -> bool:

@@ -140,21 +140,21 @@ __device__ inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
 // a readable address), without holding registers: cp.async (sm_80+). ASYNC_COMMIT() closes a
 // group of copies; ASYNC_WAIT(n) (n = 0..3, a literal) waits until at most the n most recent
 // committed groups are in flight. Other threads see the data after a BARRIER().
-template <typename T>
-__device__ inline void kk_async_copy16(T& dst, const T* src, bool valid) {
-  static_assert(sizeof(T) == 16, "ASYNC_COPY16 copies 16 bytes");
-  const unsigned s = (unsigned)__cvta_generic_to_shared(&dst);
+__device__ inline void kk_cp_async16(const void* dst, const void* src, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src),
                "r"(valid ? 16 : 0)
                : "memory");
 }
+template <typename T>
+__device__ inline void kk_async_copy16(T& dst, const T* src, bool valid) {
+  static_assert(sizeof(T) == 16, "ASYNC_COPY16 copies 16 bytes");
+  kk_cp_async16(&dst, src, valid);
+}
 // The same into a float2 element at an even index and the one after it (a SHARED float2
 // array read by float2s).
 __device__ inline void kk_async_copy16(float2& dst, const float4* src, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(&dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
+  kk_cp_async16(&dst, src, valid);
 }
 __device__ inline void kk_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ inline void kk_async_wait(int n) {
@@ -357,6 +357,16 @@ def constant(values, dtype=mx.float32) -> mx.array:
             _CONSTANTS.clear()
         hit = _CONSTANTS[key] = mx.array(list(values), dtype=dtype)
     return hit
+
+
+def env_choice(name: str, allowed: tuple, default: str = "") -> str:
+    """The environment variable ``name``, or ``default`` where it is unset or empty. Any other
+    value outside ``allowed`` is an error naming the variable (a misspelt value would
+    otherwise be silently ignored)."""
+    value = os.environ.get(name, "") or default
+    if value != default and value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}, or unset")
+    return value
 
 
 def backend() -> str | None:

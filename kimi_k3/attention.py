@@ -122,8 +122,13 @@ class GatedMLA(nn.Module):
             w = mx.dequantize(w.weight, w.scales, w.get("biases"), w.group_size, w.bits, w.mode)
         else:
             w = w.weight
-        w = w.reshape(self.heads, self.nope + self.vdim, self.rank)
-        return w[:, : self.nope], w[:, self.nope :]
+        return self._per_head(w, "k"), self._per_head(w, "v")
+
+    def _per_head(self, a: mx.array, part: str) -> mx.array:
+        """The key (``part`` "k") or value ("v") rows of a kv_b_proj array (weight, or a
+        quantized one's packed weight, scales or biases) per head: [H, nope or v, ...]."""
+        a = a.reshape(self.heads, self.nope + self.vdim, -1)
+        return a[:, : self.nope] if part == "k" else a[:, self.nope :]
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
         B, T, _ = x.shape
@@ -151,24 +156,19 @@ class GatedMLA(nn.Module):
         shape made the two products 4.5x (bf16) to 23x (fp32) slower on the CPU,
         benchmarks/bench_mla.py)."""
         w = self.kv_b_proj
-        rows = slice(None, self.nope) if part == "k" else slice(self.nope, None)
-
-        def heads(a):
-            return a.reshape(self.heads, self.nope + self.vdim, -1)[:, rows]
-
         if isinstance(w, nn.QuantizedLinear):
             biases = w.get("biases")
             return mx.quantized_matmul(
                 x,
-                heads(w.weight),
-                heads(w.scales),
-                None if biases is None else heads(biases),
+                self._per_head(w.weight, part),
+                self._per_head(w.scales, part),
+                None if biases is None else self._per_head(biases, part),
                 transpose=transpose,
                 group_size=w.group_size,
                 bits=w.bits,
                 mode=w.mode,
             )
-        m = heads(w.weight)
+        m = self._per_head(w.weight, part)
         return x @ (m.swapaxes(-1, -2) if transpose else m)
 
     def _prefill(self, q_nope, q_pe, latent, k_pe, offset):

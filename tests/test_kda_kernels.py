@@ -334,17 +334,16 @@ def test_tf32_state_pass_is_one_mma_per_product(monkeypatch, K):
     assert errs["fp32"] < 1e-5 < errs["tf32"] < TF32_STATE_TOL, errs
     bf = activations(1, 100, 2, K, mx.bfloat16, True)
     _, _, S_bf = kda_prefill.kda_prefill("emulator", p, *bf)
+    monkeypatch.setenv("KIMI_K3_KDA_PRECISION", "fp32")  # the variable overrides the table
+    _, _, S_env = kda_prefill.kda_prefill("emulator", p, *bf)
+    monkeypatch.delenv("KIMI_K3_KDA_PRECISION")
     monkeypatch.setitem(kda_prefill.MMA_PRECISION, mx.bfloat16, "fp32")
     _, _, S_fp = kda_prefill.kda_prefill("emulator", p, *bf)
     ref_bf = kda_mix_reference(p, *bf)[2]
     assert rel_err(S_fp, ref_bf) < 1e-5 < rel_err(S_bf, ref_bf) < TF32_STATE_TOL
+    assert mx.array_equal(S_env, S_fp)
     with pytest.raises(ValueError, match="precision"):
         kda_prefill.kda_chunk("emulator", *r, args[7], precision="fp16")
-    monkeypatch.undo()  # MMA_PRECISION back to tf32 for bf16; the variable overrides it
-    mma_state_pass(monkeypatch)
-    monkeypatch.setenv("KIMI_K3_KDA_PRECISION", "fp32")
-    _, _, S_env = kda_prefill.kda_prefill("emulator", p, *bf)
-    assert mx.array_equal(S_env, S_fp)
     monkeypatch.setenv("KIMI_K3_KDA_PRECISION", "fp64")
     with pytest.raises(ValueError, match="KIMI_K3_KDA_PRECISION='fp64'"):
         kda_prefill.kda_prefill("emulator", p, *bf)
