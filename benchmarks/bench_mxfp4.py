@@ -205,6 +205,7 @@ def decode_variants(sweep: bool) -> dict:
 
     out = {
         "decode kernel (tensor cores)": mxfp4_mma.expert_glu_decode,
+        "decode kernel (tensor cores, async copies)": mxfp4_mma.expert_glu_decode_ac,
         "decode kernel (LUT)": expert_glu_decode,
     }
     if sweep:

@@ -87,6 +87,10 @@ for step in "$@"; do
     kda_decode_diag) run kda_decode_diag 200 python3 -m benchmarks.kda_decode_diag ;;
     bench_mxfp4_variants) run bench_mxfp4_variants 300 python3 -m benchmarks.bench_mxfp4 --variants --skip-prefill --decode-tokens 1 4 --out "$OUT/bench_mxfp4_variants.md" ;;
     mxfp4_sweep) run mxfp4_sweep 300 python3 -m benchmarks.mxfp4_sweep --probe ;;
+    mxfp4_hints) run mxfp4_hints 200 python3 -m benchmarks.mxfp4_sweep --probe --hints --shapes 8,1,8,1 ;;
+    mxfp4_ac) run mxfp4_ac 300 python3 -m benchmarks.mxfp4_sweep --hints --shapes 8,1,8,1 --ac-shapes 2,1,8,2 2,1,8,3 1,1,8,3 1,1,8,4 1,1,8,5 4,1,4,2 4,1,4,3 2,1,4,4 1,2,8,3 ;;
+    profile_ac_stalls) run profile_ac_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma_ac" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma_ac ;;
+    profile_mma_stalls) run profile_mma_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma ;;
     mxfp4_diag) run mxfp4_diag 120 python3 -m benchmarks.mxfp4_diag ;;
     *) echo "unknown step $step" | tee -a "$log" ;;
   esac

@@ -9,13 +9,24 @@ the first shape's), and with ``--probe`` the same grid with the math taken out:
 - ``probe, no staging``: the same without the activation staging and its barriers;
 - ``probe, no scales``: the same without the scale-byte loads;
 - ``stream``: each warp's code bytes read as 16 rows x GW groups at a time (GW = 0: whole
-  rows), lane l taking 16-byte words l, l + 32, ... of that order (the scales not read).
+  rows), lane l taking 16-byte words l, l + 32, ... of that order (the scales not read);
+- with ``--hints``, the kernel with its code-word loads given a cache hint (CUDA only):
+  ``plain`` (none, whatever the kernel's CS flag), ``ldg`` (ld.global.nc), ``ldcg`` (L2
+  only, no L1 allocation), ``ldcs`` (evict first), ``L2::256B`` (the L2 fetches 256 bytes
+  per miss), ``nc, no L1, L2::256B``, and ``ldcs`` on the scale bytes too; with
+  ``--ac-shapes`` also ``mxfp4_mma_ac`` (asynchronous copies) with L2's evict-first policy;
+- with ``--ac-shapes``, ``mxfp4_mma_ac`` (code words and scales brought into threadgroup
+  memory by asynchronous copies) at those shapes (rt, sk, gw, stages).
+
+The "mma" rows are the kernel as the dispatcher launches it (gate/up with CS, streaming
+code loads; down without). The probes keep the kernel's CS flag.
 
 Beside them: a device copy, and ptxas's register count per shape (nvcc -Xptxas -v, sm_90,
 when nvcc is on PATH). GB/s are over the weight bytes, scales included.
 
     python3 -m benchmarks.mxfp4_sweep                     # on the H200
     python3 -m benchmarks.mxfp4_sweep --probe --shapes 8,1,8,1 8,1,8,2
+    python3 -m benchmarks.mxfp4_sweep --hints --shapes 8,1,8,1 --ac-shapes 2,1,8,3 1,1,8,4
 """
 
 from __future__ import annotations
@@ -62,10 +73,12 @@ def probe_kernel() -> Kernel:
 def registers(kernel: Kernel, dtype, KD, NR, k, glu, shape) -> str:
     """ptxas's register count for one instance (sm_90), with its spill stores if any, or '?'."""
     x_dt = dtype if glu else mx.float32
+    if kernel.name.startswith(("mxfp4_mma_ac", "mxfp4_ac")):
+        tmpl = mxfp4_mma.template_ac(x_dt, KD, NR, k, glu, *shape)
+    else:
+        tmpl = mxfp4_mma.template(x_dt, KD, NR, k, glu, *shape)
     inst = Instance(
-        [x_dt, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.int32, mx.float32],
-        [mx.float32],
-        mxfp4_mma.template(x_dt, KD, NR, k, glu, *shape),
+        [x_dt, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.int32, mx.float32], [mx.float32], tmpl
     )
     return register_count(kernel, [inst])
 
@@ -126,8 +139,88 @@ def stream_kernel() -> Kernel:
     return _variant("mxfp4_probe_stream", STREAM_BODY)
 
 
+# 16-byte loads with a cache hint (CUDA only: benchmark variants, never dispatched).
+HINT_HELPERS = """
+__device__ inline uint4 kk_ld_l2_256(const uint4* p) {
+  uint4 v;
+  asm("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ inline uint4 kk_ld_nc_256(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+"""
+HINTS = {
+    "plain": "",
+    "ldg": "__ldg",
+    "ldcg": "__ldcg",
+    "ldcs": "__ldcs",
+    "L2::256B": "kk_ld_l2_256",
+    "nc, no L1, L2::256B": "kk_ld_nc_256",
+}
+
+
+EF_HELPER = """
+__device__ inline void kk_cp_async16_ef(const void* dst, const void* src, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  unsigned long long pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(s),
+               "l"(src), "r"(valid ? 16 : 0), "l"(pol)
+               : "memory");
+}
+"""
+
+
+def ac_evict_first_kernel() -> Kernel:
+    """``mxfp4_mma_ac`` with its code copies given L2's evict-first policy (CUDA only)."""
+    old = "ASYNC_COPY16(ring[dst + 32 * i], src, true);"
+    assert mxfp4_mma.BODY_AC.count(old) == 1
+    body = mxfp4_mma.BODY_AC.replace(old, "kk_cp_async16_ef(&ring[dst + 32 * i], src, true);")
+    ac = mxfp4_mma.MXFP4_MMA_AC
+    return Kernel(
+        "mxfp4_ac_ef", ac.input_names, ac.output_names, body, header=ac.header + EF_HELPER
+    )
+
+
+def scales_hinted_kernel() -> Kernel:
+    """``mxfp4_mma`` with ``__ldcs`` on its code words and its scale bytes."""
+    body, n = re.subn(r"= (e[ab])\[([^\]]*)\];", r"= __ldcs(&\1[\2]);", _with_load("__ldcs"))
+    assert n == 4, n
+    mma = mxfp4_mma.MXFP4_MMA
+    return Kernel("mxfp4_hint_ldcs_all", mma.input_names, mma.output_names, body, header=mma.header)
+
+
+def _with_load(fn: str) -> str:
+    """``mxfp4_mma``'s body with its code-word loads ``KK_Q(q, i)`` spelled ``fn(&q[i])``
+    (``fn`` empty: a plain load), whatever its CS flag."""
+    old = "#define KK_Q(q, i) (CS ? LOAD_STREAM(&(q)[i]) : (q)[i])"
+    assert mxfp4_mma.BODY.count(old) == 1
+    new = f"#define KK_Q(q, i) {fn}(&(q)[i])" if fn else "#define KK_Q(q, i) (q)[i]"
+    return mxfp4_mma.BODY.replace(old, new)
+
+
+def hinted_kernel(hint: str) -> Kernel:
+    """``mxfp4_mma`` with every code-word load given the hint's load function ("plain": no
+    hint, whatever the kernel's CS flag)."""
+    body = _with_load("" if hint == "plain" else HINTS[hint])
+    name = "mxfp4_hint_" + re.sub(r"[^a-z0-9]+", "_", hint.lower()).strip("_")
+    mma = mxfp4_mma.MXFP4_MMA
+    return Kernel(
+        name, mma.input_names, mma.output_names, body, header=mxfp4_mma.MMA_HEADER + HINT_HELPERS
+    )
+
+
 def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
     rt, sk, gw, pp = shape
+    if kernel.name.startswith(("mxfp4_mma_ac", "mxfp4_ac")):  # pp is the ring's stages
+        tmpl = mxfp4_mma.template_ac(x.dtype, KD, NR, k, glu, rt, sk, gw, int(pp))
+    else:
+        tmpl = mxfp4_mma.template(x.dtype, KD, NR, k, glu, rt, sk, gw, pp)
     units = NR // 16 if glu else NR // 32
     (out,) = kernel(
         "cuda",
@@ -136,7 +229,7 @@ def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
         output_dtypes=[mx.float32],
         grid=(32 * rt * sk * -(-units // rt), inds.size, 1),
         threadgroup=(32 * rt * sk, 1, 1),
-        template=mxfp4_mma.template(x.dtype, KD, NR, k, glu, rt, sk, gw, pp),
+        template=tmpl,
     )
     return out
 
@@ -145,6 +238,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="rt,sk,gw,pp each")
     p.add_argument("--probe", action="store_true", help="also time the load-only probes")
+    p.add_argument("--hints", action="store_true", help="also time cache-hinted code loads")
+    p.add_argument(
+        "--ac-shapes",
+        nargs="*",
+        default=[],
+        help="rt,sk,gw,stages each: also time mxfp4_mma_ac (async copies) at these shapes",
+    )
     p.add_argument("--dim", type=int, default=3584)
     p.add_argument("--hidden", type=int, default=3072)
     p.add_argument("--experts", type=int, default=64)
@@ -172,6 +272,10 @@ def main():
         kernels["probe, no staging"] = nostage_kernel()
         kernels["probe, no scales"] = noscale_kernel()
         kernels["stream"] = stream_kernel()
+    if args.hints:
+        for hint in HINTS:
+            kernels[f"mma, {hint}"] = hinted_kernel(hint)
+        kernels["mma, ldcs codes and scales"] = scales_hinted_kernel()
     params_gu = constant((4.0, 25.0))
     jobs = []
     for spec in args.shapes:
@@ -186,6 +290,20 @@ def main():
                 if (gw and (KD // 32) % gw) or (gw == 0 and name != "stream"):
                     continue
                 jobs.append((name, kern, proj, glu, KD, NR, (rt, sk, gw, bool(pp))))
+    for spec in args.ac_shapes:
+        rt, sk, gw, st = (int(v) for v in spec.split(","))
+        for name, kern in (
+            ("mma_ac", mxfp4_mma.MXFP4_MMA_AC),
+            ("mma_ac, evict first", ac_evict_first_kernel()),
+        ):
+            if name != "mma_ac" and not args.hints:
+                continue
+            for proj in ("gate_up", "down"):
+                glu = proj == "gate_up"
+                KD, NR = (D, I) if glu else (I, D)
+                if mxfp4_mma.shared_bytes_ac(KD, rt, sk, gw, st) > mxfp4_mma.SHARED_LIMIT["cuda"]:
+                    continue
+                jobs.append((name, kern, proj, glu, KD, NR, (rt, sk, gw, st)))
     with ThreadPoolExecutor(8) as pool:
         regs = list(
             pool.map(lambda j: registers(j[1], mx.bfloat16, j[4], j[5], k, j[3], j[6]), jobs)
@@ -216,7 +334,7 @@ def main():
             continue
         nbytes = gu_bytes if glu else dn_bytes
         check = ""
-        if name == "mma":  # against the first shape's result on the same inputs
+        if name.startswith("mma"):  # against the first shape's result on the same inputs
             got = np.array(fn(*sets[0]))
             ref = first.setdefault(proj, got)
             check = f" {np.linalg.norm(got - ref) / np.linalg.norm(ref):.1e} |"

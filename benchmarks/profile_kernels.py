@@ -107,6 +107,9 @@ def run_kernels(rounds: int, only: str | None = None):
             z1, w, inds1, wts1, BETA, CAP, backend
         ),
         "mxfp4_mma": lambda: mxfp4_mma.expert_glu_decode(z1, w, inds1, wts1, BETA, CAP, backend),
+        "mxfp4_mma_ac": lambda: mxfp4_mma.expert_glu_decode_ac(
+            z1, w, inds1, wts1, BETA, CAP, backend
+        ),
         "mxfp4_prefill": lambda: mxfp4_prefill.expert_glu_prefill(
             zP, w896, indsP, wtsP, BETA, CAP, backend=backend
         ),

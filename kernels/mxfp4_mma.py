@@ -94,13 +94,15 @@ BODY = """
   const uint b1 = b0 + GB < G ? b0 + GB : G;
   const bool work = active && b0 < b1;            // the whole warp agrees
   // One step: per block, the lane's group of A row g, g+8, B row g, g+8 and their scales.
+  // CS: the code words are loaded as read once (evict first).
+#define KK_Q(q, i) (CS ? LOAD_STREAM(&(q)[i]) : (q)[i])
 #define KK_LOAD(q, sc, bb)                                                          \\
   {                                                                                 \\
     _Pragma("unroll") for (int u = 0; u < NB; ++u) {                                \\
-      q[4 * u] = qa[(bb) + 4 * u];                                                  \\
-      q[4 * u + 1] = qa[8 * G + (bb) + 4 * u];                                      \\
-      q[4 * u + 2] = qb[(bb) + 4 * u];                                              \\
-      q[4 * u + 3] = qb[8 * G + (bb) + 4 * u];                                      \\
+      q[4 * u] = KK_Q(qa, (bb) + 4 * u);                                            \\
+      q[4 * u + 1] = KK_Q(qa, 8 * G + (bb) + 4 * u);                                \\
+      q[4 * u + 2] = KK_Q(qb, (bb) + 4 * u);                                        \\
+      q[4 * u + 3] = KK_Q(qb, 8 * G + (bb) + 4 * u);                                \\
       sc[4 * u] = ea[(bb) + 4 * u];                                                 \\
       sc[4 * u + 1] = ea[8 * G + (bb) + 4 * u];                                     \\
       sc[4 * u + 2] = eb[(bb) + 4 * u];                                             \\
@@ -186,6 +188,7 @@ BODY = """
       }
     }
   }
+#undef KK_Q
 #undef KK_LOAD
 #undef KK_STEP
   // A row's groups are spread over its four lanes (tq): add them up.
@@ -233,9 +236,13 @@ U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 # Warps per threadgroup as row tiles (RT) x splits of a row's groups (SK), scale groups per
 # step (GW: 4 or 8), and whether a step's loads go out during the previous step (PP).
 LAUNCH = {"gate_up": (8, 1, 8, True), "down": (8, 1, 8, True)}
+# Code words loaded as read once (CS; LOAD_STREAM, CUDA's ld.global.cs) per projection: on
+# the H200 gate/up took 71.9 instead of 83.8 us with them, down 49.2 instead of 47.0
+# (benchmarks/mxfp4_sweep.py --hints, docs/benchmarks.md).
+STREAM_LOADS = {True: True, False: False}  # by GLU
 
 
-def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True):
+def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True, cs=None):
     return [
         ("T", dtype),
         ("KD", KD),
@@ -246,6 +253,7 @@ def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True):
         ("SK", sk),
         ("GW", gw),
         ("PP", pp),
+        ("CS", STREAM_LOADS[glu] if cs is None else cs),
     ]
 
 
@@ -314,3 +322,251 @@ def eligible(z, w, inds) -> bool:
     D = z.shape[-1]
     I = w["w1"][0].shape[-2]
     return D % 128 == 0 and I % 128 == 0 and 4 * max(D, I) <= 24 * 1024
+
+
+# The same product with the code words and scale bytes brought into threadgroup memory by
+# asynchronous copies: each warp has a ring of S stages (its 32 rows x GW groups: 16 bytes of
+# codes and one scale byte per row and group), filled S - 1 steps ahead; a warp instruction
+# copies 4 rows x 128 contiguous bytes (GW = 8) instead of loading 8 rows x 64 bytes into
+# registers, and no registers hold loads in flight.
+BODY_AC = """
+  constexpr int G = KD / 32;                                 // scale groups per row
+  constexpr int NW = RT * SK;                                // warps
+  constexpr int NB = GW / 4;                                 // 4-group blocks per step
+  constexpr int GB = ((G + SK - 1) / SK + GW - 1) / GW * GW; // groups per split, whole steps
+  constexpr int UNITS = GLU ? NR / 16 : NR / 32;             // row units (one warp's rows)
+  constexpr int CH = 32 * GW;                                // code chunks (16 bytes) per stage
+  constexpr int SC = 8 * GW;                                 // scale words per stage
+  constexpr uint SW = GW >= 8 ? 4u : 0u;                     // odd rows swap their chunk halves
+  SHARED uint4 frag[G * 8];
+  SHARED uint4 ring[NW * S * CH];
+  SHARED uint sring[NW * S * SC];
+  SHARED float red[SK * RT * 32];
+  SHARED float s_max[NW];
+  const uint tid = THREAD_INDEX;
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint p = GROUP_POS.y;
+
+  // Lane (g, tq) takes group tq of each 4-group block, rows g and g + 8 of both tiles; the
+  // MMA's output columns 2 tq, 2 tq + 1 (hi, lo) collect that group alone (B is zero outside
+  // a column's group), so each lane scales its own groups' results.
+  const uint rt = warp % RT;
+  const uint sk = warp / RT;
+  const uint unit = GROUP_POS.x * RT + rt;
+  const bool active = unit < UNITS;               // the whole warp agrees
+  const uint g = lane / 4;
+  const uint tq = lane % 4;
+  const bool bcol = g / 2 == tq;                  // this lane's B column is in its group
+  // The warp's 32 rows: tile A's 16 (rows 0-15), then tile B's (16-31).
+  const size_t r0 = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0);
+  const DEVICE uint4* qa = (const DEVICE uint4*)w_a + r0 * G;
+  const DEVICE uint4* qb = (const DEVICE uint4*)w_b + (GLU ? r0 : r0 + 16) * G;
+  const DEVICE uint* ea = (const DEVICE uint*)(s_a + r0 * G);
+  const DEVICE uint* eb = (const DEVICE uint*)(s_b + (GLU ? r0 : r0 + 16) * G);
+  const uint b0 = sk * GB;
+  const uint b1 = b0 + GB < G ? b0 + GB : G;
+  const int steps = active && b0 < b1 ? int(b1 - b0) / GW : 0;  // the whole warp agrees
+  const uint cbase = warp * (S * CH);
+  const uint sbase = warp * (S * SC);
+  // Step s into ring slot st (steps are whole: G and the split are multiples of GW). A copy
+  // pass covers 32 / GW rows: lane l takes row l / GW, group l % GW of the step (passes
+  // 0 .. 16 GW / 32 - 1 tile A, the rest tile B). Row r's chunk j lands at j ^ SW for odd r,
+  // so a quarter-warp's reads below hit every bank. Scale word c = 32 i + lane is row
+  // c / (GW / 4), groups 4 (c % (GW / 4)) + 0..3.
+  constexpr int RP = 32 / GW;                                // rows per copy pass
+  const uint lr = lane / GW, lc = lane % GW;
+  const uint lcs = lc ^ (lr & 1u ? SW : 0u);                 // RP is even: row parity = lr's
+  const uint srow = lane / (GW / 4), swd = lane % (GW / 4);  // first scale copy's row, word
+#define KK_COPY(s, st)                                                                   \\
+  {                                                                                      \\
+    const uint bb = b0 + uint(s) * GW;                                                   \\
+    const DEVICE uint4* pa = qa + lr * G + bb + lc;                                      \\
+    const DEVICE uint4* pb = qb + lr * G + bb + lc;                                      \\
+    const uint dst = cbase + (st) * CH + lr * GW + lcs;                                  \\
+    _Pragma("unroll") for (int i = 0; i < GW; ++i) {                                     \\
+      const DEVICE uint4* src = i * RP < 16 ? pa + i * RP * G : pb + (i * RP - 16) * G;  \\
+      ASYNC_COPY16(ring[dst + 32 * i], src, true);                                       \\
+    }                                                                                    \\
+    _Pragma("unroll") for (int i = 0; i < GW / 4; ++i) {                                 \\
+      const uint row = srow + i * (32 / (GW / 4));                                       \\
+      const DEVICE uint* src = row < 16 ? ea + row * (G / 4) : eb + (row - 16) * (G / 4); \\
+      ASYNC_COPY4(sring[sbase + (st) * SC + row * (GW / 4) + swd], src + bb / 4 + swd, true); \\
+    }                                                                                    \\
+  }
+  // The first S - 1 steps go out before the activations are staged.
+  _Pragma("unroll") for (int s = 0; s < S - 1; ++s) {
+    if (s < steps) KK_COPY(s, s);
+    ASYNC_COMMIT();
+  }
+
+  // The activations times 2^n (largest |x| in [2^14, 2^15)) as fp16 hi and lo = x - hi;
+  // 2^(14 - n) undoes both scalings. Fragment (block, p, column) holds codes 8p..8p+7 of the
+  // column's group (block * 4 + column / 2), hi for even columns, lo for odd.
+  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;
+  float m = 0.0f;
+  for (uint i = tid; i < KD; i += 32 * NW) m = FMAX(m, FABS(static_cast<float>(xr[i])));
+  m = SIMD_MAX(m);
+  if (lane == 0) s_max[warp] = m;
+  BARRIER();
+  m = s_max[0];
+  for (int w = 1; w < NW; ++w) m = FMAX(m, s_max[w]);
+  int n = 141 - int((AS_UINT(m) >> 23) & 255u);
+  n = n > 127 ? 127 : (n < -113 ? -113 : n);
+  const float up = AS_FLOAT(uint(n + 127) << 23);
+  const float unscale = AS_FLOAT(uint(141 - n) << 23);
+  for (uint it = tid; it < G * 8; it += 32 * NW) {
+    const uint col = it % 8;
+    const uint pq = (it / 8) % 4;
+    const uint grp = (it / 32) * 4 + col / 2;
+    const DEVICE T* src = xr + 32 * grp + 8 * pq;
+    float v[8];
+    for (int e = 0; e < 8; ++e) v[e] = static_cast<float>(src[e]) * up;
+    if (col % 2) {
+      for (int e = 0; e < 8; ++e) v[e] -= ROUND_HALF(v[e]);
+    }
+    frag[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
+                     PACK_HALF2(v[3], v[7]));
+  }
+  BARRIER();
+
+  float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
+  const uint sw = g & 1u ? SW : 0u;               // rows g, g + 8, 16 + g, 24 + g alike
+  for (int s = 0; s < steps; ++s) {
+    // Step s has landed (at most S - 2 later groups in flight) and every lane is done with
+    // the slot it refills (read in step s - 1).
+    ASYNC_WAIT(S - 2);
+    SIMD_BARRIER();
+    if (s + S - 1 < steps) KK_COPY(s + S - 1, (s + S - 1) % S);
+    ASYNC_COMMIT();
+    const uint st = uint(s) % S;
+    const uint bb = b0 + uint(s) * GW;
+    // A block's eight MMAs per tile: word pq of the lane's group gives the k-pairs (codes
+    // j, j + 4) j = 0, 1 of one MMA and j = 2, 3 of the next; then each row's result (its
+    // group's hi and lo columns) times the group's scale.
+    _Pragma("unroll") for (int u = 0; u < NB; ++u) {
+      const uint cc = cbase + st * CH + ((4u * u + tq) ^ sw);
+      const uint4 wa0 = ring[cc + g * GW], wa8 = ring[cc + (g + 8) * GW];
+      const uint4 wb0 = ring[cc + (16 + g) * GW], wb8 = ring[cc + (24 + g) * GW];
+      const uint sb = sbase + st * SC + u;
+      const uint sh = 8 * tq;
+      const uint ea0 = (sring[sb + g * (GW / 4)] >> sh) & 255u;
+      const uint ea8 = (sring[sb + (g + 8) * (GW / 4)] >> sh) & 255u;
+      const uint eb0 = (sring[sb + (16 + g) * (GW / 4)] >> sh) & 255u;
+      const uint eb8 = (sring[sb + (24 + g) * (GW / 4)] >> sh) & 255u;
+      float4 ca0 = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), ca1 = ca0, cb0 = ca0, cb1 = ca0;
+      _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {
+        const uint4 f = bcol ? frag[(bb / 4 + u) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u);
+        const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);
+        const uint xa0 = kk_word(wa0, pq), xa8 = kk_word(wa8, pq);
+        const uint xb0 = kk_word(wb0, pq), xb8 = kk_word(wb8, pq);
+        ca0 = SIMD_MMA(ca0, UINT4(kk_e2m1_pair(xa0, 0), kk_e2m1_pair(xa8, 0),
+                                  kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), f0, lane);
+        cb0 = SIMD_MMA(cb0, UINT4(kk_e2m1_pair(xb0, 0), kk_e2m1_pair(xb8, 0),
+                                  kk_e2m1_pair(xb0, 1), kk_e2m1_pair(xb8, 1)), f0, lane);
+        ca1 = SIMD_MMA(ca1, UINT4(kk_e2m1_pair(xa0, 2), kk_e2m1_pair(xa8, 2),
+                                  kk_e2m1_pair(xa0, 3), kk_e2m1_pair(xa8, 3)), f1, lane);
+        cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),
+                                  kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), f1, lane);
+      }
+      acc0 += kk_e8m0_bits(ea0) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));
+      acc1 += kk_e8m0_bits(ea8) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));
+      acc2 += kk_e8m0_bits(eb0) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));
+      acc3 += kk_e8m0_bits(eb8) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));
+    }
+  }
+#undef KK_COPY
+"""
+
+_EPILOGUE_AT = BODY.index("  // A row's groups are spread over its four lanes (tq): add them up.")
+BODY_AC += BODY[_EPILOGUE_AT:]
+
+# Warps per threadgroup as row tiles (RT) x splits of a row's groups (SK), scale groups per
+# step (GW: 4 or 8) and ring stages (S, 2-5).
+LAUNCH_AC = {"gate_up": (2, 1, 8, 3), "down": (2, 1, 8, 3)}
+SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024, "emulator": 32 * 1024}
+
+
+def template_ac(dtype, KD, NR, K, glu, rt, sk, gw, s):
+    return template(dtype, KD, NR, K, glu, rt, sk, gw)[:-2] + [("S", s)]
+
+
+def shared_bytes_ac(KD, rt, sk, gw, s) -> int:
+    """Threadgroup memory of one launch: fragments, rings, partial sums and maxima."""
+    nw = rt * sk
+    return KD * 4 + nw * s * (32 * gw * 16 + 32 * gw) + sk * rt * 32 * 4 + nw * 4
+
+
+def fit_ac(backend, KD, shape):
+    """``shape`` (rt, sk, gw, s), made smaller where its threadgroup memory exceeds the
+    backend's (fewer row tiles, then fewer stages, then 4-group steps)."""
+    rt, sk, gw, s = shape
+    limit = SHARED_LIMIT.get(backend, 32 * 1024)
+    while shared_bytes_ac(KD, rt, sk, gw, s) > limit:
+        if rt > 1:
+            rt //= 2
+        elif s > 2:
+            s -= 1
+        elif gw > 4:
+            gw = 4
+        elif sk > 1:
+            sk //= 2
+        else:
+            raise ValueError(f"mxfp4_mma_ac: KD={KD} leaves no room for a ring")
+    return rt, sk, gw, s
+
+
+MXFP4_MMA_AC = Kernel(
+    "mxfp4_mma_ac",
+    ["x", "w_a", "s_a", "w_b", "s_b", "inds", "params"],
+    ["out"],
+    BODY_AC,
+    header=MMA_HEADER,
+    instances=[
+        Instance(
+            [dt, U32, U8, U32, U8, I32, F32],
+            [F32],
+            template_ac(dt, K3["D"], K3["I"], 16, True, *LAUNCH_AC["gate_up"]),
+        )
+        for dt in (mx.bfloat16, mx.float16, mx.float32)
+    ]
+    + [
+        Instance(
+            [F32, U32, U8, U32, U8, I32, F32],
+            [F32],
+            template_ac(F32, K3["I"], K3["D"], 16, False, *LAUNCH_AC["down"]),
+        )
+    ],
+)
+
+
+def _launch_ac(backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, pairs, shape=None):
+    rt, sk, gw, s = shape or LAUNCH_AC["gate_up" if glu else "down"]
+    if (KD // 32) % gw:
+        gw = 4  # whole steps only; eligible() guarantees multiples of 4 groups
+    rt, sk, gw, s = fit_ac(backend, KD, (rt, sk, gw, s))
+    units = NR // 16 if glu else NR // 32
+    (out,) = MXFP4_MMA_AC(
+        backend,
+        inputs=[x, wa, sa, wb, sb, inds, params],
+        output_shapes=[(pairs, NR)],
+        output_dtypes=[F32],
+        grid=(32 * rt * sk * -(-units // rt), pairs, 1),
+        threadgroup=(32 * rt * sk, 1, 1),
+        template=template_ac(x.dtype, KD, NR, k, glu, rt, sk, gw, s),
+    )
+    return out
+
+
+def expert_glu_decode_ac(z, w, inds, weights, beta, cap, backend: str | None = None):
+    """``expert_glu_decode`` through the asynchronous-copy kernel."""
+    backend = backend or default_backend()
+    N, k = inds.shape
+    D = z.shape[-1]
+    I = w["w1"][0].shape[-2]
+    flat = inds.reshape(-1).astype(I32)
+    gu = (z, *w["w1"], *w["w3"], flat, constant((beta, cap)))
+    h = _launch_ac(backend, *gu, D, I, k, True, N * k)
+    wts = weights.reshape(-1).astype(F32)
+    part = _launch_ac(backend, h, *w["w2"], *w["w2"], flat, wts, I, D, k, False, N * k)
+    return sum_pairs(backend, part, N, k)

@@ -76,8 +76,11 @@ CALLS = {
     "ROUND_HALF": ("kk_round_half", "kk_round_half"),
     "SIMD_MMA": ("kk_mma", "kk_mma"),
     "SIMD_MMA_TF32": ("kk_mma_tf32", "kk_mma_tf32"),
+    # a load marked as read once (CUDA: ld.global.cs, evict first; Metal: a plain load)
+    "LOAD_STREAM": ("kk_load_stream", "__ldcs"),
     # asynchronous copies into threadgroup memory (helpers in the preludes below)
     "ASYNC_COPY16": ("kk_async_copy16", "kk_async_copy16"),
+    "ASYNC_COPY4": ("kk_async_copy4", "kk_async_copy4"),
     "ASYNC_COMMIT": ("kk_async_commit", "kk_async_commit"),
     "ASYNC_WAIT": ("kk_async_wait", "kk_async_wait"),
 }
@@ -156,6 +159,14 @@ __device__ inline void kk_async_copy16(T& dst, const T* src, bool valid) {
 __device__ inline void kk_async_copy16(float2& dst, const float4* src, bool valid) {
   kk_cp_async16(&dst, src, valid);
 }
+// ASYNC_COPY4(dst, src, valid): the same for 4 bytes (a uint of a SHARED array; src 4-byte
+// aligned): cp.async.ca, the only cp.async of fewer than 16 bytes.
+__device__ inline void kk_async_copy4(uint& dst, const uint* src, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(&dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
+}
 __device__ inline void kk_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ inline void kk_async_wait(int n) {
   switch (n) {
@@ -186,6 +197,7 @@ METAL_PRELUDE = """
 inline uint kk_pack_half2(float lo, float hi) { return as_type<uint>(half2(half(lo), half(hi))); }
 inline float kk_round_half(float x) { return float(half(x)); }
 inline void kk_store4(device float* p, float4 v) { *reinterpret_cast<device float4*>(p) = v; }
+template <typename T> inline T kk_load_stream(const device T* p) { return *p; }
 // ASYNC_COPY16 / ASYNC_COMMIT / ASYNC_WAIT (CUDA's spelling above). Metal copies at once; the
 // emulator lands each copy at once or at the ASYNC_WAIT that covers it (half each), the two
 // ends of what cp.async may do, so reading a copy too early or refilling a buffer still
@@ -199,6 +211,9 @@ inline void kk_async_copy16(T& dst, const T* src, bool valid) {
 inline void kk_async_copy16(float2& dst, const float4* src, bool valid) {
   kk::async_copy(&dst, valid ? src : nullptr, 16);  // dst and the float2 after it
 }
+inline void kk_async_copy4(uint& dst, const uint* src, bool valid) {
+  kk::async_copy(&dst, valid ? src : nullptr, 4);
+}
 inline void kk_async_commit() { kk::async_commit(); }
 inline void kk_async_wait(int n) { kk::async_wait(n); }
 #else
@@ -210,6 +225,9 @@ inline void kk_async_copy16(threadgroup float2& dst, const device float4* src, b
   const float4 v = valid ? *src : float4(0.0f);
   (&dst)[0] = v.xy;  // dst and the float2 after it
   (&dst)[1] = v.zw;
+}
+inline void kk_async_copy4(threadgroup uint& dst, const device uint* src, bool valid) {
+  dst = valid ? *src : 0u;
 }
 inline void kk_async_commit() {}
 inline void kk_async_wait(int) {}

@@ -221,19 +221,22 @@ def test_mma_decode_launch_shapes(monkeypatch, launch):
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want) < TOL
 
 
-def check_mma_large_and_tiny(backend: str):
+def check_mma_large_and_tiny(backend: str, fn=mxfp4_mma.expert_glu_decode):
     """The power-of-two scaling keeps fp16 fragments in range: latents far above fp16's
     largest value and far below its smallest give the oracle's result, scaled."""
     (z, w, inds, wts, beta, cap), _ = case(3, 128, 128, 2, 2, "float32")
     for s in (2.0**40, 2.0**-40):
         zs = z * s
         want = oracle(np.array(zs), (3, 128, 128, 0), np.array(inds), np.array(wts))
-        got = mxfp4_mma.expert_glu_decode(zs, w, inds, wts, beta, cap, backend=backend)
+        got = fn(zs, w, inds, wts, beta, cap, backend=backend)
         assert rel_err(got, want) < TOL, s
 
 
-def test_mma_decode_handles_large_and_tiny_activations():
-    check_mma_large_and_tiny("emulator")
+@pytest.mark.parametrize(
+    "fn", [mxfp4_mma.expert_glu_decode, mxfp4_mma.expert_glu_decode_ac], ids=["regs", "ac"]
+)
+def test_mma_decode_handles_large_and_tiny_activations(fn):
+    check_mma_large_and_tiny("emulator", fn)
 
 
 @pytest.mark.parametrize(
@@ -266,6 +269,81 @@ def test_a_broken_mma_kernel_fails(monkeypatch, old, new):
     args, want = case(4, 1280, 1152, 2, 2, "float32")
     try:
         got = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+    except RuntimeError:
+        return
+    err = rel_err(got, want)
+    assert not err < 10 * TOL, err
+
+
+# The same product with code words and scales brought in by asynchronous copies
+# (mxfp4_mma_ac): a ring of S stages per warp. (4, 1280, 1152) gives down rows of 36 groups
+# (4-group steps); at K3's size the ring is cut to Metal's 32 KB (fit_ac).
+@pytest.mark.parametrize("E,D,I,N,k,dtype", MMA_CASES)
+def test_ac_decode_matches_oracle(E, D, I, N, k, dtype):
+    args, want = case(E, D, I, N, k, dtype)
+    got = mxfp4_mma.expert_glu_decode_ac(*args, backend="emulator")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+AC_SHAPES = [(2, 1, 8, 3), (1, 1, 8, 4), (4, 1, 4, 2), (2, 2, 8, 2), (3, 1, 8, 5), (1, 2, 4, 3)]
+
+
+@pytest.mark.parametrize("shape", AC_SHAPES)
+def test_ac_decode_launch_shapes(monkeypatch, shape):
+    """Row tiles, splits of a row (uneven: 24 + 16 and 20 + 16 groups over two warps), 4- or
+    8-group steps and 2-5 ring stages compute the same thing."""
+    monkeypatch.setitem(mxfp4_mma.LAUNCH_AC, "gate_up", shape)
+    monkeypatch.setitem(mxfp4_mma.LAUNCH_AC, "down", shape)
+    args, want = case(4, 1280, 1152, 2, 2, "bfloat16")
+    assert rel_err(mxfp4_mma.expert_glu_decode_ac(*args, backend="emulator"), want) < TOL
+
+
+def test_ac_ring_fits_each_backends_threadgroup_memory():
+    """The CUDA default fits 48 KB, is cut to 32 KB for Metal, and a row too long for any
+    ring is refused by name."""
+    for proj, KD in (("gate_up", 3584), ("down", 3072)):
+        shape = mxfp4_mma.LAUNCH_AC[proj]
+        assert mxfp4_mma.fit_ac("cuda", KD, shape) == shape
+        assert mxfp4_mma.shared_bytes_ac(KD, *shape) <= 48 * 1024
+        small = mxfp4_mma.fit_ac("metal", KD, shape)
+        assert (
+            mxfp4_mma.shared_bytes_ac(KD, *small)
+            <= 32 * 1024
+            < mxfp4_mma.shared_bytes_ac(KD, *shape)
+        )
+    with pytest.raises(ValueError, match="KD=8192"):
+        mxfp4_mma.fit_ac("metal", 8192, (1, 1, 4, 2))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("ASYNC_WAIT(S - 2);\n    SIMD_BARRIER();", "ASYNC_WAIT(S - 2);"),
+        ("ASYNC_WAIT(S - 2);", "ASYNC_WAIT(S - 1);"),
+        ("KK_COPY(s + S - 1, (s + S - 1) % S);", "KK_COPY(s + S - 1, uint(s) % S);"),
+        ("    ASYNC_COMMIT();\n    const uint st", "    const uint st"),
+        ("if (s < steps) KK_COPY(s, s);", "if (s < 0) KK_COPY(s, s);"),
+        ("((4u * u + tq) ^ sw)", "(4u * u + tq)"),
+        ("const uint sb = sbase + st * SC + u;", "const uint sb = sbase + st * SC;"),
+        ("pa = qa + lr * G + bb + lc;", "pa = qa + lr * G + b0 + lc;"),
+    ],
+    ids=[
+        "no-warp-barrier",
+        "wait-one-short",
+        "refill-the-slot-in-use",
+        "no-commit",
+        "no-prologue",
+        "unswizzled-read",
+        "scale-word-of-block-0",
+        "codes-of-the-first-step",
+    ],
+)
+def test_a_broken_ac_kernel_fails(monkeypatch, old, new):
+    monkeypatch.setattr(mxfp4_mma, "MXFP4_MMA_AC", broken(mxfp4_mma.MXFP4_MMA_AC, old, new))
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    try:
+        got = mxfp4_mma.expert_glu_decode_ac(*args, backend="emulator")
     except RuntimeError:
         return
     err = rel_err(got, want)

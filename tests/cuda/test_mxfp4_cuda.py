@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from test_mxfp4_kernels import (  # noqa: E402
+    AC_SHAPES,
     DECODE_CASES,
     MMA_CASES,
     PREFILL_CASES,
@@ -72,6 +73,30 @@ def test_mma_decode_handles_large_and_tiny_activations():
 
 
 @pytest.mark.parametrize(
+    "E,D,I,N,k,dtype", MMA_CASES + [(16, *K3, 4, 16, "bfloat16"), (16, *K3, 8, 16, "float32")]
+)
+def test_ac_decode_matches_oracle(E, D, I, N, k, dtype):
+    """The asynchronous-copy kernel (mxfp4_mma_ac) at its CUDA launch shapes."""
+    args, want = case(E, D, I, N, k, dtype)
+    got = mxfp4_mma.expert_glu_decode_ac(*args, backend="cuda")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("shape", AC_SHAPES + [(1, 1, 8, 5), (4, 1, 4, 3), (1, 2, 8, 3)])
+def test_ac_launch_shapes(monkeypatch, shape):
+    """Launch shapes the sweep times, at K3 size (cut to 48 KB by fit_ac where needed)."""
+    monkeypatch.setitem(mxfp4_mma.LAUNCH_AC, "gate_up", shape)
+    monkeypatch.setitem(mxfp4_mma.LAUNCH_AC, "down", shape)
+    args, want = case(16, *K3, 4, 16, "bfloat16")
+    assert rel_err(mxfp4_mma.expert_glu_decode_ac(*args, backend="cuda"), want) < TOL
+
+
+def test_ac_decode_handles_large_and_tiny_activations():
+    check_mma_large_and_tiny("cuda", mxfp4_mma.expert_glu_decode_ac)
+
+
+@pytest.mark.parametrize(
     "E,D,I,N,k,dtype,tm",
     SMALL_PREFILL + [(16, *K3, 257, 4, "bfloat16", tm) for tm in (16, 32, 64)],
 )
@@ -104,7 +129,8 @@ def test_decode_and_prefill_agree_with_gather_qmm():
     """Same K3-size inputs through both kernels and MLX's quantized ops (float32 latents)."""
     args, want = case(16, *K3, 8, 16, "float32")
     ref = expert_glu_reference(*args)
-    for fn in (expert_glu_decode, mxfp4_mma.expert_glu_decode, expert_glu_prefill):
+    decoders = (expert_glu_decode, mxfp4_mma.expert_glu_decode, mxfp4_mma.expert_glu_decode_ac)
+    for fn in (*decoders, expert_glu_prefill):
         got = fn(*args, backend="cuda")
         assert rel_err(got, want) < TOL
         assert rel_err(got, ref) < 1e-3  # gather_qmm may take TF32 paths on CUDA
@@ -146,6 +172,8 @@ def test_k3_layer_scale_against_dense_oracle(k3_layer, monkeypatch, lo):
     got = expert_glu_decode(z[:1], w, inds[:1], wts[:1], B, C, backend="cuda")
     assert rel_err(got, want[:1]) < 1e-5
     got = mxfp4_mma.expert_glu_decode(z[:4], w, inds[:4], wts[:4], B, C, backend="cuda")
+    assert rel_err(got, want[:4]) < 1e-5
+    got = mxfp4_mma.expert_glu_decode_ac(z[:4], w, inds[:4], wts[:4], B, C, backend="cuda")
     assert rel_err(got, want[:4]) < 1e-5
     assert dispatch.expert_glu_kernel(z[:4], w, inds[:4]).func is mxfp4_mma.expert_glu_decode
     assert rel_err(expert_glu_prefill(z, w, inds, wts, B, C, backend="cuda"), want) < 1e-5
