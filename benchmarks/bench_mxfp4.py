@@ -21,6 +21,7 @@ import numpy as np
 from kimi_k3.experts import expert_glu_reference
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, tile_tokens_for
+from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma
 
 BETA, CAP = 4.0, 25.0
 
@@ -216,8 +217,8 @@ def decode_variants(sweep: bool) -> dict:
     return out
 
 
-def with_tile(tile):
-    return lambda *a: expert_glu_prefill(*a, tile_tokens=tile)
+def with_tile(tile, fn=expert_glu_prefill):
+    return lambda *a: fn(*a, tile_tokens=tile)
 
 
 def bench_decode(args, table: Table, copy: float | None):
@@ -287,6 +288,11 @@ def bench_prefill(args, table: Table):
             t_ref,
             inputs,
         )
+        for tile in (16, 32):  # mxfp4_prefill_mma (tensor cores)
+            label = f"prefill N={n}: tensor-core kernel, {tile} pairs/tile"
+            fn = with_tile(tile, expert_glu_prefill_mma)
+            t = attempt(table, label, prefill_row, table, label, fn, inputs, n, args)
+            compare(table, f"{label} vs gather_qmm", fn, expert_glu_reference, t, t_ref, inputs)
         attempt(table, f"prefill N={n}: oracle", oracle_rows, table, n, inputs[0])
 
 
@@ -297,7 +303,11 @@ def oracle_rows(table, n, inputs, tokens: int = 4):
 
     z, w, inds, weights, beta, cap = inputs
     want = oracle(z[:tokens], w, inds[:tokens], weights[:tokens])
-    for name, fn in (("kernel", expert_glu_prefill), ("gather_qmm", expert_glu_reference)):
+    for name, fn in (
+        ("kernel", expert_glu_prefill),
+        ("tensor-core kernel", expert_glu_prefill_mma),
+        ("gather_qmm", expert_glu_reference),
+    ):
         got = fn(z, w, inds, weights, beta, cap)[:tokens]
         table.add(
             f"prefill N={n}: {name} vs fp32 oracle ({tokens} tokens)",

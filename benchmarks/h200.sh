@@ -7,7 +7,9 @@
 # 149 s; mxfp4_sweep 100-120 s (7-12 shapes, with the probes); kda_state 80-92 s, bench_kda_state
 # 114-125 s, bench_kda_prefill 201 s, profile_kda / profile_kda_stalls 17-18 s, cuda_tests_par 260 s,
 # bench_kda_final 232 s, kda_prep_probes 35-133 s, profile_prep 41 s, prep_tests 169 s,
-# bench_kda_recurrence 98-109 s (193 s with the fla fp32 rows, as now), prep_variants 18-34 s, kda_fixes 31 s, pre_tests 69 s, mma_layout 6 s.
+# bench_kda_recurrence 98-109 s (193 s with the fla fp32 rows, as now), prep_variants 18-34 s, kda_fixes 31 s, pre_tests 69 s, mma_layout 6 s,
+# profile_mma_stalls 16 s, mxfp4_hints 45 s. Not yet run: mxfp4_ac, profile_ac_stalls, profile_prefill_mma, and
+# mxfp4_tests / bench_mxfp4 with the asynchronous-copy decode and tensor-core prefill kernels in them (more rows).
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
 OUT=${OUT:-/tmp/out}
@@ -31,12 +33,13 @@ for step in "$@"; do
   case $step in
     kda_tests) MLX_ENABLE_TF32=0 run kda_tests 580 python3 -m pytest -q -x tests/cuda/test_kda_cuda.py ;;
     mxfp4_tests) MLX_ENABLE_TF32=0 run mxfp4_tests 400 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py ;;
+    mxfp4_tests_par) run mxfp4_tests_par 500 bash benchmarks/pytest_split.sh 3 tests/cuda/test_mxfp4_cuda.py ;;
     model_tests) MLX_ENABLE_TF32=0 run model_tests 300 python3 -m pytest -q tests/cuda/test_model_cuda.py tests/test_model.py ;;
     kda_tests_par) run kda_tests_par 560 bash benchmarks/pytest_split.sh 4 tests/cuda/test_kda_cuda.py ;;
     cuda_tests_par)
       # the three CUDA test modules at once (their time is mostly CPU references)
       run kda_tests_par 270 bash benchmarks/pytest_split.sh 3 tests/cuda/test_kda_cuda.py &
-      MLX_ENABLE_TF32=0 run mxfp4_tests 330 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py &
+      run mxfp4_tests_par 450 bash benchmarks/pytest_split.sh 2 tests/cuda/test_mxfp4_cuda.py &
       MLX_ENABLE_TF32=0 run model_cuda 270 python3 -m pytest -q tests/cuda/test_model_cuda.py &
       run async_copy 120 python3 -m pytest -q tests/cuda/test_async_copy_cuda.py &
       wait ;;
@@ -89,6 +92,7 @@ for step in "$@"; do
     mxfp4_sweep) run mxfp4_sweep 300 python3 -m benchmarks.mxfp4_sweep --probe ;;
     mxfp4_hints) run mxfp4_hints 200 python3 -m benchmarks.mxfp4_sweep --probe --hints --shapes 8,1,8,1 ;;
     mxfp4_ac) run mxfp4_ac 300 python3 -m benchmarks.mxfp4_sweep --hints --shapes 8,1,8,1 --ac-shapes 2,1,8,2 2,1,8,3 1,1,8,3 1,1,8,4 1,1,8,5 4,1,4,2 4,1,4,3 2,1,4,4 1,2,8,3 ;;
+    profile_prefill_mma) run profile_prefill_mma 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_grouped|mxfp4_bfrag" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_prefill,mxfp4_prefill_mma ;;
     profile_ac_stalls) run profile_ac_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma_ac" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma_ac ;;
     profile_mma_stalls) run profile_mma_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma ;;
     mxfp4_diag) run mxfp4_diag 120 python3 -m benchmarks.mxfp4_diag ;;

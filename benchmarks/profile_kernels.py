@@ -85,6 +85,7 @@ def run_kernels(rounds: int, only: str | None = None):
         mxfp4_decode,
         mxfp4_mma,
         mxfp4_prefill,
+        mxfp4_prefill_mma,
         source,
     )
 
@@ -111,6 +112,9 @@ def run_kernels(rounds: int, only: str | None = None):
             z1, w, inds1, wts1, BETA, CAP, backend
         ),
         "mxfp4_prefill": lambda: mxfp4_prefill.expert_glu_prefill(
+            zP, w896, indsP, wtsP, BETA, CAP, backend=backend
+        ),
+        "mxfp4_prefill_mma": lambda: mxfp4_prefill_mma.expert_glu_prefill_mma(
             zP, w896, indsP, wtsP, BETA, CAP, backend=backend
         ),
     }

@@ -17,7 +17,7 @@ from conftest import broken
 from numpy_ref import mxfp4_decode, situ_glu
 
 from kimi_k3.experts import expert_glu, expert_glu_reference
-from kimi_k3.kernels import dispatch, mxfp4_mma, mxfp4_prefill
+from kimi_k3.kernels import dispatch, mxfp4_mma, mxfp4_prefill, mxfp4_prefill_mma
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
@@ -344,6 +344,106 @@ def test_a_broken_ac_kernel_fails(monkeypatch, old, new):
     args, want = case(4, 1280, 1152, 2, 2, "float32")
     try:
         got = mxfp4_mma.expert_glu_decode_ac(*args, backend="emulator")
+    except RuntimeError:
+        return
+    err = rel_err(got, want)
+    assert not err < 10 * TOL, err
+
+
+# The grouped GEMM on tensor cores (mxfp4_prefill_mma): small widths only on the emulator
+# (one pair at K3's took 263 s here; tests/cuda runs K3's sizes). (7, 320, 288) has rows of
+# 10 and 9 groups, so the chunks of KC groups end part-way.
+PREFILL_MMA_CASES = [
+    (1, 32, 32, 1, 1, "float32", 16),
+    (5, 64, 96, 3, 2, "float32", 16),
+    (7, 320, 288, 17, 4, "bfloat16", 32),
+    (20, 64, 96, 64, 16, "float16", 32),
+    (6, 96, 64, 257, 3, "float32", 16),
+    (896, 32, 32, 512, 16, "bfloat16", None),
+]
+
+
+@pytest.mark.parametrize("E,D,I,N,k,dtype,tm", PREFILL_MMA_CASES)
+def test_prefill_mma_matches_oracle(E, D, I, N, k, dtype, tm):
+    args, want = case(E, D, I, N, k, dtype)
+    got = mxfp4_prefill_mma.expert_glu_prefill_mma(*args, tile_tokens=tm, backend="emulator")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("tm, launch", [(16, (1, 1)), (16, (2, 3)), (32, (3, 4)), (32, (8, 6))])
+def test_prefill_mma_launch_shapes(tm, launch):
+    """Warps per threadgroup (some idle past the last row unit) and groups per chunk."""
+    args, want = case(7, 320, 288, 17, 4, "bfloat16")
+    got = mxfp4_prefill_mma.expert_glu_prefill_mma(
+        *args, tile_tokens=tm, backend="emulator", launch=launch
+    )
+    assert rel_err(got, want) < TOL
+
+
+def test_prefill_mma_scales_each_row_alone():
+    """Tokens 2^80 apart in one tile: each row's power-of-two scaling keeps both exact."""
+    (z, w, inds, wts, beta, cap), _ = case(3, 64, 96, 4, 2, "float32")
+    zs = z * mx.array([2.0**40, 2.0**-40, 1.0, 2.0**20])[:, None]
+    want = oracle(np.array(zs), (3, 64, 96, 0), np.array(inds), np.array(wts))
+    got = mxfp4_prefill_mma.expert_glu_prefill_mma(
+        zs, w, inds, wts, beta, cap, tile_tokens=16, backend="emulator"
+    )
+    assert rel_err(got[1], want[1]) < TOL and rel_err(got, want) < TOL
+
+
+def test_prefill_mma_refuses_other_tile_sizes():
+    args, _ = case(3, 64, 96, 4, 2, "float32")
+    with pytest.raises(ValueError, match="tile_tokens=64"):
+        mxfp4_prefill_mma.expert_glu_prefill_mma(*args, tile_tokens=64, backend="emulator")
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("    BARRIER();\n    if (active) {", "    if (active) {"),
+        ("if (g0 > 0) BARRIER();", ""),
+        ("for (int e = 0; e < 4; ++e) v[e] -= ROUND_HALF(v[e]);", ""),
+        ("const uint wsel = tq / 2;", "const uint wsel = tq % 2;"),
+        ("acc_a[nt].z += sa8 * ca.z;", "acc_a[nt].z += sa0 * ca.z;"),
+        (
+            "const int tok = 4 * int(nt) + int(l / 8);",
+            "const int tok = 4 * int(nt) + int(l / 4) % 4;",
+        ),
+        (
+            "const size_t rb = NMAT == 2 ? ra : ra + 16;",
+            "const size_t rb = NMAT == 2 ? ra : ra + 8;",
+        ),
+        ("const float un = s_un[tok];", "const float un = s_un[0];"),
+        ("v[2] = static_cast<float>(src[1]) * up;", "v[2] = static_cast<float>(src[2]) * up;"),
+    ],
+    ids=[
+        "no-barrier-after-staging",
+        "no-barrier-before-restaging",
+        "lo-dropped",
+        "wrong-word",
+        "row-g-scale-for-g8",
+        "wrong-token-column",
+        "down-second-tile-offset",
+        "one-unscale-for-all",
+        "k-order-differs-from-a",
+    ],
+)
+def test_a_broken_prefill_mma_kernel_fails(monkeypatch, old, new):
+    for name in ("MXFP4_GROUPED_MMA", "MXFP4_BFRAG"):
+        kernel = getattr(mxfp4_prefill_mma, name)
+        if old in kernel.body:
+            monkeypatch.setattr(mxfp4_prefill_mma, name, broken(kernel, old, new))
+            break
+    else:
+        raise AssertionError(f"{old!r} is in neither kernel")
+    (z, w, inds, wts, beta, cap), want = case(7, 320, 288, 17, 4, "bfloat16")
+    z = z * mx.array([2.0 ** (i % 5 - 2) for i in range(17)])[:, None].astype(z.dtype)
+    want = oracle(np.array(z.astype(mx.float32)), (7, 320, 288, 0), np.array(inds), np.array(wts))
+    try:
+        got = mxfp4_prefill_mma.expert_glu_prefill_mma(
+            z, w, inds, wts, beta, cap, tile_tokens=32, backend="emulator"
+        )
     except RuntimeError:
         return
     err = rel_err(got, want)

@@ -16,6 +16,7 @@ from test_mxfp4_kernels import (  # noqa: E402
     DECODE_CASES,
     MMA_CASES,
     PREFILL_CASES,
+    PREFILL_MMA_CASES,
     TOL,
     case,
     check_mma_large_and_tiny,
@@ -28,6 +29,7 @@ from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
 from kimi_k3.kernels import dispatch, mxfp4_mma  # noqa: E402
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill  # noqa: E402
+from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,
@@ -107,6 +109,25 @@ def test_prefill_matches_oracle(E, D, I, N, k, dtype, tm):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype,tm",
+    PREFILL_MMA_CASES + [(16, *K3, 257, 4, "bfloat16", tm) for tm in (16, 32)],
+)
+def test_prefill_mma_matches_oracle(E, D, I, N, k, dtype, tm):
+    """The tensor-core grouped GEMM (mxfp4_prefill_mma), K3's sizes included."""
+    args, want = case(E, D, I, N, k, dtype)
+    got = expert_glu_prefill_mma(*args, tile_tokens=tm, backend="cuda")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("tm, launch", [(16, (8, 8)), (32, (8, 4)), (32, (2, 6))])
+def test_prefill_mma_launch_shapes(tm, launch):
+    args, want = case(16, *K3, 257, 4, "bfloat16")
+    got = expert_glu_prefill_mma(*args, tile_tokens=tm, backend="cuda", launch=launch)
+    assert rel_err(got, want) < TOL
+
+
 def test_dispatcher_uses_cuda_kernels(monkeypatch):
     """Decode and prefill: the kernels (gather_qmm is wrong at K3 scale on CUDA, see
     dispatch.expert_prefill_choice), unless KIMI_K3_EXPERT_PREFILL=reference."""
@@ -130,7 +151,7 @@ def test_decode_and_prefill_agree_with_gather_qmm():
     args, want = case(16, *K3, 8, 16, "float32")
     ref = expert_glu_reference(*args)
     decoders = (expert_glu_decode, mxfp4_mma.expert_glu_decode, mxfp4_mma.expert_glu_decode_ac)
-    for fn in (*decoders, expert_glu_prefill):
+    for fn in (*decoders, expert_glu_prefill, expert_glu_prefill_mma):
         got = fn(*args, backend="cuda")
         assert rel_err(got, want) < TOL
         assert rel_err(got, ref) < 1e-3  # gather_qmm may take TF32 paths on CUDA
@@ -177,4 +198,6 @@ def test_k3_layer_scale_against_dense_oracle(k3_layer, monkeypatch, lo):
     assert rel_err(got, want[:4]) < 1e-5
     assert dispatch.expert_glu_kernel(z[:4], w, inds[:4]).func is mxfp4_mma.expert_glu_decode
     assert rel_err(expert_glu_prefill(z, w, inds, wts, B, C, backend="cuda"), want) < 1e-5
+    got = expert_glu_prefill_mma(z, w, inds, wts, B, C, backend="cuda")
+    assert rel_err(got, want) < 1e-5
     assert rel_err(expert_glu(z, w, inds, wts, B, C), want) < 1e-5  # N*k > 128: prefill path
