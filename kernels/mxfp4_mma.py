@@ -59,7 +59,41 @@ HELPER uint kk_word(uint4 v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : (i =
 """
 )
 
-BODY = """
+# Both kernels stage the activations alike: scaled by a power of two, split into fp16 hi
+# and lo, in the MMA's B-fragment order (threadgroup array frag, all threads).
+STAGING = """\
+  // The activations times 2^n (largest |x| in [2^14, 2^15)) as fp16 hi and lo = x - hi;
+  // 2^(14 - n) undoes both scalings. Fragment (block, p, column) holds codes 8p..8p+7 of the
+  // column's group (block * 4 + column / 2), hi for even columns, lo for odd.
+  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;
+  float m = 0.0f;
+  for (uint i = tid; i < KD; i += 32 * NW) m = FMAX(m, FABS(static_cast<float>(xr[i])));
+  m = SIMD_MAX(m);
+  if (lane == 0) s_max[warp] = m;
+  BARRIER();
+  m = s_max[0];
+  for (int w = 1; w < NW; ++w) m = FMAX(m, s_max[w]);
+  int n = 141 - int((AS_UINT(m) >> 23) & 255u);
+  n = n > 127 ? 127 : (n < -113 ? -113 : n);
+  const float up = AS_FLOAT(uint(n + 127) << 23);
+  const float unscale = AS_FLOAT(uint(141 - n) << 23);
+  for (uint it = tid; it < G * 8; it += 32 * NW) {
+    const uint col = it % 8;
+    const uint pq = (it / 8) % 4;
+    const uint grp = (it / 32) * 4 + col / 2;
+    const DEVICE T* src = xr + 32 * grp + 8 * pq;
+    float v[8];
+    for (int e = 0; e < 8; ++e) v[e] = static_cast<float>(src[e]) * up;
+    if (col % 2) {
+      for (int e = 0; e < 8; ++e) v[e] -= ROUND_HALF(v[e]);
+    }
+    frag[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
+                     PACK_HALF2(v[3], v[7]));
+  }
+"""
+
+BODY = (
+    """
   constexpr int G = KD / 32;                                 // scale groups per row
   constexpr int NW = RT * SK;                                // warps
   constexpr int NB = GW / 4;                                 // 4-group blocks per step
@@ -112,35 +146,9 @@ BODY = """
   uint4 qx[4 * NB], qy[4 * NB];
   uint sx[4 * NB], sy[4 * NB];
   if (work) KK_LOAD(qx, sx, b0);
-  // The activations times 2^n (largest |x| in [2^14, 2^15)) as fp16 hi and lo = x - hi;
-  // 2^(14 - n) undoes both scalings. Fragment (block, p, column) holds codes 8p..8p+7 of the
-  // column's group (block * 4 + column / 2), hi for even columns, lo for odd.
-  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;
-  float m = 0.0f;
-  for (uint i = tid; i < KD; i += 32 * NW) m = FMAX(m, FABS(static_cast<float>(xr[i])));
-  m = SIMD_MAX(m);
-  if (lane == 0) s_max[warp] = m;
-  BARRIER();
-  m = s_max[0];
-  for (int w = 1; w < NW; ++w) m = FMAX(m, s_max[w]);
-  int n = 141 - int((AS_UINT(m) >> 23) & 255u);
-  n = n > 127 ? 127 : (n < -113 ? -113 : n);
-  const float up = AS_FLOAT(uint(n + 127) << 23);
-  const float unscale = AS_FLOAT(uint(141 - n) << 23);
-  for (uint it = tid; it < G * 8; it += 32 * NW) {
-    const uint col = it % 8;
-    const uint pq = (it / 8) % 4;
-    const uint grp = (it / 32) * 4 + col / 2;
-    const DEVICE T* src = xr + 32 * grp + 8 * pq;
-    float v[8];
-    for (int e = 0; e < 8; ++e) v[e] = static_cast<float>(src[e]) * up;
-    if (col % 2) {
-      for (int e = 0; e < 8; ++e) v[e] -= ROUND_HALF(v[e]);
-    }
-    frag[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
-                     PACK_HALF2(v[3], v[7]));
-  }
-  BARRIER();
+"""
+    + STAGING
+    + """  BARRIER();
 
   float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
   // A block's eight MMAs per tile: word pq of the lane's group gives the k-pairs (codes
@@ -230,6 +238,7 @@ BODY = """
     }
   }
 """
+)
 
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
@@ -329,7 +338,8 @@ def eligible(z, w, inds) -> bool:
 # codes and one scale byte per row and group), filled S - 1 steps ahead; a warp instruction
 # copies 4 rows x 128 contiguous bytes (GW = 8) instead of loading 8 rows x 64 bytes into
 # registers, and no registers hold loads in flight.
-BODY_AC = """
+BODY_AC = (
+    """
   constexpr int G = KD / 32;                                 // scale groups per row
   constexpr int NW = RT * SK;                                // warps
   constexpr int NB = GW / 4;                                 // 4-group blocks per step
@@ -400,35 +410,9 @@ BODY_AC = """
     ASYNC_COMMIT();
   }
 
-  // The activations times 2^n (largest |x| in [2^14, 2^15)) as fp16 hi and lo = x - hi;
-  // 2^(14 - n) undoes both scalings. Fragment (block, p, column) holds codes 8p..8p+7 of the
-  // column's group (block * 4 + column / 2), hi for even columns, lo for odd.
-  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;
-  float m = 0.0f;
-  for (uint i = tid; i < KD; i += 32 * NW) m = FMAX(m, FABS(static_cast<float>(xr[i])));
-  m = SIMD_MAX(m);
-  if (lane == 0) s_max[warp] = m;
-  BARRIER();
-  m = s_max[0];
-  for (int w = 1; w < NW; ++w) m = FMAX(m, s_max[w]);
-  int n = 141 - int((AS_UINT(m) >> 23) & 255u);
-  n = n > 127 ? 127 : (n < -113 ? -113 : n);
-  const float up = AS_FLOAT(uint(n + 127) << 23);
-  const float unscale = AS_FLOAT(uint(141 - n) << 23);
-  for (uint it = tid; it < G * 8; it += 32 * NW) {
-    const uint col = it % 8;
-    const uint pq = (it / 8) % 4;
-    const uint grp = (it / 32) * 4 + col / 2;
-    const DEVICE T* src = xr + 32 * grp + 8 * pq;
-    float v[8];
-    for (int e = 0; e < 8; ++e) v[e] = static_cast<float>(src[e]) * up;
-    if (col % 2) {
-      for (int e = 0; e < 8; ++e) v[e] -= ROUND_HALF(v[e]);
-    }
-    frag[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
-                     PACK_HALF2(v[3], v[7]));
-  }
-  BARRIER();
+"""
+    + STAGING
+    + """  BARRIER();
 
   float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
   const uint sw = g & 1u ? SW : 0u;               // rows g, g + 8, 16 + g, 24 + g alike
@@ -477,6 +461,7 @@ BODY_AC = """
   }
 #undef KK_COPY
 """
+)
 
 _EPILOGUE_AT = BODY.index("  // A row's groups are spread over its four lanes (tq): add them up.")
 BODY_AC += BODY[_EPILOGUE_AT:]

@@ -248,14 +248,6 @@ def b_fragments(x: mx.array, backend: str):
     return frag, unscale
 
 
-def eligible(z, w, inds) -> bool:
-    """What ``mxfp4_prefill`` serves (D and I multiples of 32: whole scale groups, and whole
-    row units of 16 gate/up rows and 32 down rows)."""
-    from . import mxfp4_decode
-
-    return mxfp4_decode.eligible(z, w, inds)
-
-
 def expert_glu_prefill_mma(
     z,
     w,
