@@ -56,10 +56,12 @@ PROBE_STEP = r"""#define KK_STEP(q, sc, bb)                                     
 """
 
 
-def _variant(name: str, body: str) -> Kernel:
-    """A kernel with ``mxfp4_mma``'s inputs, outputs and header, and another body."""
+def _variant(name: str, body: str, helpers: str = "") -> Kernel:
+    """A kernel with ``mxfp4_mma``'s inputs, outputs and header (plus ``helpers``), and
+    another body."""
     mma = mxfp4_mma.MXFP4_MMA
-    return Kernel(name, mma.input_names, mma.output_names, body, header=mxfp4_mma.MMA_HEADER)
+    header = mxfp4_mma.MMA_HEADER + helpers
+    return Kernel(name, mma.input_names, mma.output_names, body, header=header)
 
 
 def probe_kernel() -> Kernel:
@@ -70,13 +72,17 @@ def probe_kernel() -> Kernel:
     return _variant("mxfp4_probe", body[:start] + PROBE_STEP + body[end:])
 
 
+def template_of(kernel: Kernel):
+    """``mxfp4_mma.template_ac`` for the asynchronous-copy kernels (their shape's last entry
+    is the ring's stages), else ``mxfp4_mma.template``."""
+    is_ac = kernel.name.startswith(("mxfp4_mma_ac", "mxfp4_ac"))
+    return mxfp4_mma.template_ac if is_ac else mxfp4_mma.template
+
+
 def registers(kernel: Kernel, dtype, KD, NR, k, glu, shape) -> str:
     """ptxas's register count for one instance (sm_90), with its spill stores if any, or '?'."""
     x_dt = dtype if glu else mx.float32
-    if kernel.name.startswith(("mxfp4_mma_ac", "mxfp4_ac")):
-        tmpl = mxfp4_mma.template_ac(x_dt, KD, NR, k, glu, *shape)
-    else:
-        tmpl = mxfp4_mma.template(x_dt, KD, NR, k, glu, *shape)
+    tmpl = template_of(kernel)(x_dt, KD, NR, k, glu, *shape)
     inst = Instance(
         [x_dt, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.int32, mx.float32], [mx.float32], tmpl
     )
@@ -181,18 +187,14 @@ def ac_evict_first_kernel() -> Kernel:
     old = "ASYNC_COPY16(ring[dst + 32 * i], src, true);"
     assert mxfp4_mma.BODY_AC.count(old) == 1
     body = mxfp4_mma.BODY_AC.replace(old, "kk_cp_async16_ef(&ring[dst + 32 * i], src, true);")
-    ac = mxfp4_mma.MXFP4_MMA_AC
-    return Kernel(
-        "mxfp4_ac_ef", ac.input_names, ac.output_names, body, header=ac.header + EF_HELPER
-    )
+    return _variant("mxfp4_ac_ef", body, EF_HELPER)
 
 
 def scales_hinted_kernel() -> Kernel:
     """``mxfp4_mma`` with ``__ldcs`` on its code words and its scale bytes."""
     body, n = re.subn(r"= (e[ab])\[([^\]]*)\];", r"= __ldcs(&\1[\2]);", _with_load("__ldcs"))
     assert n == 4, n
-    mma = mxfp4_mma.MXFP4_MMA
-    return Kernel("mxfp4_hint_ldcs_all", mma.input_names, mma.output_names, body, header=mma.header)
+    return _variant("mxfp4_hint_ldcs_all", body)
 
 
 def _with_load(fn: str) -> str:
@@ -209,29 +211,12 @@ def hinted_kernel(hint: str) -> Kernel:
     hint, whatever the kernel's CS flag)."""
     body = _with_load("" if hint == "plain" else HINTS[hint])
     name = "mxfp4_hint_" + re.sub(r"[^a-z0-9]+", "_", hint.lower()).strip("_")
-    mma = mxfp4_mma.MXFP4_MMA
-    return Kernel(
-        name, mma.input_names, mma.output_names, body, header=mxfp4_mma.MMA_HEADER + HINT_HELPERS
-    )
+    return _variant(name, body, HINT_HELPERS)
 
 
 def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
-    rt, sk, gw, pp = shape
-    if kernel.name.startswith(("mxfp4_mma_ac", "mxfp4_ac")):  # pp is the ring's stages
-        tmpl = mxfp4_mma.template_ac(x.dtype, KD, NR, k, glu, rt, sk, gw, int(pp))
-    else:
-        tmpl = mxfp4_mma.template(x.dtype, KD, NR, k, glu, rt, sk, gw, pp)
-    units = NR // 16 if glu else NR // 32
-    (out,) = kernel(
-        "cuda",
-        inputs=[x, wa, sa, wb, sb, inds, params],
-        output_shapes=[(inds.size, NR)],
-        output_dtypes=[mx.float32],
-        grid=(32 * rt * sk * -(-units // rt), inds.size, 1),
-        threadgroup=(32 * rt * sk, 1, 1),
-        template=tmpl,
-    )
-    return out
+    args = (x, wa, sa, wb, sb, inds, params, KD, NR, k, glu)
+    return mxfp4_mma._launch(kernel, template_of(kernel), shape, "cuda", *args)
 
 
 def main():

@@ -59,6 +59,26 @@ HELPER uint kk_word(uint4 v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : (i =
 """
 )
 
+# Both kernels' warp roles: row tile rt and split sk of the warp, lane (g, tq) of the MMA.
+ROLES = """\
+  const uint rt = warp % RT;
+  const uint sk = warp / RT;
+  const uint unit = GROUP_POS.x * RT + rt;
+  const bool active = unit < UNITS;               // the whole warp agrees
+  const uint g = lane / 4;
+  const uint tq = lane % 4;
+  const bool bcol = g / 2 == tq;                  // this lane's B column is in its group
+"""
+
+# Both kernels' shape constants (template values RT, SK, GW, KD, NR, GLU).
+CONSTANTS = """\
+  constexpr int G = KD / 32;                                 // scale groups per row
+  constexpr int NW = RT * SK;                                // warps
+  constexpr int NB = GW / 4;                                 // 4-group blocks per step
+  constexpr int GB = ((G + SK - 1) / SK + GW - 1) / GW * GW; // groups per split, whole steps
+  constexpr int UNITS = GLU ? NR / 16 : NR / 32;             // row units (one warp's rows)
+"""
+
 # Both kernels stage the activations alike: scaled by a power of two, split into fp16 hi
 # and lo, in the MMA's B-fragment order (threadgroup array frag, all threads).
 STAGING = """\
@@ -93,12 +113,9 @@ STAGING = """\
 """
 
 BODY = (
-    """
-  constexpr int G = KD / 32;                                 // scale groups per row
-  constexpr int NW = RT * SK;                                // warps
-  constexpr int NB = GW / 4;                                 // 4-group blocks per step
-  constexpr int GB = ((G + SK - 1) / SK + GW - 1) / GW * GW; // groups per split, whole steps
-  constexpr int UNITS = GLU ? NR / 16 : NR / 32;             // row units (one warp's rows)
+    "\n"
+    + CONSTANTS
+    + """\
   SHARED uint4 frag[G * 8];
   SHARED float red[SK * RT * 32];
   SHARED float s_max[NW];
@@ -111,13 +128,9 @@ BODY = (
   // tq of rows g and g + 8 of both tiles (one 128-bit load each), and the MMA's output
   // columns 2 tq, 2 tq + 1 (hi, lo) collect that group alone: B is zero outside a column's
   // group. So one 128-bit load, eight MMAs and one scale per row and group per lane.
-  const uint rt = warp % RT;
-  const uint sk = warp / RT;
-  const uint unit = GROUP_POS.x * RT + rt;
-  const bool active = unit < UNITS;               // the whole warp agrees
-  const uint g = lane / 4;
-  const uint tq = lane % 4;
-  const bool bcol = g / 2 == tq;                  // this lane's B column is in its group
+"""
+    + ROLES
+    + """\
   const size_t ra = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0) + g;
   const size_t rb = GLU ? ra : ra + 16;
   const DEVICE uint4* qa = (const DEVICE uint4*)w_a + ra * G + tq;
@@ -248,7 +261,7 @@ LAUNCH = {"gate_up": (8, 1, 8, True), "down": (8, 1, 8, True)}
 # Code words loaded as read once (CS; LOAD_STREAM, CUDA's ld.global.cs) per projection: on
 # the H200 gate/up took 71.9 instead of 83.8 us with them, down 49.2 instead of 47.0
 # (benchmarks/mxfp4_sweep.py --hints, docs/benchmarks.md).
-STREAM_LOADS = {True: True, False: False}  # by GLU
+STREAM_LOADS = {"gate_up": True, "down": False}
 
 
 def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True, cs=None):
@@ -262,63 +275,86 @@ def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True, cs=None):
         ("SK", sk),
         ("GW", gw),
         ("PP", pp),
-        ("CS", STREAM_LOADS[glu] if cs is None else cs),
+        ("CS", STREAM_LOADS["gate_up" if glu else "down"] if cs is None else cs),
     ]
 
 
-MXFP4_MMA = Kernel(
-    "mxfp4_mma",
-    ["x", "w_a", "s_a", "w_b", "s_b", "inds", "params"],
-    ["out"],
-    BODY,
-    header=MMA_HEADER,
-    instances=[
+def _instances(template_fn, launch) -> list:
+    """The launches the dispatcher makes at K3's size: gate/up for each latent dtype, down."""
+    gu = [
         Instance(
             [dt, U32, U8, U32, U8, I32, F32],
             [F32],
-            template(dt, K3["D"], K3["I"], 16, True, *LAUNCH["gate_up"]),
+            template_fn(dt, K3["D"], K3["I"], 16, True, *launch["gate_up"]),
         )
         for dt in (mx.bfloat16, mx.float16, mx.float32)
     ]
-    + [
-        Instance(
-            [F32, U32, U8, U32, U8, I32, F32],
-            [F32],
-            template(F32, K3["I"], K3["D"], 16, False, *LAUNCH["down"]),
-        )
-    ],
+    down = Instance(
+        [F32, U32, U8, U32, U8, I32, F32],
+        [F32],
+        template_fn(F32, K3["I"], K3["D"], 16, False, *launch["down"]),
+    )
+    return gu + [down]
+
+
+INPUTS = ["x", "w_a", "s_a", "w_b", "s_b", "inds", "params"]
+MXFP4_MMA = Kernel(
+    "mxfp4_mma", INPUTS, ["out"], BODY, header=MMA_HEADER, instances=_instances(template, LAUNCH)
 )
 
 
-def _launch(backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, pairs):
-    rt, sk, gw, pp = LAUNCH["gate_up" if glu else "down"]
-    if (KD // 32) % gw:
-        gw = 4  # whole steps only; eligible() guarantees multiples of 4 groups
+def _whole_steps(KD, shape):
+    """``shape`` with 4-group steps where KD's groups are no multiple of its GW (eligible()
+    guarantees multiples of 4 groups)."""
+    rt, sk, gw, last = shape
+    return (rt, sk, 4 if (KD // 32) % gw else gw, last)
+
+
+def _launch(kernel, template_fn, shape, backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu):
+    """One projection for every (token, choice) pair: gate/up + SiTU-GLU, or down."""
+    rt, sk = shape[:2]
     units = NR // 16 if glu else NR // 32
-    (out,) = MXFP4_MMA(
+    pairs = inds.size
+    (out,) = kernel(
         backend,
         inputs=[x, wa, sa, wb, sb, inds, params],
         output_shapes=[(pairs, NR)],
         output_dtypes=[F32],
         grid=(32 * rt * sk * -(-units // rt), pairs, 1),
         threadgroup=(32 * rt * sk, 1, 1),
-        template=template(x.dtype, KD, NR, k, glu, rt, sk, gw, pp),
+        template=template_fn(x.dtype, KD, NR, k, glu, *shape),
     )
     return out
 
 
-def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None):
-    """``mxfp4_decode.expert_glu_decode`` with tensor-core dot products (same shapes and
-    return: fp32 [N, D]). Needs ``eligible`` inputs."""
+def _decode(kernel, template_fn, shape_for, backend, z, w, inds, weights, beta, cap):
+    """Both projections through ``kernel`` at ``shape_for(backend, KD, glu)``, then the
+    ordered sum."""
     backend = backend or default_backend()
     N, k = inds.shape
     D = z.shape[-1]
     I = w["w1"][0].shape[-2]
     flat = inds.reshape(-1).astype(I32)
-    h = _launch(backend, z, *w["w1"], *w["w3"], flat, constant((beta, cap)), D, I, k, True, N * k)
+
+    def project(x, wa, sa, wb, sb, params, KD, NR, glu):
+        shape = shape_for(backend, KD, glu)
+        args = (x, wa, sa, wb, sb, flat, params, KD, NR, k, glu)
+        return _launch(kernel, template_fn, shape, backend, *args)
+
+    h = project(z, *w["w1"], *w["w3"], constant((beta, cap)), D, I, True)
     wts = weights.reshape(-1).astype(F32)
-    part = _launch(backend, h, *w["w2"], *w["w2"], flat, wts, I, D, k, False, N * k)
+    part = project(h, *w["w2"], *w["w2"], wts, I, D, False)
     return sum_pairs(backend, part, N, k)
+
+
+def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None):
+    """``mxfp4_decode.expert_glu_decode`` with tensor-core dot products (same shapes and
+    return: fp32 [N, D]). Needs ``eligible`` inputs."""
+
+    def shape_for(backend, KD, glu):
+        return _whole_steps(KD, LAUNCH["gate_up" if glu else "down"])
+
+    return _decode(MXFP4_MMA, template, shape_for, backend, z, w, inds, weights, beta, cap)
 
 
 def eligible(z, w, inds) -> bool:
@@ -339,12 +375,9 @@ def eligible(z, w, inds) -> bool:
 # copies 4 rows x 128 contiguous bytes (GW = 8) instead of loading 8 rows x 64 bytes into
 # registers, and no registers hold loads in flight.
 BODY_AC = (
-    """
-  constexpr int G = KD / 32;                                 // scale groups per row
-  constexpr int NW = RT * SK;                                // warps
-  constexpr int NB = GW / 4;                                 // 4-group blocks per step
-  constexpr int GB = ((G + SK - 1) / SK + GW - 1) / GW * GW; // groups per split, whole steps
-  constexpr int UNITS = GLU ? NR / 16 : NR / 32;             // row units (one warp's rows)
+    "\n"
+    + CONSTANTS
+    + """\
   constexpr int CH = 32 * GW;                                // code chunks (16 bytes) per stage
   constexpr int SC = 8 * GW;                                 // scale words per stage
   constexpr uint SW = GW >= 8 ? 4u : 0u;                     // odd rows swap their chunk halves
@@ -361,13 +394,9 @@ BODY_AC = (
   // Lane (g, tq) takes group tq of each 4-group block, rows g and g + 8 of both tiles; the
   // MMA's output columns 2 tq, 2 tq + 1 (hi, lo) collect that group alone (B is zero outside
   // a column's group), so each lane scales its own groups' results.
-  const uint rt = warp % RT;
-  const uint sk = warp / RT;
-  const uint unit = GROUP_POS.x * RT + rt;
-  const bool active = unit < UNITS;               // the whole warp agrees
-  const uint g = lane / 4;
-  const uint tq = lane % 4;
-  const bool bcol = g / 2 == tq;                  // this lane's B column is in its group
+"""
+    + ROLES
+    + """\
   // The warp's 32 rows: tile A's 16 (rows 0-15), then tile B's (16-31).
   const size_t r0 = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0);
   const DEVICE uint4* qa = (const DEVICE uint4*)w_a + r0 * G;
@@ -503,55 +532,19 @@ def fit_ac(backend, KD, shape):
 
 MXFP4_MMA_AC = Kernel(
     "mxfp4_mma_ac",
-    ["x", "w_a", "s_a", "w_b", "s_b", "inds", "params"],
+    INPUTS,
     ["out"],
     BODY_AC,
     header=MMA_HEADER,
-    instances=[
-        Instance(
-            [dt, U32, U8, U32, U8, I32, F32],
-            [F32],
-            template_ac(dt, K3["D"], K3["I"], 16, True, *LAUNCH_AC["gate_up"]),
-        )
-        for dt in (mx.bfloat16, mx.float16, mx.float32)
-    ]
-    + [
-        Instance(
-            [F32, U32, U8, U32, U8, I32, F32],
-            [F32],
-            template_ac(F32, K3["I"], K3["D"], 16, False, *LAUNCH_AC["down"]),
-        )
-    ],
+    instances=_instances(template_ac, LAUNCH_AC),
 )
 
 
-def _launch_ac(backend, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, pairs, shape=None):
-    rt, sk, gw, s = shape or LAUNCH_AC["gate_up" if glu else "down"]
-    if (KD // 32) % gw:
-        gw = 4  # whole steps only; eligible() guarantees multiples of 4 groups
-    rt, sk, gw, s = fit_ac(backend, KD, (rt, sk, gw, s))
-    units = NR // 16 if glu else NR // 32
-    (out,) = MXFP4_MMA_AC(
-        backend,
-        inputs=[x, wa, sa, wb, sb, inds, params],
-        output_shapes=[(pairs, NR)],
-        output_dtypes=[F32],
-        grid=(32 * rt * sk * -(-units // rt), pairs, 1),
-        threadgroup=(32 * rt * sk, 1, 1),
-        template=template_ac(x.dtype, KD, NR, k, glu, rt, sk, gw, s),
-    )
-    return out
-
-
 def expert_glu_decode_ac(z, w, inds, weights, beta, cap, backend: str | None = None):
-    """``expert_glu_decode`` through the asynchronous-copy kernel."""
-    backend = backend or default_backend()
-    N, k = inds.shape
-    D = z.shape[-1]
-    I = w["w1"][0].shape[-2]
-    flat = inds.reshape(-1).astype(I32)
-    gu = (z, *w["w1"], *w["w3"], flat, constant((beta, cap)))
-    h = _launch_ac(backend, *gu, D, I, k, True, N * k)
-    wts = weights.reshape(-1).astype(F32)
-    part = _launch_ac(backend, h, *w["w2"], *w["w2"], flat, wts, I, D, k, False, N * k)
-    return sum_pairs(backend, part, N, k)
+    """``expert_glu_decode`` through the asynchronous-copy kernel (its ring cut to the
+    backend's threadgroup memory by ``fit_ac``)."""
+
+    def shape_for(backend, KD, glu):
+        return fit_ac(backend, KD, _whole_steps(KD, LAUNCH_AC["gate_up" if glu else "down"]))
+
+    return _decode(MXFP4_MMA_AC, template_ac, shape_for, backend, z, w, inds, weights, beta, cap)

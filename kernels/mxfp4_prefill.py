@@ -250,6 +250,20 @@ def group_by_expert(flat: mx.array, num_experts: int, tm: int):
     return order, tiles[:n_tiles]
 
 
+def grouped_glu(z, w, inds, weights, beta, cap, tm: int, gemm):
+    """Pairs sorted by expert and cut into tiles of ``tm``, both grouped launches, and the
+    per-token sum: what the prefill kernels share. ``gemm(x, wa, sa, wb, sb, kd, nout, nmat,
+    xrow, tiles, pair_w, act)`` runs one launch and returns [P, nout] in sorted order."""
+    N, k = inds.shape
+    D = z.shape[-1]
+    E, I = w["w1"][0].shape[:2]
+    order, tiles = group_by_expert(inds.reshape(-1).astype(I32), E, tm)
+    pairs = (order // k, tiles, weights.reshape(-1).astype(F32)[order], constant((beta, cap)))
+    h = gemm(z, *w["w1"], *w["w3"], D, I, 2, *pairs)
+    y = gemm(h, *w["w2"], *w["w2"], I, D, 1, *pairs)
+    return y[mx.argsort(order)].reshape(N, k, D).sum(axis=1)
+
+
 def expert_glu_prefill(
     z, w, inds, weights, beta, cap, tile_tokens: int | None = None, backend: str | None = None
 ):
@@ -259,22 +273,14 @@ def expert_glu_prefill(
     inds [N, k]; weights [N, k]. Returns fp32 [N, D].
     """
     backend = backend or default_backend()
-    N, k = inds.shape
-    D = z.shape[-1]
-    E, I = w["w1"][0].shape[:2]
-    P = N * k
-    tm = tile_tokens or tile_tokens_for(P, E)
-    order, tiles = group_by_expert(inds.reshape(-1).astype(I32), E, tm)
-    xrow = order // k
-    pair_w = weights.reshape(-1).astype(F32)[order]
-    act = constant((beta, cap))
+    tm = tile_tokens or tile_tokens_for(inds.size, w["w1"][0].shape[0])
 
-    def launch(x, wa, sa, wb, sb, kd, nout, nmat):
+    def launch(x, wa, sa, wb, sb, kd, nout, nmat, xrow, tiles, pair_w, act):
         bn = rows_per_group(nmat, tm)
         (out,) = MXFP4_GROUPED(
             backend,
             inputs=[x, xrow, tiles, wa, sa, wb, sb, pair_w, act],
-            output_shapes=[(P, nout)],
+            output_shapes=[(inds.size, nout)],
             output_dtypes=[F32],
             grid=(THREADS * tiles.shape[0], -(-nout // bn), 1),
             threadgroup=(THREADS, 1, 1),
@@ -282,6 +288,4 @@ def expert_glu_prefill(
         )
         return out
 
-    h = launch(z, *w["w1"], *w["w3"], D, I, 2)
-    y = launch(h, *w["w2"], *w["w2"], I, D, 1)
-    return y[mx.argsort(order)].reshape(N, k, D).sum(axis=1)
+    return grouped_glu(z, w, inds, weights, beta, cap, tm, launch)

@@ -30,8 +30,8 @@ import mlx.core as mx
 
 from .mxfp4_decode import K3
 from .mxfp4_mma import MMA_HEADER
-from .mxfp4_prefill import group_by_expert, tile_tokens_for
-from .source import Instance, Kernel, constant
+from .mxfp4_prefill import grouped_glu, tile_tokens_for
+from .source import Instance, Kernel
 from .source import backend as default_backend
 
 # Per row of x [R, KD]: its B fragments frag [R, G, 2 (m), 2 (hi, lo), 4 (tq)] (uint2 each)
@@ -262,26 +262,18 @@ def expert_glu_prefill_mma(
     """``mxfp4_prefill.expert_glu_prefill`` on tensor cores (same shapes and return: fp32
     [N, D]); ``launch`` = (warps per threadgroup, groups per chunk) overrides ``LAUNCH``."""
     backend = backend or default_backend()
-    N, k = inds.shape
-    D = z.shape[-1]
-    E, I = w["w1"][0].shape[:2]
-    P = N * k
-    tm = tile_tokens or tile_tokens_for(P, E)
+    tm = tile_tokens or tile_tokens_for(inds.size, w["w1"][0].shape[0])
     if tm not in LAUNCH:
         raise ValueError(f"mxfp4_grouped_mma: tile_tokens={tm} (takes {sorted(LAUNCH)})")
-    order, tiles = group_by_expert(inds.reshape(-1).astype(I32), E, tm)
-    xrow = order // k
-    pair_w = weights.reshape(-1).astype(F32)[order]
-    act = constant((beta, cap))
     rt, kc = launch or LAUNCH[tm]
 
-    def gemm(x, wa, sa, wb, sb, kd, nout, nmat):
+    def gemm(x, wa, sa, wb, sb, kd, nout, nmat, xrow, tiles, pair_w, act):
         frag, unscale = b_fragments(x, backend)
         units = nout // 16 if nmat == 2 else nout // 32
         (out,) = MXFP4_GROUPED_MMA(
             backend,
             inputs=[frag, unscale, xrow, tiles, wa, sa, wb, sb, pair_w, act],
-            output_shapes=[(P, nout)],
+            output_shapes=[(inds.size, nout)],
             output_dtypes=[F32],
             grid=(32 * rt * tiles.shape[0], -(-units // rt), 1),
             threadgroup=(32 * rt, 1, 1),
@@ -289,6 +281,4 @@ def expert_glu_prefill_mma(
         )
         return out
 
-    h = gemm(z, *w["w1"], *w["w3"], D, I, 2)
-    y = gemm(h, *w["w2"], *w["w2"], I, D, 1)
-    return y[mx.argsort(order)].reshape(N, k, D).sum(axis=1)
+    return grouped_glu(z, w, inds, weights, beta, cap, tm, gemm)
