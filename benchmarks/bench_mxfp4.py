@@ -22,6 +22,7 @@ from kimi_k3.experts import expert_glu_reference
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, tile_tokens_for
 from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma
+from kimi_k3.kernels.mxfp4_prefill_mma import tile_tokens_for as mma_tile_for
 
 BETA, CAP = 4.0, 25.0
 
@@ -32,15 +33,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=3072, help="expert width I")
     p.add_argument("--topk", type=int, default=16)
     p.add_argument("--decode-experts", type=int, default=64, help="stack the decode picks from")
-    p.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--prefill-experts", type=int, default=896, help="one layer's experts")
     p.add_argument("--prefill-tokens", type=int, nargs="+", default=[512, 4096])
     p.add_argument(
         "--tiles",
         type=int,
         nargs="*",
-        default=[16, 32, 64],
-        help="prefill tokens-per-tile values to sweep besides the default",
+        default=[],
+        help="LUT prefill kernel: tokens-per-tile values to time besides its choice",
     )
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM datasheet peak")
     p.add_argument("--calls", type=int, default=20, help="calls per timed batch")
@@ -187,6 +188,29 @@ def with_launch(module, gate_up, down):
     return run
 
 
+# Decode rows with __launch_bounds__ (mxfp4_mma.MIN_BLOCKS) on these projections.
+MIN_BLOCK_ROWS = {
+    "gate/up and down": ("gate_up", "down"),
+    "gate/up": ("gate_up",),
+    "down": ("down",),
+}
+
+
+def with_min_blocks(module, proj: str, blocks: int):
+    """``module.expert_glu_decode`` with ``MIN_BLOCKS`` = ``blocks`` for the projections
+    named by ``MIN_BLOCK_ROWS[proj]`` (the others as they are)."""
+
+    def run(*a):
+        saved = dict(module.MIN_BLOCKS)
+        module.MIN_BLOCKS.update({p: blocks for p in MIN_BLOCK_ROWS[proj]})
+        try:
+            return module.expert_glu_decode(*a)
+        finally:
+            module.MIN_BLOCKS.update(saved)
+
+    return run
+
+
 # Launch shapes of the tensor-core decode kernels that --variants times: (gate/up, down),
 # each (row tiles, splits of a row, groups per step, double-buffered loads).
 MMA_SHAPES = [
@@ -209,6 +233,8 @@ def decode_variants(sweep: bool) -> dict:
         "decode kernel (tensor cores, async copies)": mxfp4_mma.expert_glu_decode_ac,
         "decode kernel (LUT)": expert_glu_decode,
     }
+    for proj in MIN_BLOCK_ROWS:
+        out[f"tensor cores, 2 threadgroups per SM ({proj})"] = with_min_blocks(mxfp4_mma, proj, 2)
     if sweep:
         for gu, dn in MMA_SHAPES:
             out[f"tensor cores, launch {gu} {dn}"] = with_launch(mxfp4_mma, gu, dn)
@@ -239,7 +265,8 @@ def bench_decode(args, table: Table, copy: float | None):
         for name, fn in (
             ("gather_qmm", expert_glu_reference),
             *variants.items(),
-            ("prefill kernel", expert_glu_prefill),
+            ("prefill kernel (LUT)", expert_glu_prefill),
+            ("prefill kernel (tensor cores)", expert_glu_prefill_mma),
         ):
             label = f"decode N={n}: {name}"
             timed[name] = attempt(
@@ -266,33 +293,25 @@ def bench_prefill(args, table: Table):
         z = mx.random.normal((n, args.dim)).astype(dtype)
         mx.eval(z, inds, weights)
         inputs = [(z, w, inds, weights, BETA, CAP)] * max(1, args.calls // 10)
-        default = tile_tokens_for(n * args.topk, args.prefill_experts)
         label = f"prefill N={n}: gather_qmm (sorted)"
         t_ref = attempt(
             table, label, prefill_row, table, label, expert_glu_reference, inputs, n, args
         )
-        timed = {}
-        for tile in sorted({default, *args.tiles}):
-            label = f"prefill N={n}: kernel, {tile} pairs/tile" + (
-                " (default)" if tile == default else ""
-            )
-            timed[tile] = attempt(
-                table, label, prefill_row, table, label, with_tile(tile), inputs, n, args
-            )
-        compare(
-            table,
-            f"prefill N={n}: default kernel vs gather_qmm",
-            expert_glu_prefill,
-            expert_glu_reference,
-            timed.get(default),
-            t_ref,
-            inputs,
-        )
-        for tile in (16, 32):  # mxfp4_prefill_mma (tensor cores)
-            label = f"prefill N={n}: tensor-core kernel, {tile} pairs/tile"
-            fn = with_tile(tile, expert_glu_prefill_mma)
-            t = attempt(table, label, prefill_row, table, label, fn, inputs, n, args)
-            compare(table, f"{label} vs gather_qmm", fn, expert_glu_reference, t, t_ref, inputs)
+        # The dispatched kernel (the tensor-core GEMM on CUDA) at both tile sizes, its choice
+        # marked; then the LUT kernel (Metal's) at its choice and the --tiles sizes.
+        rows = [
+            (expert_glu_prefill_mma, "tensor-core kernel", (16, 32), mma_tile_for),
+            (expert_glu_prefill, "LUT kernel", tuple(args.tiles), tile_tokens_for),
+        ]
+        for fn, name, tiles, choose in rows:
+            default = choose(n * args.topk, args.prefill_experts)
+            for tile in sorted({default, *tiles}):
+                label = f"prefill N={n}: {name}, {tile} pairs/tile" + (
+                    " (its choice)" if tile == default else ""
+                )
+                tiled = with_tile(tile, fn)
+                t = attempt(table, label, prefill_row, table, label, tiled, inputs, n, args)
+                compare(table, f"{label} vs gather_qmm", tiled, expert_glu_reference, t, t_ref, inputs)
         attempt(table, f"prefill N={n}: oracle", oracle_rows, table, n, inputs[0])
 
 

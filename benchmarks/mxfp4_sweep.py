@@ -15,6 +15,8 @@ the first shape's), and with ``--probe`` the same grid with the math taken out:
   only, no L1 allocation), ``ldcs`` (evict first), ``L2::256B`` (the L2 fetches 256 bytes
   per miss), ``nc, no L1, L2::256B``, and ``ldcs`` on the scale bytes too; with
   ``--ac-shapes`` also ``mxfp4_mma_ac`` (asynchronous copies) with L2's evict-first policy;
+- with ``--min-blocks N``, ``mxfp4_mma`` compiled with ``__launch_bounds__(threads, N)``
+  (the compiler caps its registers so that N threadgroups fit an SM);
 - with ``--ac-shapes``, ``mxfp4_mma_ac`` (code words and scales brought into threadgroup
   memory by asynchronous copies) at those shapes (rt, sk, gw, stages).
 
@@ -27,6 +29,7 @@ when nvcc is on PATH). GB/s are over the weight bytes, scales included.
     python3 -m benchmarks.mxfp4_sweep                     # on the H200
     python3 -m benchmarks.mxfp4_sweep --probe --shapes 8,1,8,1 8,1,8,2
     python3 -m benchmarks.mxfp4_sweep --hints --shapes 8,1,8,1 --ac-shapes 2,1,8,3 1,1,8,4
+    python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 --min-blocks 2 --rounds 3
 """
 
 from __future__ import annotations
@@ -230,12 +233,20 @@ def main():
         default=[],
         help="rt,sk,gw,stages each: also time mxfp4_mma_ac (async copies) at these shapes",
     )
+    p.add_argument(
+        "--min-blocks",
+        nargs="*",
+        type=int,
+        default=[],
+        help="also time mxfp4_mma with __launch_bounds__(threads, N) for each N (CUDA only)",
+    )
     p.add_argument("--dim", type=int, default=3584)
     p.add_argument("--hidden", type=int, default=3072)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=16)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=1, help="time every job this many times")
     args = p.parse_args()
 
     D, I, k = args.dim, args.hidden, args.topk
@@ -267,7 +278,13 @@ def main():
         rt, sk, gw, pp = (int(v) for v in spec.split(","))
         if 32 * rt * sk > 1024:
             continue
-        for name, kern in kernels.items():
+        shape_kernels = dict(kernels)
+        for b in args.min_blocks:
+            if 65536 // (32 * rt * sk * b) < 96:  # a cap below 96 registers spills hundreds of bytes
+                continue
+            bound = mxfp4_mma.bounded(mxfp4_mma.MXFP4_MMA, 32 * rt * sk, b)
+            shape_kernels[f"mma, {b} per SM"] = bound
+        for name, kern in shape_kernels.items():
             for proj in ("gate_up", "down"):
                 glu = proj == "gate_up"
                 KD, NR = (D, I) if glu else (I, D)
@@ -295,13 +312,13 @@ def main():
         )
     print(
         "| kernel | proj | shape (rt, sk, gw, pp) | registers | threadgroups | us | GB/s | "
-        "rel diff to the first shape |"
+        "rel diff to the first shape | us, every round |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|")
-    first = {}
-    for (name, kern, proj, glu, KD, NR, shape), reg in zip(jobs, regs):
-        units = NR // 16 if glu else NR // 32
-        tgs = -(-units // shape[0]) * k
+    print("|---|---|---|---:|---:|---:|---:|---:|---|")
+    # Every job is timed once per round, the rounds one after another, so a drift of the
+    # clocks over the run reaches all jobs alike; a row reports its best round.
+    fns, times, failed = [], [[] for _ in jobs], {}
+    for name, kern, proj, glu, KD, NR, shape in jobs:
 
         def fn(z, h, inds, wts, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
             if glu:
@@ -310,20 +327,32 @@ def main():
                 a = (h, *w["w2"], *w["w2"], inds, wts)
             return launch(kern, *a, KD, NR, k, glu, shape)
 
+        fns.append(fn)
+    for _ in range(args.rounds):
+        for j, fn in enumerate(fns):
+            if j in failed:
+                continue
+            try:
+                times[j].append(time_batch(fn, sets, args.repeats))
+            except Exception as e:  # noqa: BLE001 - a shape that cannot launch is a row
+                failed[j] = re.sub(r"\s+", " ", str(e))[:80]
+    first = {}
+    for j, ((name, kern, proj, glu, KD, NR, shape), reg) in enumerate(zip(jobs, regs)):
+        units = NR // 16 if glu else NR // 32
+        tgs = -(-units // shape[0]) * k
         row = f"| {name} | {proj} | {shape} | {reg} | {tgs} |"
-        try:
-            t = time_batch(fn, sets, args.repeats)
-        except Exception as e:  # noqa: BLE001 - a shape that cannot launch is a row
-            msg = re.sub(r"\s+", " ", str(e))[:80]
-            print(row, f"failed: {msg} | |", flush=True)
+        if j in failed:
+            print(row, f"failed: {failed[j]} | | |", flush=True)
             continue
+        t = min(times[j])
         nbytes = gu_bytes if glu else dn_bytes
-        check = ""
+        check = " |"
         if name.startswith("mma"):  # against the first shape's result on the same inputs
-            got = np.array(fn(*sets[0]))
+            got = np.array(fns[j](*sets[0]))
             ref = first.setdefault(proj, got)
             check = f" {np.linalg.norm(got - ref) / np.linalg.norm(ref):.1e} |"
-        print(row, f"{t * 1e6:.1f} | {nbytes / t / 1e9:.0f} |{check}", flush=True)
+        every = ", ".join(f"{x * 1e6:.1f}" for x in times[j])
+        print(row, f"{t * 1e6:.1f} | {nbytes / t / 1e9:.0f} |{check} {every} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,11 +54,11 @@ def expert_prefill_choice() -> str:
 
     ``KIMI_K3_EXPERT_PREFILL=kernel`` / ``reference`` forces one (another value is an error).
     Otherwise the kernel, on every backend and shape. On the H200 MLX's CUDA ``gather_qmm``
-    (mxfp4, sorted indices) is about 2x faster (29 vs 66 ms at 512 tokens of K3's 896-expert
-    layer) but wrong there: ``benchmarks/mxfp4_diag.py`` measured it at relative error 1.06
-    against an fp32 dense oracle with flat routing over 896 experts, while the kernel agreed
-    to 9.5e-7 (and both agree when only 16 experts are used). Correct first: the kernel
-    serves prefill.
+    (mxfp4, sorted indices) is wrong at K3's scale: ``benchmarks/mxfp4_diag.py`` measured it
+    at relative error 1.06 against an fp32 dense oracle with flat routing over 896 experts,
+    while the kernels agreed to 1e-6 (and all agree when only 16 experts are used). It is
+    also slower than the tensor-core kernel that serves CUDA (29.4 vs 15.0 ms at 512 tokens of
+    K3's 896-expert layer, docs/benchmarks.md); the LUT kernel (Metal's) took 65.7 ms there.
     """
     from .source import env_choice
 
@@ -71,12 +71,14 @@ def expert_glu_kernel(z, w, inds):
     Metal or CUDA (``source.backend()``) and inputs ``mxfp4_decode.eligible`` accepts: the
     per-pair decode kernels up to ``EXPERT_DECODE_MAX_PAIRS`` pairs (on CUDA the tensor-core
     ones of ``mxfp4_mma`` where they apply, elsewhere the LUT ones of ``mxfp4_decode``),
-    above that the grouped (prefill) kernels where ``expert_prefill_choice`` says so.
+    above that the grouped (prefill) kernels where ``expert_prefill_choice`` says so: on
+    CUDA the tensor-core GEMM of ``mxfp4_prefill_mma`` (whose Metal rendering spells the MMA
+    out in shuffles), elsewhere the LUT GEMM of ``mxfp4_prefill``.
     ``KIMI_K3_REFERENCE=1`` (or ``experts``) forces the reference.
     """
     from functools import partial
 
-    from . import mxfp4_decode, mxfp4_mma, mxfp4_prefill, source
+    from . import mxfp4_decode, mxfp4_mma, mxfp4_prefill, mxfp4_prefill_mma, source
 
     if reference_forced("experts"):
         return None
@@ -89,6 +91,8 @@ def expert_glu_kernel(z, w, inds):
         return partial(mxfp4_decode.expert_glu_decode, backend=backend)
     if expert_prefill_choice() == "reference":
         return None
+    if backend == "cuda":
+        return partial(mxfp4_prefill_mma.expert_glu_prefill_mma, backend=backend)
     return partial(mxfp4_prefill.expert_glu_prefill, backend=backend)
 
 

@@ -264,6 +264,12 @@ LAUNCH = {"gate_up": (8, 1, 8, True), "down": (8, 1, 8, True)}
 STREAM_LOADS = {"gate_up": True, "down": False}
 
 
+# Threadgroups per SM that the compiler must leave room for (CUDA's __launch_bounds__; 1:
+# no bound). At 129-130 registers a 256-thread threadgroup of either projection runs alone
+# on an SM; a bound of 2 caps them at 128 (ptxas spills 16-20 bytes) so two fit.
+MIN_BLOCKS = {"gate_up": 1, "down": 1}
+
+
 def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True, cs=None):
     return [
         ("T", dtype),
@@ -303,6 +309,28 @@ MXFP4_MMA = Kernel(
 )
 
 
+_BOUNDED: dict = {}
+
+
+def bounded(kernel: Kernel, threads: int, blocks: int) -> Kernel:
+    """``kernel`` compiled for CUDA with ``__launch_bounds__(threads, blocks)`` (the same
+    kernel where ``blocks`` is 1; Metal ignores the bound)."""
+    if blocks <= 1:
+        return kernel
+    key = (kernel.name, kernel.body, threads, blocks)
+    if key not in _BOUNDED:
+        _BOUNDED[key] = Kernel(
+            f"{kernel.name}_lb{threads}x{blocks}",
+            kernel.input_names,
+            kernel.output_names,
+            kernel.body,
+            header=kernel.header,
+            instances=kernel.instances,
+            launch_bounds=(threads, blocks),
+        )
+    return _BOUNDED[key]
+
+
 def _whole_steps(KD, shape):
     """``shape`` with 4-group steps where KD's groups are no multiple of its GW (eligible()
     guarantees multiples of 4 groups)."""
@@ -315,6 +343,8 @@ def _launch(kernel, template_fn, shape, backend, x, wa, sa, wb, sb, inds, params
     rt, sk = shape[:2]
     units = NR // 16 if glu else NR // 32
     pairs = inds.size
+    if pairs > 65535:  # pairs run along y, where CUDA stops at 65535 threadgroups
+        raise ValueError(f"{kernel.name}: {pairs} (token, choice) pairs; at most 65535 per call")
     (out,) = kernel(
         backend,
         inputs=[x, wa, sa, wb, sb, inds, params],
@@ -327,9 +357,9 @@ def _launch(kernel, template_fn, shape, backend, x, wa, sa, wb, sb, inds, params
     return out
 
 
-def _decode(kernel, template_fn, shape_for, backend, z, w, inds, weights, beta, cap):
-    """Both projections through ``kernel`` at ``shape_for(backend, KD, glu)``, then the
-    ordered sum."""
+def _decode(kernel_for, template_fn, shape_for, backend, z, w, inds, weights, beta, cap):
+    """Both projections through ``kernel_for(glu, shape)`` at ``shape_for(backend, KD,
+    glu)``, then the ordered sum."""
     backend = backend or default_backend()
     N, k = inds.shape
     D = z.shape[-1]
@@ -339,7 +369,7 @@ def _decode(kernel, template_fn, shape_for, backend, z, w, inds, weights, beta, 
     def project(x, wa, sa, wb, sb, params, KD, NR, glu):
         shape = shape_for(backend, KD, glu)
         args = (x, wa, sa, wb, sb, flat, params, KD, NR, k, glu)
-        return _launch(kernel, template_fn, shape, backend, *args)
+        return _launch(kernel_for(glu, shape), template_fn, shape, backend, *args)
 
     h = project(z, *w["w1"], *w["w3"], constant((beta, cap)), D, I, True)
     wts = weights.reshape(-1).astype(F32)
@@ -354,7 +384,14 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
     def shape_for(backend, KD, glu):
         return _whole_steps(KD, LAUNCH["gate_up" if glu else "down"])
 
-    return _decode(MXFP4_MMA, template, shape_for, backend, z, w, inds, weights, beta, cap)
+    def kernel_for(glu, shape):
+        return bounded(MXFP4_MMA, 32 * shape[0] * shape[1], MIN_BLOCKS[_proj(glu)])
+
+    return _decode(kernel_for, template, shape_for, backend, z, w, inds, weights, beta, cap)
+
+
+def _proj(glu: bool) -> str:
+    return "gate_up" if glu else "down"
 
 
 def eligible(z, w, inds) -> bool:
@@ -547,4 +584,7 @@ def expert_glu_decode_ac(z, w, inds, weights, beta, cap, backend: str | None = N
     def shape_for(backend, KD, glu):
         return fit_ac(backend, KD, _whole_steps(KD, LAUNCH_AC["gate_up" if glu else "down"]))
 
-    return _decode(MXFP4_MMA_AC, template_ac, shape_for, backend, z, w, inds, weights, beta, cap)
+    def kernel_for(glu, shape):
+        return MXFP4_MMA_AC
+
+    return _decode(kernel_for, template_ac, shape_for, backend, z, w, inds, weights, beta, cap)

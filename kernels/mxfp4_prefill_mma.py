@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from .mxfp4_decode import K3
 from .mxfp4_mma import MMA_HEADER
-from .mxfp4_prefill import grouped_glu, tile_tokens_for
+from .mxfp4_prefill import grouped_glu
 from .source import Instance, Kernel
 from .source import backend as default_backend
 
@@ -42,7 +42,7 @@ BFRAG_BODY = """
   const uint tid = THREAD_INDEX;
   const uint lane = LANE;
   const uint warp = SIMDGROUP;
-  const size_t r = GROUP_POS.y;
+  const size_t r = GROUP_POS.x;                       // rows on x: y stops at 65535
   const DEVICE T* xr = x + r * KD;
   float m = 0.0f;
   for (uint i = tid; i < KD; i += GROUP_SIZE.x) m = FMAX(m, FABS(static_cast<float>(xr[i])));
@@ -189,6 +189,13 @@ LAUNCH = {16: (4, 8), 32: (4, 4)}
 INPUTS = ["frag", "unscale", "xrow", "tiles", "wa", "sa", "wb", "sb", "pair_w", "act"]
 
 
+def tile_tokens_for(pairs: int, experts: int) -> int:
+    """Pairs per tile for ``pairs`` spread over ``experts`` (flat routing assumed): 16 while
+    an expert's expected run is at most 16 pairs, else 32."""
+    per_expert = pairs / max(1, min(experts, pairs))
+    return 16 if per_expert <= 16 else 32
+
+
 def template(KD: int, NOUT: int, NMAT: int, TM: int, rt: int | None = None, kc: int | None = None):
     d_rt, d_kc = LAUNCH[TM]
     return [
@@ -241,7 +248,7 @@ def b_fragments(x: mx.array, backend: str):
         inputs=[x],
         output_shapes=[(R, KD), (R,)],
         output_dtypes=[U32, F32],
-        grid=(BFRAG_THREADS, R, 1),
+        grid=(BFRAG_THREADS * R, 1, 1),
         threadgroup=(BFRAG_THREADS, 1, 1),
         template=[("T", x.dtype), ("KD", KD)],
     )

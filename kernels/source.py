@@ -358,6 +358,23 @@ def render_header(header: str, backend: str) -> str:
     return (CUDA_PRELUDE if backend == "cuda" else METAL_PRELUDE) + render(header, backend)
 
 
+def cuda_launch_bounds(threads: int, blocks: int) -> str:
+    """Header text that gives the kernel after it ``__launch_bounds__(threads, blocks)``.
+
+    MLX's cuda_kernel writes the ``__global__`` line itself, after the header, so the header
+    redefines the ``__global__`` macro as the attributes it stands for plus the bounds
+    (spelled as attributes, so that no other CUDA macro is needed). Only the custom kernel
+    follows the header in MLX's generated source.
+    """
+    if not (0 < threads <= 1024 and 0 < blocks <= 32):
+        raise ValueError(f"launch bounds ({threads}, {blocks}): threads 1-1024, blocks 1-32")
+    return (
+        "\n#ifdef __global__\n#undef __global__\n#endif\n"
+        f"#define __global__ __attribute__((global)) "
+        f"__attribute__((launch_bounds({threads}, {blocks})))\n"
+    )
+
+
 def as_dtype(x: mx.array, dtype) -> mx.array:
     """``x`` in ``dtype``, converted only where it differs (kernel inputs)."""
     return x if x.dtype == dtype else x.astype(dtype)
@@ -427,10 +444,21 @@ class Kernel:
     header: str = ""
     instances: list = field(default_factory=list)
     shared_memory: int = 0  # dynamic shared memory bytes (CUDA only)
+    # CUDA only: (threads per threadgroup at most, threadgroups per SM at least), given to
+    # the compiler as __launch_bounds__ (it then caps the registers a thread may take).
+    launch_bounds: tuple | None = None
     _built: dict = field(default_factory=dict, repr=False)
 
     def source(self, backend: str) -> str:
         return render(self.body, backend)
+
+    def header_for(self, backend: str) -> str:
+        """The header handed to MLX for ``backend`` (``render_header``), with the launch
+        bounds on CUDA."""
+        text = render_header(self.header, backend)
+        if backend == "cuda" and self.launch_bounds:
+            text += cuda_launch_bounds(*self.launch_bounds)
+        return text
 
     def get(self, backend: str):
         """The backend's kernel object, built on first use."""
@@ -445,7 +473,7 @@ class Kernel:
                 self.input_names,
                 self.output_names,
                 self.source("cuda"),
-                header=render_header(self.header, "cuda"),
+                header=self.header_for("cuda"),
                 shared_memory=self.shared_memory,
             )
         args = (self.name, self.input_names, self.output_names, self.source("metal"))
@@ -547,7 +575,7 @@ def cuda_translation_unit(kernel: Kernel, instances=None) -> str:
     functions = {cuda_function(kernel, inst) for inst in instances or kernel.instances}
     return (
         _CUDA_UNIT_HEAD
-        + render_header(kernel.header, "cuda")
+        + kernel.header_for("cuda")
         + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
         + "\n".join(sorted(functions))
         + "\n} // namespace mlx::core::cu\n"

@@ -81,3 +81,37 @@ def test_cuda_renderings_compile(tmp_path):
         smem = shared_bytes(ptx)
         assert len(smem) == len({source.cuda_function(kernel, i) for i in kernel.instances})
         assert all(b <= SHARED_LIMIT for b in smem.values()), f"{kernel.name}: {smem}"
+
+
+def test_launch_bounds_only_in_the_cuda_header():
+    from kimi_k3.kernels import mxfp4_mma
+
+    plain = mxfp4_mma.MXFP4_MMA
+    bound = mxfp4_mma.bounded(plain, 256, 2)
+    assert mxfp4_mma.bounded(plain, 256, 1) is plain
+    assert mxfp4_mma.bounded(plain, 256, 2) is bound and bound.name == "mxfp4_mma_lb256x2"
+    assert "launch_bounds(256, 2)" in bound.header_for("cuda")
+    assert "launch_bounds" not in plain.header_for("cuda")
+    assert bound.header_for("metal") == plain.header_for("metal")
+    with pytest.raises(ValueError, match="launch bounds"):
+        source.cuda_launch_bounds(2048, 1)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_launch_bounds_reach_the_compiler(tmp_path):
+    """The redefined ``__global__`` gives the kernel ``.maxntid`` / ``.minnctapersm`` in PTX
+    (what ptxas caps the registers by); the kernel without bounds has neither."""
+    from kimi_k3.kernels import mxfp4_mma
+
+    down = mxfp4_mma.MXFP4_MMA.instances[-1]
+    for kernel, bounded in ((mxfp4_mma.bounded(mxfp4_mma.MXFP4_MMA, 256, 2), True),
+                            (mxfp4_mma.MXFP4_MMA, False)):
+        cu = tmp_path / f"{kernel.name}.cu"
+        cu.write_text(source.cuda_translation_unit(kernel, [down]))
+        ptx = cu.with_suffix(".ptx")
+        cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", str(cu), "-o", str(ptx)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-4000:]
+        text = ptx.read_text()
+        assert (".maxntid 256, 1, 1" in text) is bounded
+        assert (".minnctapersm 2" in text) is bounded

@@ -529,6 +529,12 @@ def test_dispatcher(monkeypatch):
         is expert_glu_prefill
     )
     assert rel_err(expert_glu(z, w, inds, wts, beta, cap), want) < TOL
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "cuda")  # chosen, not run: no CUDA here
+    fn = dispatch.expert_glu_kernel(z, w, inds)  # D 64, I 96: not for mxfp4_mma (128s)
+    assert fn.func is expert_glu_decode and fn.keywords["backend"] == "cuda"
+    fn = dispatch.expert_glu_kernel(mx.zeros((many.shape[0], 64)), w, many)
+    assert fn.func is mxfp4_prefill_mma.expert_glu_prefill_mma and fn.keywords["backend"] == "cuda"
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
     assert dispatch.expert_glu_kernel(z.astype(mx.int32), w, inds) is None
     assert dispatch.expert_glu_kernel(z[:, :32], w, inds) is None  # w1 does not fit D = 32
     for value in ("1", "experts"):
@@ -589,30 +595,36 @@ def test_cuda_grid_limit_is_enforced():
 
 @pytest.mark.parametrize("tokens", [512, 4096])
 def test_launch_geometry_at_k3_scale(monkeypatch, tokens):
-    """Every launch both paths make for a K3 layer (896 experts, D 3584, I 3072, top-16) fits
-    CUDA's grid limits and the tile bound: captured from the wrappers, nothing executed."""
+    """Every launch the expert kernels make for a K3 layer (896 experts, D 3584, I 3072,
+    top-16), LUT and tensor-core, decode and prefill, fits CUDA's grid limits and the tile
+    bound: every ``Kernel`` call captured, nothing executed. (At 4096 tokens the down
+    projection's B fragments are 65536 rows: ``mxfp4_bfrag`` once put them on y.)"""
+    from kimi_k3.kernels import source
+
     launches = []
 
-    def fake(name):
-        def run(backend, **kw):
-            launches.append((name, kw["grid"], kw["threadgroup"]))
-            return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+    def fake(kernel, backend, **kw):
+        launches.append((kernel.name, kw["grid"], kw["threadgroup"]))
+        return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
-        return run
-
-    monkeypatch.setattr(mxfp4_prefill, "MXFP4_GROUPED", fake("grouped"))
-    monkeypatch.setattr(decode_kernels, "MXFP4_GATE_UP", fake("gate_up"))
-    monkeypatch.setattr(decode_kernels, "MXFP4_DOWN", fake("down"))
-    monkeypatch.setattr(decode_kernels, "MXFP4_SUM", fake("sum"))
+    monkeypatch.setattr(source.Kernel, "__call__", fake)
     E, D, I, k = 896, 3584, 3072, 16
     w = lazy_stack(E, D, I)
     inds, wts = (mx.array(a) for a in routing(tokens, E, k, tokens))
     z = mx.zeros((tokens, D), mx.bfloat16)
     for tm in (None, 16, 32, 64):
         expert_glu_prefill(z, w, inds, wts, BETA, CAP, tile_tokens=tm, backend="cuda")
+    for tm in (None, 16, 32):
+        mxfp4_prefill_mma.expert_glu_prefill_mma(
+            z, w, inds, wts, BETA, CAP, tile_tokens=tm, backend="cuda"
+        )
     n = dispatch.EXPERT_DECODE_MAX_PAIRS // k
     expert_glu_decode(z[:n], w, inds[:n], wts[:n], BETA, CAP, backend="cuda")
-    assert len(launches) == 8 + 3
+    mxfp4_mma.expert_glu_decode(z[:n], w, inds[:n], wts[:n], BETA, CAP, backend="cuda")
+    names = [name for name, _, _ in launches]
+    assert names.count("mxfp4_grouped") == 8 and names.count("mxfp4_bfrag") == 6
+    assert names.count("mxfp4_grouped_mma") == 6 and names.count("mxfp4_sum") == 2
+    assert len(launches) == 8 + 12 + 3 + 3
     for name, grid, tg in launches:
         check_cuda_grid(grid, tg)
         assert all(g % t == 0 for g, t in zip(grid, tg)), name

@@ -70,6 +70,29 @@ def test_mma_launch_shapes(monkeypatch, gate_up, down):
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="cuda"), want) < TOL
 
 
+@pytest.mark.parametrize("blocks", [{"gate_up": 2, "down": 2}, {"gate_up": 1, "down": 2}])
+def test_mma_decode_with_launch_bounds(monkeypatch, blocks):
+    """The tensor-core decode compiled with __launch_bounds__ (mxfp4_mma.MIN_BLOCKS; ptxas
+    caps it at 128 registers and spills a few bytes): NVRTC takes the bound, and the result
+    is the same to the last bit as without it."""
+    args, want = case(16, *K3, 4, 16, "bfloat16")
+    plain = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
+    for proj, b in blocks.items():
+        monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, proj, b)
+    got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
+    assert rel_err(got, want) < TOL
+    assert mx.array_equal(got, plain).item()
+
+
+def test_prefill_mma_past_65535_pairs():
+    """4096 tokens x 16: the down projection's 65536 rows of B fragments (the launch that
+    failed with cuGraphAddKernelNode's invalid argument while they ran along y)."""
+    E, D, I, N, k = 64, 256, 128, 4096, 16
+    args, want = case(E, D, I, N, k, "bfloat16")
+    got = expert_glu_prefill_mma(*args, backend="cuda")
+    assert got.shape == (N, D) and rel_err(got, want) < TOL
+
+
 def test_mma_decode_handles_large_and_tiny_activations():
     check_mma_large_and_tiny("cuda")
 
@@ -140,7 +163,7 @@ def test_dispatcher_uses_cuda_kernels(monkeypatch):
     assert rel_err(expert_glu(z, w, inds, wts, beta, cap), want) < TOL
     (z, w, inds, wts, beta, cap), want = case(20, 64, 96, 40, 16, "bfloat16")
     fn = dispatch.expert_glu_kernel(z, w, inds)
-    assert fn.keywords["backend"] == "cuda" and fn.func is expert_glu_prefill
+    assert fn.keywords["backend"] == "cuda" and fn.func is expert_glu_prefill_mma
     assert rel_err(expert_glu(z, w, inds, wts, beta, cap), want) < TOL
     monkeypatch.setenv("KIMI_K3_EXPERT_PREFILL", "reference")
     assert dispatch.expert_glu_kernel(z, w, inds) is None
