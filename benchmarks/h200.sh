@@ -96,6 +96,10 @@ for step in "$@"; do
     profile_ac_stalls) run profile_ac_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma_ac" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma_ac ;;
     profile_mma_stalls) run profile_mma_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma ;;
     mxfp4_lb) run mxfp4_lb 250 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 4 --ac-shapes 2,1,8,2 --rounds 3 ;;
+    mxfp4_lb_down)
+      for n in 1 8; do
+        run mxfp4_lb_down 120 python3 -m benchmarks.mxfp4_sweep --projections down --tokens $n --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 4 --rounds 4
+      done ;;
     mxfp4_new_tests) MLX_ENABLE_TF32=0 run mxfp4_new_tests 300 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "launch_bounds or past_65535 or dispatcher or k3_layer or prefill_mma" ;;
     mxfp4_diag) run mxfp4_diag 120 python3 -m benchmarks.mxfp4_diag ;;
     *) echo "unknown step $step" | tee -a "$log" ;;

@@ -240,6 +240,10 @@ def main():
         default=[],
         help="also time mxfp4_mma with __launch_bounds__(threads, N) for each N (CUDA only)",
     )
+    p.add_argument("--tokens", type=int, default=1, help="tokens per call (k pairs each)")
+    p.add_argument(
+        "--projections", nargs="+", default=["gate_up", "down"], choices=["gate_up", "down"]
+    )
     p.add_argument("--dim", type=int, default=3584)
     p.add_argument("--hidden", type=int, default=3072)
     p.add_argument("--experts", type=int, default=64)
@@ -254,13 +258,16 @@ def main():
     rng = np.random.default_rng(0)
     sets = []
     for _ in range(args.calls):
-        inds, wts = routing(1, args.experts, k, rng)
-        z = mx.random.normal((1, D)).astype(mx.bfloat16)
-        h = mx.random.normal((k, I)).astype(mx.float32)
+        n = args.tokens
+        inds, wts = routing(n, args.experts, k, rng)
+        z = mx.random.normal((n, D)).astype(mx.bfloat16)
+        h = mx.random.normal((n * k, I)).astype(mx.float32)
         sets.append((z, h, inds.reshape(-1).astype(mx.int32), wts.reshape(-1)))
     mx.eval(sets)
-    gu_bytes = k * 2 * (I * D // 2 + I * D // 32)
-    dn_bytes = k * (I * D // 2 + I * D // 32)
+    # bytes of the distinct experts a call reads (mean over the calls)
+    used = np.mean([len(np.unique(np.array(st[2]))) for st in sets])
+    gu_bytes = used * 2 * (I * D // 2 + I * D // 32)
+    dn_bytes = used * (I * D // 2 + I * D // 32)
     print(f"device copy: {copy_gbps(1 << 31, args.repeats):.0f} GB/s (read + write)")
     kernels = {"mma": mxfp4_mma.MXFP4_MMA}
     if args.probe:
@@ -285,7 +292,7 @@ def main():
             bound = mxfp4_mma.bounded(mxfp4_mma.MXFP4_MMA, 32 * rt * sk, b)
             shape_kernels[f"mma, {b} per SM"] = bound
         for name, kern in shape_kernels.items():
-            for proj in ("gate_up", "down"):
+            for proj in args.projections:
                 glu = proj == "gate_up"
                 KD, NR = (D, I) if glu else (I, D)
                 # whole steps of GW groups; GW = 0 (whole rows) is a stream visit size only
@@ -300,7 +307,7 @@ def main():
         ):
             if name != "mma_ac" and not args.hints:
                 continue
-            for proj in ("gate_up", "down"):
+            for proj in args.projections:
                 glu = proj == "gate_up"
                 KD, NR = (D, I) if glu else (I, D)
                 if mxfp4_mma.shared_bytes_ac(KD, rt, sk, gw, st) > mxfp4_mma.SHARED_LIMIT["cuda"]:
@@ -339,7 +346,7 @@ def main():
     first = {}
     for j, ((name, kern, proj, glu, KD, NR, shape), reg) in enumerate(zip(jobs, regs)):
         units = NR // 16 if glu else NR // 32
-        tgs = -(-units // shape[0]) * k
+        tgs = -(-units // shape[0]) * k * args.tokens
         row = f"| {name} | {proj} | {shape} | {reg} | {tgs} |"
         if j in failed:
             print(row, f"failed: {failed[j]} | | |", flush=True)
