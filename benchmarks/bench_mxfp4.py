@@ -22,7 +22,6 @@ from kimi_k3.experts import expert_glu_reference
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, tile_tokens_for
 from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma
-from kimi_k3.kernels.mxfp4_prefill_mma import tile_tokens_for as mma_tile_for
 
 BETA, CAP = 4.0, 25.0
 
@@ -300,18 +299,19 @@ def bench_prefill(args, table: Table):
         # The dispatched kernel (the tensor-core GEMM on CUDA) at both tile sizes, its choice
         # marked; then the LUT kernel (Metal's) at its choice and the --tiles sizes.
         rows = [
-            (expert_glu_prefill_mma, "tensor-core kernel", (16, 32), mma_tile_for),
-            (expert_glu_prefill, "LUT kernel", tuple(args.tiles), tile_tokens_for),
+            (expert_glu_prefill_mma, "tensor-core kernel", (16, 32)),
+            (expert_glu_prefill, "LUT kernel", tuple(args.tiles)),
         ]
-        for fn, name, tiles, choose in rows:
-            default = choose(n * args.topk, args.prefill_experts)
+        default = tile_tokens_for(n * args.topk, args.prefill_experts)  # both kernels' rule
+        for fn, name, tiles in rows:
             for tile in sorted({default, *tiles}):
                 label = f"prefill N={n}: {name}, {tile} pairs/tile" + (
                     " (its choice)" if tile == default else ""
                 )
                 tiled = with_tile(tile, fn)
                 t = attempt(table, label, prefill_row, table, label, tiled, inputs, n, args)
-                compare(table, f"{label} vs gather_qmm", tiled, expert_glu_reference, t, t_ref, inputs)
+                ref = expert_glu_reference
+                compare(table, f"{label} vs gather_qmm", tiled, ref, t, t_ref, inputs)
         attempt(table, f"prefill N={n}: oracle", oracle_rows, table, n, inputs[0])
 
 

@@ -287,7 +287,7 @@ def main():
             continue
         shape_kernels = dict(kernels)
         for b in args.min_blocks:
-            if 65536 // (32 * rt * sk * b) < 96:  # a cap below 96 registers spills hundreds of bytes
+            if 65536 // (32 * rt * sk * b) < 96:  # below 96 registers: hundreds of bytes spilt
                 continue
             bound = mxfp4_mma.bounded(mxfp4_mma.MXFP4_MMA, 32 * rt * sk, b)
             shape_kernels[f"mma, {b} per SM"] = bound
@@ -325,7 +325,7 @@ def main():
     # Every job is timed once per round, the rounds one after another, so a drift of the
     # clocks over the run reaches all jobs alike; a row reports its best round.
     fns, times, failed = [], [[] for _ in jobs], {}
-    for name, kern, proj, glu, KD, NR, shape in jobs:
+    for _, kern, _, glu, KD, NR, shape in jobs:
 
         def fn(z, h, inds, wts, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
             if glu:
@@ -344,7 +344,7 @@ def main():
             except Exception as e:  # noqa: BLE001 - a shape that cannot launch is a row
                 failed[j] = re.sub(r"\s+", " ", str(e))[:80]
     first = {}
-    for j, ((name, kern, proj, glu, KD, NR, shape), reg) in enumerate(zip(jobs, regs)):
+    for j, ((name, _, proj, glu, _, NR, shape), reg) in enumerate(zip(jobs, regs)):
         units = NR // 16 if glu else NR // 32
         tgs = -(-units // shape[0]) * k * args.tokens
         row = f"| {name} | {proj} | {shape} | {reg} | {tgs} |"

@@ -104,8 +104,10 @@ def test_launch_bounds_reach_the_compiler(tmp_path):
     from kimi_k3.kernels import mxfp4_mma
 
     down = mxfp4_mma.MXFP4_MMA.instances[-1]
-    for kernel, bounded in ((mxfp4_mma.bounded(mxfp4_mma.MXFP4_MMA, 256, 2), True),
-                            (mxfp4_mma.MXFP4_MMA, False)):
+    for kernel, bounded in (
+        (mxfp4_mma.bounded(mxfp4_mma.MXFP4_MMA, 256, 2), True),
+        (mxfp4_mma.MXFP4_MMA, False),
+    ):
         cu = tmp_path / f"{kernel.name}.cu"
         cu.write_text(source.cuda_translation_unit(kernel, [down]))
         ptx = cu.with_suffix(".ptx")

@@ -17,7 +17,7 @@ from conftest import broken
 from numpy_ref import mxfp4_decode, situ_glu
 
 from kimi_k3.experts import expert_glu, expert_glu_reference
-from kimi_k3.kernels import dispatch, mxfp4_mma, mxfp4_prefill, mxfp4_prefill_mma
+from kimi_k3.kernels import dispatch, mxfp4_mma, mxfp4_prefill_mma
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
