@@ -8,8 +8,10 @@
 # 114-125 s, bench_kda_prefill 201 s, profile_kda / profile_kda_stalls 17-18 s, cuda_tests_par 260 s,
 # bench_kda_final 232 s, kda_prep_probes 35-133 s, profile_prep 41 s, prep_tests 169 s,
 # bench_kda_recurrence 98-109 s (193 s with the fla fp32 rows, as now), prep_variants 18-34 s, kda_fixes 31 s, pre_tests 69 s, mma_layout 6 s,
-# profile_mma_stalls 16 s, mxfp4_hints 45 s. Not yet run: mxfp4_ac, profile_ac_stalls, profile_prefill_mma, and
-# mxfp4_tests / bench_mxfp4 with the asynchronous-copy decode and tensor-core prefill kernels in them (more rows).
+# profile_mma_stalls 16 s, mxfp4_hints 45 s, mxfp4_ac 139 s, bench_mxfp4 184-208 s (with every row it has now),
+# profile_ac_stalls 9 s, profile_prefill_mma 27 s, mxfp4_tests_par 253 s (67 tests; 70 now), mxfp4_lb 45 s,
+# mxfp4_new_tests 146 s, model_cuda 260 s, mxfp4_lb_down 33 s. A fresh machine's first call costs about 90 s
+# of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
 OUT=${OUT:-/tmp/out}
