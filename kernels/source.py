@@ -407,10 +407,11 @@ def env_choice(name: str, allowed: tuple, default: str = "") -> str:
 def backend() -> str | None:
     """The kernel backend for this process: ``metal``, ``cuda`` or None (reference ops).
 
-    ``KIMI_K3_KERNEL_BACKEND`` overrides it (``emulator`` runs the Metal sources on the CPU,
-    for tests; ``none`` disables kernels).
+    ``KIMI_K3_KERNEL_BACKEND`` overrides it (``metal``, ``cuda``; ``emulator`` runs the Metal
+    sources on the CPU, for tests; ``none`` disables kernels; another value is an error
+    naming the variable, where it used to fail later, at the first kernel call).
     """
-    forced = os.environ.get("KIMI_K3_KERNEL_BACKEND")
+    forced = env_choice("KIMI_K3_KERNEL_BACKEND", ("metal", "cuda", "emulator", "none"))
     if forced:
         return None if forced == "none" else forced
     if mx.metal.is_available():

@@ -247,3 +247,16 @@ def test_strict_mode_demands_cuda_portable_launches():
     relaxed = metal_kernel("s", ["x"], ["out"], src)
     out = relaxed(**args, grid=(48, 1, 1), threadgroup=(48, 1, 1))[0]
     assert np.array(out)[40] == 16  # Metal: the partial simdgroup sums its live lanes
+
+
+def test_kernel_backend_override_is_validated(monkeypatch):
+    """KIMI_K3_KERNEL_BACKEND picks the backend; a misspelt value is an error naming the
+    variable at once, not a failure at the first kernel call."""
+    from kimi_k3.kernels import source
+
+    for value, want in (("emulator", "emulator"), ("cuda", "cuda"), ("none", None)):
+        monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", value)
+        assert source.backend() == want
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "cdua")
+    with pytest.raises(ValueError, match="KIMI_K3_KERNEL_BACKEND='cdua'"):
+        source.backend()

@@ -624,6 +624,8 @@ def test_launch_geometry_at_k3_scale(monkeypatch, tokens):
     names = [name for name, _, _ in launches]
     assert names.count("mxfp4_grouped") == 8 and names.count("mxfp4_bfrag") == 6
     assert names.count("mxfp4_grouped_mma") == 6 and names.count("mxfp4_sum") == 2
+    # the tensor-core decode's down projection runs with its launch bound (MIN_BLOCKS)
+    assert names[-3:] == ["mxfp4_mma", "mxfp4_mma_lb256x2", "mxfp4_sum"]
     assert len(launches) == 8 + 12 + 3 + 3
     for name, grid, tg in launches:
         check_cuda_grid(grid, tg)
