@@ -289,7 +289,7 @@ def main():
         for b in args.min_blocks:
             if 65536 // (32 * rt * sk * b) < 96:  # below 96 registers: hundreds of bytes spilt
                 continue
-            bound = mxfp4_mma.bounded(mxfp4_mma.MXFP4_MMA, 32 * rt * sk, b)
+            bound = mxfp4_mma.MXFP4_MMA.bounded(32 * rt * sk, b)
             shape_kernels[f"mma, {b} per SM"] = bound
         for name, kern in shape_kernels.items():
             for proj in args.projections:

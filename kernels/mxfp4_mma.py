@@ -267,9 +267,9 @@ STREAM_LOADS = {"gate_up": True, "down": False}
 # Threadgroups per SM that the compiler must leave room for (CUDA's __launch_bounds__; 1:
 # no bound). At 129-130 registers a 256-thread threadgroup of either projection runs alone
 # on an SM; a bound of 2 caps them at 128 (ptxas spills 16-20 bytes) so two fit. H200,
-# `mxfp4_sweep --min-blocks 2 --rounds 3/4`, every round faster for down: 46.4-52.5 vs
-# 53.4-55.5 us at one token, 232-238 vs 267-271 us at eight; gate/up was not (77.7-80.7 vs
-# 73.5-80.8 us), so it keeps no bound (docs/benchmarks.md).
+# `mxfp4_sweep --min-blocks 2 --rounds 3/4`, every round faster for down: 46.4-53.6 vs
+# 51.9-58.5 us at one token (seven rounds, two runs), 232-238 vs 267-271 us at eight (four);
+# gate/up was not (77.7-80.7 vs 73.5-80.8 us), so it keeps no bound (docs/benchmarks.md).
 MIN_BLOCKS = {"gate_up": 1, "down": 2}
 
 
@@ -310,28 +310,6 @@ INPUTS = ["x", "w_a", "s_a", "w_b", "s_b", "inds", "params"]
 MXFP4_MMA = Kernel(
     "mxfp4_mma", INPUTS, ["out"], BODY, header=MMA_HEADER, instances=_instances(template, LAUNCH)
 )
-
-
-_BOUNDED: dict = {}
-
-
-def bounded(kernel: Kernel, threads: int, blocks: int) -> Kernel:
-    """``kernel`` compiled for CUDA with ``__launch_bounds__(threads, blocks)`` (the same
-    kernel where ``blocks`` is 1; Metal ignores the bound)."""
-    if blocks <= 1:
-        return kernel
-    key = (kernel.name, kernel.body, threads, blocks)
-    if key not in _BOUNDED:
-        _BOUNDED[key] = Kernel(
-            f"{kernel.name}_lb{threads}x{blocks}",
-            kernel.input_names,
-            kernel.output_names,
-            kernel.body,
-            header=kernel.header,
-            instances=kernel.instances,
-            launch_bounds=(threads, blocks),
-        )
-    return _BOUNDED[key]
 
 
 def _whole_steps(KD, shape):
@@ -388,7 +366,7 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
         return _whole_steps(KD, LAUNCH["gate_up" if glu else "down"])
 
     def kernel_for(glu, shape):
-        return bounded(MXFP4_MMA, 32 * shape[0] * shape[1], MIN_BLOCKS[_proj(glu)])
+        return MXFP4_MMA.bounded(32 * shape[0] * shape[1], MIN_BLOCKS[_proj(glu)])
 
     return _decode(kernel_for, template, shape_for, backend, z, w, inds, weights, beta, cap)
 

@@ -409,7 +409,7 @@ def backend() -> str | None:
 
     ``KIMI_K3_KERNEL_BACKEND`` overrides it (``metal``, ``cuda``; ``emulator`` runs the Metal
     sources on the CPU, for tests; ``none`` disables kernels; another value is an error
-    naming the variable, where it used to fail later, at the first kernel call).
+    naming the variable).
     """
     forced = env_choice("KIMI_K3_KERNEL_BACKEND", ("metal", "cuda", "emulator", "none"))
     if forced:
@@ -428,6 +428,9 @@ class Instance:
     input_dtypes: list
     output_dtypes: list
     template: list = field(default_factory=list)
+
+
+_BOUNDED: dict = {}
 
 
 @dataclass
@@ -452,6 +455,26 @@ class Kernel:
 
     def source(self, backend: str) -> str:
         return render(self.body, backend)
+
+    def bounded(self, threads: int, blocks: int) -> Kernel:
+        """This kernel compiled for CUDA with ``__launch_bounds__(threads, blocks)``, named
+        ``<name>_lb<threads>x<blocks>`` (itself where ``blocks`` is 1; Metal ignores the
+        bound). Built once per kernel text and bound."""
+        if blocks <= 1:
+            return self
+        key = (self.name, self.body, self.header, threads, blocks)
+        if key not in _BOUNDED:
+            _BOUNDED[key] = Kernel(
+                f"{self.name}_lb{threads}x{blocks}",
+                self.input_names,
+                self.output_names,
+                self.body,
+                header=self.header,
+                instances=self.instances,
+                shared_memory=self.shared_memory,
+                launch_bounds=(threads, blocks),
+            )
+        return _BOUNDED[key]
 
     def header_for(self, backend: str) -> str:
         """The header handed to MLX for ``backend`` (``render_header``), with the launch

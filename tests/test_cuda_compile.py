@@ -87,9 +87,9 @@ def test_launch_bounds_only_in_the_cuda_header():
     from kimi_k3.kernels import mxfp4_mma
 
     plain = mxfp4_mma.MXFP4_MMA
-    bound = mxfp4_mma.bounded(plain, 256, 2)
-    assert mxfp4_mma.bounded(plain, 256, 1) is plain
-    assert mxfp4_mma.bounded(plain, 256, 2) is bound and bound.name == "mxfp4_mma_lb256x2"
+    bound = plain.bounded(256, 2)
+    assert plain.bounded(256, 1) is plain
+    assert plain.bounded(256, 2) is bound and bound.name == "mxfp4_mma_lb256x2"
     assert "launch_bounds(256, 2)" in bound.header_for("cuda")
     assert "launch_bounds" not in plain.header_for("cuda")
     assert bound.header_for("metal") == plain.header_for("metal")
@@ -105,7 +105,7 @@ def test_launch_bounds_reach_the_compiler(tmp_path):
 
     down = mxfp4_mma.MXFP4_MMA.instances[-1]
     for kernel, bounded in (
-        (mxfp4_mma.bounded(mxfp4_mma.MXFP4_MMA, 256, 2), True),
+        (mxfp4_mma.MXFP4_MMA.bounded(256, 2), True),
         (mxfp4_mma.MXFP4_MMA, False),
     ):
         cu = tmp_path / f"{kernel.name}.cu"
