@@ -187,21 +187,17 @@ def with_launch(module, gate_up, down):
     return run
 
 
-# Decode rows with __launch_bounds__ (mxfp4_mma.MIN_BLOCKS) on these projections.
-MIN_BLOCK_ROWS = {
-    "gate/up and down": ("gate_up", "down"),
-    "gate/up": ("gate_up",),
-    "down": ("down",),
-}
+# Decode rows at other __launch_bounds__ than the default (mxfp4_mma.MIN_BLOCKS): threadgroups
+# per SM for (gate/up, down); 1 is no bound.
+MIN_BLOCK_ROWS = [(1, 1), (2, 1), (2, 2)]
 
 
-def with_min_blocks(module, proj: str, blocks: int):
-    """``module.expert_glu_decode`` with ``MIN_BLOCKS`` = ``blocks`` for the projections
-    named by ``MIN_BLOCK_ROWS[proj]`` (the others as they are)."""
+def with_min_blocks(module, gate_up: int, down: int):
+    """``module.expert_glu_decode`` with ``MIN_BLOCKS`` = these."""
 
     def run(*a):
         saved = dict(module.MIN_BLOCKS)
-        module.MIN_BLOCKS.update({p: blocks for p in MIN_BLOCK_ROWS[proj]})
+        module.MIN_BLOCKS.update(gate_up=gate_up, down=down)
         try:
             return module.expert_glu_decode(*a)
         finally:
@@ -227,13 +223,15 @@ def decode_variants(sweep: bool) -> dict:
     (``--variants``) other launch shapes of both."""
     from kimi_k3.kernels import mxfp4_decode, mxfp4_mma
 
+    bounds = tuple(mxfp4_mma.MIN_BLOCKS[p] for p in ("gate_up", "down"))
     out = {
-        "decode kernel (tensor cores)": mxfp4_mma.expert_glu_decode,
+        f"decode kernel (tensor cores, at least {bounds} per SM)": mxfp4_mma.expert_glu_decode,
         "decode kernel (tensor cores, async copies)": mxfp4_mma.expert_glu_decode_ac,
         "decode kernel (LUT)": expert_glu_decode,
     }
-    for proj in MIN_BLOCK_ROWS:
-        out[f"tensor cores, 2 threadgroups per SM ({proj})"] = with_min_blocks(mxfp4_mma, proj, 2)
+    for gu, dn in MIN_BLOCK_ROWS:
+        label = f"tensor cores, threadgroups per SM at least ({gu}, {dn})"
+        out[label] = with_min_blocks(mxfp4_mma, gu, dn)
     if sweep:
         for gu, dn in MMA_SHAPES:
             out[f"tensor cores, launch {gu} {dn}"] = with_launch(mxfp4_mma, gu, dn)

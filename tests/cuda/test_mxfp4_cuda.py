@@ -76,6 +76,7 @@ def test_mma_decode_with_launch_bounds(monkeypatch, blocks):
     caps it at 128 registers and spills a few bytes): NVRTC takes the bound, and the result
     is the same to the last bit as without it."""
     args, want = case(16, *K3, 4, 16, "bfloat16")
+    monkeypatch.setattr(mxfp4_mma, "MIN_BLOCKS", {"gate_up": 1, "down": 1})
     plain = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
     for proj, b in blocks.items():
         monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, proj, b)
