@@ -173,16 +173,18 @@ def compare(table, label, ours, ref, t_ours, t_ref, inputs):
         table.add(label, f"{t_ref / t_ours:.2f}x faster", "", "", f"rel err {err:.1e}")
 
 
-def with_launch(module, gate_up, down):
-    """A decode kernel module's ``expert_glu_decode`` at another launch shape (its LAUNCH)."""
+def with_setting(module, table: str, gate_up, down):
+    """A decode kernel module's ``expert_glu_decode`` with its per-projection dict ``table``
+    (``LAUNCH``: launch shapes; ``MIN_BLOCKS``: launch bounds) set to these values."""
 
     def run(*a):
-        saved = dict(module.LAUNCH)
-        module.LAUNCH.update(gate_up=gate_up, down=down)
+        setting = getattr(module, table)
+        saved = dict(setting)
+        setting.update(gate_up=gate_up, down=down)
         try:
             return module.expert_glu_decode(*a)
         finally:
-            module.LAUNCH.update(saved)
+            setting.update(saved)
 
     return run
 
@@ -190,20 +192,6 @@ def with_launch(module, gate_up, down):
 # Decode rows at other __launch_bounds__ than the default (mxfp4_mma.MIN_BLOCKS): threadgroups
 # per SM for (gate/up, down); 1 is no bound.
 MIN_BLOCK_ROWS = [(1, 1), (2, 1), (2, 2)]
-
-
-def with_min_blocks(module, gate_up: int, down: int):
-    """``module.expert_glu_decode`` with ``MIN_BLOCKS`` = these."""
-
-    def run(*a):
-        saved = dict(module.MIN_BLOCKS)
-        module.MIN_BLOCKS.update(gate_up=gate_up, down=down)
-        try:
-            return module.expert_glu_decode(*a)
-        finally:
-            module.MIN_BLOCKS.update(saved)
-
-    return run
 
 
 # Launch shapes of the tensor-core decode kernels that --variants times: (gate/up, down),
@@ -231,12 +219,12 @@ def decode_variants(sweep: bool) -> dict:
     }
     for gu, dn in MIN_BLOCK_ROWS:
         label = f"tensor cores, threadgroups per SM at least ({gu}, {dn})"
-        out[label] = with_min_blocks(mxfp4_mma, gu, dn)
+        out[label] = with_setting(mxfp4_mma, "MIN_BLOCKS", gu, dn)
     if sweep:
         for gu, dn in MMA_SHAPES:
-            out[f"tensor cores, launch {gu} {dn}"] = with_launch(mxfp4_mma, gu, dn)
+            out[f"tensor cores, launch {gu} {dn}"] = with_setting(mxfp4_mma, "LAUNCH", gu, dn)
         for gu, dn in [((2, 8, 96), (4, 8, 128)), ((1, 8, 192), (4, 4, 64))]:
-            out[f"LUT, launch {gu} {dn}"] = with_launch(mxfp4_decode, gu, dn)
+            out[f"LUT, launch {gu} {dn}"] = with_setting(mxfp4_decode, "LAUNCH", gu, dn)
     return out
 
 

@@ -273,6 +273,11 @@ STREAM_LOADS = {"gate_up": True, "down": False}
 MIN_BLOCKS = {"gate_up": 1, "down": 2}
 
 
+def _proj(glu: bool) -> str:
+    """The projection's key in ``LAUNCH``, ``STREAM_LOADS``, ``MIN_BLOCKS``, ``LAUNCH_AC``."""
+    return "gate_up" if glu else "down"
+
+
 def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True, cs=None):
     return [
         ("T", dtype),
@@ -284,7 +289,7 @@ def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True, cs=None):
         ("SK", sk),
         ("GW", gw),
         ("PP", pp),
-        ("CS", STREAM_LOADS["gate_up" if glu else "down"] if cs is None else cs),
+        ("CS", STREAM_LOADS[_proj(glu)] if cs is None else cs),
     ]
 
 
@@ -324,8 +329,6 @@ def _launch(kernel, template_fn, shape, backend, x, wa, sa, wb, sb, inds, params
     rt, sk = shape[:2]
     units = NR // 16 if glu else NR // 32
     pairs = inds.size
-    if pairs > 65535:  # pairs run along y, where CUDA stops at 65535 threadgroups
-        raise ValueError(f"{kernel.name}: {pairs} (token, choice) pairs; at most 65535 per call")
     (out,) = kernel(
         backend,
         inputs=[x, wa, sa, wb, sb, inds, params],
@@ -363,16 +366,12 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
     return: fp32 [N, D]). Needs ``eligible`` inputs."""
 
     def shape_for(backend, KD, glu):
-        return _whole_steps(KD, LAUNCH["gate_up" if glu else "down"])
+        return _whole_steps(KD, LAUNCH[_proj(glu)])
 
     def kernel_for(glu, shape):
         return MXFP4_MMA.bounded(32 * shape[0] * shape[1], MIN_BLOCKS[_proj(glu)])
 
     return _decode(kernel_for, template, shape_for, backend, z, w, inds, weights, beta, cap)
-
-
-def _proj(glu: bool) -> str:
-    return "gate_up" if glu else "down"
 
 
 def eligible(z, w, inds) -> bool:
@@ -563,7 +562,7 @@ def expert_glu_decode_ac(z, w, inds, weights, beta, cap, backend: str | None = N
     backend's threadgroup memory by ``fit_ac``)."""
 
     def shape_for(backend, KD, glu):
-        return fit_ac(backend, KD, _whole_steps(KD, LAUNCH_AC["gate_up" if glu else "down"]))
+        return fit_ac(backend, KD, _whole_steps(KD, LAUNCH_AC[_proj(glu)]))
 
     def kernel_for(glu, shape):
         return MXFP4_MMA_AC

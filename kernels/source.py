@@ -511,7 +511,16 @@ class Kernel:
         raise ValueError(f"no kernels for backend {backend!r}")
 
     def __call__(self, backend: str, **launch):
-        """Launch on ``backend`` with ``mx.fast.metal_kernel``'s call arguments."""
+        """Launch on ``backend`` with ``mx.fast.metal_kernel``'s call arguments. On CUDA a
+        grid past CUDA's block limits is refused here, naming the kernel (MLX's own error is
+        ``cuGraphAddKernelNode ... invalid argument``, at evaluation)."""
+        if backend == "cuda":
+            from .metal_emulator import check_cuda_grid
+
+            try:
+                check_cuda_grid(launch["grid"], launch["threadgroup"])
+            except RuntimeError as e:
+                raise ValueError(f"{self.name}: {str(e).removeprefix('[metal_emulator] ')}") from e
         return self.get(backend)(**launch)
 
 

@@ -585,6 +585,10 @@ def test_cuda_grid_limit_is_enforced():
         check_cuda_grid((256, 65536, 1), (256, 1, 1))
     with pytest.raises(RuntimeError, match="along z"):
         check_cuda_grid((32, 1, 2 * 65536), (32, 1, 2))
+    # on CUDA every Kernel call refuses such a grid itself, naming the kernel (checked
+    # before the kernel is built, so no GPU is needed to see it)
+    with pytest.raises(ValueError, match="mxfp4_bfrag: 65536 threadgroups along y"):
+        mxfp4_prefill_mma.MXFP4_BFRAG("cuda", grid=(256, 65536, 1), threadgroup=(256, 1, 1))
     (z, w, inds, wts, beta, cap), _ = case(5, 64, 96, 3, 2, "float32")
     too_many = mx.zeros((65536, 1), dtype=mx.int32)  # 65536 pairs -> 65536 blocks along y
     with pytest.raises(RuntimeError, match="along y"):
