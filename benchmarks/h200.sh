@@ -97,6 +97,27 @@ for step in "$@"; do
     profile_prefill_mma) run profile_prefill_mma 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_grouped|mxfp4_bfrag" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_prefill,mxfp4_prefill_mma ;;
     profile_ac_stalls) run profile_ac_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma_ac" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma_ac ;;
     profile_mma_stalls) run profile_mma_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma ;;
+    mxfp4_fused) run mxfp4_fused 300 python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 8 --min-blocks 1 2 --prmt --rounds 3 ;;
+    bulk_smoke) run bulk_smoke 90 python3 -c "
+import mlx.core as mx
+from benchmarks.bench_mxfp4 import random_experts, routing, rel_err
+from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
+import numpy as np
+w = random_experts(64, 3584, 3072, 0)
+inds, wts = routing(1, 64, 16, np.random.default_rng(0))
+z = mx.random.normal((1, 3584)).astype(mx.bfloat16)
+a = (z, w, inds, wts, 4.0, 25.0)
+ref = mxfp4_mma.expert_glu_decode(*a)
+got = mxfp4_fused.expert_glu_decode_bulk(*a)
+mx.eval(ref, got)
+print('bulk vs mma rel diff', rel_err(got, ref))
+" ;;
+    mxfp4_bulk) run mxfp4_bulk 300 python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 8 --launches 256,8,8,8 --min-blocks 2 --rounds 3 ;;
+    mxfp4_tiled) run mxfp4_tiled 300 python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 8 --launches 256,8,8,8 384,8,8,4 128,4,8,4 --min-blocks 1 2 --bulk-launches --tiled --rounds 3 ;;
+    mxfp4_tiled_bulk) run mxfp4_tiled_bulk 300 python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 8 --launches 256,8,8,8 --min-blocks 2 --bulk-launches 128,2,6 128,4,3 128,1,12 128,2,4 --tiled --rounds 3 ;;
+    fused_tests_par) run fused_tests_par 400 bash benchmarks/pytest_split.sh 3 tests/cuda/test_mxfp4_cuda.py -k "fused or bulk or tiled or agree" ;;
+    bulk_tests) MLX_ENABLE_TF32=0 run bulk_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k "bulk" ;;
+    fused_tests) MLX_ENABLE_TF32=0 run fused_tests 300 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "fused" ;;
     mxfp4_lb) run mxfp4_lb 250 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 4 --ac-shapes 2,1,8,2 --rounds 3 ;;
     mxfp4_lb_down)
       for n in 1 8; do

@@ -54,6 +54,16 @@ HELPER uint kk_e2m1_pair(uint w, int j) {
   const uint x = w >> (4 * j);
   return ((x & 0x00070007u) << 9) | ((x & 0x00080008u) << 12);
 }
+// The same by byte permutes (benchmarks/mxfp4_fused_sweep --prmt): such an fp16 has a zero
+// low byte, and its high byte is the code's sign at bit 7 and its other bits at 3..1; made
+// for all eight codes of a word at once (even codes in one word, odd in the other, shared by
+// the j's once inlined), then one permute per pair. 17% fewer PTX instructions in gate/up,
+// but 155 registers instead of 129, and not faster on the H200 (docs/benchmarks.md).
+HELPER uint kk_e2m1_pair_prmt(uint w, int j) {
+  const uint b = (j & 1) ? ((w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu))
+                         : (((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu));
+  return BYTE_PERM(b, 0u, (j & 2) ? 0x3414u : 0x2404u);
+}
 // Word i (0-3) of a uint4 (i a compile-time constant in the unrolled loops).
 HELPER uint kk_word(uint4 v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w)); }
 """

@@ -43,6 +43,7 @@ WORDS = {
     "DEVICE": ("device", ""),
     "BFLOAT16": ("bfloat16_t", "__nv_bfloat16"),
     "HELPER": ("inline", "__device__ inline"),
+    "MBAR_T": ("ulong", "unsigned long long"),
 }
 
 # function-like word: (Metal, CUDA) spelling of the callee
@@ -76,6 +77,8 @@ CALLS = {
     "ROUND_HALF": ("kk_round_half", "kk_round_half"),
     "SIMD_MMA": ("kk_mma", "kk_mma"),
     "SIMD_MMA_TF32": ("kk_mma_tf32", "kk_mma_tf32"),
+    # PTX's prmt: bytes of (x, y) picked by the selector's nibbles (0-3: x's, 4-7: y's)
+    "BYTE_PERM": ("kk_byte_perm", "__byte_perm"),
     # a load marked as read once (CUDA: ld.global.cs, evict first; Metal: a plain load)
     "LOAD_STREAM": ("kk_load_stream", "__ldcs"),
     # asynchronous copies into threadgroup memory (helpers in the preludes below)
@@ -83,6 +86,12 @@ CALLS = {
     "ASYNC_COPY4": ("kk_async_copy4", "kk_async_copy4"),
     "ASYNC_COMMIT": ("kk_async_commit", "kk_async_commit"),
     "ASYNC_WAIT": ("kk_async_wait", "kk_async_wait"),
+    # bulk copies (the TMA engine) completing on per-stage barriers (helpers below)
+    "BULK_COPY": ("kk_bulk_copy", "kk_bulk_copy"),
+    "MBAR_INIT": ("kk_mbar_init", "kk_mbar_init"),
+    "MBAR_EXPECT": ("kk_mbar_expect", "kk_mbar_expect"),
+    "MBAR_ASYNC_ARRIVE": ("kk_mbar_async_arrive", "kk_mbar_async_arrive"),
+    "MBAR_WAIT": ("kk_mbar_wait", "kk_mbar_wait"),
 }
 
 # Barrier words take no arguments in the dialect; Metal needs the memory flags.
@@ -168,6 +177,42 @@ __device__ inline void kk_async_copy4(uint& dst, const uint* src, bool valid) {
                : "memory");
 }
 __device__ inline void kk_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// A barrier in threadgroup memory for one ring stage (PTX mbarrier; sm_90 for the bulk and
+// expect_tx forms). MBAR_INIT: ``count`` arrivals per phase, made visible to the copy engine.
+// MBAR_EXPECT: one arrival that also expects ``bytes`` of bulk copies. BULK_COPY: ``bytes``
+// (a multiple of 16, both ends 16-byte aligned) from global to threadgroup memory by the TMA
+// engine, counted on ``bar``. MBAR_ASYNC_ARRIVE: one arrival once this thread's earlier
+// ASYNC_COPY* have landed (counted in MBAR_INIT's ``count``). MBAR_WAIT: until the phase of
+// the given parity has completed.
+__device__ inline uint kk_smem(const void* p) { return (uint)__cvta_generic_to_shared(p); }
+__device__ inline void kk_mbar_init(unsigned long long* bar, uint count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\\n\\t"
+               "fence.mbarrier_init.release.cluster;\\n\\t"
+               "fence.proxy.async.shared::cta;" ::"r"(kk_smem(bar)), "r"(count)
+               : "memory");
+}
+__device__ inline void kk_mbar_expect(unsigned long long* bar, uint bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(kk_smem(bar)),
+               "r"(bytes)
+               : "memory");
+}
+template <typename T>
+__device__ inline void kk_bulk_copy(T* dst, const T* src, uint bytes, unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(kk_smem(dst)), "l"(src), "r"(bytes), "r"(kk_smem(bar))
+      : "memory");
+}
+__device__ inline void kk_mbar_async_arrive(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(kk_smem(bar))
+               : "memory");
+}
+__device__ inline void kk_mbar_wait(unsigned long long* bar, uint parity) {
+  asm volatile("{\\n\\t.reg .pred p;\\n\\tKK_MBAR_WAIT:\\n\\t"
+               "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\\n\\t"
+               "@!p bra KK_MBAR_WAIT;\\n\\t}" ::"r"(kk_smem(bar)), "r"(parity)
+               : "memory");
+}
 __device__ inline void kk_async_wait(int n) {
   switch (n) {
     case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
@@ -198,6 +243,14 @@ inline uint kk_pack_half2(float lo, float hi) { return as_type<uint>(half2(half(
 inline float kk_round_half(float x) { return float(half(x)); }
 inline void kk_store4(device float* p, float4 v) { *reinterpret_cast<device float4*>(p) = v; }
 template <typename T> inline T kk_load_stream(const device T* p) { return *p; }
+inline uint kk_byte_perm(uint x, uint y, uint s) {
+  uint r = 0u;
+  for (uint i = 0u; i < 4u; ++i) {
+    const uint sel = (s >> (4u * i)) & 7u;
+    r |= ((sel < 4u ? x >> (8u * sel) : y >> (8u * (sel - 4u))) & 255u) << (8u * i);
+  }
+  return r;
+}
 // ASYNC_COPY16 / ASYNC_COMMIT / ASYNC_WAIT (CUDA's spelling above). Metal copies at once; the
 // emulator lands each copy at once or at the ASYNC_WAIT that covers it (half each), the two
 // ends of what cp.async may do, so reading a copy too early or refilling a buffer still
@@ -216,6 +269,16 @@ inline void kk_async_copy4(uint& dst, const uint* src, bool valid) {
 }
 inline void kk_async_commit() { kk::async_commit(); }
 inline void kk_async_wait(int n) { kk::async_wait(n); }
+// Bulk copies land at once or at the MBAR_WAIT on their barrier (half each); MBAR_ASYNC_ARRIVE
+// hands this thread's pending ASYNC_COPY*s to the barrier the same way.
+template <typename T>
+inline void kk_bulk_copy(T* dst, const T* src, uint bytes, ulong* bar) {
+  kk::bulk_copy(dst, src, bytes, bar);
+}
+inline void kk_mbar_init(ulong* bar, uint) { *bar = 0; }
+inline void kk_mbar_expect(ulong*, uint) {}
+inline void kk_mbar_async_arrive(ulong* bar) { kk::async_to_barrier(bar); }
+inline void kk_mbar_wait(ulong* bar, uint) { kk::barrier_wait(bar); }
 #else
 template <typename T>
 inline void kk_async_copy16(threadgroup T& dst, const device T* src, bool valid) {
@@ -231,6 +294,14 @@ inline void kk_async_copy4(threadgroup uint& dst, const device uint* src, bool v
 }
 inline void kk_async_commit() {}
 inline void kk_async_wait(int) {}
+template <typename T>
+inline void kk_bulk_copy(threadgroup T* dst, const device T* src, uint bytes, threadgroup ulong*) {
+  for (uint i = 0; i < bytes / sizeof(T); ++i) dst[i] = src[i];
+}
+inline void kk_mbar_init(threadgroup ulong* bar, uint) { *bar = 0; }
+inline void kk_mbar_expect(threadgroup ulong*, uint) {}
+inline void kk_mbar_async_arrive(threadgroup ulong*) {}
+inline void kk_mbar_wait(threadgroup ulong*, uint) {}
 #endif
 inline float2 kk_half2_bits(uint u) { return float2(as_type<half2>(u)); }
 inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {

@@ -17,7 +17,7 @@ from conftest import broken
 from numpy_ref import mxfp4_decode, situ_glu
 
 from kimi_k3.experts import expert_glu, expert_glu_reference
-from kimi_k3.kernels import dispatch, mxfp4_mma, mxfp4_prefill_mma
+from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma, mxfp4_prefill_mma
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
@@ -345,6 +345,167 @@ def test_a_broken_ac_kernel_fails(monkeypatch, old, new):
     monkeypatch.setattr(mxfp4_mma, "MXFP4_MMA_AC", broken(mxfp4_mma.MXFP4_MMA_AC, old, new))
     args, want = case(4, 1280, 1152, 2, 2, "float32")
     assert_broken(lambda: mxfp4_mma.expert_glu_decode_ac(*args, backend="emulator"), want)
+
+
+# The one-launch decode (mxfp4_fused): gate/up, SiTU-GLU and a slice of down per threadgroup,
+# then the partials' sum; with register loads, and with bulk copies into per-warp rings.
+FUSED_FNS = {
+    "regs": mxfp4_fused.expert_glu_decode,
+    "bulk": mxfp4_fused.expert_glu_decode_bulk,
+}
+
+
+@pytest.mark.parametrize("fn", FUSED_FNS.values(), ids=FUSED_FNS.keys())
+@pytest.mark.parametrize("E,D,I,N,k,dtype", MMA_CASES)
+def test_fused_decode_matches_oracle(E, D, I, N, k, dtype, fn):
+    args, want = case(E, D, I, N, k, dtype)
+    got = fn(*args, backend="emulator")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+# (SL, NW, GW, GW2): warps with no gate/up unit (SL = 128, 16 warps), units spread unevenly
+# (SL = 384: 24 units over 16 warps; D = 1280: 40 down units over 16), 4-group steps.
+@pytest.mark.parametrize(
+    "launch", [(256, 8, 8, 8), (128, 16, 8, 4), (384, 16, 4, 4), (384, 2, 8, 4), (128, 1, 8, 4)]
+)
+def test_fused_launches(launch):
+    args, want = case(4, 1280, 1152, 2, 2, "bfloat16")
+    assert (
+        rel_err(mxfp4_fused.expert_glu_decode(*args, backend="emulator", launch=launch), want) < TOL
+    )
+
+
+# (SL, NW, S): rings of 2-12 stages, longer and shorter than a warp's steps, one warp alone.
+@pytest.mark.parametrize(
+    "launch", [(128, 2, 6), (128, 4, 3), (128, 1, 12), (384, 2, 2), (128, 8, 2)]
+)
+def test_fused_bulk_launches(launch):
+    args, want = case(4, 1280, 1152, 2, 2, "bfloat16")
+    got = mxfp4_fused.expert_glu_decode_bulk(*args, backend="emulator", launch=launch)
+    assert rel_err(got, want) < TOL
+
+
+def test_tile_experts_layout():
+    """Block (tile, k) of a matrix is 1 KB of codes at 1 KB x (tile x blocks per row + k), its
+    row r's four groups at 64 r bytes (scales: 64 bytes, 4 per row): the kernels' index."""
+    w = {n: (mx.array(q), mx.array(sc)) for n, (q, sc) in random_experts(3, 256, 128, 0).items()}
+    t = mxfp4_fused.tile_experts(w)
+    for name, (q, sc) in w.items():
+        E, R, W = q.shape
+        G = W // 4
+        qt, st = (np.array(a).reshape(-1) for a in t[name])
+        qw, sw = np.array(q).reshape(-1), np.array(sc).reshape(-1)
+        for e, row, grp in [(0, 0, 0), (2, R - 1, G - 1), (1, 17, 5 % G), (1, 40 % R, 3)]:
+            blk = (e * (R // 16) + row // 16) * (G // 4) + grp // 4
+            at = blk * 64 + (row % 16) * 4 + grp % 4  # 16-byte word / scale byte
+            src = (e * R + row) * G + grp
+            assert (qt[4 * at : 4 * at + 4] == qw[4 * src : 4 * src + 4]).all()
+            assert st[at] == sw[src]
+
+
+@pytest.mark.parametrize("fn", FUSED_FNS.values(), ids=FUSED_FNS.keys())
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype", [(4, 1280, 1152, 2, 2, "bfloat16"), (5, 256, 384, 3, 2, "float32")]
+)
+def test_fused_reads_the_tiled_layout(E, D, I, N, k, dtype, fn):
+    """The same experts in ``tile_experts``' layout, read with ``tiled=True``: the oracle's
+    result; read as the plain layout they are wrong (so the flag is what reads them)."""
+    (z, w, inds, wts, beta, cap), want = case(E, D, I, N, k, dtype)
+    wt = mxfp4_fused.tile_experts(w)
+    got = fn(z, wt, inds, wts, beta, cap, backend="emulator", tiled=True)
+    assert rel_err(got, want) < TOL
+    assert rel_err(fn(z, wt, inds, wts, beta, cap, backend="emulator"), want) > 0.1
+
+
+def test_byte_permute_decode_is_the_same():
+    """``kk_e2m1_pair_prmt`` (BYTE_PERM) decodes every code as the shifts do: the decode gives
+    the same result to the last bit."""
+    from benchmarks.mxfp4_fused_sweep import prmt_decode
+
+    args, _ = case(4, 1280, 1152, 2, 2, "float32")
+    plain = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+    prmt = prmt_decode(lambda *a: mxfp4_mma.expert_glu_decode(*a, backend="emulator"))(*args)
+    assert mx.array_equal(plain, prmt).item()
+
+
+def test_fused_shapes_fit():
+    """Slices divide I (multiples of 128); the bulk kernel's rings fit CUDA's 48 KB at K3
+    size as given, and are cut for Metal's 32 KB; a latent too wide for any ring is refused."""
+    assert mxfp4_fused.slice_for(3072, 256) == 256 and mxfp4_fused.slice_for(1152, 256) == 128
+    assert mxfp4_fused.slice_for(1152, 512) == 384 and mxfp4_fused.slice_for(128, 512) == 128
+    assert mxfp4_fused.shape_for(3584, 3072, (384, 8, 8, 8)) == (384, 8, 8, 4)
+    shape = mxfp4_fused.shape_for_bulk(3584, 3072, backend="cuda")
+    assert shape == mxfp4_fused.LAUNCH_BULK
+    assert mxfp4_fused.shared_bytes_bulk(3584, *shape) <= 48 * 1024
+    small = mxfp4_fused.shape_for_bulk(3584, 3072, backend="emulator")
+    assert mxfp4_fused.shared_bytes_bulk(3584, *small) <= 32 * 1024 < 48 * 1024
+    with pytest.raises(ValueError, match="D=8192"):
+        mxfp4_fused.shape_for_bulk(8192, 3072, (128, 1, 2), backend="metal")
+
+
+def test_fused_decode_handles_large_and_tiny_activations():
+    for fn in FUSED_FNS.values():
+        check_mma_large_and_tiny("emulator", fn)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("acc0 = acc2 = 0.0f, acc1 = acc3 = 0.0f;", ""),
+        ("hs[row + 8 + g] = kk_situ_glu(acc1", "hs[row + g] = kk_situ_glu(acc1"),
+        ("+ uint((t) % S2) * GW2)", ")"),
+        ("o[16 + g] = f * acc2;", "o[16 + g] = f * acc3;"),
+        ("if (t + 2 < (NT)) LOADF(qx, sx, t + 2);", "if (t + 2 < (NT)) LOADF(qx, sx, t + 1);"),
+    ],
+    ids=[
+        "accumulators-not-reset",
+        "h-row-overwritten",
+        "down-steps-same-groups",
+        "partial-row-swapped",
+        "pipeline-reloads-a-step",
+    ],
+)
+def test_a_broken_fused_kernel_fails(monkeypatch, old, new):
+    monkeypatch.setattr(mxfp4_fused, "MXFP4_FUSED", broken(mxfp4_fused.MXFP4_FUSED, old, new))
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    assert_broken(
+        lambda: mxfp4_fused.expert_glu_decode(*args, backend="emulator", launch=(384, 2, 4, 4)),
+        want,
+    )
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("    MBAR_WAIT(&bars[b_], uint((t) / S) & 1u);", ""),
+        ("    MBAR_ASYNC_ARRIVE(&bars[b_]);", ""),
+        ("  for (int t = 0; t < S && t < TT; ++t) KB_ISSUE(t);", ""),
+        (
+            "    const uint c_ = b_ * 128 + tq;",
+            "    if ((t) + S < TT) KB_ISSUE((t) + S);\n    const uint c_ = b_ * 128 + tq;",
+        ),
+        ("+ ((t) % S1) * 4;", ";"),
+        ("BULK_COPY(&ring[b_ * 128 + lane * 4]", "BULK_COPY(&ring[b_ * 128 + (lane ^ 16) * 4]"),
+        ("(sring[b_ * 32 + 8 + g] >> sh_)", "(sring[b_ * 32 + g] >> sh_)"),
+    ],
+    ids=[
+        "no-wait",
+        "scales-not-on-the-barrier",
+        "no-prologue",
+        "refill-before-reading",
+        "codes-of-the-first-step",
+        "tiles-swapped",
+        "scale-of-row-g",
+    ],
+)
+def test_a_broken_bulk_kernel_fails(monkeypatch, old, new):
+    """Copies land at once or at their barrier's wait (half each, kernels/emulator), so a
+    read before the wait or a refill of the stage being read gives a wrong result."""
+    kernel = broken(mxfp4_fused.MXFP4_FUSED_BULK, old, new)
+    monkeypatch.setattr(mxfp4_fused, "MXFP4_FUSED_BULK", kernel)
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    assert_broken(lambda: mxfp4_fused.expert_glu_decode_bulk(*args, backend="emulator"), want)
 
 
 # The grouped GEMM on tensor cores (mxfp4_prefill_mma): small widths only on the emulator

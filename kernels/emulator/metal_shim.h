@@ -19,6 +19,7 @@
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
+typedef unsigned long ulong;
 typedef _Float16 half;
 typedef half float16_t;
 

@@ -25,8 +25,9 @@ from test_mxfp4_kernels import (  # noqa: E402
 )
 
 from benchmarks.bench_mxfp4 import MMA_SHAPES  # noqa: E402
+from benchmarks.mxfp4_fused_sweep import BULK_LAUNCHES, DEFAULT_LAUNCHES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
-from kimi_k3.kernels import dispatch, mxfp4_mma  # noqa: E402
+from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma  # noqa: E402
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma  # noqa: E402
@@ -83,6 +84,69 @@ def test_mma_decode_with_launch_bounds(monkeypatch, blocks):
     got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
     assert rel_err(got, want) < TOL
     assert mx.array_equal(got, plain).item()
+
+
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype", MMA_CASES + [(16, *K3, 4, 16, "bfloat16"), (16, *K3, 8, 16, "float32")]
+)
+def test_fused_decode_matches_oracle(E, D, I, N, k, dtype):
+    """The one-launch decode (mxfp4_fused: gate/up, SiTU-GLU, a slice of down) and its sum."""
+    args, want = case(E, D, I, N, k, dtype)
+    got = mxfp4_fused.expert_glu_decode(*args, backend="cuda")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("launch", DEFAULT_LAUNCHES)
+@pytest.mark.parametrize("bound", [1, 2])
+def test_fused_launches_and_bounds(monkeypatch, launch, bound):
+    """Every launch and bound the sweep times, at K3 size; results do not depend on the
+    bound (same code, other registers) and repeat to the last bit (no atomics)."""
+    lc = tuple(int(v) for v in launch.split(","))
+    args, want = case(16, *K3, 4, 16, "bfloat16")
+    monkeypatch.setattr(mxfp4_fused, "MIN_BLOCKS", 1)
+    plain = mxfp4_fused.expert_glu_decode(*args, backend="cuda", launch=lc)
+    monkeypatch.setattr(mxfp4_fused, "MIN_BLOCKS", bound)
+    got = mxfp4_fused.expert_glu_decode(*args, backend="cuda", launch=lc)
+    again = mxfp4_fused.expert_glu_decode(*args, backend="cuda", launch=lc)
+    assert rel_err(got, want) < TOL
+    assert mx.array_equal(got, plain).item() and mx.array_equal(got, again).item()
+
+
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype", MMA_CASES + [(16, *K3, 4, 16, "bfloat16"), (16, *K3, 8, 16, "float32")]
+)
+def test_fused_bulk_matches_oracle(E, D, I, N, k, dtype):
+    """The bulk-copy kernel (mxfp4_fused_bulk: TMA copies and mbarriers) and its sum."""
+    args, want = case(E, D, I, N, k, dtype)
+    got = mxfp4_fused.expert_glu_decode_bulk(*args, backend="cuda")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("launch", BULK_LAUNCHES)
+def test_fused_bulk_launches(launch):
+    """Every bulk launch the sweep times, at K3 size, repeating to the last bit."""
+    lc = tuple(int(v) for v in launch.split(","))
+    args, want = case(16, *K3, 4, 16, "bfloat16")
+    got = mxfp4_fused.expert_glu_decode_bulk(*args, backend="cuda", launch=lc)
+    again = mxfp4_fused.expert_glu_decode_bulk(*args, backend="cuda", launch=lc)
+    assert rel_err(got, want) < TOL and mx.array_equal(got, again).item()
+
+
+@pytest.mark.parametrize("bulk", [False, True], ids=["regs", "bulk"])
+def test_fused_tiled_layout(bulk):
+    """Both fused kernels on ``tile_experts``' layout at K3 size (four 1 KB / 64-byte bulk
+    copies per stage for the bulk kernel)."""
+    (z, w, inds, wts, beta, cap), want = case(16, *K3, 4, 16, "bfloat16")
+    wt = mxfp4_fused.tile_experts(w)
+    fn = mxfp4_fused.expert_glu_decode_bulk if bulk else mxfp4_fused.expert_glu_decode
+    got = fn(z, wt, inds, wts, beta, cap, backend="cuda", tiled=True)
+    assert rel_err(got, want) < TOL
+
+
+def test_fused_decode_handles_large_and_tiny_activations():
+    check_mma_large_and_tiny("cuda", mxfp4_fused.expert_glu_decode)
 
 
 def test_prefill_mma_past_65535_pairs():
@@ -174,7 +238,12 @@ def test_decode_and_prefill_agree_with_gather_qmm():
     """Same K3-size inputs through both kernels and MLX's quantized ops (float32 latents)."""
     args, want = case(16, *K3, 8, 16, "float32")
     ref = expert_glu_reference(*args)
-    decoders = (expert_glu_decode, mxfp4_mma.expert_glu_decode, mxfp4_mma.expert_glu_decode_ac)
+    decoders = (
+        expert_glu_decode,
+        mxfp4_mma.expert_glu_decode,
+        mxfp4_mma.expert_glu_decode_ac,
+        mxfp4_fused.expert_glu_decode,
+    )
     for fn in (*decoders, expert_glu_prefill, expert_glu_prefill_mma):
         got = fn(*args, backend="cuda")
         assert rel_err(got, want) < TOL

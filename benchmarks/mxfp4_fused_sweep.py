@@ -1,0 +1,268 @@
+"""The fused MXFP4 decode (``mxfp4_fused``: gate/up, SiTU-GLU and a slice of down in one
+launch, then the sum) against the three-launch ``mxfp4_mma`` and ``gather_qmm``.
+
+At K3 size (16 experts of 64 per token, D = 3584, I = 3072) and each token count given, this
+times end to end: ``gather_qmm`` (``expert_glu_reference``), ``mxfp4_mma`` as dispatched, and
+``mxfp4_fused`` at every launch (rows of I per threadgroup, warps, groups per step in gate/up
+and in down) and launch bound given; ``--launch-only`` adds the fused launch without its sum.
+Every job is timed once per round, rounds one after another (a clock drift reaches all jobs
+alike); a row reports its best round and lists them all. GB/s are over the distinct experts'
+weight bytes (scales included), against the datasheet peak and the device copy of the same
+run. Each row's output is compared with ``mxfp4_mma``'s.
+
+    python3 -m benchmarks.mxfp4_fused_sweep --rounds 3
+    python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 --launches 256,8,8,8 --min-blocks 1 2
+    python3 -m benchmarks.mxfp4_fused_sweep --launches 256,8,8,8 --bulk-launches 128,2,6
+    python3 -m benchmarks.mxfp4_fused_sweep --launches 256,8,8,8 --bulk-launches --tiled
+
+``mxfp4_fused_bulk`` rows (the same two phases, weights brought in by bulk copies) give
+(rows of I per threadgroup, warps, ring stages) in the launch column. ``--tiled`` adds the
+fused kernel reading the same experts in ``tile_experts``' layout (16-row tiles of 4-group
+blocks: a warp load is 512 contiguous bytes), converted once before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+
+from benchmarks.bench_mxfp4 import (
+    copy_gbps,
+    expert_bytes,
+    random_experts,
+    rel_err,
+    routing,
+    time_batch,
+)
+from benchmarks.profile_kernels import register_count
+from kimi_k3.experts import expert_glu_reference
+from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
+from kimi_k3.kernels.source import Instance
+
+BETA, CAP = 4.0, 25.0
+DEFAULT_LAUNCHES = ["384,8,8,4", "256,8,8,8", "128,4,8,4", "256,4,8,8", "512,8,8,8"]
+# (SL, NW, S) of the bulk-copy kernel: rows of I per threadgroup, warps, ring stages.
+BULK_LAUNCHES = ["128,2,6", "128,4,3", "128,1,12", "256,2,6", "128,2,4"]
+
+
+def fused_registers(launch, bound: int, D: int, I: int, k: int) -> str:
+    """ptxas's registers (and spill stores) of the fused kernel at this launch and bound."""
+    sl, nw, gw, gw2 = mxfp4_fused.shape_for(D, I, launch)
+    kernel = mxfp4_fused.MXFP4_FUSED.bounded(32 * nw, bound)
+    dts = [mx.bfloat16, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.uint32, mx.uint8]
+    inst = Instance(
+        dts + [mx.int32, mx.float32, mx.float32],
+        [mx.float32],
+        mxfp4_fused.template(mx.bfloat16, D, I, k, sl, nw, gw, gw2),
+    )
+    return register_count(kernel, [inst])
+
+
+def bulk_registers(launch, D: int, I: int, k: int, tiled: bool = False) -> str:
+    """ptxas's registers (and spill stores) of the bulk-copy kernel at this launch."""
+    sl, nw, s = mxfp4_fused.shape_for_bulk(D, I, launch)
+    dts = [mx.bfloat16, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.uint32, mx.uint8]
+    inst = Instance(
+        dts + [mx.int32, mx.float32, mx.float32],
+        [mx.float32],
+        mxfp4_fused.template_bulk(mx.bfloat16, D, I, k, sl, nw, s, tiled),
+    )
+    return register_count(mxfp4_fused.MXFP4_FUSED_BULK, [inst])
+
+
+_TILED: dict = {}
+
+
+def tiled_stack(w: dict) -> dict:
+    """``tile_experts(w)``, built once per stack (outside the timed batches after the first)."""
+    key = id(w)
+    if key not in _TILED:
+        _TILED[key] = mxfp4_fused.tile_experts(w)
+        mx.eval(_TILED[key])
+    return _TILED[key]
+
+
+def with_bound(fn, bound: int):
+    """``fn`` run with ``mxfp4_fused.MIN_BLOCKS`` set to ``bound``."""
+
+    def run(*a):
+        saved = mxfp4_fused.MIN_BLOCKS
+        mxfp4_fused.MIN_BLOCKS = bound
+        try:
+            return fn(*a)
+        finally:
+            mxfp4_fused.MIN_BLOCKS = saved
+
+    return run
+
+
+def prmt_decode(fn, module=mxfp4_mma, name="MXFP4_MMA"):
+    """``fn`` with ``module.name``'s codes decoded by byte permutes (``kk_e2m1_pair_prmt``)
+    instead of shifts and masks per pair."""
+    kernel = getattr(module, name)
+    header = kernel.header.replace("kk_e2m1_pair(uint w", "kk_e2m1_pair_shift(uint w")
+    header = header.replace("kk_e2m1_pair_prmt(uint w", "kk_e2m1_pair(uint w")
+    variant = replace(kernel, name=kernel.name + "_prmt", header=header, _built={})
+
+    def run(*a):
+        setattr(module, name, variant)
+        try:
+            return fn(*a)
+        finally:
+            setattr(module, name, kernel)
+
+    return run
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--launches", nargs="+", default=DEFAULT_LAUNCHES, help="SL,NW,GW,GW2")
+    p.add_argument("--min-blocks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--bulk-launches", nargs="*", default=BULK_LAUNCHES, help="SL,NW,S")
+    p.add_argument("--launch-only", action="store_true", help="also time the fused launch alone")
+    p.add_argument(
+        "--tiled", action="store_true", help="also the fused kernel on tile_experts' layout"
+    )
+    p.add_argument(
+        "--prmt",
+        action="store_true",
+        help="also mxfp4_mma and the first fused launch decoding codes by byte permutes",
+    )
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--calls", type=int, default=40, help="input sets per batch")
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--dim", type=int, default=3584)
+    p.add_argument("--hidden", type=int, default=3072)
+    p.add_argument("--topk", type=int, default=16)
+    p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM datasheet peak")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    D, I, k = args.dim, args.hidden, args.topk
+    w = random_experts(args.experts, D, I, args.seed)
+    copy = copy_gbps(1 << 30, args.repeats)
+    print(f"device copy: {copy:.0f} GB/s (read + write); HBM peak {args.peak_gbps:.0f} GB/s\n")
+    launches = [tuple(int(v) for v in s.split(",")) for s in args.launches]
+    regs = {}
+    with ThreadPoolExecutor(8) as pool:
+        keys = [(lc, b) for lc in launches for b in args.min_blocks]
+        for key, r in zip(keys, pool.map(lambda kb: fused_registers(*kb, D, I, k), keys)):
+            regs[key] = r
+
+    jobs = [
+        ("gather_qmm", "", "", expert_glu_reference),
+        ("mxfp4_mma (dispatched)", "", "", mxfp4_mma.expert_glu_decode),
+    ]
+    if args.prmt:
+        fn = prmt_decode(mxfp4_mma.expert_glu_decode)
+        jobs.append(("mxfp4_mma, byte-permute decode", "", "", fn))
+        for lc in launches[:1]:
+            shape = mxfp4_fused.shape_for(D, I, lc)
+
+            def e2e_prmt(*a, lc=lc):
+                return mxfp4_fused.expert_glu_decode(*a, launch=lc)
+
+            fn = prmt_decode(e2e_prmt, mxfp4_fused, "MXFP4_FUSED")
+            jobs.append(("mxfp4_fused, byte-permute decode", shape, "1", with_bound(fn, 1)))
+    for lc in launches:
+        shape = mxfp4_fused.shape_for(D, I, lc)
+        for b in args.min_blocks:
+
+            def e2e(*a, lc=lc):
+                return mxfp4_fused.expert_glu_decode(*a, launch=lc)
+
+            def part(*a, lc=lc):
+                return mxfp4_fused.partials(*a, launch=lc)
+
+            jobs.append(("mxfp4_fused", shape, f"{b} ({regs[(lc, b)]})", with_bound(e2e, b)))
+            if args.tiled:
+
+                def e2e_tiled(z, w_, inds, wts, beta, cap, lc=lc):
+                    wt = tiled_stack(w_)
+                    return mxfp4_fused.expert_glu_decode(
+                        z, wt, inds, wts, beta, cap, launch=lc, tiled=True
+                    )
+
+                label = "mxfp4_fused, tiled layout"
+                jobs.append((label, shape, f"{b}", with_bound(e2e_tiled, b)))
+            if args.launch_only:
+                jobs.append(("fused launch only", shape, f"{b}", with_bound(part, b)))
+
+    for spec in args.bulk_launches:
+        lc = tuple(int(v) for v in spec.split(","))
+        shape = mxfp4_fused.shape_for_bulk(D, I, lc)
+
+        def bulk(*a, lc=lc):
+            return mxfp4_fused.expert_glu_decode_bulk(*a, launch=lc)
+
+        regs_b = f"({bulk_registers(lc, D, I, k)})"
+        jobs.append(("mxfp4_fused_bulk (SL, NW, S)", shape, regs_b, bulk))
+        if args.tiled:
+
+            def bulk_tiled(z, w_, inds, wts, beta, cap, lc=lc):
+                wt = tiled_stack(w_)
+                return mxfp4_fused.expert_glu_decode_bulk(
+                    z, wt, inds, wts, beta, cap, launch=lc, tiled=True
+                )
+
+            regs_t = f"({bulk_registers(lc, D, I, k, tiled=True)})"
+            jobs.append(("mxfp4_fused_bulk, tiled layout", shape, regs_t, bulk_tiled))
+
+    rng = np.random.default_rng(args.seed)
+    per_expert = expert_bytes(D, I)
+    for n in args.tokens:
+        sets = []
+        for _ in range(args.calls):
+            inds, wts = routing(n, args.experts, k, rng)
+            z = mx.random.normal((n, D)).astype(mx.bfloat16)
+            sets.append((z, w, inds, wts, BETA, CAP))
+        mx.eval([s[:4] for s in sets])
+        if args.tiled:
+            tiled_stack(w)
+        nbytes = np.mean([len(np.unique(np.array(s[2]))) for s in sets]) * per_expert
+        ref = mxfp4_mma.expert_glu_decode(*sets[0])
+        times, failed, diffs = [[] for _ in jobs], {}, {}
+        for _ in range(args.rounds):
+            for j, (_, _, _, fn) in enumerate(jobs):
+                if j in failed:
+                    continue
+                try:
+                    times[j].append(time_batch(fn, sets, args.repeats))
+                except Exception as e:  # noqa: BLE001 - a launch that fails is a row
+                    failed[j] = re.sub(r"\s+", " ", str(e))[:100]
+        for j, (name, _, _, fn) in enumerate(jobs):
+            if j not in failed and name != "fused launch only":
+                diffs[j] = rel_err(fn(*sets[0]), ref)
+        t_ref = min(times[0]) if times[0] else float("nan")
+        print(f"### N = {n} token(s), {nbytes / 1e6:.1f} MB of expert weights per call\n")
+        print(
+            "| kernel | launch (SL, NW, GW, GW2) | threadgroups per SM at least (registers) "
+            "| us | GB/s | of HBM peak | of device copy | x gather_qmm | rel diff to mxfp4_mma "
+            "| us, every round |"
+        )
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+        for j, (name, shape, bound, _) in enumerate(jobs):
+            if j in failed:
+                print(f"| {name} | {shape} | {bound} | failed: {failed[j]} | | | | | | |")
+                continue
+            t = min(times[j])
+            gbps = nbytes / t / 1e9
+            rounds = ", ".join(f"{x * 1e6:.1f}" for x in times[j])
+            diff = f"{diffs[j]:.1e}" if j in diffs else ""
+            print(
+                f"| {name} | {shape} | {bound} | {t * 1e6:.1f} | {gbps:.0f} | "
+                f"{gbps / args.peak_gbps:.1%} | {gbps / copy:.1%} | {t_ref / t:.2f}x | {diff} "
+                f"| {rounds} |"
+            )
+        print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,739 @@
+"""MXFP4 expert decode in one launch per layer (plus a small sum): gate/up, SiTU-GLU and the
+down projection of a slice of ``h``, on tensor cores.
+
+``mxfp4_mma`` makes three launches: gate/up writes ``h [pairs, I]``, down reads all of it,
+then the k pairs are summed. Down cannot start on a pair before its whole ``h`` exists, so
+the two projections are separate grids with a drain, a launch gap and a tail between them.
+Here the down projection is split along its inner dimension instead: a threadgroup owns a
+slice of ``SL`` rows of I for one pair,
+
+1. computes those ``SL`` entries of ``h`` (gate and up rows, SiTU-GLU) into threadgroup
+   memory, with the body of ``mxfp4_mma`` (codes to fp16 in registers, fp16 hi/lo
+   activations, four scale groups side by side, two register buffers taking turns);
+2. multiplies them by the matching ``SL`` columns of the pair's down matrix (every row of D),
+   weighted by the routing weight: a partial ``[D]`` of that pair and slice;
+
+and ``mxfp4_fused_sum`` adds the ``k * I / SL`` partials of each token in a fixed order (no
+atomics: results do not depend on scheduling). Every weight byte is still read once per
+pair; the partials add ``2 * 4 * D * k * I / SL`` bytes per token (2% of the weights at
+``SL = 256``). The first loads of the down phase go out before the threadgroup waits for its
+``h`` slice, so the load pipe does not drain between the phases.
+
+Launch (``LAUNCH``): ``SL`` rows of I per threadgroup, ``NW`` warps, scale groups per step in
+the gate/up phase (``GW``) and in the down phase (``GW2``; a down row of the slice has
+``SL / 32`` groups). Same exactness contract as ``mxfp4_mma`` (fp32 accumulation of exact
+products; activations to 22 significant bits, scaled by a power of two per vector: the
+latent, then each threadgroup's slice of ``h``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .mxfp4_decode import K3
+from .mxfp4_mma import MMA_HEADER, SHARED_LIMIT
+from .mxfp4_mma import eligible as mma_eligible
+from .source import Instance, Kernel, constant
+from .source import backend as default_backend
+
+U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
+
+
+def _staging(frag: str, n: str, src: str, smax: str, sfx: str) -> str:
+    """Code staging ``n`` activations (element ``i`` is the C expression ``src`` with ``{i}``)
+    into ``frag`` as fp16 hi/lo B fragments, scaled by a power of two (largest |x| in
+    [2^14, 2^15)); defines ``unscale<sfx>``, which undoes the scalings of a dot product."""
+    elem = src.format(i="i")
+    elem8 = src.format(i="32 * grp + 8 * pq + e")
+    return f"""\
+  float m{sfx} = 0.0f;
+  for (uint i = tid; i < {n}; i += 32 * NW) m{sfx} = FMAX(m{sfx}, FABS({elem}));
+  m{sfx} = SIMD_MAX(m{sfx});
+  if (lane == 0) {smax}[warp] = m{sfx};
+  BARRIER();
+  m{sfx} = {smax}[0];
+  for (int w = 1; w < NW; ++w) m{sfx} = FMAX(m{sfx}, {smax}[w]);
+  int n{sfx} = 141 - int((AS_UINT(m{sfx}) >> 23) & 255u);
+  n{sfx} = n{sfx} > 127 ? 127 : (n{sfx} < -113 ? -113 : n{sfx});
+  const float up{sfx} = AS_FLOAT(uint(n{sfx} + 127) << 23);
+  const float unscale{sfx} = AS_FLOAT(uint(141 - n{sfx}) << 23);
+  for (uint it = tid; it < ({n} / 32) * 8; it += 32 * NW) {{
+    const uint col = it % 8;
+    const uint pq = (it / 8) % 4;
+    const uint grp = (it / 32) * 4 + col / 2;
+    float v[8];
+    for (int e = 0; e < 8; ++e) v[e] = {elem8} * up{sfx};
+    if (col % 2) {{
+      for (int e = 0; e < 8; ++e) v[e] -= ROUND_HALF(v[e]);
+    }}
+    {frag}[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
+                      PACK_HALF2(v[3], v[7]));
+  }}
+"""
+
+
+BODY = (
+    """
+  constexpr int G1 = KD / 32;                   // scale groups per gate/up row
+  constexpr int G2 = NI / 32;                   // scale groups per down row
+  constexpr int GS = SL / 32;                   // down groups in a slice
+  constexpr int J = NI / SL;                    // slices per pair
+  constexpr int U1 = SL / 16;                   // gate/up units: 16 rows of gate and of up
+  constexpr int U2 = KD / 32;                   // down units: 32 rows (two 16-row tiles)
+  constexpr int S1 = G1 / GW;                   // steps per gate/up unit
+  constexpr int S2 = GS / GW2;                  // steps per down unit
+  constexpr int NB = (GW > GW2 ? GW : GW2) / 4; // 4-group blocks a register buffer holds
+  SHARED uint4 frag1[G1 * 8];
+  SHARED uint4 frag2[GS * 8];
+  SHARED float hs[SL];
+  SHARED float s_max1[NW];
+  SHARED float s_max2[NW];
+  const uint tid = THREAD_INDEX;
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint p = GROUP_POS.y;                   // the (token, choice) pair
+  const uint js = GROUP_POS.x;                  // the slice of I
+  const uint g = lane / 4;
+  const uint tq = lane % 4;
+  const bool bcol = g / 2 == tq;                // this lane's B column is in its group
+  const size_t ex = (size_t)inds[p];
+
+  // Unit m of a warp is unit warp + NW m; a step is GW (GW2) groups of the lane's rows g,
+  // g + 8 of both tiles. The whole warp agrees on every count below.
+  const int T1 = (warp < U1 ? (U1 - 1 - (int)warp) / NW + 1 : 0) * S1;
+  const int T2 = (warp < U2 ? (U2 - 1 - (int)warp) / NW + 1 : 0) * S2;
+  // Plain layout (MLX's): row r's group c at r G + c (16-byte words and scale bytes alike).
+  // Tiled (TL, tile_experts): 16-row tiles of 4-group blocks, 1 KB of codes each, row r of
+  // the tile at 64 r bytes; lane (g, tq)'s word of a block is its 16 bytes at 16 lane (scale
+  // byte: lane), so a warp load is 512 contiguous bytes.
+  constexpr int BS = TL ? 64 : 4;               // words from a 4-group block to the next
+  constexpr int RS1 = TL ? 32 : 8 * G1;         // words from row g to row g + 8
+  constexpr int RS2 = TL ? 32 : 8 * G2;
+  const size_t r1 = TL ? ((ex * NI + (size_t)js * SL) / 16 + warp) * (G1 / 4) * 64 + lane
+                       : (ex * NI + (size_t)js * SL + 16 * warp + g) * G1 + tq;
+  const DEVICE uint4* q1 = (const DEVICE uint4*)w1 + r1;
+  const DEVICE uint4* q3 = (const DEVICE uint4*)w3 + r1;
+  const DEVICE uint8_t* e1 = s1 + r1;
+  const DEVICE uint8_t* e3 = s3 + r1;
+#define KK_OFF1(t) \
+  (uint((t) / S1) * (TL ? NW * (G1 / 4) * 64 : 16 * NW * G1) + uint((t) % S1) * (GW / 4) * BS)
+#define KK_OFF2(t) \
+  (uint((t) / S2) * (TL ? 2 * NW * (G2 / 4) * 64 : 32 * NW * G2) + uint((t) % S2) * (GW2 / 4) * BS)
+#define KK_Q(q, i) (CS ? LOAD_STREAM(&(q)[i]) : (q)[i])
+  // A step's code words and scale bytes: NBL blocks of rows g, g + 8 of tiles A and B.
+#define KK_LOAD(q, sc, qa, qb, ea, eb, RS, off, NBL, LD)                         \\
+  {                                                                             \\
+    const uint o_ = (off);                                                    \\
+    _Pragma("unroll") for (int u = 0; u < NBL; ++u) {                           \\
+      q[4 * u] = LD(qa, o_ + BS * u);                                           \\
+      q[4 * u + 1] = LD(qa, o_ + (RS) + BS * u);                                \\
+      q[4 * u + 2] = LD(qb, o_ + BS * u);                                       \\
+      q[4 * u + 3] = LD(qb, o_ + (RS) + BS * u);                                \\
+      sc[4 * u] = ea[o_ + BS * u];                                              \\
+      sc[4 * u + 1] = ea[o_ + (RS) + BS * u];                                   \\
+      sc[4 * u + 2] = eb[o_ + BS * u];                                          \\
+      sc[4 * u + 3] = eb[o_ + (RS) + BS * u];                                   \\
+    }                                                                           \\
+  }
+#define KK_PLAIN(q, i) (q)[i]
+#define KK_LOAD1(q, sc, t) KK_LOAD(q, sc, q1, q3, e1, e3, RS1, KK_OFF1(t), GW / 4, KK_Q)
+#define KK_LOAD2(q, sc, t) \\
+  KK_LOAD(q, sc, q2, (q2 + TB2), e2, (e2 + TB2), RS2, KK_OFF2(t), GW2 / 4, KK_PLAIN)
+  // A block's eight MMAs per tile, then each row's result times its group's scale (as in
+  // mxfp4_mma): bb is the step's first group within the unit's row (or slice).
+#define KK_STEP(q, sc, frag, bb, NBL)                                                  \\
+  _Pragma("unroll") for (int u = 0; u < NBL; ++u) {                                   \\
+    float4 ca0 = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), ca1 = ca0, cb0 = ca0, cb1 = ca0;     \\
+    const uint4 wa0 = q[4 * u], wa8 = q[4 * u + 1], wb0 = q[4 * u + 2], wb8 = q[4 * u + 3]; \\
+    _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {                               \\
+      const uint4 f = bcol ? frag[((bb) / 4 + u) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u); \\
+      const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);                         \\
+      const uint xa0 = kk_word(wa0, pq), xa8 = kk_word(wa8, pq);                      \\
+      const uint xb0 = kk_word(wb0, pq), xb8 = kk_word(wb8, pq);                      \\
+      ca0 = SIMD_MMA(ca0, UINT4(kk_e2m1_pair(xa0, 0), kk_e2m1_pair(xa8, 0),          \\
+                                kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), f0, lane);   \\
+      cb0 = SIMD_MMA(cb0, UINT4(kk_e2m1_pair(xb0, 0), kk_e2m1_pair(xb8, 0),          \\
+                                kk_e2m1_pair(xb0, 1), kk_e2m1_pair(xb8, 1)), f0, lane);   \\
+      ca1 = SIMD_MMA(ca1, UINT4(kk_e2m1_pair(xa0, 2), kk_e2m1_pair(xa8, 2),          \\
+                                kk_e2m1_pair(xa0, 3), kk_e2m1_pair(xa8, 3)), f1, lane);   \\
+      cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),          \\
+                                kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), f1, lane);   \\
+    }                                                                                 \\
+    acc0 += kk_e8m0_bits(sc[4 * u]) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));            \\
+    acc1 += kk_e8m0_bits(sc[4 * u + 1]) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));        \\
+    acc2 += kk_e8m0_bits(sc[4 * u + 2]) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));        \\
+    acc3 += kk_e8m0_bits(sc[4 * u + 3]) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));        \\
+  }
+  // A row's groups are spread over its four lanes (tq): add them up.
+#define KK_LANES()                                                                     \\
+  {                                                                                    \\
+    acc0 += SIMD_SHUFFLE_XOR(acc0, 1);                                                 \\
+    acc1 += SIMD_SHUFFLE_XOR(acc1, 1);                                                 \\
+    acc2 += SIMD_SHUFFLE_XOR(acc2, 1);                                                 \\
+    acc3 += SIMD_SHUFFLE_XOR(acc3, 1);                                                 \\
+    acc0 += SIMD_SHUFFLE_XOR(acc0, 2);                                                 \\
+    acc1 += SIMD_SHUFFLE_XOR(acc1, 2);                                                 \\
+    acc2 += SIMD_SHUFFLE_XOR(acc2, 2);                                                 \\
+    acc3 += SIMD_SHUFFLE_XOR(acc3, 2);                                                 \\
+  }
+  // The last step of a unit: gate/up rows g, g + 8 become h (SiTU-GLU) in threadgroup memory.
+#define KK_STEP1(q, sc, t)                                                             \\
+  {                                                                                    \\
+    KK_STEP(q, sc, frag1, ((t) % S1) * GW, GW / 4);                                    \\
+    if ((t) % S1 == S1 - 1) {                                                          \\
+      KK_LANES();                                                                      \\
+      if (tq == 0) {                                                                   \\
+        const uint row = 16 * (warp + NW * uint((t) / S1));                            \\
+        hs[row + g] = kk_situ_glu(acc0 * unscale1, acc2 * unscale1, params[0], params[1]); \\
+        hs[row + 8 + g] = kk_situ_glu(acc1 * unscale1, acc3 * unscale1, params[0], params[1]); \\
+      }                                                                                \\
+      acc0 = acc2 = 0.0f, acc1 = acc3 = 0.0f;                                                \\
+    }                                                                                  \\
+  }
+  // The last step of a down unit: rows g, g + 8, 16 + g, 24 + g of this slice's partial.
+#define KK_STEP2(q, sc, t)                                                             \\
+  {                                                                                    \\
+    KK_STEP(q, sc, frag2, ((t) % S2) * GW2, GW2 / 4);                                  \\
+    if ((t) % S2 == S2 - 1) {                                                          \\
+      KK_LANES();                                                                      \\
+      if (tq == 0) {                                                                   \\
+        const float f = wts[p] * unscale2;                                             \\
+        DEVICE float* o = part + ((size_t)p * J + js) * KD + 32 * (warp + NW * uint((t) / S2)); \\
+        o[g] = f * acc0;                                                               \\
+        o[8 + g] = f * acc1;                                                           \\
+        o[16 + g] = f * acc2;                                                          \\
+        o[24 + g] = f * acc3;                                                          \\
+      }                                                                                \\
+      acc0 = acc1 = acc2 = acc3 = 0.0f;                                                \\
+    }                                                                                  \\
+  }
+  // Two register buffers take turns: a step's loads go out before the previous step's math.
+#define KK_PIPE(NT, LOADF, STEPF)                                                      \\
+  for (int t = 0; t < (NT); t += 2) {                                                  \\
+    if (t + 1 < (NT)) LOADF(qy, sy, t + 1);                                            \\
+    STEPF(qx, sx, t);                                                                  \\
+    if (t + 1 < (NT)) {                                                                \\
+      if (t + 2 < (NT)) LOADF(qx, sx, t + 2);                                           \\
+      STEPF(qy, sy, t + 1);                                                            \\
+    }                                                                                  \\
+  }
+
+  uint4 qx[4 * NB], qy[4 * NB];
+  uint sx[4 * NB], sy[4 * NB];
+  float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
+  if (T1 > 0) KK_LOAD1(qx, sx, 0);
+  const DEVICE T* xr = x + (size_t)(p / K) * KD;
+"""
+    + _staging("frag1", "KD", "static_cast<float>(xr[{i}])", "s_max1", "1")
+    + """\
+  BARRIER();
+
+  // Phase 1: this slice's gate and up rows, SiTU-GLU into hs.
+  KK_PIPE(T1, KK_LOAD1, KK_STEP1);
+  // The down phase's first loads go out before waiting for the whole slice of h.
+  const size_t r2 = TL ? ((ex * KD / 16 + 2 * warp) * (G2 / 4) + js * (GS / 4)) * 64 + lane
+                       : (ex * KD + 32 * warp + g) * G2 + js * GS + tq;
+  constexpr int TB2 = TL ? (G2 / 4) * 64 : 16 * G2;  // words from tile A's rows to tile B's
+  const DEVICE uint4* q2 = (const DEVICE uint4*)w2 + r2;
+  const DEVICE uint8_t* e2 = s2 + r2;
+  if (T2 > 0) KK_LOAD2(qx, sx, 0);
+  BARRIER();
+"""
+    + _staging("frag2", "SL", "hs[{i}]", "s_max2", "2")
+    + """\
+  BARRIER();
+
+  // Phase 2: every down row times this slice of h, weighted by the pair's routing weight.
+  KK_PIPE(T2, KK_LOAD2, KK_STEP2);
+#undef KK_OFF1
+#undef KK_OFF2
+#undef KK_Q
+#undef KK_LOAD
+#undef KK_PLAIN
+#undef KK_LOAD1
+#undef KK_LOAD2
+#undef KK_STEP
+#undef KK_LANES
+#undef KK_STEP1
+#undef KK_STEP2
+#undef KK_PIPE
+"""
+)
+
+# The partials of each token in a fixed order: a threadgroup owns 32 columns of D (a lane
+# each); warp w adds partials w, w + NWS, ... in order, then the warps' sums in order.
+SUM_BODY = """
+  SHARED float red[NWS * 32];
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint d = GROUP_POS.x * 32 + lane;
+  const uint n = GROUP_POS.y;
+  float total = 0.0f;
+  if (d < D) {
+    for (int r = warp; r < R; r += NWS) total += part[((size_t)n * R + r) * D + d];
+  }
+  red[warp * 32 + lane] = total;
+  BARRIER();
+  if (warp == 0 && d < D) {
+    float y0 = red[lane];
+    for (int w = 1; w < NWS; ++w) y0 += red[w * 32 + lane];
+    y[(size_t)n * D + d] = y0;
+  }
+"""
+
+# Rows of I per threadgroup (SL), warps (NW), scale groups per step in gate/up (GW) and in
+# down (GW2). Where SL does not divide I, the largest multiple of 128 that does (slice_for).
+LAUNCH = (256, 8, 8, 8)
+# Threadgroups per SM that CUDA must leave registers for (__launch_bounds__; 1: no bound).
+MIN_BLOCKS = 1
+SUM_WARPS = 8
+# Gate/up's code words are read once: loaded with LOAD_STREAM (evict first), as mxfp4_mma.
+STREAM_LOADS = True
+
+INPUTS = ["x", "w1", "s1", "w3", "s3", "w2", "s2", "inds", "wts", "params"]
+
+
+def slice_for(I: int, sl: int) -> int:
+    """Rows of I per threadgroup: the largest multiple of 128 that divides I and is at most
+    ``sl`` (128 where none is larger; ``eligible`` guarantees I % 128 == 0)."""
+    best = 128
+    for cand in range(128, min(sl, I) + 1, 128):
+        if I % cand == 0:
+            best = cand
+    return best
+
+
+def shape_for(D: int, I: int, launch=None) -> tuple:
+    """``launch`` (default ``LAUNCH``) fitted to D and I: the slice divides I, each step size
+    divides its rows' groups (4 where the asked one does not)."""
+    sl, nw, gw, gw2 = launch or LAUNCH
+    sl = slice_for(I, sl)
+    gw = gw if (D // 32) % gw == 0 else 4
+    gw2 = gw2 if (sl // 32) % gw2 == 0 else 4
+    return sl, nw, gw, gw2
+
+
+def template(dtype, D, I, k, sl, nw, gw, gw2, cs=None, tiled=False):
+    return [
+        ("T", dtype),
+        ("KD", D),
+        ("NI", I),
+        ("K", k),
+        ("SL", sl),
+        ("NW", nw),
+        ("GW", gw),
+        ("GW2", gw2),
+        ("CS", STREAM_LOADS if cs is None else cs),
+        ("TL", tiled),
+    ]
+
+
+MXFP4_FUSED = Kernel(
+    "mxfp4_fused",
+    INPUTS,
+    ["part"],
+    BODY,
+    header=MMA_HEADER,
+    instances=[
+        Instance(
+            [dt, U32, U8, U32, U8, U32, U8, I32, F32, F32],
+            [F32],
+            template(dt, K3["D"], K3["I"], K3["K"], *shape_for(K3["D"], K3["I"])),
+        )
+        for dt in (mx.bfloat16, mx.float16, mx.float32)
+    ],
+)
+MXFP4_FUSED_SUM = Kernel(
+    "mxfp4_fused_sum",
+    ["part"],
+    ["y"],
+    SUM_BODY,
+    instances=[
+        Instance(
+            [F32],
+            [F32],
+            [("D", K3["D"]), ("R", K3["K"] * K3["I"] // LAUNCH[0]), ("NWS", SUM_WARPS)],
+        )
+    ],
+)
+
+
+def sum_slices(backend: str, part, N: int, r: int):
+    """``y [N, D]``: the ``r`` partials of each token (``part [N * r, D]``) in a fixed order."""
+    D = part.shape[-1]
+    (y,) = MXFP4_FUSED_SUM(
+        backend,
+        inputs=[part],
+        output_shapes=[(N, D)],
+        output_dtypes=[F32],
+        grid=(32 * SUM_WARPS * -(-D // 32), N, 1),
+        threadgroup=(32 * SUM_WARPS, 1, 1),
+        template=[("D", D), ("R", r), ("NWS", SUM_WARPS)],
+    )
+    return y
+
+
+def tile_experts(w: dict) -> dict:
+    """The expert stacks ``w`` (as ``expert_glu_reference`` takes them) in the tiled layout
+    the kernels read with ``tiled=True``: same shapes, each matrix's rows cut into 16-row
+    tiles and each tile into blocks of 4 scale groups, a block's 16 rows x 64 bytes of codes
+    (and 16 x 4 scale bytes) contiguous. Rows must be a multiple of 16, groups of 4."""
+    out = {}
+    for name, (q, s) in w.items():
+        E, R, W = q.shape
+        G = W // 4
+        qt = q.reshape(E, R // 16, 16, G // 4, 16).transpose(0, 1, 3, 2, 4).reshape(E, R, W)
+        st = s.reshape(E, R // 16, 16, G // 4, 4).transpose(0, 1, 3, 2, 4).reshape(E, R, G)
+        out[name] = (qt, st)
+    return out
+
+
+def partials(z, w, inds, weights, beta, cap, backend: str | None = None, launch=None, tiled=False):
+    """The fused launch alone: ``part [N * k * I / SL, D]`` fp32 (pair-major, then slice).
+    ``tiled``: ``w`` is in ``tile_experts``' layout."""
+    backend = backend or default_backend()
+    N, k = inds.shape
+    D = z.shape[-1]
+    I = w["w1"][0].shape[-2]
+    sl, nw, gw, gw2 = shape_for(D, I, launch)
+    pairs = N * k
+    kernel = MXFP4_FUSED.bounded(32 * nw, MIN_BLOCKS)
+    (part,) = kernel(
+        backend,
+        inputs=[
+            z,
+            *w["w1"],
+            *w["w3"],
+            *w["w2"],
+            inds.reshape(-1).astype(I32),
+            weights.reshape(-1).astype(F32),
+            constant((beta, cap)),
+        ],
+        output_shapes=[(pairs * (I // sl), D)],
+        output_dtypes=[F32],
+        grid=(32 * nw * (I // sl), pairs, 1),
+        threadgroup=(32 * nw, 1, 1),
+        template=template(z.dtype, D, I, k, sl, nw, gw, gw2, tiled=tiled),
+    )
+    return part
+
+
+def expert_glu_decode(
+    z, w, inds, weights, beta, cap, backend: str | None = None, launch=None, tiled=False
+):
+    """``mxfp4_mma.expert_glu_decode`` in two launches (same shapes and return: fp32 [N, D]).
+    Needs ``eligible`` inputs; ``tiled``: ``w`` is in ``tile_experts``' layout."""
+    backend = backend or default_backend()
+    N, k = inds.shape
+    D = z.shape[-1]
+    I = w["w1"][0].shape[-2]
+    sl = shape_for(D, I, launch)[0]
+    part = partials(z, w, inds, weights, beta, cap, backend, launch, tiled)
+    return sum_slices(backend, part, N, k * (I // sl))
+
+
+def eligible(z, w, inds) -> bool:
+    """What ``mxfp4_mma.eligible`` accepts (D and I multiples of 128), with the latent's
+    fragments, a slice of h and its fragments within threadgroup memory."""
+    if not mma_eligible(z, w, inds):
+        return False
+    D = z.shape[-1]
+    I = w["w1"][0].shape[-2]
+    sl = shape_for(D, I)[0]
+    return 4 * D + 8 * sl <= 24 * 1024
+
+
+# The same two phases with the code words and scale bytes brought into threadgroup memory by
+# the copy engine: each warp has a ring of S stages (its 32 rows x 4 scale groups: 64 bytes of
+# codes and 4 scale bytes per row), filled S steps ahead. A lane issues one bulk copy (its
+# row's 64 bytes, BULK_COPY) and one 4-byte asynchronous copy (its row's scales) per step, all
+# counted on the stage's barrier; the ring runs on from the gate/up steps into the down steps,
+# so the first down rows are in flight while the slice of h is finished.
+BODY_BULK = (
+    """
+  constexpr int G1 = KD / 32;                   // scale groups per gate/up row
+  constexpr int G2 = NI / 32;                   // scale groups per down row
+  constexpr int GS = SL / 32;                   // down groups in a slice
+  constexpr int J = NI / SL;                    // slices per pair
+  constexpr int U1 = SL / 16;                   // gate/up units: 16 rows of gate and of up
+  constexpr int U2 = KD / 32;                   // down units: 32 rows (two 16-row tiles)
+  constexpr int S1 = G1 / 4;                    // steps (4 groups) per gate/up unit
+  constexpr int S2 = GS / 4;                    // steps per down unit
+  SHARED uint4 frag1[G1 * 8];
+  SHARED uint4 frag2[GS * 8];
+  SHARED float hs[SL];
+  SHARED float s_max1[NW];
+  SHARED float s_max2[NW];
+  SHARED uint4 ring[NW * S * 128];              // stage: 32 rows x 64 bytes
+  SHARED uint sring[NW * S * 32];               // stage: 32 rows x 4 scale bytes
+  SHARED MBAR_T bars[NW * S];
+  const uint tid = THREAD_INDEX;
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint p = GROUP_POS.y;                   // the (token, choice) pair
+  const uint js = GROUP_POS.x;                  // the slice of I
+  const uint g = lane / 4;
+  const uint tq = lane % 4;
+  const bool bcol = g / 2 == tq;                // this lane's B column is in its group
+  const size_t ex = (size_t)inds[p];
+  const int T1 = (warp < U1 ? (U1 - 1 - (int)warp) / NW + 1 : 0) * S1;
+  const int T2 = (warp < U2 ? (U2 - 1 - (int)warp) / NW + 1 : 0) * S2;
+  const int TT = T1 + T2;
+
+  // Step t's copies, one row per lane (slot = lane): gate/up steps take gate rows (slots
+  // 0-15) and up rows (16-31) of unit t / S1; down steps 32 rows of unit (t - T1) / S2.
+  const DEVICE uint4* c1 = (const DEVICE uint4*)(lane < 16 ? w1 : w3);
+  const DEVICE uint8_t* e1 = lane < 16 ? s1 : s3;
+  const size_t row1 = ex * NI + (size_t)js * SL + 16 * warp + lane % 16;
+  const size_t row2 = ex * KD + 32 * warp + lane;
+  // Tiled (TL, tile_experts): the warp's first 16-row tile of gate/up and of down.
+  const size_t tile1 = (ex * NI + (size_t)js * SL) / 16 + warp;
+  const size_t tile2 = ex * KD / 16 + 2 * warp;
+#define KB_ISSUE(t)                                                                       \
+  {                                                                                       \
+    const int st_ = (t) % S;                                                             \
+    const uint b_ = warp * S + st_;                                                       \
+    if (TL) {                                                                             \
+      /* Tiled: the stage is two 1 KB blocks of codes and two 64-byte blocks of scales. */ \
+      size_t ba_, bb_;                                                                    \
+      const DEVICE uint4* ca_;                                                            \
+      const DEVICE uint4* cb_;                                                            \
+      const DEVICE uint8_t* ea_;                                                          \
+      const DEVICE uint8_t* eb_;                                                          \
+      if ((t) < T1) {                                                                     \
+        ba_ = bb_ = (tile1 + NW * (size_t)((t) / S1)) * (G1 / 4) + (t) % S1;              \
+        ca_ = (const DEVICE uint4*)w1, cb_ = (const DEVICE uint4*)w3, ea_ = s1, eb_ = s3;  \
+      } else {                                                                            \
+        const int t2_ = (t) - T1;                                                         \
+        ba_ = (tile2 + 2 * NW * (size_t)(t2_ / S2)) * (G2 / 4) + js * (GS / 4) + t2_ % S2; \
+        bb_ = ba_ + G2 / 4;                                                               \
+        ca_ = cb_ = (const DEVICE uint4*)w2, ea_ = eb_ = s2;                              \
+      }                                                                                   \
+      if (lane == 0) {                                                                    \
+        MBAR_EXPECT(&bars[b_], 2 * 1024 + 2 * 64);                                        \
+        BULK_COPY(&ring[b_ * 128], ca_ + 64 * ba_, 1024, &bars[b_]);                      \
+      } else if (lane == 1) {                                                             \
+        BULK_COPY(&ring[b_ * 128 + 64], cb_ + 64 * bb_, 1024, &bars[b_]);                 \
+      } else if (lane == 2) {                                                             \
+        BULK_COPY(&sring[b_ * 32], (const DEVICE uint*)(ea_ + 64 * ba_), 64, &bars[b_]);  \
+      } else if (lane == 3) {                                                             \
+        BULK_COPY(&sring[b_ * 32 + 16], (const DEVICE uint*)(eb_ + 64 * bb_), 64, &bars[b_]); \
+      }                                                                                   \
+    } else {                                                                              \
+      const DEVICE uint4* cs_;                                                            \
+      const DEVICE uint* es_;                                                             \
+      if ((t) < T1) {                                                                     \
+        const size_t o_ = (row1 + 16 * NW * (size_t)((t) / S1)) * G1 + ((t) % S1) * 4;    \
+        cs_ = c1 + o_;                                                                    \
+        es_ = (const DEVICE uint*)(e1 + o_);                                              \
+      } else {                                                                            \
+        const int t2_ = (t) - T1;                                                         \
+        const size_t o_ = (row2 + 32 * NW * (size_t)(t2_ / S2)) * G2 + js * GS + (t2_ % S2) * 4; \
+        cs_ = (const DEVICE uint4*)w2 + o_;                                               \
+        es_ = (const DEVICE uint*)(s2 + o_);                                              \
+      }                                                                                   \
+      if (lane == 0) MBAR_EXPECT(&bars[b_], 32 * 64);                                     \
+      BULK_COPY(&ring[b_ * 128 + lane * 4], cs_, 64, &bars[b_]);                          \
+      ASYNC_COPY4(sring[b_ * 32 + lane], es_, true);                                      \
+      MBAR_ASYNC_ARRIVE(&bars[b_]);                                                       \
+    }                                                                                     \
+  }
+  // Step t's eight MMAs per tile from its stage (rows g, g + 8 of tiles A and B; the lane's
+  // group tq), then each row's result times its group's scale (fb: the step's 4-group block
+  // of the B fragments).
+#define KB_STEP(t, frag, fb)                                                              \\
+  {                                                                                       \\
+    const uint b_ = warp * S + (t) % S;                                                   \\
+    MBAR_WAIT(&bars[b_], uint((t) / S) & 1u);                                             \\
+    const uint c_ = b_ * 128 + tq;                                                        \\
+    const uint4 wa0 = ring[c_ + 4 * g], wa8 = ring[c_ + 4 * (g + 8)];                     \\
+    const uint4 wb0 = ring[c_ + 4 * (16 + g)], wb8 = ring[c_ + 4 * (24 + g)];             \\
+    const uint sh_ = 8 * tq;                                                              \\
+    const uint ea0 = (sring[b_ * 32 + g] >> sh_) & 255u;                                  \\
+    const uint ea8 = (sring[b_ * 32 + 8 + g] >> sh_) & 255u;                              \\
+    const uint eb0 = (sring[b_ * 32 + 16 + g] >> sh_) & 255u;                             \\
+    const uint eb8 = (sring[b_ * 32 + 24 + g] >> sh_) & 255u;                             \\
+    float4 ca0 = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), ca1 = ca0, cb0 = ca0, cb1 = ca0;         \\
+    _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {                                   \\
+      const uint4 f = bcol ? frag[(fb) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u);        \\
+      const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);                             \\
+      const uint xa0 = kk_word(wa0, pq), xa8 = kk_word(wa8, pq);                          \\
+      const uint xb0 = kk_word(wb0, pq), xb8 = kk_word(wb8, pq);                          \\
+      ca0 = SIMD_MMA(ca0, UINT4(kk_e2m1_pair(xa0, 0), kk_e2m1_pair(xa8, 0),              \\
+                                kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), f0, lane);       \\
+      cb0 = SIMD_MMA(cb0, UINT4(kk_e2m1_pair(xb0, 0), kk_e2m1_pair(xb8, 0),              \\
+                                kk_e2m1_pair(xb0, 1), kk_e2m1_pair(xb8, 1)), f0, lane);       \\
+      ca1 = SIMD_MMA(ca1, UINT4(kk_e2m1_pair(xa0, 2), kk_e2m1_pair(xa8, 2),              \\
+                                kk_e2m1_pair(xa0, 3), kk_e2m1_pair(xa8, 3)), f1, lane);       \\
+      cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),              \\
+                                kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), f1, lane);       \\
+    }                                                                                     \\
+    acc0 += kk_e8m0_bits(ea0) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));                      \\
+    acc1 += kk_e8m0_bits(ea8) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));                      \\
+    acc2 += kk_e8m0_bits(eb0) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));                      \\
+    acc3 += kk_e8m0_bits(eb8) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));                      \\
+    SIMD_BARRIER();                                                                       \\
+    if ((t) + S < TT) KB_ISSUE((t) + S);                                                  \\
+  }
+#define KB_LANES()                                                                        \\
+  {                                                                                       \\
+    acc0 += SIMD_SHUFFLE_XOR(acc0, 1);                                                    \\
+    acc1 += SIMD_SHUFFLE_XOR(acc1, 1);                                                    \\
+    acc2 += SIMD_SHUFFLE_XOR(acc2, 1);                                                    \\
+    acc3 += SIMD_SHUFFLE_XOR(acc3, 1);                                                    \\
+    acc0 += SIMD_SHUFFLE_XOR(acc0, 2);                                                    \\
+    acc1 += SIMD_SHUFFLE_XOR(acc1, 2);                                                    \\
+    acc2 += SIMD_SHUFFLE_XOR(acc2, 2);                                                    \\
+    acc3 += SIMD_SHUFFLE_XOR(acc3, 2);                                                    \\
+  }
+
+  if (lane == 0) {
+    // One arrival with the bytes expected, plus (plain layout) one per lane's scale copy.
+    for (int s = 0; s < S; ++s) MBAR_INIT(&bars[warp * S + s], TL ? 1 : 33);
+  }
+  SIMD_BARRIER();
+  for (int t = 0; t < S && t < TT; ++t) KB_ISSUE(t);
+  float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
+  const DEVICE T* xr = x + (size_t)(p / K) * KD;
+"""
+    + _staging("frag1", "KD", "static_cast<float>(xr[{i}])", "s_max1", "1")
+    + """\
+  BARRIER();
+
+  // Phase 1: this slice's gate and up rows, SiTU-GLU into hs.
+  for (int t = 0; t < T1; ++t) {
+    KB_STEP(t, frag1, t % S1);
+    if (t % S1 == S1 - 1) {
+      KB_LANES();
+      if (tq == 0) {
+        const uint row = 16 * (warp + NW * uint(t / S1));
+        hs[row + g] = kk_situ_glu(acc0 * unscale1, acc2 * unscale1, params[0], params[1]);
+        hs[row + 8 + g] = kk_situ_glu(acc1 * unscale1, acc3 * unscale1, params[0], params[1]);
+      }
+      acc0 = acc1 = acc2 = acc3 = 0.0f;
+    }
+  }
+  BARRIER();
+"""
+    + _staging("frag2", "SL", "hs[{i}]", "s_max2", "2")
+    + """\
+  BARRIER();
+
+  // Phase 2: every down row times this slice of h, weighted by the pair's routing weight.
+  for (int t = T1; t < TT; ++t) {
+    const int t2 = t - T1;
+    KB_STEP(t, frag2, t2 % S2);
+    if (t2 % S2 == S2 - 1) {
+      KB_LANES();
+      if (tq == 0) {
+        const float f = wts[p] * unscale2;
+        DEVICE float* o = part + ((size_t)p * J + js) * KD + 32 * (warp + NW * uint(t2 / S2));
+        o[g] = f * acc0;
+        o[8 + g] = f * acc1;
+        o[16 + g] = f * acc2;
+        o[24 + g] = f * acc3;
+      }
+      acc0 = acc1 = acc2 = acc3 = 0.0f;
+    }
+  }
+#undef KB_ISSUE
+#undef KB_STEP
+#undef KB_LANES
+"""
+)
+
+# Rows of I per threadgroup (SL), warps (NW), ring stages per warp (S).
+LAUNCH_BULK = (128, 2, 6)
+
+
+def shared_bytes_bulk(D: int, sl: int, nw: int, s: int) -> int:
+    """Threadgroup memory of one bulk launch: fragments, h, maxima, rings, barriers."""
+    return 4 * D + 8 * sl + 8 * nw + nw * s * (2048 + 128 + 8)
+
+
+def shape_for_bulk(D: int, I: int, launch=None, backend: str = "cuda") -> tuple:
+    """``launch`` (default ``LAUNCH_BULK``) fitted: the slice divides I, and fewer stages
+    (then warps) where threadgroup memory would pass the backend's (``SHARED_LIMIT``: 48 KB
+    on CUDA without an opt-in, 32 KB on Metal)."""
+    sl, nw, s = launch or LAUNCH_BULK
+    sl = slice_for(I, sl)
+    limit = SHARED_LIMIT.get(backend, 32 * 1024)
+    while shared_bytes_bulk(D, sl, nw, s) > limit:
+        if s > 2:
+            s -= 1
+        elif nw > 1:
+            nw //= 2
+        else:
+            raise ValueError(f"mxfp4_fused_bulk: D={D} leaves no room for a ring")
+    return sl, nw, s
+
+
+def template_bulk(dtype, D, I, k, sl, nw, s, tiled=False):
+    return [
+        ("T", dtype),
+        ("KD", D),
+        ("NI", I),
+        ("K", k),
+        ("SL", sl),
+        ("NW", nw),
+        ("S", s),
+        ("TL", tiled),
+    ]
+
+
+MXFP4_FUSED_BULK = Kernel(
+    "mxfp4_fused_bulk",
+    INPUTS,
+    ["part"],
+    BODY_BULK,
+    header=MMA_HEADER,
+    instances=[
+        Instance(
+            [dt, U32, U8, U32, U8, U32, U8, I32, F32, F32],
+            [F32],
+            template_bulk(dt, K3["D"], K3["I"], K3["K"], *shape_for_bulk(K3["D"], K3["I"])),
+        )
+        for dt in (mx.bfloat16, mx.float16, mx.float32)
+    ],
+)
+
+
+def partials_bulk(
+    z, w, inds, weights, beta, cap, backend: str | None = None, launch=None, tiled=False
+):
+    """``partials`` through the bulk-copy kernel (``tiled``: ``w`` in ``tile_experts``'
+    layout, a stage is then four copies: two 1 KB blocks of codes, two of scales)."""
+    backend = backend or default_backend()
+    N, k = inds.shape
+    D = z.shape[-1]
+    I = w["w1"][0].shape[-2]
+    sl, nw, s = shape_for_bulk(D, I, launch, backend)
+    pairs = N * k
+    (part,) = MXFP4_FUSED_BULK(
+        backend,
+        inputs=[
+            z,
+            *w["w1"],
+            *w["w3"],
+            *w["w2"],
+            inds.reshape(-1).astype(I32),
+            weights.reshape(-1).astype(F32),
+            constant((beta, cap)),
+        ],
+        output_shapes=[(pairs * (I // sl), D)],
+        output_dtypes=[F32],
+        grid=(32 * nw * (I // sl), pairs, 1),
+        threadgroup=(32 * nw, 1, 1),
+        template=template_bulk(z.dtype, D, I, k, sl, nw, s, tiled),
+    )
+    return part
+
+
+def expert_glu_decode_bulk(z, w, inds, weights, beta, cap, backend=None, launch=None, tiled=False):
+    """``expert_glu_decode`` with the weights brought in by bulk copies (``BODY_BULK``)."""
+    backend = backend or default_backend()
+    N, k = inds.shape
+    I = w["w1"][0].shape[-2]
+    sl = shape_for_bulk(z.shape[-1], I, launch, backend)[0]
+    part = partials_bulk(z, w, inds, weights, beta, cap, backend, launch, tiled)
+    return sum_slices(backend, part, N, k * (I // sl))
