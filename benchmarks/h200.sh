@@ -10,7 +10,9 @@
 # bench_kda_recurrence 98-109 s (193 s with the fla fp32 rows, as now), prep_variants 18-34 s, kda_fixes 31 s, pre_tests 69 s, mma_layout 6 s,
 # profile_mma_stalls 16 s, mxfp4_hints 45 s, mxfp4_ac 139 s, bench_mxfp4 184-208 s (with every row it has now),
 # profile_ac_stalls 9 s, profile_prefill_mma 27 s, mxfp4_tests_par 253 s (67 tests; 70 now), mxfp4_lb 45 s,
-# mxfp4_new_tests 146 s, model_cuda 260 s, mxfp4_lb_down 33 s. A fresh machine's first call costs about 90 s
+# mxfp4_new_tests 146 s, model_cuda 260 s, mxfp4_lb_down 33 s, mxfp4_fused 71-74 s, fused_tests 85 s,
+# mxfp4_tests_par 317 s (89 tests), bulk_smoke 12 s, mxfp4_bulk 52 s, mxfp4_tiled 94 s, mxfp4_tiled_bulk 99 s,
+# fused_tests_par 158 s (35 tests). A fresh machine's first call costs about 90 s
 # of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u

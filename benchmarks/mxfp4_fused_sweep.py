@@ -18,7 +18,9 @@ run. Each row's output is compared with ``mxfp4_mma``'s.
 ``mxfp4_fused_bulk`` rows (the same two phases, weights brought in by bulk copies) give
 (rows of I per threadgroup, warps, ring stages) in the launch column. ``--tiled`` adds the
 fused kernel reading the same experts in ``tile_experts``' layout (16-row tiles of 4-group
-blocks: a warp load is 512 contiguous bytes), converted once before timing.
+blocks: a warp load is 512 contiguous bytes), converted once before timing. ``--prmt`` adds
+``mxfp4_mma`` and the first fused launch with the codes decoded by byte permutes
+(``kk_e2m1_pair_prmt``) instead of shifts.
 """
 
 from __future__ import annotations

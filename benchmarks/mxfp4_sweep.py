@@ -48,8 +48,8 @@ from kimi_k3.kernels.source import Instance, Kernel, constant
 
 DEFAULT_SHAPES = ["8,1,8,1", "4,1,8,1", "16,1,8,1", "4,2,8,1", "8,1,8,0", "2,2,8,1"]
 
-PROBE_STEP = r"""#define KK_STEP(q, sc, bb)                                              \
-  _Pragma("unroll") for (int u = 0; u < NB; ++u) {                                    \
+PROBE_STEP = r"""#define KK_STEP(q, sc, frag, bb, NBL)                                   \
+  _Pragma("unroll") for (int u = 0; u < NBL; ++u) {                                   \
     const uint4 v0 = q[4 * u], v1 = q[4 * u + 1], v2 = q[4 * u + 2], v3 = q[4 * u + 3]; \
     const uint x = v0.x ^ v0.y ^ v0.z ^ v0.w ^ v1.x ^ v1.y ^ v1.z ^ v1.w ^ v2.x ^ v2.y \
         ^ v2.z ^ v2.w ^ v3.x ^ v3.y ^ v3.z ^ v3.w                                     \
@@ -70,7 +70,7 @@ def _variant(name: str, body: str, helpers: str = "") -> Kernel:
 def probe_kernel() -> Kernel:
     """``mxfp4_mma`` with its step's math replaced by an XOR of the step's words."""
     body = mxfp4_mma.BODY
-    start = body.index("#define KK_STEP(q, sc, bb)")
+    start = body.index("#define KK_STEP(q, sc, frag, bb, NBL)")
     end = body.index("  // PP: two register buffers")
     return _variant("mxfp4_probe", body[:start] + PROBE_STEP + body[end:])
 

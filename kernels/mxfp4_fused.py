@@ -24,6 +24,18 @@ the gate/up phase (``GW``) and in the down phase (``GW2``; a down row of the sli
 ``SL / 32`` groups). Same exactness contract as ``mxfp4_mma`` (fp32 accumulation of exact
 products; activations to 22 significant bits, scaled by a power of two per vector: the
 latent, then each threadgroup's slice of ``h``).
+
+Two variants of the same two phases: ``expert_glu_decode_bulk`` brings the weights into
+per-warp rings in threadgroup memory by bulk copies (the TMA engine, ``BULK_COPY`` and the
+``MBAR_*`` barriers), and ``tiled=True`` (both kernels) reads stacks re-laid out by
+``tile_experts`` (16-row tiles of 4-group blocks, 1 KB contiguous each).
+
+None of these is dispatched. On the H200 (docs/benchmarks.md, "MXFP4: one launch, bulk
+copies and a tiled layout") the register kernel matched or beat ``mxfp4_mma`` by up to 9% at
+one token and lost 4-18% at eight; the bulk kernel was slower (the copy engine took about
+20 cycles per 64-byte copy per SM; tiled, 1.4-1.6x faster but still behind); the tiled
+layout gave the register kernel up to 14% within one run. They stay as tested variants for
+the 60%-of-HBM goal that the issue leaves open.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .mxfp4_decode import K3
-from .mxfp4_mma import MMA_HEADER, SHARED_LIMIT
+from .mxfp4_mma import MMA_HEADER, SHARED_LIMIT, STEP_MACRO, mma_block
 from .mxfp4_mma import eligible as mma_eligible
 from .source import Instance, Kernel, constant
 from .source import backend as default_backend
@@ -72,22 +84,25 @@ def _staging(frag: str, n: str, src: str, smax: str, sfx: str) -> str:
 """
 
 
-BODY = (
-    """
-  constexpr int G1 = KD / 32;                   // scale groups per gate/up row
-  constexpr int G2 = NI / 32;                   // scale groups per down row
-  constexpr int GS = SL / 32;                   // down groups in a slice
-  constexpr int J = NI / SL;                    // slices per pair
-  constexpr int U1 = SL / 16;                   // gate/up units: 16 rows of gate and of up
-  constexpr int U2 = KD / 32;                   // down units: 32 rows (two 16-row tiles)
-  constexpr int S1 = G1 / GW;                   // steps per gate/up unit
-  constexpr int S2 = GS / GW2;                  // steps per down unit
-  constexpr int NB = (GW > GW2 ? GW : GW2) / 4; // 4-group blocks a register buffer holds
-  SHARED uint4 frag1[G1 * 8];
-  SHARED uint4 frag2[GS * 8];
-  SHARED float hs[SL];
-  SHARED float s_max1[NW];
-  SHARED float s_max2[NW];
+LANES = """\
+  // A row's groups are spread over its four lanes (tq): add them up.
+#define KK_LANES()                                                                     \\
+  {                                                                                    \\
+    acc0 += SIMD_SHUFFLE_XOR(acc0, 1);                                                 \\
+    acc1 += SIMD_SHUFFLE_XOR(acc1, 1);                                                 \\
+    acc2 += SIMD_SHUFFLE_XOR(acc2, 1);                                                 \\
+    acc3 += SIMD_SHUFFLE_XOR(acc3, 1);                                                 \\
+    acc0 += SIMD_SHUFFLE_XOR(acc0, 2);                                                 \\
+    acc1 += SIMD_SHUFFLE_XOR(acc1, 2);                                                 \\
+    acc2 += SIMD_SHUFFLE_XOR(acc2, 2);                                                 \\
+    acc3 += SIMD_SHUFFLE_XOR(acc3, 2);                                                 \\
+  }
+"""
+
+# Both fused kernels' shape constants (template values KD, NI, SL), threadgroup arrays and
+# roles: the latent's and the slice's B fragments, the slice of h, each warp's maxima; the
+# (token, choice) pair and slice of the threadgroup, the lane's (g, tq) in the MMA.
+ROLES = """\
   const uint tid = THREAD_INDEX;
   const uint lane = LANE;
   const uint warp = SIMDGROUP;
@@ -97,7 +112,35 @@ BODY = (
   const uint tq = lane % 4;
   const bool bcol = g / 2 == tq;                // this lane's B column is in its group
   const size_t ex = (size_t)inds[p];
+"""
+CONSTANTS = """\
+  constexpr int G1 = KD / 32;                   // scale groups per gate/up row
+  constexpr int G2 = NI / 32;                   // scale groups per down row
+  constexpr int GS = SL / 32;                   // down groups in a slice
+  constexpr int J = NI / SL;                    // slices per pair
+  constexpr int U1 = SL / 16;                   // gate/up units: 16 rows of gate and of up
+  constexpr int U2 = KD / 32;                   // down units: 32 rows (two 16-row tiles)
+"""
+DECLS = (
+    """\
+  SHARED uint4 frag1[G1 * 8];
+  SHARED uint4 frag2[GS * 8];
+  SHARED float hs[SL];
+  SHARED float s_max1[NW];
+  SHARED float s_max2[NW];
+"""
+    + ROLES
+)
 
+BODY = (
+    "\n"
+    + CONSTANTS
+    + """  constexpr int S1 = G1 / GW;                   // steps per gate/up unit
+  constexpr int S2 = GS / GW2;                  // steps per down unit
+  constexpr int NB = (GW > GW2 ? GW : GW2) / 4; // 4-group blocks a register buffer holds
+"""
+    + DECLS
+    + """
   // Unit m of a warp is unit warp + NW m; a step is GW (GW2) groups of the lane's rows g,
   // g + 8 of both tiles. The whole warp agrees on every count below.
   const int T1 = (warp < U1 ? (U1 - 1 - (int)warp) / NW + 1 : 0) * S1;
@@ -139,44 +182,13 @@ BODY = (
 #define KK_LOAD1(q, sc, t) KK_LOAD(q, sc, q1, q3, e1, e3, RS1, KK_OFF1(t), GW / 4, KK_Q)
 #define KK_LOAD2(q, sc, t) \\
   KK_LOAD(q, sc, q2, (q2 + TB2), e2, (e2 + TB2), RS2, KK_OFF2(t), GW2 / 4, KK_PLAIN)
-  // A block's eight MMAs per tile, then each row's result times its group's scale (as in
-  // mxfp4_mma): bb is the step's first group within the unit's row (or slice).
-#define KK_STEP(q, sc, frag, bb, NBL)                                                  \\
-  _Pragma("unroll") for (int u = 0; u < NBL; ++u) {                                   \\
-    float4 ca0 = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), ca1 = ca0, cb0 = ca0, cb1 = ca0;     \\
-    const uint4 wa0 = q[4 * u], wa8 = q[4 * u + 1], wb0 = q[4 * u + 2], wb8 = q[4 * u + 3]; \\
-    _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {                               \\
-      const uint4 f = bcol ? frag[((bb) / 4 + u) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u); \\
-      const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);                         \\
-      const uint xa0 = kk_word(wa0, pq), xa8 = kk_word(wa8, pq);                      \\
-      const uint xb0 = kk_word(wb0, pq), xb8 = kk_word(wb8, pq);                      \\
-      ca0 = SIMD_MMA(ca0, UINT4(kk_e2m1_pair(xa0, 0), kk_e2m1_pair(xa8, 0),          \\
-                                kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), f0, lane);   \\
-      cb0 = SIMD_MMA(cb0, UINT4(kk_e2m1_pair(xb0, 0), kk_e2m1_pair(xb8, 0),          \\
-                                kk_e2m1_pair(xb0, 1), kk_e2m1_pair(xb8, 1)), f0, lane);   \\
-      ca1 = SIMD_MMA(ca1, UINT4(kk_e2m1_pair(xa0, 2), kk_e2m1_pair(xa8, 2),          \\
-                                kk_e2m1_pair(xa0, 3), kk_e2m1_pair(xa8, 3)), f1, lane);   \\
-      cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),          \\
-                                kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), f1, lane);   \\
-    }                                                                                 \\
-    acc0 += kk_e8m0_bits(sc[4 * u]) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));            \\
-    acc1 += kk_e8m0_bits(sc[4 * u + 1]) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));        \\
-    acc2 += kk_e8m0_bits(sc[4 * u + 2]) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));        \\
-    acc3 += kk_e8m0_bits(sc[4 * u + 3]) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));        \\
-  }
-  // A row's groups are spread over its four lanes (tq): add them up.
-#define KK_LANES()                                                                     \\
-  {                                                                                    \\
-    acc0 += SIMD_SHUFFLE_XOR(acc0, 1);                                                 \\
-    acc1 += SIMD_SHUFFLE_XOR(acc1, 1);                                                 \\
-    acc2 += SIMD_SHUFFLE_XOR(acc2, 1);                                                 \\
-    acc3 += SIMD_SHUFFLE_XOR(acc3, 1);                                                 \\
-    acc0 += SIMD_SHUFFLE_XOR(acc0, 2);                                                 \\
-    acc1 += SIMD_SHUFFLE_XOR(acc1, 2);                                                 \\
-    acc2 += SIMD_SHUFFLE_XOR(acc2, 2);                                                 \\
-    acc3 += SIMD_SHUFFLE_XOR(acc3, 2);                                                 \\
-  }
-  // The last step of a unit: gate/up rows g, g + 8 become h (SiTU-GLU) in threadgroup memory.
+  // KK_STEP (mxfp4_mma.STEP_MACRO): bb is the step's first group within the unit's row (or
+  // the slice's first group of a down row).
+"""
+    + STEP_MACRO
+    + LANES
+    + """  // The last step of a unit: gate/up rows g, g + 8 become h (SiTU-GLU), in threadgroup
+  // memory.
 #define KK_STEP1(q, sc, t)                                                             \\
   {                                                                                    \\
     KK_STEP(q, sc, frag1, ((t) % S1) * GW, GW / 4);                                    \\
@@ -313,18 +325,29 @@ def shape_for(D: int, I: int, launch=None) -> tuple:
     return sl, nw, gw, gw2
 
 
+def _template(dtype, D, I, k, sl, nw) -> list:
+    """Both fused kernels' template values: latent dtype, D, I, top-k, slice, warps."""
+    return [("T", dtype), ("KD", D), ("NI", I), ("K", k), ("SL", sl), ("NW", nw)]
+
+
 def template(dtype, D, I, k, sl, nw, gw, gw2, cs=None, tiled=False):
-    return [
-        ("T", dtype),
-        ("KD", D),
-        ("NI", I),
-        ("K", k),
-        ("SL", sl),
-        ("NW", nw),
+    return _template(dtype, D, I, k, sl, nw) + [
         ("GW", gw),
         ("GW2", gw2),
         ("CS", STREAM_LOADS if cs is None else cs),
         ("TL", tiled),
+    ]
+
+
+def _instances(template_fn, shape) -> list:
+    """The launches at K3's size at ``shape``, for each latent dtype."""
+    return [
+        Instance(
+            [dt, U32, U8, U32, U8, U32, U8, I32, F32, F32],
+            [F32],
+            template_fn(dt, K3["D"], K3["I"], K3["K"], *shape),
+        )
+        for dt in (mx.bfloat16, mx.float16, mx.float32)
     ]
 
 
@@ -334,14 +357,7 @@ MXFP4_FUSED = Kernel(
     ["part"],
     BODY,
     header=MMA_HEADER,
-    instances=[
-        Instance(
-            [dt, U32, U8, U32, U8, U32, U8, I32, F32, F32],
-            [F32],
-            template(dt, K3["D"], K3["I"], K3["K"], *shape_for(K3["D"], K3["I"])),
-        )
-        for dt in (mx.bfloat16, mx.float16, mx.float32)
-    ],
+    instances=_instances(template, shape_for(K3["D"], K3["I"])),
 )
 MXFP4_FUSED_SUM = Kernel(
     "mxfp4_fused_sum",
@@ -388,16 +404,12 @@ def tile_experts(w: dict) -> dict:
     return out
 
 
-def partials(z, w, inds, weights, beta, cap, backend: str | None = None, launch=None, tiled=False):
-    """The fused launch alone: ``part [N * k * I / SL, D]`` fp32 (pair-major, then slice).
-    ``tiled``: ``w`` is in ``tile_experts``' layout."""
-    backend = backend or default_backend()
-    N, k = inds.shape
+def _launch(kernel, tmpl, sl, nw, backend, z, w, inds, weights, beta, cap):
+    """One fused launch (``kernel`` at template ``tmpl``, ``sl`` rows of I and ``nw`` warps
+    per threadgroup): ``part [N * k * I / sl, D]`` fp32, pair-major, then slice."""
     D = z.shape[-1]
     I = w["w1"][0].shape[-2]
-    sl, nw, gw, gw2 = shape_for(D, I, launch)
-    pairs = N * k
-    kernel = MXFP4_FUSED.bounded(32 * nw, MIN_BLOCKS)
+    pairs = inds.size
     (part,) = kernel(
         backend,
         inputs=[
@@ -413,9 +425,28 @@ def partials(z, w, inds, weights, beta, cap, backend: str | None = None, launch=
         output_dtypes=[F32],
         grid=(32 * nw * (I // sl), pairs, 1),
         threadgroup=(32 * nw, 1, 1),
-        template=template(z.dtype, D, I, k, sl, nw, gw, gw2, tiled=tiled),
+        template=tmpl,
     )
     return part
+
+
+def partials(z, w, inds, weights, beta, cap, backend: str | None = None, launch=None, tiled=False):
+    """The fused launch alone: ``part [N * k * I / SL, D]`` fp32 (pair-major, then slice).
+    ``tiled``: ``w`` is in ``tile_experts``' layout."""
+    backend = backend or default_backend()
+    D, I, k = z.shape[-1], w["w1"][0].shape[-2], inds.shape[-1]
+    sl, nw, gw, gw2 = shape_for(D, I, launch)
+    kernel = MXFP4_FUSED.bounded(32 * nw, MIN_BLOCKS)
+    tmpl = template(z.dtype, D, I, k, sl, nw, gw, gw2, tiled=tiled)
+    return _launch(kernel, tmpl, sl, nw, backend, z, w, inds, weights, beta, cap)
+
+
+def _decode(partials_fn, sl, z, w, inds, weights, beta, cap, backend, launch, tiled):
+    """``partials_fn``'s launch, then the sum of each token's ``k I / sl`` partials."""
+    N, k = inds.shape
+    I = w["w1"][0].shape[-2]
+    part = partials_fn(z, w, inds, weights, beta, cap, backend, launch, tiled)
+    return sum_slices(backend, part, N, k * (I // sl))
 
 
 def expert_glu_decode(
@@ -424,12 +455,8 @@ def expert_glu_decode(
     """``mxfp4_mma.expert_glu_decode`` in two launches (same shapes and return: fp32 [N, D]).
     Needs ``eligible`` inputs; ``tiled``: ``w`` is in ``tile_experts``' layout."""
     backend = backend or default_backend()
-    N, k = inds.shape
-    D = z.shape[-1]
-    I = w["w1"][0].shape[-2]
-    sl = shape_for(D, I, launch)[0]
-    part = partials(z, w, inds, weights, beta, cap, backend, launch, tiled)
-    return sum_slices(backend, part, N, k * (I // sl))
+    sl = shape_for(z.shape[-1], w["w1"][0].shape[-2], launch)[0]
+    return _decode(partials, sl, z, w, inds, weights, beta, cap, backend, launch, tiled)
 
 
 def eligible(z, w, inds) -> bool:
@@ -450,33 +477,17 @@ def eligible(z, w, inds) -> bool:
 # counted on the stage's barrier; the ring runs on from the gate/up steps into the down steps,
 # so the first down rows are in flight while the slice of h is finished.
 BODY_BULK = (
-    """
-  constexpr int G1 = KD / 32;                   // scale groups per gate/up row
-  constexpr int G2 = NI / 32;                   // scale groups per down row
-  constexpr int GS = SL / 32;                   // down groups in a slice
-  constexpr int J = NI / SL;                    // slices per pair
-  constexpr int U1 = SL / 16;                   // gate/up units: 16 rows of gate and of up
-  constexpr int U2 = KD / 32;                   // down units: 32 rows (two 16-row tiles)
-  constexpr int S1 = G1 / 4;                    // steps (4 groups) per gate/up unit
+    "\n"
+    + CONSTANTS
+    + """  constexpr int S1 = G1 / 4;                    // steps (4 groups) per gate/up unit
   constexpr int S2 = GS / 4;                    // steps per down unit
-  SHARED uint4 frag1[G1 * 8];
-  SHARED uint4 frag2[GS * 8];
-  SHARED float hs[SL];
-  SHARED float s_max1[NW];
-  SHARED float s_max2[NW];
-  SHARED uint4 ring[NW * S * 128];              // stage: 32 rows x 64 bytes
+"""
+    + """  SHARED uint4 ring[NW * S * 128];              // stage: 32 rows x 64 bytes
   SHARED uint sring[NW * S * 32];               // stage: 32 rows x 4 scale bytes
   SHARED MBAR_T bars[NW * S];
-  const uint tid = THREAD_INDEX;
-  const uint lane = LANE;
-  const uint warp = SIMDGROUP;
-  const uint p = GROUP_POS.y;                   // the (token, choice) pair
-  const uint js = GROUP_POS.x;                  // the slice of I
-  const uint g = lane / 4;
-  const uint tq = lane % 4;
-  const bool bcol = g / 2 == tq;                // this lane's B column is in its group
-  const size_t ex = (size_t)inds[p];
-  const int T1 = (warp < U1 ? (U1 - 1 - (int)warp) / NW + 1 : 0) * S1;
+"""
+    + DECLS
+    + """  const int T1 = (warp < U1 ? (U1 - 1 - (int)warp) / NW + 1 : 0) * S1;
   const int T2 = (warp < U2 ? (U2 - 1 - (int)warp) / NW + 1 : 0) * S2;
   const int TT = T1 + T2;
 
@@ -553,40 +564,19 @@ BODY_BULK = (
     const uint ea8 = (sring[b_ * 32 + 8 + g] >> sh_) & 255u;                              \\
     const uint eb0 = (sring[b_ * 32 + 16 + g] >> sh_) & 255u;                             \\
     const uint eb8 = (sring[b_ * 32 + 24 + g] >> sh_) & 255u;                             \\
-    float4 ca0 = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), ca1 = ca0, cb0 = ca0, cb1 = ca0;         \\
-    _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {                                   \\
-      const uint4 f = bcol ? frag[(fb) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u);        \\
-      const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);                             \\
-      const uint xa0 = kk_word(wa0, pq), xa8 = kk_word(wa8, pq);                          \\
-      const uint xb0 = kk_word(wb0, pq), xb8 = kk_word(wb8, pq);                          \\
-      ca0 = SIMD_MMA(ca0, UINT4(kk_e2m1_pair(xa0, 0), kk_e2m1_pair(xa8, 0),              \\
-                                kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), f0, lane);       \\
-      cb0 = SIMD_MMA(cb0, UINT4(kk_e2m1_pair(xb0, 0), kk_e2m1_pair(xb8, 0),              \\
-                                kk_e2m1_pair(xb0, 1), kk_e2m1_pair(xb8, 1)), f0, lane);       \\
-      ca1 = SIMD_MMA(ca1, UINT4(kk_e2m1_pair(xa0, 2), kk_e2m1_pair(xa8, 2),              \\
-                                kk_e2m1_pair(xa0, 3), kk_e2m1_pair(xa8, 3)), f1, lane);       \\
-      cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),              \\
-                                kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), f1, lane);       \\
-    }                                                                                     \\
-    acc0 += kk_e8m0_bits(ea0) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));                      \\
-    acc1 += kk_e8m0_bits(ea8) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));                      \\
-    acc2 += kk_e8m0_bits(eb0) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));                      \\
-    acc3 += kk_e8m0_bits(eb8) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));                      \\
-    SIMD_BARRIER();                                                                       \\
-    if ((t) + S < TT) KB_ISSUE((t) + S);                                                  \\
+"""
+    + mma_block(
+        "frag[(fb) * 32 + pq * 8 + g]",
+        ("ea0", "ea8", "eb0", "eb8"),
+        "",
+        "    ",
+    )
+    + """    SIMD_BARRIER();                                                                   \\
+    if ((t) + S < TT) KB_ISSUE((t) + S);                                              \\
   }
-#define KB_LANES()                                                                        \\
-  {                                                                                       \\
-    acc0 += SIMD_SHUFFLE_XOR(acc0, 1);                                                    \\
-    acc1 += SIMD_SHUFFLE_XOR(acc1, 1);                                                    \\
-    acc2 += SIMD_SHUFFLE_XOR(acc2, 1);                                                    \\
-    acc3 += SIMD_SHUFFLE_XOR(acc3, 1);                                                    \\
-    acc0 += SIMD_SHUFFLE_XOR(acc0, 2);                                                    \\
-    acc1 += SIMD_SHUFFLE_XOR(acc1, 2);                                                    \\
-    acc2 += SIMD_SHUFFLE_XOR(acc2, 2);                                                    \\
-    acc3 += SIMD_SHUFFLE_XOR(acc3, 2);                                                    \\
-  }
-
+"""
+    + LANES
+    + """
   if (lane == 0) {
     // One arrival with the bytes expected, plus (plain layout) one per lane's scale copy.
     for (int s = 0; s < S; ++s) MBAR_INIT(&bars[warp * S + s], TL ? 1 : 33);
@@ -604,7 +594,7 @@ BODY_BULK = (
   for (int t = 0; t < T1; ++t) {
     KB_STEP(t, frag1, t % S1);
     if (t % S1 == S1 - 1) {
-      KB_LANES();
+      KK_LANES();
       if (tq == 0) {
         const uint row = 16 * (warp + NW * uint(t / S1));
         hs[row + g] = kk_situ_glu(acc0 * unscale1, acc2 * unscale1, params[0], params[1]);
@@ -624,7 +614,7 @@ BODY_BULK = (
     const int t2 = t - T1;
     KB_STEP(t, frag2, t2 % S2);
     if (t2 % S2 == S2 - 1) {
-      KB_LANES();
+      KK_LANES();
       if (tq == 0) {
         const float f = wts[p] * unscale2;
         DEVICE float* o = part + ((size_t)p * J + js) * KD + 32 * (warp + NW * uint(t2 / S2));
@@ -638,7 +628,7 @@ BODY_BULK = (
   }
 #undef KB_ISSUE
 #undef KB_STEP
-#undef KB_LANES
+#undef KK_LANES
 """
 )
 
@@ -669,16 +659,7 @@ def shape_for_bulk(D: int, I: int, launch=None, backend: str = "cuda") -> tuple:
 
 
 def template_bulk(dtype, D, I, k, sl, nw, s, tiled=False):
-    return [
-        ("T", dtype),
-        ("KD", D),
-        ("NI", I),
-        ("K", k),
-        ("SL", sl),
-        ("NW", nw),
-        ("S", s),
-        ("TL", tiled),
-    ]
+    return _template(dtype, D, I, k, sl, nw) + [("S", s), ("TL", tiled)]
 
 
 MXFP4_FUSED_BULK = Kernel(
@@ -687,14 +668,7 @@ MXFP4_FUSED_BULK = Kernel(
     ["part"],
     BODY_BULK,
     header=MMA_HEADER,
-    instances=[
-        Instance(
-            [dt, U32, U8, U32, U8, U32, U8, I32, F32, F32],
-            [F32],
-            template_bulk(dt, K3["D"], K3["I"], K3["K"], *shape_for_bulk(K3["D"], K3["I"])),
-        )
-        for dt in (mx.bfloat16, mx.float16, mx.float32)
-    ],
+    instances=_instances(template_bulk, shape_for_bulk(K3["D"], K3["I"])),
 )
 
 
@@ -704,36 +678,14 @@ def partials_bulk(
     """``partials`` through the bulk-copy kernel (``tiled``: ``w`` in ``tile_experts``'
     layout, a stage is then four copies: two 1 KB blocks of codes, two of scales)."""
     backend = backend or default_backend()
-    N, k = inds.shape
-    D = z.shape[-1]
-    I = w["w1"][0].shape[-2]
+    D, I, k = z.shape[-1], w["w1"][0].shape[-2], inds.shape[-1]
     sl, nw, s = shape_for_bulk(D, I, launch, backend)
-    pairs = N * k
-    (part,) = MXFP4_FUSED_BULK(
-        backend,
-        inputs=[
-            z,
-            *w["w1"],
-            *w["w3"],
-            *w["w2"],
-            inds.reshape(-1).astype(I32),
-            weights.reshape(-1).astype(F32),
-            constant((beta, cap)),
-        ],
-        output_shapes=[(pairs * (I // sl), D)],
-        output_dtypes=[F32],
-        grid=(32 * nw * (I // sl), pairs, 1),
-        threadgroup=(32 * nw, 1, 1),
-        template=template_bulk(z.dtype, D, I, k, sl, nw, s, tiled),
-    )
-    return part
+    tmpl = template_bulk(z.dtype, D, I, k, sl, nw, s, tiled)
+    return _launch(MXFP4_FUSED_BULK, tmpl, sl, nw, backend, z, w, inds, weights, beta, cap)
 
 
 def expert_glu_decode_bulk(z, w, inds, weights, beta, cap, backend=None, launch=None, tiled=False):
     """``expert_glu_decode`` with the weights brought in by bulk copies (``BODY_BULK``)."""
     backend = backend or default_backend()
-    N, k = inds.shape
-    I = w["w1"][0].shape[-2]
-    sl = shape_for_bulk(z.shape[-1], I, launch, backend)[0]
-    part = partials_bulk(z, w, inds, weights, beta, cap, backend, launch, tiled)
-    return sum_slices(backend, part, N, k * (I // sl))
+    sl = shape_for_bulk(z.shape[-1], w["w1"][0].shape[-2], launch, backend)[0]
+    return _decode(partials_bulk, sl, z, w, inds, weights, beta, cap, backend, launch, tiled)

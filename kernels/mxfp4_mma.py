@@ -69,6 +69,55 @@ HELPER uint kk_word(uint4 v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : (i =
 """
 )
 
+
+def mma_block(frag: str, scales: tuple, words: str = "", indent: str = "    ") -> str:
+    """C lines for one 4-group block (every body here runs it): eight MMAs per tile, then each
+    row's result (its group's hi and lo columns) times the group's scale into acc0-acc3.
+
+    Word pq of the lane's group gives the k-pairs (codes j, j + 4) j = 0, 1 of one MMA and
+    j = 2, 3 of the next. ``frag``: the lane's B fragment of word pq (an expression in pq);
+    ``scales``: the E8M0 bytes of A rows g, g + 8 and B rows g, g + 8; ``words``: a line
+    defining the code words wa0, wa8, wb0, wb8 where they are not yet in scope. Every line
+    ends in a line continuation, so the block can sit inside a macro."""
+    first = "float4 ca0 = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), ca1 = ca0, cb0 = ca0, cb1 = ca0;"
+    lines = [first] + ([words] if words else [])
+    lines += [
+        '_Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {',
+        f"  const uint4 f = bcol ? {frag} : UINT4(0u, 0u, 0u, 0u);",
+        "  const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);",
+        "  const uint xa0 = kk_word(wa0, pq), xa8 = kk_word(wa8, pq);",
+        "  const uint xb0 = kk_word(wb0, pq), xb8 = kk_word(wb8, pq);",
+    ]
+    for c, t, j in (("ca0", "a", 0), ("cb0", "b", 0), ("ca1", "a", 2), ("cb1", "b", 2)):
+        lines += [
+            f"  {c} = SIMD_MMA({c}, UINT4(kk_e2m1_pair(x{t}0, {j}), kk_e2m1_pair(x{t}8, {j}),",
+            f"{' ' * 26}kk_e2m1_pair(x{t}0, {j + 1}), kk_e2m1_pair(x{t}8, {j + 1})),"
+            f" f{j // 2}, lane);",
+        ]
+    lines.append("}")
+    for i, (c, (x, y)) in enumerate((("a", "xy"), ("a", "zw"), ("b", "xy"), ("b", "zw"))):
+        lines.append(
+            f"acc{i} += kk_e8m0_bits({scales[i]}) * "
+            f"((c{c}0.{x} + c{c}0.{y}) + (c{c}1.{x} + c{c}1.{y}));"
+        )
+    return "".join(f"{indent}{line} \\\n" for line in lines)
+
+
+# A step of the register kernels (mxfp4_mma, mxfp4_fused): NBL 4-group blocks whose code
+# words and scale bytes are in the registers q and sc, against the B fragments frag from group
+# bb on.
+STEP_MACRO = (
+    "#define KK_STEP(q, sc, frag, bb, NBL) \\\n"
+    '  _Pragma("unroll") for (int u = 0; u < NBL; ++u) { \\\n'
+    + mma_block(
+        "frag[((bb) / 4 + u) * 32 + pq * 8 + g]",
+        ("sc[4 * u]", "sc[4 * u + 1]", "sc[4 * u + 2]", "sc[4 * u + 3]"),
+        "const uint4 wa0 = q[4 * u], wa8 = q[4 * u + 1], wb0 = q[4 * u + 2], wb8 = q[4 * u + 3];",
+    )
+    + "  }\n"
+)
+
+
 # Both kernels' warp roles: row tile rt and split sk of the warp, lane (g, tq) of the MMA.
 ROLES = """\
   const uint rt = warp % RT;
@@ -177,45 +226,24 @@ BODY = (
   // A block's eight MMAs per tile: word pq of the lane's group gives the k-pairs (codes
   // j, j + 4) j = 0, 1 of one MMA and j = 2, 3 of the next; then each row's result (its
   // group's hi and lo columns) times the group's scale.
-#define KK_STEP(q, sc, bb)                                                             \\
-  _Pragma("unroll") for (int u = 0; u < NB; ++u) {                                    \\
-    float4 ca0 = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), ca1 = ca0, cb0 = ca0, cb1 = ca0;      \\
-    const uint4 wa0 = q[4 * u], wa8 = q[4 * u + 1], wb0 = q[4 * u + 2], wb8 = q[4 * u + 3]; \\
-    _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {                                \\
-      const uint4 f = bcol ? frag[((bb) / 4 + u) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u); \\
-      const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);                          \\
-      const uint xa0 = kk_word(wa0, pq), xa8 = kk_word(wa8, pq);                       \\
-      const uint xb0 = kk_word(wb0, pq), xb8 = kk_word(wb8, pq);                       \\
-      ca0 = SIMD_MMA(ca0, UINT4(kk_e2m1_pair(xa0, 0), kk_e2m1_pair(xa8, 0),           \\
-                                kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), f0, lane);    \\
-      cb0 = SIMD_MMA(cb0, UINT4(kk_e2m1_pair(xb0, 0), kk_e2m1_pair(xb8, 0),           \\
-                                kk_e2m1_pair(xb0, 1), kk_e2m1_pair(xb8, 1)), f0, lane);    \\
-      ca1 = SIMD_MMA(ca1, UINT4(kk_e2m1_pair(xa0, 2), kk_e2m1_pair(xa8, 2),           \\
-                                kk_e2m1_pair(xa0, 3), kk_e2m1_pair(xa8, 3)), f1, lane);    \\
-      cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),           \\
-                                kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), f1, lane);    \\
-    }                                                                                  \\
-    acc0 += kk_e8m0_bits(sc[4 * u]) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));             \\
-    acc1 += kk_e8m0_bits(sc[4 * u + 1]) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));     \\
-    acc2 += kk_e8m0_bits(sc[4 * u + 2]) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));     \\
-    acc3 += kk_e8m0_bits(sc[4 * u + 3]) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));     \\
-  }
-  // PP: two register buffers take turns, a step's loads go out before the previous one's
+"""
+    + STEP_MACRO
+    + """  // PP: two register buffers take turns, a step's loads go out before the previous one's
   // math. Without it each step loads then computes (fewer registers, more warps resident).
   if (work && !PP) {
     for (uint b = b0; b < b1; b += GW) {
       if (b > b0) KK_LOAD(qx, sx, b);
-      KK_STEP(qx, sx, b);
+      KK_STEP(qx, sx, frag, b, NB);
     }
   }
   if (work && PP) {
     for (uint b = b0; b < b1; b += 2 * GW) {
       const bool second = b + GW < b1;            // the whole warp agrees
       if (second) KK_LOAD(qy, sy, b + GW);
-      KK_STEP(qx, sx, b);
+      KK_STEP(qx, sx, frag, b, NB);
       if (second) {
         if (b + 2 * GW < b1) KK_LOAD(qx, sx, b + 2 * GW);
-        KK_STEP(qy, sy, b + GW);
+        KK_STEP(qy, sy, frag, b + GW, NB);
       }
     }
   }
@@ -494,26 +522,14 @@ BODY_AC = (
       const uint ea8 = (sring[sb + (g + 8) * (GW / 4)] >> sh) & 255u;
       const uint eb0 = (sring[sb + (16 + g) * (GW / 4)] >> sh) & 255u;
       const uint eb8 = (sring[sb + (24 + g) * (GW / 4)] >> sh) & 255u;
-      float4 ca0 = FLOAT4(0.0f, 0.0f, 0.0f, 0.0f), ca1 = ca0, cb0 = ca0, cb1 = ca0;
-      _Pragma("unroll") for (int pq = 0; pq < 4; ++pq) {
-        const uint4 f = bcol ? frag[(bb / 4 + u) * 32 + pq * 8 + g] : UINT4(0u, 0u, 0u, 0u);
-        const uint2 f0 = UINT2(f.x, f.y), f1 = UINT2(f.z, f.w);
-        const uint xa0 = kk_word(wa0, pq), xa8 = kk_word(wa8, pq);
-        const uint xb0 = kk_word(wb0, pq), xb8 = kk_word(wb8, pq);
-        ca0 = SIMD_MMA(ca0, UINT4(kk_e2m1_pair(xa0, 0), kk_e2m1_pair(xa8, 0),
-                                  kk_e2m1_pair(xa0, 1), kk_e2m1_pair(xa8, 1)), f0, lane);
-        cb0 = SIMD_MMA(cb0, UINT4(kk_e2m1_pair(xb0, 0), kk_e2m1_pair(xb8, 0),
-                                  kk_e2m1_pair(xb0, 1), kk_e2m1_pair(xb8, 1)), f0, lane);
-        ca1 = SIMD_MMA(ca1, UINT4(kk_e2m1_pair(xa0, 2), kk_e2m1_pair(xa8, 2),
-                                  kk_e2m1_pair(xa0, 3), kk_e2m1_pair(xa8, 3)), f1, lane);
-        cb1 = SIMD_MMA(cb1, UINT4(kk_e2m1_pair(xb0, 2), kk_e2m1_pair(xb8, 2),
-                                  kk_e2m1_pair(xb0, 3), kk_e2m1_pair(xb8, 3)), f1, lane);
-      }
-      acc0 += kk_e8m0_bits(ea0) * ((ca0.x + ca0.y) + (ca1.x + ca1.y));
-      acc1 += kk_e8m0_bits(ea8) * ((ca0.z + ca0.w) + (ca1.z + ca1.w));
-      acc2 += kk_e8m0_bits(eb0) * ((cb0.x + cb0.y) + (cb1.x + cb1.y));
-      acc3 += kk_e8m0_bits(eb8) * ((cb0.z + cb0.w) + (cb1.z + cb1.w));
-    }
+"""
+    + mma_block(
+        "frag[(bb / 4 + u) * 32 + pq * 8 + g]",
+        ("ea0", "ea8", "eb0", "eb8"),
+        "",
+        "      ",
+    )
+    + """    }
   }
 #undef KK_COPY
 """

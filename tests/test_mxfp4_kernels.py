@@ -454,7 +454,7 @@ def test_fused_decode_handles_large_and_tiny_activations():
     [
         ("acc0 = acc2 = 0.0f, acc1 = acc3 = 0.0f;", ""),
         ("hs[row + 8 + g] = kk_situ_glu(acc1", "hs[row + g] = kk_situ_glu(acc1"),
-        ("+ uint((t) % S2) * GW2)", ")"),
+        ("+ uint((t) % S2) * (GW2 / 4) * BS)", ")"),
         ("o[16 + g] = f * acc2;", "o[16 + g] = f * acc3;"),
         ("if (t + 2 < (NT)) LOADF(qx, sx, t + 2);", "if (t + 2 < (NT)) LOADF(qx, sx, t + 1);"),
     ],
