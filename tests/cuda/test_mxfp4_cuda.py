@@ -86,13 +86,18 @@ def test_mma_decode_with_launch_bounds(monkeypatch, blocks):
     assert mx.array_equal(got, plain).item()
 
 
+FUSED_FNS = {"regs": mxfp4_fused.expert_glu_decode, "bulk": mxfp4_fused.expert_glu_decode_bulk}
+
+
+@pytest.mark.parametrize("fn", FUSED_FNS.values(), ids=FUSED_FNS.keys())
 @pytest.mark.parametrize(
     "E,D,I,N,k,dtype", MMA_CASES + [(16, *K3, 4, 16, "bfloat16"), (16, *K3, 8, 16, "float32")]
 )
-def test_fused_decode_matches_oracle(E, D, I, N, k, dtype):
-    """The one-launch decode (mxfp4_fused: gate/up, SiTU-GLU, a slice of down) and its sum."""
+def test_fused_decode_matches_oracle(E, D, I, N, k, dtype, fn):
+    """The one-launch decodes (mxfp4_fused: gate/up, SiTU-GLU, a slice of down; with register
+    loads, and with bulk copies through the TMA engine and mbarriers) and their sum."""
     args, want = case(E, D, I, N, k, dtype)
-    got = mxfp4_fused.expert_glu_decode(*args, backend="cuda")
+    got = fn(*args, backend="cuda")
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
 
@@ -111,17 +116,6 @@ def test_fused_launches_and_bounds(monkeypatch, launch, bound):
     again = mxfp4_fused.expert_glu_decode(*args, backend="cuda", launch=lc)
     assert rel_err(got, want) < TOL
     assert mx.array_equal(got, plain).item() and mx.array_equal(got, again).item()
-
-
-@pytest.mark.parametrize(
-    "E,D,I,N,k,dtype", MMA_CASES + [(16, *K3, 4, 16, "bfloat16"), (16, *K3, 8, 16, "float32")]
-)
-def test_fused_bulk_matches_oracle(E, D, I, N, k, dtype):
-    """The bulk-copy kernel (mxfp4_fused_bulk: TMA copies and mbarriers) and its sum."""
-    args, want = case(E, D, I, N, k, dtype)
-    got = mxfp4_fused.expert_glu_decode_bulk(*args, backend="cuda")
-    assert got.dtype == mx.float32 and got.shape == (N, D)
-    assert rel_err(got, want) < TOL
 
 
 @pytest.mark.parametrize("launch", BULK_LAUNCHES)
