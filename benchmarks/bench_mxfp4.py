@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import time
 import traceback
 
@@ -110,6 +111,22 @@ def time_batch(fn, inputs: list, repeats: int) -> float:
         mx.synchronize()
         best = min(best, (time.perf_counter() - t0) / len(inputs))
     return best
+
+
+def time_rounds(fns: list, inputs: list, rounds: int, repeats: int, width: int = 80):
+    """Every ``fns[j]`` timed once per round (``time_batch``), the rounds one after another, so
+    a drift of the clocks over the run reaches all alike. Returns (``times[j]``: seconds per
+    call of each round, ``failed``: {j: the first error, whitespace folded, ``width`` chars})."""
+    times, failed = [[] for _ in fns], {}
+    for _ in range(rounds):
+        for j, fn in enumerate(fns):
+            if j in failed:
+                continue
+            try:
+                times[j].append(time_batch(fn, inputs, repeats))
+            except Exception as e:  # noqa: BLE001 - a launch that fails is a row
+                failed[j] = re.sub(r"\s+", " ", str(e))[:width]
+    return times, failed
 
 
 def copy_gbps(nbytes: int, repeats: int) -> float:

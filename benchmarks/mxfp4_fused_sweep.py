@@ -26,7 +26,6 @@ blocks: a warp load is 512 contiguous bytes), converted once before timing. ``--
 from __future__ import annotations
 
 import argparse
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -39,7 +38,7 @@ from benchmarks.bench_mxfp4 import (
     random_experts,
     rel_err,
     routing,
-    time_batch,
+    time_rounds,
 )
 from benchmarks.profile_kernels import register_count
 from kimi_k3.experts import expert_glu_reference
@@ -52,29 +51,26 @@ DEFAULT_LAUNCHES = ["384,8,8,4", "256,8,8,8", "128,4,8,4", "256,4,8,8", "512,8,8
 BULK_LAUNCHES = ["128,2,6", "128,4,3", "128,1,12", "256,2,6", "128,2,4"]
 
 
-def fused_registers(launch, bound: int, D: int, I: int, k: int) -> str:
-    """ptxas's registers (and spill stores) of the fused kernel at this launch and bound."""
-    sl, nw, gw, gw2 = mxfp4_fused.shape_for(D, I, launch)
-    kernel = mxfp4_fused.MXFP4_FUSED.bounded(32 * nw, bound)
+def registers(kernel, tmpl: list) -> str:
+    """ptxas's registers (and spill stores) of a fused kernel at template ``tmpl`` (its
+    inputs as the bf16 decode launches them)."""
     dts = [mx.bfloat16, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.uint32, mx.uint8]
-    inst = Instance(
-        dts + [mx.int32, mx.float32, mx.float32],
-        [mx.float32],
-        mxfp4_fused.template(mx.bfloat16, D, I, k, sl, nw, gw, gw2),
-    )
+    inst = Instance(dts + [mx.int32, mx.float32, mx.float32], [mx.float32], tmpl)
     return register_count(kernel, [inst])
 
 
+def fused_registers(launch, bound: int, D: int, I: int, k: int) -> str:
+    """``registers`` of the fused kernel at this launch and bound."""
+    sl, nw, gw, gw2 = mxfp4_fused.shape_for(D, I, launch)
+    kernel = mxfp4_fused.MXFP4_FUSED.bounded(32 * nw, bound)
+    return registers(kernel, mxfp4_fused.template(mx.bfloat16, D, I, k, sl, nw, gw, gw2))
+
+
 def bulk_registers(launch, D: int, I: int, k: int, tiled: bool = False) -> str:
-    """ptxas's registers (and spill stores) of the bulk-copy kernel at this launch."""
-    sl, nw, s = mxfp4_fused.shape_for_bulk(D, I, launch)
-    dts = [mx.bfloat16, mx.uint32, mx.uint8, mx.uint32, mx.uint8, mx.uint32, mx.uint8]
-    inst = Instance(
-        dts + [mx.int32, mx.float32, mx.float32],
-        [mx.float32],
-        mxfp4_fused.template_bulk(mx.bfloat16, D, I, k, sl, nw, s, tiled),
-    )
-    return register_count(mxfp4_fused.MXFP4_FUSED_BULK, [inst])
+    """``registers`` of the bulk-copy kernel at this launch."""
+    shape = mxfp4_fused.shape_for_bulk(D, I, launch)
+    tmpl = mxfp4_fused.template_bulk(mx.bfloat16, D, I, k, *shape, tiled)
+    return registers(mxfp4_fused.MXFP4_FUSED_BULK, tmpl)
 
 
 _TILED: dict = {}
@@ -87,6 +83,17 @@ def tiled_stack(w: dict) -> dict:
         _TILED[key] = mxfp4_fused.tile_experts(w)
         mx.eval(_TILED[key])
     return _TILED[key]
+
+
+def decode_job(decode, launch, tiled: bool = False):
+    """``decode`` (a fused ``expert_glu_decode*``) at ``launch``, on ``tiled_stack``'s copy of
+    the experts where ``tiled``."""
+
+    def run(z, w, inds, wts, beta, cap):
+        wt = tiled_stack(w) if tiled else w
+        return decode(z, wt, inds, wts, beta, cap, launch=launch, tiled=tiled)
+
+    return run
 
 
 def with_bound(fn, bound: int):
@@ -162,60 +169,36 @@ def main():
         ("gather_qmm", "", "", expert_glu_reference),
         ("mxfp4_mma (dispatched)", "", "", mxfp4_mma.expert_glu_decode),
     ]
+    fused, bulk = mxfp4_fused.expert_glu_decode, mxfp4_fused.expert_glu_decode_bulk
     if args.prmt:
         fn = prmt_decode(mxfp4_mma.expert_glu_decode)
         jobs.append(("mxfp4_mma, byte-permute decode", "", "", fn))
         for lc in launches[:1]:
+            fn = prmt_decode(decode_job(fused, lc), mxfp4_fused, "MXFP4_FUSED")
             shape = mxfp4_fused.shape_for(D, I, lc)
-
-            def e2e_prmt(*a, lc=lc):
-                return mxfp4_fused.expert_glu_decode(*a, launch=lc)
-
-            fn = prmt_decode(e2e_prmt, mxfp4_fused, "MXFP4_FUSED")
             jobs.append(("mxfp4_fused, byte-permute decode", shape, "1", with_bound(fn, 1)))
     for lc in launches:
         shape = mxfp4_fused.shape_for(D, I, lc)
         for b in args.min_blocks:
-
-            def e2e(*a, lc=lc):
-                return mxfp4_fused.expert_glu_decode(*a, launch=lc)
-
-            def part(*a, lc=lc):
-                return mxfp4_fused.partials(*a, launch=lc)
-
-            jobs.append(("mxfp4_fused", shape, f"{b} ({regs[(lc, b)]})", with_bound(e2e, b)))
+            fn = with_bound(decode_job(fused, lc), b)
+            jobs.append(("mxfp4_fused", shape, f"{b} ({regs[(lc, b)]})", fn))
             if args.tiled:
-
-                def e2e_tiled(z, w_, inds, wts, beta, cap, lc=lc):
-                    wt = tiled_stack(w_)
-                    return mxfp4_fused.expert_glu_decode(
-                        z, wt, inds, wts, beta, cap, launch=lc, tiled=True
-                    )
-
-                label = "mxfp4_fused, tiled layout"
-                jobs.append((label, shape, f"{b}", with_bound(e2e_tiled, b)))
+                fn = with_bound(decode_job(fused, lc, tiled=True), b)
+                jobs.append(("mxfp4_fused, tiled layout", shape, f"{b}", fn))
             if args.launch_only:
+
+                def part(*a, lc=lc):
+                    return mxfp4_fused.partials(*a, launch=lc)
+
                 jobs.append(("fused launch only", shape, f"{b}", with_bound(part, b)))
 
     for spec in args.bulk_launches:
         lc = tuple(int(v) for v in spec.split(","))
         shape = mxfp4_fused.shape_for_bulk(D, I, lc)
-
-        def bulk(*a, lc=lc):
-            return mxfp4_fused.expert_glu_decode_bulk(*a, launch=lc)
-
-        regs_b = f"({bulk_registers(lc, D, I, k)})"
-        jobs.append(("mxfp4_fused_bulk (SL, NW, S)", shape, regs_b, bulk))
-        if args.tiled:
-
-            def bulk_tiled(z, w_, inds, wts, beta, cap, lc=lc):
-                wt = tiled_stack(w_)
-                return mxfp4_fused.expert_glu_decode_bulk(
-                    z, wt, inds, wts, beta, cap, launch=lc, tiled=True
-                )
-
-            regs_t = f"({bulk_registers(lc, D, I, k, tiled=True)})"
-            jobs.append(("mxfp4_fused_bulk, tiled layout", shape, regs_t, bulk_tiled))
+        for tiled in (False, True) if args.tiled else (False,):
+            label = "mxfp4_fused_bulk, tiled layout" if tiled else "mxfp4_fused_bulk (SL, NW, S)"
+            regs_b = f"({bulk_registers(lc, D, I, k, tiled)})"
+            jobs.append((label, shape, regs_b, decode_job(bulk, lc, tiled)))
 
     rng = np.random.default_rng(args.seed)
     per_expert = expert_bytes(D, I)
@@ -230,15 +213,9 @@ def main():
             tiled_stack(w)
         nbytes = np.mean([len(np.unique(np.array(s[2]))) for s in sets]) * per_expert
         ref = mxfp4_mma.expert_glu_decode(*sets[0])
-        times, failed, diffs = [[] for _ in jobs], {}, {}
-        for _ in range(args.rounds):
-            for j, (_, _, _, fn) in enumerate(jobs):
-                if j in failed:
-                    continue
-                try:
-                    times[j].append(time_batch(fn, sets, args.repeats))
-                except Exception as e:  # noqa: BLE001 - a launch that fails is a row
-                    failed[j] = re.sub(r"\s+", " ", str(e))[:100]
+        fns = [fn for *_, fn in jobs]
+        times, failed = time_rounds(fns, sets, args.rounds, args.repeats, width=100)
+        diffs = {}
         for j, (name, _, _, fn) in enumerate(jobs):
             if j not in failed and name != "fused launch only":
                 diffs[j] = rel_err(fn(*sets[0]), ref)

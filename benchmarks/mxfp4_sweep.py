@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_batch
+from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_rounds
 from benchmarks.profile_kernels import register_count
 from kimi_k3.kernels import mxfp4_mma
 from kimi_k3.kernels.source import Instance, Kernel, constant
@@ -322,9 +322,8 @@ def main():
         "rel diff to the first shape | us, every round |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|---|")
-    # Every job is timed once per round, the rounds one after another, so a drift of the
-    # clocks over the run reaches all jobs alike; a row reports its best round.
-    fns, times, failed = [], [[] for _ in jobs], {}
+    # Every job is timed once per round (time_rounds); a row reports its best round.
+    fns = []
     for _, kern, _, glu, KD, NR, shape in jobs:
 
         def fn(z, h, inds, wts, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
@@ -335,14 +334,7 @@ def main():
             return launch(kern, *a, KD, NR, k, glu, shape)
 
         fns.append(fn)
-    for _ in range(args.rounds):
-        for j, fn in enumerate(fns):
-            if j in failed:
-                continue
-            try:
-                times[j].append(time_batch(fn, sets, args.repeats))
-            except Exception as e:  # noqa: BLE001 - a shape that cannot launch is a row
-                failed[j] = re.sub(r"\s+", " ", str(e))[:80]
+    times, failed = time_rounds(fns, sets, args.rounds, args.repeats)
     first = {}
     for j, ((name, _, proj, glu, _, NR, shape), reg) in enumerate(zip(jobs, regs)):
         units = NR // 16 if glu else NR // 32

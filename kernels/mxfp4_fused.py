@@ -43,61 +43,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .mxfp4_decode import K3
-from .mxfp4_mma import MMA_HEADER, SHARED_LIMIT, STEP_MACRO, mma_block
-from .mxfp4_mma import eligible as mma_eligible
+from .mxfp4_mma import LANES, MMA_HEADER, SHARED_LIMIT, STEP_MACRO, mma_block, staging
 from .source import Instance, Kernel, constant
 from .source import backend as default_backend
 
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
-
-def _staging(frag: str, n: str, src: str, smax: str, sfx: str) -> str:
-    """Code staging ``n`` activations (element ``i`` is the C expression ``src`` with ``{i}``)
-    into ``frag`` as fp16 hi/lo B fragments, scaled by a power of two (largest |x| in
-    [2^14, 2^15)); defines ``unscale<sfx>``, which undoes the scalings of a dot product."""
-    elem = src.format(i="i")
-    elem8 = src.format(i="32 * grp + 8 * pq + e")
-    return f"""\
-  float m{sfx} = 0.0f;
-  for (uint i = tid; i < {n}; i += 32 * NW) m{sfx} = FMAX(m{sfx}, FABS({elem}));
-  m{sfx} = SIMD_MAX(m{sfx});
-  if (lane == 0) {smax}[warp] = m{sfx};
-  BARRIER();
-  m{sfx} = {smax}[0];
-  for (int w = 1; w < NW; ++w) m{sfx} = FMAX(m{sfx}, {smax}[w]);
-  int n{sfx} = 141 - int((AS_UINT(m{sfx}) >> 23) & 255u);
-  n{sfx} = n{sfx} > 127 ? 127 : (n{sfx} < -113 ? -113 : n{sfx});
-  const float up{sfx} = AS_FLOAT(uint(n{sfx} + 127) << 23);
-  const float unscale{sfx} = AS_FLOAT(uint(141 - n{sfx}) << 23);
-  for (uint it = tid; it < ({n} / 32) * 8; it += 32 * NW) {{
-    const uint col = it % 8;
-    const uint pq = (it / 8) % 4;
-    const uint grp = (it / 32) * 4 + col / 2;
-    float v[8];
-    for (int e = 0; e < 8; ++e) v[e] = {elem8} * up{sfx};
-    if (col % 2) {{
-      for (int e = 0; e < 8; ++e) v[e] -= ROUND_HALF(v[e]);
-    }}
-    {frag}[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
-                      PACK_HALF2(v[3], v[7]));
-  }}
-"""
-
-
-LANES = """\
-  // A row's groups are spread over its four lanes (tq): add them up.
-#define KK_LANES()                                                                     \\
-  {                                                                                    \\
-    acc0 += SIMD_SHUFFLE_XOR(acc0, 1);                                                 \\
-    acc1 += SIMD_SHUFFLE_XOR(acc1, 1);                                                 \\
-    acc2 += SIMD_SHUFFLE_XOR(acc2, 1);                                                 \\
-    acc3 += SIMD_SHUFFLE_XOR(acc3, 1);                                                 \\
-    acc0 += SIMD_SHUFFLE_XOR(acc0, 2);                                                 \\
-    acc1 += SIMD_SHUFFLE_XOR(acc1, 2);                                                 \\
-    acc2 += SIMD_SHUFFLE_XOR(acc2, 2);                                                 \\
-    acc3 += SIMD_SHUFFLE_XOR(acc3, 2);                                                 \\
-  }
-"""
 
 # Both fused kernels' shape constants (template values KD, NI, SL), threadgroup arrays and
 # roles: the latent's and the slice's B fragments, the slice of h, each warp's maxima; the
@@ -112,6 +63,10 @@ ROLES = """\
   const uint tq = lane % 4;
   const bool bcol = g / 2 == tq;                // this lane's B column is in its group
   const size_t ex = (size_t)inds[p];
+  // Unit m of a warp is unit warp + NW m: its steps, T1 in gate/up, T2 in down (S1, S2 per
+  // unit; the whole warp agrees).
+  const int T1 = (warp < U1 ? (U1 - 1 - (int)warp) / NW + 1 : 0) * S1;
+  const int T2 = (warp < U2 ? (U2 - 1 - (int)warp) / NW + 1 : 0) * S2;
 """
 CONSTANTS = """\
   constexpr int G1 = KD / 32;                   // scale groups per gate/up row
@@ -141,10 +96,7 @@ BODY = (
 """
     + DECLS
     + """
-  // Unit m of a warp is unit warp + NW m; a step is GW (GW2) groups of the lane's rows g,
-  // g + 8 of both tiles. The whole warp agrees on every count below.
-  const int T1 = (warp < U1 ? (U1 - 1 - (int)warp) / NW + 1 : 0) * S1;
-  const int T2 = (warp < U2 ? (U2 - 1 - (int)warp) / NW + 1 : 0) * S2;
+  // A step is GW (GW2) groups of the lane's rows g, g + 8 of both tiles.
   // Plain layout (MLX's): row r's group c at r G + c (16-byte words and scale bytes alike).
   // Tiled (TL, tile_experts): 16-row tiles of 4-group blocks, 1 KB of codes each, row r of
   // the tile at 64 r bytes; lane (g, tq)'s word of a block is its 16 bytes at 16 lane (scale
@@ -236,7 +188,7 @@ BODY = (
   if (T1 > 0) KK_LOAD1(qx, sx, 0);
   const DEVICE T* xr = x + (size_t)(p / K) * KD;
 """
-    + _staging("frag1", "KD", "static_cast<float>(xr[{i}])", "s_max1", "1")
+    + staging("frag1", "KD", "xr", "s_max1", "1")
     + """\
   BARRIER();
 
@@ -251,7 +203,7 @@ BODY = (
   if (T2 > 0) KK_LOAD2(qx, sx, 0);
   BARRIER();
 """
-    + _staging("frag2", "SL", "hs[{i}]", "s_max2", "2")
+    + staging("frag2", "SL", "hs", "s_max2", "2", shared=True)
     + """\
   BARRIER();
 
@@ -307,7 +259,7 @@ INPUTS = ["x", "w1", "s1", "w3", "s3", "w2", "s2", "inds", "wts", "params"]
 
 def slice_for(I: int, sl: int) -> int:
     """Rows of I per threadgroup: the largest multiple of 128 that divides I and is at most
-    ``sl`` (128 where none is larger; ``eligible`` guarantees I % 128 == 0)."""
+    ``sl`` (128 where none is larger; ``mxfp4_mma.eligible`` inputs have I % 128 == 0)."""
     best = 128
     for cand in range(128, min(sl, I) + 1, 128):
         if I % cand == 0:
@@ -374,9 +326,9 @@ MXFP4_FUSED_SUM = Kernel(
 )
 
 
-def sum_slices(backend: str, part, N: int, r: int):
-    """``y [N, D]``: the ``r`` partials of each token (``part [N * r, D]``) in a fixed order."""
-    D = part.shape[-1]
+def sum_slices(backend: str, part, N: int):
+    """``y [N, D]``: each token's partials (``part [N * r, D]``, token-major) in a fixed order."""
+    r, D = part.shape[0] // N, part.shape[-1]
     (y,) = MXFP4_FUSED_SUM(
         backend,
         inputs=[part],
@@ -441,33 +393,15 @@ def partials(z, w, inds, weights, beta, cap, backend: str | None = None, launch=
     return _launch(kernel, tmpl, sl, nw, backend, z, w, inds, weights, beta, cap)
 
 
-def _decode(partials_fn, sl, z, w, inds, weights, beta, cap, backend, launch, tiled):
-    """``partials_fn``'s launch, then the sum of each token's ``k I / sl`` partials."""
-    N, k = inds.shape
-    I = w["w1"][0].shape[-2]
-    part = partials_fn(z, w, inds, weights, beta, cap, backend, launch, tiled)
-    return sum_slices(backend, part, N, k * (I // sl))
-
-
 def expert_glu_decode(
     z, w, inds, weights, beta, cap, backend: str | None = None, launch=None, tiled=False
 ):
     """``mxfp4_mma.expert_glu_decode`` in two launches (same shapes and return: fp32 [N, D]).
-    Needs ``eligible`` inputs; ``tiled``: ``w`` is in ``tile_experts``' layout."""
+    Needs ``mxfp4_mma.eligible`` inputs (D, I multiples of 128); ``tiled``: ``w`` is in
+    ``tile_experts``' layout."""
     backend = backend or default_backend()
-    sl = shape_for(z.shape[-1], w["w1"][0].shape[-2], launch)[0]
-    return _decode(partials, sl, z, w, inds, weights, beta, cap, backend, launch, tiled)
-
-
-def eligible(z, w, inds) -> bool:
-    """What ``mxfp4_mma.eligible`` accepts (D and I multiples of 128), with the latent's
-    fragments, a slice of h and its fragments within threadgroup memory."""
-    if not mma_eligible(z, w, inds):
-        return False
-    D = z.shape[-1]
-    I = w["w1"][0].shape[-2]
-    sl = shape_for(D, I)[0]
-    return 4 * D + 8 * sl <= 24 * 1024
+    part = partials(z, w, inds, weights, beta, cap, backend, launch, tiled)
+    return sum_slices(backend, part, inds.shape[0])
 
 
 # The same two phases with the code words and scale bytes brought into threadgroup memory by
@@ -487,9 +421,7 @@ BODY_BULK = (
   SHARED MBAR_T bars[NW * S];
 """
     + DECLS
-    + """  const int T1 = (warp < U1 ? (U1 - 1 - (int)warp) / NW + 1 : 0) * S1;
-  const int T2 = (warp < U2 ? (U2 - 1 - (int)warp) / NW + 1 : 0) * S2;
-  const int TT = T1 + T2;
+    + """  const int TT = T1 + T2;
 
   // Step t's copies, one row per lane (slot = lane): gate/up steps take gate rows (slots
   // 0-15) and up rows (16-31) of unit t / S1; down steps 32 rows of unit (t - T1) / S2.
@@ -586,7 +518,7 @@ BODY_BULK = (
   float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
   const DEVICE T* xr = x + (size_t)(p / K) * KD;
 """
-    + _staging("frag1", "KD", "static_cast<float>(xr[{i}])", "s_max1", "1")
+    + staging("frag1", "KD", "xr", "s_max1", "1")
     + """\
   BARRIER();
 
@@ -605,7 +537,7 @@ BODY_BULK = (
   }
   BARRIER();
 """
-    + _staging("frag2", "SL", "hs[{i}]", "s_max2", "2")
+    + staging("frag2", "SL", "hs", "s_max2", "2", shared=True)
     + """\
   BARRIER();
 
@@ -687,5 +619,5 @@ def partials_bulk(
 def expert_glu_decode_bulk(z, w, inds, weights, beta, cap, backend=None, launch=None, tiled=False):
     """``expert_glu_decode`` with the weights brought in by bulk copies (``BODY_BULK``)."""
     backend = backend or default_backend()
-    sl = shape_for_bulk(z.shape[-1], w["w1"][0].shape[-2], launch, backend)[0]
-    return _decode(partials_bulk, sl, z, w, inds, weights, beta, cap, backend, launch, tiled)
+    part = partials_bulk(z, w, inds, weights, beta, cap, backend, launch, tiled)
+    return sum_slices(backend, part, inds.shape[0])

@@ -138,38 +138,71 @@ CONSTANTS = """\
   constexpr int UNITS = GLU ? NR / 16 : NR / 32;             // row units (one warp's rows)
 """
 
-# Both kernels stage the activations alike: scaled by a power of two, split into fp16 hi
-# and lo, in the MMA's B-fragment order (threadgroup array frag, all threads).
-STAGING = """\
-  // The activations times 2^n (largest |x| in [2^14, 2^15)) as fp16 hi and lo = x - hi;
-  // 2^(14 - n) undoes both scalings. Fragment (block, p, column) holds codes 8p..8p+7 of the
-  // column's group (block * 4 + column / 2), hi for even columns, lo for odd.
-  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;
-  float m = 0.0f;
-  for (uint i = tid; i < KD; i += 32 * NW) m = FMAX(m, FABS(static_cast<float>(xr[i])));
-  m = SIMD_MAX(m);
-  if (lane == 0) s_max[warp] = m;
+
+def staging(frag: str, n: str, src: str, smax: str, sfx: str = "", shared: bool = False) -> str:
+    """Code staging the ``n`` activations at ``src`` (a ``const DEVICE T*``, or with ``shared``
+    a threadgroup float array) into ``frag`` as fp16 hi/lo B fragments, scaled by a power of
+    two (largest |x| in [2^14, 2^15)); defines ``unscale<sfx>``, which undoes the scalings of
+    a dot product. Fragment (block, p, column) holds codes 8p..8p+7 of the column's group
+    (block * 4 + column / 2), hi for even columns, lo for odd. ``smax``: a threadgroup array
+    of NW floats."""
+    elem = f"{src}[i]" if shared else f"static_cast<float>({src}[i])"
+    if shared:
+        group, e8 = "", f"{src}[32 * grp + 8 * pq + e]"
+    else:
+        group, e8 = (
+            f"    const DEVICE T* src = {src} + 32 * grp + 8 * pq;\n",
+            "static_cast<float>(src[e])",
+        )
+    return f"""\\
+  float m{sfx} = 0.0f;
+  for (uint i = tid; i < {n}; i += 32 * NW) m{sfx} = FMAX(m{sfx}, FABS({elem}));
+  m{sfx} = SIMD_MAX(m{sfx});
+  if (lane == 0) {smax}[warp] = m{sfx};
   BARRIER();
-  m = s_max[0];
-  for (int w = 1; w < NW; ++w) m = FMAX(m, s_max[w]);
-  int n = 141 - int((AS_UINT(m) >> 23) & 255u);
-  n = n > 127 ? 127 : (n < -113 ? -113 : n);
-  const float up = AS_FLOAT(uint(n + 127) << 23);
-  const float unscale = AS_FLOAT(uint(141 - n) << 23);
-  for (uint it = tid; it < G * 8; it += 32 * NW) {
+  m{sfx} = {smax}[0];
+  for (int w = 1; w < NW; ++w) m{sfx} = FMAX(m{sfx}, {smax}[w]);
+  int n{sfx} = 141 - int((AS_UINT(m{sfx}) >> 23) & 255u);
+  n{sfx} = n{sfx} > 127 ? 127 : (n{sfx} < -113 ? -113 : n{sfx});
+  const float up{sfx} = AS_FLOAT(uint(n{sfx} + 127) << 23);
+  const float unscale{sfx} = AS_FLOAT(uint(141 - n{sfx}) << 23);
+  for (uint it = tid; it < ({n} / 32) * 8; it += 32 * NW) {{
     const uint col = it % 8;
     const uint pq = (it / 8) % 4;
     const uint grp = (it / 32) * 4 + col / 2;
-    const DEVICE T* src = xr + 32 * grp + 8 * pq;
-    float v[8];
-    for (int e = 0; e < 8; ++e) v[e] = static_cast<float>(src[e]) * up;
-    if (col % 2) {
+{group}    float v[8];
+    for (int e = 0; e < 8; ++e) v[e] = {e8} * up{sfx};
+    if (col % 2) {{
       for (int e = 0; e < 8; ++e) v[e] -= ROUND_HALF(v[e]);
-    }
-    frag[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
+    }}
+    {frag}[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
                      PACK_HALF2(v[3], v[7]));
+  }}
+"""
+
+
+# A row's groups are spread over its four lanes (tq): KK_LANES() adds them up.
+LANES = """\
+  // A row's groups are spread over its four lanes (tq): add them up.
+#define KK_LANES()                                                                     \\
+  {                                                                                    \\
+    acc0 += SIMD_SHUFFLE_XOR(acc0, 1);                                                 \\
+    acc1 += SIMD_SHUFFLE_XOR(acc1, 1);                                                 \\
+    acc2 += SIMD_SHUFFLE_XOR(acc2, 1);                                                 \\
+    acc3 += SIMD_SHUFFLE_XOR(acc3, 1);                                                 \\
+    acc0 += SIMD_SHUFFLE_XOR(acc0, 2);                                                 \\
+    acc1 += SIMD_SHUFFLE_XOR(acc1, 2);                                                 \\
+    acc2 += SIMD_SHUFFLE_XOR(acc2, 2);                                                 \\
+    acc3 += SIMD_SHUFFLE_XOR(acc3, 2);                                                 \\
   }
 """
+
+# Both kernels stage the activations alike (``staging``): scaled by a power of two, split
+# into fp16 hi and lo, in the MMA's B-fragment order (threadgroup array frag, all threads);
+# 2^(14 - n) undoes both scalings.
+STAGING = "  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;\n" + staging(
+    "frag", "KD", "xr", "s_max"
+)
 
 BODY = (
     "\n"
@@ -250,15 +283,9 @@ BODY = (
 #undef KK_Q
 #undef KK_LOAD
 #undef KK_STEP
-  // A row's groups are spread over its four lanes (tq): add them up.
-  acc0 += SIMD_SHUFFLE_XOR(acc0, 1);
-  acc1 += SIMD_SHUFFLE_XOR(acc1, 1);
-  acc2 += SIMD_SHUFFLE_XOR(acc2, 1);
-  acc3 += SIMD_SHUFFLE_XOR(acc3, 1);
-  acc0 += SIMD_SHUFFLE_XOR(acc0, 2);
-  acc1 += SIMD_SHUFFLE_XOR(acc1, 2);
-  acc2 += SIMD_SHUFFLE_XOR(acc2, 2);
-  acc3 += SIMD_SHUFFLE_XOR(acc3, 2);
+"""
+    + LANES
+    + """  KK_LANES();
   if (tq == 0) {
     red[(sk * RT + rt) * 32 + g] = acc0;
     red[(sk * RT + rt) * 32 + 8 + g] = acc1;

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -535,15 +535,11 @@ class Kernel:
             return self
         key = (self.name, self.body, self.header, threads, blocks)
         if key not in _BOUNDED:
-            _BOUNDED[key] = Kernel(
-                f"{self.name}_lb{threads}x{blocks}",
-                self.input_names,
-                self.output_names,
-                self.body,
-                header=self.header,
-                instances=self.instances,
-                shared_memory=self.shared_memory,
+            _BOUNDED[key] = replace(
+                self,
+                name=f"{self.name}_lb{threads}x{blocks}",
                 launch_bounds=(threads, blocks),
+                _built={},
             )
         return _BOUNDED[key]
 
