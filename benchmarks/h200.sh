@@ -121,10 +121,6 @@ print('bulk vs mma rel diff', rel_err(got, ref))
     fused_tests_par) run fused_tests_par 400 bash benchmarks/pytest_split.sh 3 tests/cuda/test_mxfp4_cuda.py -k "fused or bulk or tiled or agree" ;;
     bulk_tests) MLX_ENABLE_TF32=0 run bulk_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k "bulk" ;;
     fused_tests) MLX_ENABLE_TF32=0 run fused_tests 300 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "fused" ;;
-    mxfp4_prefetch) run mxfp4_prefetch 400 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 8,1,16,0 8,1,16,1 --min-blocks 2 --prefetch 2 4 8 --rounds 3 ;;
-    mxfp4_lines) run mxfp4_lines 400 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 --min-blocks 2 --lines-shapes 8,1,2,1 8,1,1,1 4,1,2,1 8,1,2,0 16,1,1,1 --rounds 3 ;;
-    lines_tests) MLX_ENABLE_TF32=0 run lines_tests 300 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "lines" ;;
-    prefetch_tests) MLX_ENABLE_TF32=0 run prefetch_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "prefetch" ;;
     mxfp4_lb) run mxfp4_lb 250 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 4 --ac-shapes 2,1,8,2 --rounds 3 ;;
     mxfp4_lb_down)
       for n in 1 8; do

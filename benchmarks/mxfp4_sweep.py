@@ -15,11 +15,6 @@ the first shape's), and with ``--probe`` the same grid with the math taken out:
   only, no L1 allocation), ``ldcs`` (evict first), ``L2::256B`` (the L2 fetches 256 bytes
   per miss), ``nc, no L1, L2::256B``, and ``ldcs`` on the scale bytes too; with
   ``--ac-shapes`` also ``mxfp4_mma_ac`` (asynchronous copies) with L2's evict-first policy;
-- with ``--prefetch N``, ``mxfp4_mma`` (and each bounded kernel) asking L2 for every step's
-  code and scale bytes N steps ahead (``PREFETCH_L2``, template value PF);
-- with ``--lines-shapes``, ``mxfp4_lines`` (whole-line loads: 4 rows x 128 bytes per warp
-  load) at those shapes (rt, sk, blocks of 8 groups per step, pp), bounded as ``mxfp4_mma``
-  with ``--min-blocks``;
 - with ``--min-blocks N``, ``mxfp4_mma`` compiled with ``__launch_bounds__(threads, N)``
   (the compiler caps its registers so that N threadgroups fit an SM);
 - with ``--ac-shapes``, ``mxfp4_mma_ac`` (code words and scales brought into threadgroup
@@ -48,7 +43,7 @@ import numpy as np
 
 from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_rounds
 from benchmarks.profile_kernels import register_count
-from kimi_k3.kernels import mxfp4_lines, mxfp4_mma
+from kimi_k3.kernels import mxfp4_mma
 from kimi_k3.kernels.source import Instance, Kernel, constant
 
 DEFAULT_SHAPES = ["8,1,8,1", "4,1,8,1", "16,1,8,1", "4,2,8,1", "8,1,8,0", "2,2,8,1"]
@@ -83,8 +78,6 @@ def probe_kernel() -> Kernel:
 def template_of(kernel: Kernel):
     """``mxfp4_mma.template_ac`` for the asynchronous-copy kernels (their shape's last entry
     is the ring's stages), else ``mxfp4_mma.template``."""
-    if kernel.name.startswith("mxfp4_lines"):
-        return mxfp4_lines.template
     is_ac = kernel.name.startswith(("mxfp4_mma_ac", "mxfp4_ac"))
     return mxfp4_mma.template_ac if is_ac else mxfp4_mma.template
 
@@ -226,8 +219,6 @@ def hinted_kernel(hint: str) -> Kernel:
 
 def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
     args = (x, wa, sa, wb, sb, inds, params, KD, NR, k, glu)
-    if kernel.name.startswith("mxfp4_lines"):
-        return mxfp4_lines.launch(kernel, shape, "cuda", *args)
     return mxfp4_mma._launch(kernel, template_of(kernel), shape, "cuda", *args)
 
 
@@ -248,19 +239,6 @@ def main():
         type=int,
         default=[],
         help="also time mxfp4_mma with __launch_bounds__(threads, N) for each N (CUDA only)",
-    )
-    p.add_argument(
-        "--prefetch",
-        nargs="*",
-        type=int,
-        default=[],
-        help="also time mxfp4_mma (and its bounded kernels) with L2 prefetches N steps ahead",
-    )
-    p.add_argument(
-        "--lines-shapes",
-        nargs="*",
-        default=[],
-        help="rt,sk,np,pp each: also time mxfp4_lines (whole-line loads; with --min-blocks)",
     )
     p.add_argument("--tokens", type=int, default=1, help="tokens per call (k pairs each)")
     p.add_argument(
@@ -321,11 +299,6 @@ def main():
                 if (gw and (KD // 32) % gw) or (gw == 0 and name != "stream"):
                     continue
                 jobs.append((name, kern, proj, glu, KD, NR, (rt, sk, gw, bool(pp))))
-                if not name.startswith("mma"):
-                    continue
-                for pf in args.prefetch:  # shape's fifth entry: template's pf
-                    shape = (rt, sk, gw, bool(pp), pf)
-                    jobs.append((f"{name}, prefetch {pf}", kern, proj, glu, KD, NR, shape))
     for spec in args.ac_shapes:
         rt, sk, gw, st = (int(v) for v in spec.split(","))
         for name, kern in (
@@ -340,18 +313,6 @@ def main():
                 if mxfp4_mma.shared_bytes_ac(KD, rt, sk, gw, st) > mxfp4_mma.SHARED_LIMIT["cuda"]:
                     continue
                 jobs.append((name, kern, proj, glu, KD, NR, (rt, sk, gw, st)))
-    for spec in args.lines_shapes:
-        rt, sk, np_, pp = (int(v) for v in spec.split(","))
-        kerns = {"lines": mxfp4_lines.MXFP4_LINES}
-        for b in args.min_blocks:
-            kerns[f"lines, {b} per SM"] = mxfp4_lines.MXFP4_LINES.bounded(32 * rt * sk, b)
-        for name, kern in kerns.items():
-            for proj in args.projections:
-                glu = proj == "gate_up"
-                KD, NR = (D, I) if glu else (I, D)
-                if (KD // 256) % np_:
-                    continue
-                jobs.append((name, kern, proj, glu, KD, NR, (rt, sk, np_, bool(pp))))
     with ThreadPoolExecutor(8) as pool:
         regs = list(
             pool.map(lambda j: registers(j[1], mx.bfloat16, j[4], j[5], k, j[3], j[6]), jobs)
@@ -376,7 +337,7 @@ def main():
     times, failed = time_rounds(fns, sets, args.rounds, args.repeats)
     first = {}
     for j, ((name, _, proj, glu, _, NR, shape), reg) in enumerate(zip(jobs, regs)):
-        units = (NR // 16 if glu else NR // 32) * (2 if name.startswith("lines") else 1)
+        units = NR // 16 if glu else NR // 32
         tgs = -(-units // shape[0]) * k * args.tokens
         row = f"| {name} | {proj} | {shape} | {reg} | {tgs} |"
         if j in failed:
@@ -385,7 +346,7 @@ def main():
         t = min(times[j])
         nbytes = gu_bytes if glu else dn_bytes
         check = " |"
-        if name.startswith(("mma", "lines")):  # against the first shape's, same inputs
+        if name.startswith("mma"):  # against the first shape's result on the same inputs
             got = np.array(fns[j](*sets[0]))
             ref = first.setdefault(proj, got)
             check = f" {np.linalg.norm(got - ref) / np.linalg.norm(ref):.1e} |"

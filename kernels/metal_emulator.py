@@ -249,12 +249,10 @@ def _entry_code(fname, inputs, input_names, source, output_dtypes, template, ato
     return (
         "\nstatic void** kk_bufs = (void**)1;  // initialised: bss is threadgroup memory\n"
         f"static void kk_entry() {{ {call}(\n      " + ",\n      ".join(args) + "); }\n"
-        'extern "C" int kk_launch(void** bufs, const unsigned long* sizes, unsigned nbufs,\n'
-        "                         const unsigned* grid, const unsigned* tg, int strict,\n"
-        "                         unsigned tg_limit, char* err, int errlen) {\n"
+        'extern "C" int kk_launch(void** bufs, const unsigned* grid, const unsigned* tg,\n'
+        "                         int strict, unsigned tg_limit, char* err, int errlen) {\n"
         "  kk_bufs = bufs;\n"
-        "  return kk::launch(kk_entry, (const void* const*)bufs, sizes, nbufs, grid, tg, strict,\n"
-        "                    tg_limit, err, errlen);\n}\n"
+        "  return kk::launch(kk_entry, grid, tg, strict, tg_limit, err, errlen);\n}\n"
     )
 
 
@@ -420,11 +418,8 @@ class MetalKernel:
             *[b.pointer() for b in buffers + outputs]
         )
         err = ctypes.create_string_buffer(512)
-        sizes = [b.raw.size - 2 * CANARY for b in buffers + outputs]
         status = lib.kk_launch(
             ptrs,
-            (ctypes.c_ulong * len(sizes))(*sizes),
-            len(sizes),
             (ctypes.c_uint * 3)(*grid),
             (ctypes.c_uint * 3)(*threadgroup),
             int(self.strict),

@@ -139,34 +139,13 @@ CONSTANTS = """\
 """
 
 
-# Where fragment entry ``it`` of ``staging`` goes: its column, word pq and group, and whether
-# it holds the lo part (default: four groups per block, hi and lo in the column pairs).
-PLACE = """\
-    const uint col = it % 8;
-    const uint pq = (it / 8) % 4;
-    const uint grp = (it / 32) * 4 + col / 2;
-"""
-
-
-def staging(
-    frag: str,
-    n: str,
-    src: str,
-    smax: str,
-    sfx: str = "",
-    shared: bool = False,
-    entries: str = "",
-    place: str = PLACE,
-    lo: str = "col % 2",
-) -> str:
+def staging(frag: str, n: str, src: str, smax: str, sfx: str = "", shared: bool = False) -> str:
     """Code staging the ``n`` activations at ``src`` (a ``const DEVICE T*``, or with ``shared``
     a threadgroup float array) into ``frag`` as fp16 hi/lo B fragments, scaled by a power of
     two (largest |x| in [2^14, 2^15)); defines ``unscale<sfx>``, which undoes the scalings of
     a dot product. Fragment (block, p, column) holds codes 8p..8p+7 of the column's group
-    (block * 4 + column / 2), hi for even columns, lo for odd; ``entries`` (default n / 4),
-    ``place`` and ``lo`` give another arrangement. ``smax``: a threadgroup array of NW
-    floats."""
-    entries = entries or f"({n} / 32) * 8"
+    (block * 4 + column / 2), hi for even columns, lo for odd. ``smax``: a threadgroup array
+    of NW floats."""
     elem = f"{src}[i]" if shared else f"static_cast<float>({src}[i])"
     if shared:
         group, e8 = "", f"{src}[32 * grp + 8 * pq + e]"
@@ -187,10 +166,13 @@ def staging(
   n{sfx} = n{sfx} > 127 ? 127 : (n{sfx} < -113 ? -113 : n{sfx});
   const float up{sfx} = AS_FLOAT(uint(n{sfx} + 127) << 23);
   const float unscale{sfx} = AS_FLOAT(uint(141 - n{sfx}) << 23);
-  for (uint it = tid; it < {entries}; it += 32 * NW) {{
-{place}{group}    float v[8];
+  for (uint it = tid; it < ({n} / 32) * 8; it += 32 * NW) {{
+    const uint col = it % 8;
+    const uint pq = (it / 8) % 4;
+    const uint grp = (it / 32) * 4 + col / 2;
+{group}    float v[8];
     for (int e = 0; e < 8; ++e) v[e] = {e8} * up{sfx};
-    if ({lo}) {{
+    if (col % 2) {{
       for (int e = 0; e < 8; ++e) v[e] -= ROUND_HALF(v[e]);
     }}
     {frag}[it] = UINT4(PACK_HALF2(v[0], v[4]), PACK_HALF2(v[1], v[5]), PACK_HALF2(v[2], v[6]),
@@ -250,29 +232,11 @@ BODY = (
   const uint b0 = sk * GB;
   const uint b1 = b0 + GB < G ? b0 + GB : G;
   const bool work = active && b0 < b1;            // the whole warp agrees
-  // PF > 0: a step's loads also ask L2 for the step PF steps later, lane l for row l of the
-  // warp's 32 (tile A's 16, then tile B's): its GW groups of codes (a prefetch per 32-byte
-  // sector) and their scale bytes, so the loads find them in L2, without registers held.
-  // (cp.async.bulk.prefetch takes one warp-uniform address: 32 rows cost a 32-pass loop.)
-  const size_t rl = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0) + lane % 16
-      + (GLU ? 0 : 16 * (lane / 16));
-  const DEVICE uint4* pq_row = (const DEVICE uint4*)(lane < 16 ? w_a : w_b) + rl * G;
-  const DEVICE uint8_t* pe_row = (lane < 16 ? s_a : s_b) + rl * G;
-#define KK_PREFETCH(bb)                                                             \\
-  if (PF > 0 && (bb) < b1) {                                                        \\
-    const DEVICE uint8_t* pf_ = (const DEVICE uint8_t*)(pq_row + (bb));            \\
-    _Pragma("unroll") for (int c = 0; c < GW * 16; c += 32) PREFETCH_L2(pf_ + c);   \\
-    PREFETCH_L2(pe_row + (bb));                                                     \\
-  }
-  if (work) {
-    for (int s = 1; s < PF; ++s) KK_PREFETCH(b0 + s * GW);
-  }
   // One step: per block, the lane's group of A row g, g+8, B row g, g+8 and their scales.
   // CS: the code words are loaded as read once (evict first).
 #define KK_Q(q, i) (CS ? LOAD_STREAM(&(q)[i]) : (q)[i])
 #define KK_LOAD(q, sc, bb)                                                          \\
   {                                                                                 \\
-    KK_PREFETCH((bb) + PF * GW);                                                    \\
     _Pragma("unroll") for (int u = 0; u < NB; ++u) {                                \\
       q[4 * u] = KK_Q(qa, (bb) + 4 * u);                                            \\
       q[4 * u + 1] = KK_Q(qa, 8 * G + (bb) + 4 * u);                                \\
@@ -319,7 +283,6 @@ BODY = (
 #undef KK_Q
 #undef KK_LOAD
 #undef KK_STEP
-#undef KK_PREFETCH
 """
     + LANES
     + """  KK_LANES();
@@ -365,8 +328,6 @@ LAUNCH = {"gate_up": (8, 1, 8, True), "down": (8, 1, 8, True)}
 # (benchmarks/mxfp4_sweep.py --hints, docs/benchmarks.md).
 STREAM_LOADS = {"gate_up": True, "down": False}
 
-# L2 prefetch distance in steps per projection (PF; 0: none).
-PREFETCH = {"gate_up": 0, "down": 0}
 
 # Threadgroups per SM that the compiler must leave room for (CUDA's __launch_bounds__; 1:
 # no bound). At 129-130 registers a 256-thread threadgroup of either projection runs alone
@@ -382,7 +343,7 @@ def _proj(glu: bool) -> str:
     return "gate_up" if glu else "down"
 
 
-def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True, pf=None, cs=None):
+def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True, cs=None):
     return [
         ("T", dtype),
         ("KD", KD),
@@ -394,7 +355,6 @@ def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True, pf=None, cs=None):
         ("GW", gw),
         ("PP", pp),
         ("CS", STREAM_LOADS[_proj(glu)] if cs is None else cs),
-        ("PF", PREFETCH[_proj(glu)] if pf is None else pf),
     ]
 
 
@@ -612,10 +572,7 @@ SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024, "emulator": 32 * 1024}
 
 
 def template_ac(dtype, KD, NR, K, glu, rt, sk, gw, s):
-    dropped = ("PP", "CS", "PF")
-    return [t for t in template(dtype, KD, NR, K, glu, rt, sk, gw) if t[0] not in dropped] + [
-        ("S", s)
-    ]
+    return template(dtype, KD, NR, K, glu, rt, sk, gw)[:-2] + [("S", s)]
 
 
 def shared_bytes_ac(KD, rt, sk, gw, s) -> int:

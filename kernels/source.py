@@ -92,8 +92,6 @@ CALLS = {
     "MBAR_EXPECT": ("kk_mbar_expect", "kk_mbar_expect"),
     "MBAR_ASYNC_ARRIVE": ("kk_mbar_async_arrive", "kk_mbar_async_arrive"),
     "MBAR_WAIT": ("kk_mbar_wait", "kk_mbar_wait"),
-    # hints that bring device memory into the L2 cache ahead of its loads (no effect on Metal)
-    "PREFETCH_L2": ("kk_prefetch_l2", "kk_prefetch_l2"),
 }
 
 # Barrier words take no arguments in the dialect; Metal needs the memory flags.
@@ -215,11 +213,6 @@ __device__ inline void kk_mbar_wait(unsigned long long* bar, uint parity) {
                "@!p bra KK_MBAR_WAIT;\\n\\t}" ::"r"(kk_smem(bar)), "r"(parity)
                : "memory");
 }
-// PREFETCH_L2(p): a hint to bring the 32-byte sector at p (an address inside an input) into
-// L2 (prefetch.global.L2): no register held, nothing to wait for.
-__device__ inline void kk_prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
 __device__ inline void kk_async_wait(int n) {
   switch (n) {
     case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
@@ -286,7 +279,6 @@ inline void kk_mbar_init(ulong* bar, uint) { *bar = 0; }
 inline void kk_mbar_expect(ulong*, uint) {}
 inline void kk_mbar_async_arrive(ulong* bar) { kk::async_to_barrier(bar); }
 inline void kk_mbar_wait(ulong* bar, uint) { kk::barrier_wait(bar); }
-inline void kk_prefetch_l2(const void* p) { kk::prefetch(p); }
 #else
 template <typename T>
 inline void kk_async_copy16(threadgroup T& dst, const device T* src, bool valid) {
@@ -310,7 +302,6 @@ inline void kk_mbar_init(threadgroup ulong* bar, uint) { *bar = 0; }
 inline void kk_mbar_expect(threadgroup ulong*, uint) {}
 inline void kk_mbar_async_arrive(threadgroup ulong*) {}
 inline void kk_mbar_wait(threadgroup ulong*, uint) {}
-inline void kk_prefetch_l2(const device void*) {}
 #endif
 inline float2 kk_half2_bits(uint u) { return float2(as_type<half2>(u)); }
 inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {

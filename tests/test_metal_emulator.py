@@ -260,32 +260,3 @@ def test_kernel_backend_override_is_validated(monkeypatch):
     monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "cdua")
     with pytest.raises(ValueError, match="KIMI_K3_KERNEL_BACKEND='cdua'"):
         source.backend()
-
-
-@pytest.mark.parametrize(
-    "call, error",
-    [
-        ("PREFETCH_L2(x + 4 * i + 3);", None),
-        ("PREFETCH_L2(x + 127);", None),
-        ("PREFETCH_L2(x + 4 * i + 4);", "outside every buffer"),
-        ("PREFETCH_L2(x - 1);", "outside every buffer"),
-    ],
-)
-def test_prefetches_must_stay_inside_a_buffer(call, error):
-    """PREFETCH_L2 hints change no data; the emulator checks that each address lies inside a
-    buffer (a GPU would not report a prefetch past an input)."""
-    from kimi_k3.kernels import source
-
-    body = f"  const uint i = THREAD_INDEX;\n  {call}\n  out[i] = x[4 * i];\n"
-    k = source.Kernel("prefetch_check", ["x"], ["out"], body)
-    x = mx.arange(128).astype(mx.float32)
-
-    def launch():
-        kw = dict(output_shapes=[(32,)], output_dtypes=[mx.float32])
-        return k("emulator", inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1), **kw)[0]
-
-    if error is None:
-        assert np.array_equal(np.array(launch()), np.arange(0, 128, 4))
-    else:
-        with pytest.raises(RuntimeError, match=error):
-            launch()

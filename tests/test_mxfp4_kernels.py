@@ -17,7 +17,7 @@ from conftest import broken
 from numpy_ref import mxfp4_decode, situ_glu
 
 from kimi_k3.experts import expert_glu, expert_glu_reference
-from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_lines, mxfp4_mma, mxfp4_prefill_mma
+from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma, mxfp4_prefill_mma
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
@@ -226,65 +226,6 @@ def test_mma_decode_launch_shapes(monkeypatch, launch):
     monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", launch)
     args, want = case(5, 256, 512, 3, 2, "bfloat16")
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want) < TOL
-
-
-@pytest.mark.parametrize(
-    "pf, launch", [(1, (8, 1, 8, True)), (3, (4, 2, 4, True)), (2, (2, 1, 4, False))]
-)
-def test_mma_decode_prefetch_changes_nothing(monkeypatch, pf, launch):
-    """L2 prefetches ahead of the loads (PF steps) are hints: the result is the same to the
-    bit as without, and every prefetched range lies inside the weights (the emulator fails a
-    prefetch outside every buffer, or a misaligned bulk one). (4, 1280, 1152): rows of 40 and
-    36 groups split over warps, so the last steps' prefetches must stop at the split's end."""
-    for proj in ("gate_up", "down"):
-        monkeypatch.setitem(mxfp4_mma.LAUNCH, proj, launch)
-    args, want = case(4, 1280, 1152, 2, 2, "float32")
-    plain = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
-    for proj in ("gate_up", "down"):
-        monkeypatch.setitem(mxfp4_mma.PREFETCH, proj, pf)
-    got = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
-    assert np.array_equal(np.array(got), np.array(plain))
-    assert rel_err(got, want) < TOL
-
-
-def test_a_prefetch_past_the_split_fails(monkeypatch):
-    """Without its guard the last steps' prefetches run past the last row of an expert (the
-    emulator reports an address outside every buffer)."""
-    kernel = broken(mxfp4_mma.MXFP4_MMA, "if (PF > 0 && (bb) < b1) {", "if (PF > 0) {")
-    monkeypatch.setattr(mxfp4_mma, "MXFP4_MMA", kernel)
-    for proj in ("gate_up", "down"):
-        monkeypatch.setitem(mxfp4_mma.PREFETCH, proj, 3)
-    args, _ = case(4, 1280, 1152, 2, 2, "float32")
-    with pytest.raises(RuntimeError, match="PREFETCH_L2 outside every buffer"):
-        mxfp4_mma.expert_glu_decode(*args, backend="emulator")
-
-
-# The whole-line variant (mxfp4_lines; D and I multiples of 256). (4, 1280, 768): rows of 40
-# and 24 groups (odd block counts: one block per step), split over warps.
-LINES_CASES = [
-    (3, 256, 256, 2, 2, "float32"),
-    (5, 256, 512, 3, 2, "bfloat16"),
-    (4, 1280, 768, 2, 2, "float32"),
-    (20, 256, 256, 1, 16, "float16"),
-    (896, 256, 256, 2, 16, "bfloat16"),
-]
-LINES_SHAPES = [(8, 1, 2, True), (8, 1, 1, True), (4, 2, 1, True), (2, 1, 2, False)]
-
-
-@pytest.mark.parametrize("E,D,I,N,k,dtype", LINES_CASES)
-def test_lines_decode_matches_oracle(E, D, I, N, k, dtype):
-    args, want = case(E, D, I, N, k, dtype)
-    got = mxfp4_lines.expert_glu_decode(*args, backend="emulator")
-    assert got.dtype == mx.float32 and got.shape == (N, D)
-    assert rel_err(got, want) < TOL
-
-
-@pytest.mark.parametrize("launch", LINES_SHAPES)
-def test_lines_decode_launch_shapes(monkeypatch, launch):
-    for proj in ("gate_up", "down"):
-        monkeypatch.setitem(mxfp4_lines.LAUNCH, proj, launch)
-    args, want = case(5, 512, 768, 3, 2, "bfloat16")
-    assert rel_err(mxfp4_lines.expert_glu_decode(*args, backend="emulator"), want) < TOL
 
 
 def check_mma_large_and_tiny(backend: str, fn=mxfp4_mma.expert_glu_decode):

@@ -93,10 +93,6 @@ struct Runtime {
   char* tg_lo;
   char* tg_hi;
   uint64_t rng;
-  // the dispatch's buffers (PREFETCH_L2 checks its range against them)
-  const void* const* bufs;
-  const unsigned long* sizes;
-  unsigned nbufs;
   char* err;
   int errlen;
 };
@@ -212,17 +208,6 @@ inline void async_to_barrier(const void* bar) {
     defer_to_barrier(f.pending[i].dst, f.pending[i].src, f.pending[i].bytes, bar);
   }
   f.npending = 0;
-}
-
-// PREFETCH_L2: no effect on the data; the address must lie inside one of the dispatch's
-// buffers (a GPU does not report a prefetch past an input).
-inline void prefetch(const void* p) {
-  const char* a = static_cast<const char*>(p);
-  for (unsigned i = 0; i < rt->nbufs; ++i) {
-    const char* b = static_cast<const char*>(rt->bufs[i]);
-    if (a >= b && a < b + rt->sizes[i]) return;
-  }
-  fail("PREFETCH_L2 outside every buffer");
 }
 
 inline void barrier_wait(const void* bar) {
@@ -400,15 +385,11 @@ static int find_bss(struct dl_phdr_info* info, size_t, void* out) {
 inline unsigned ceil_div(unsigned a, unsigned b) { return (a + b - 1) / b; }
 
 // Runs the whole grid. Returns 0, or 1 with a message in err.
-inline int launch(void (*entry)(), const void* const* bufs, const unsigned long* sizes,
-                  unsigned nbufs, const unsigned* grid, const unsigned* tg, int strict,
+inline int launch(void (*entry)(), const unsigned* grid, const unsigned* tg, int strict,
                   unsigned tg_limit, char* err, int errlen) {
   Runtime r{};
   rt = &r;
   r.entry = entry;
-  r.bufs = bufs;
-  r.sizes = sizes;
-  r.nbufs = nbufs;
   r.err = err;
   r.errlen = errlen;
   r.err[0] = 0;

@@ -14,8 +14,6 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from test_mxfp4_kernels import (  # noqa: E402
     AC_SHAPES,
     DECODE_CASES,
-    LINES_CASES,
-    LINES_SHAPES,
     MMA_CASES,
     PREFILL_CASES,
     PREFILL_MMA_CASES,
@@ -29,7 +27,7 @@ from test_mxfp4_kernels import (  # noqa: E402
 from benchmarks.bench_mxfp4 import MMA_SHAPES  # noqa: E402
 from benchmarks.mxfp4_fused_sweep import BULK_LAUNCHES, DEFAULT_LAUNCHES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
-from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_lines, mxfp4_mma  # noqa: E402
+from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma  # noqa: E402
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma  # noqa: E402
@@ -84,50 +82,6 @@ def test_mma_decode_with_launch_bounds(monkeypatch, blocks):
     for proj, b in blocks.items():
         monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, proj, b)
     got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
-    assert rel_err(got, want) < TOL
-    assert mx.array_equal(got, plain).item()
-
-
-@pytest.mark.parametrize("pf", [2, 4, 8])
-@pytest.mark.parametrize("shape", [(8, 1, 8, True), (8, 1, 16, False)])
-def test_mma_decode_with_prefetch(monkeypatch, pf, shape):
-    """L2 prefetches PF steps ahead (mxfp4_mma.PREFETCH): prefetch.global.L2 compiles under
-    NVRTC, addresses stay in the weights, and the result is the same to the bit as without."""
-    for proj in ("gate_up", "down"):
-        monkeypatch.setitem(mxfp4_mma.LAUNCH, proj, shape)
-    args, want = case(16, *K3, 4, 16, "bfloat16")
-    plain = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
-    for proj in ("gate_up", "down"):
-        monkeypatch.setitem(mxfp4_mma.PREFETCH, proj, pf)
-    got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
-    assert rel_err(got, want) < TOL
-    assert mx.array_equal(got, plain).item()
-
-
-@pytest.mark.parametrize(
-    "E,D,I,N,k,dtype", LINES_CASES + [(16, *K3, 4, 16, "bfloat16"), (16, *K3, 8, 16, "float32")]
-)
-def test_lines_decode_matches_oracle(E, D, I, N, k, dtype):
-    """The whole-line decode (mxfp4_lines: two MMA rows per weight row, lo MMAs for fp32
-    activations) against the float64 oracle at the fp32 kernels' tolerance."""
-    args, want = case(E, D, I, N, k, dtype)
-    got = mxfp4_lines.expert_glu_decode(*args, backend="cuda")
-    assert got.dtype == mx.float32 and got.shape == (N, D)
-    assert rel_err(got, want) < TOL
-
-
-@pytest.mark.parametrize("bound", [1, 2])
-@pytest.mark.parametrize("launch", LINES_SHAPES + [(8, 1, 2, False), (16, 1, 1, True)])
-def test_lines_launches_and_bounds(monkeypatch, launch, bound):
-    """Every launch the sweep times, with and without a bound of 2 threadgroups per SM, at K3
-    size; bounds change registers, not results (bitwise)."""
-    for proj in ("gate_up", "down"):
-        monkeypatch.setitem(mxfp4_lines.LAUNCH, proj, launch)
-    args, want = case(16, *K3, 4, 16, "bfloat16")
-    plain = mxfp4_lines.expert_glu_decode(*args, backend="cuda")
-    for proj in ("gate_up", "down"):
-        monkeypatch.setitem(mxfp4_lines.MIN_BLOCKS, proj, bound)
-    got = mxfp4_lines.expert_glu_decode(*args, backend="cuda")
     assert rel_err(got, want) < TOL
     assert mx.array_equal(got, plain).item()
 
