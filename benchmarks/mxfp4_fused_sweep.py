@@ -43,7 +43,7 @@ from benchmarks.bench_mxfp4 import (
 from benchmarks.profile_kernels import register_count
 from kimi_k3.experts import expert_glu_reference
 from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
-from kimi_k3.kernels.source import Instance
+from kimi_k3.kernels.source import Instance, Kernel
 
 BETA, CAP = 4.0, 25.0
 DEFAULT_LAUNCHES = ["384,8,8,4", "256,8,8,8", "128,4,8,4", "256,4,8,8", "512,8,8,8"]
@@ -110,13 +110,18 @@ def with_bound(fn, bound: int):
     return run
 
 
-def prmt_decode(fn, module=mxfp4_mma, name="MXFP4_MMA"):
-    """``fn`` with ``module.name``'s codes decoded by byte permutes (``kk_e2m1_pair_prmt``)
-    instead of shifts and masks per pair."""
-    kernel = getattr(module, name)
+def prmt_kernel(kernel: Kernel) -> Kernel:
+    """``kernel`` with its codes decoded by byte permutes (``kk_e2m1_pair_prmt``) instead of
+    shifts and masks per pair (its launch bound kept), named ``<name>_prmt``."""
     header = kernel.header.replace("kk_e2m1_pair(uint w", "kk_e2m1_pair_shift(uint w")
     header = header.replace("kk_e2m1_pair_prmt(uint w", "kk_e2m1_pair(uint w")
-    variant = replace(kernel, name=kernel.name + "_prmt", header=header, _built={})
+    return replace(kernel, name=kernel.name + "_prmt", header=header, _built={})
+
+
+def prmt_decode(fn, module=mxfp4_mma, name="MXFP4_MMA"):
+    """``fn`` with ``module.name``'s codes decoded by byte permutes (``prmt_kernel``)."""
+    kernel = getattr(module, name)
+    variant = prmt_kernel(kernel)
 
     def run(*a):
         setattr(module, name, variant)

@@ -15,6 +15,9 @@ the first shape's), and with ``--probe`` the same grid with the math taken out:
   only, no L1 allocation), ``ldcs`` (evict first), ``L2::256B`` (the L2 fetches 256 bytes
   per miss), ``nc, no L1, L2::256B``, and ``ldcs`` on the scale bytes too; with
   ``--ac-shapes`` also ``mxfp4_mma_ac`` (asynchronous copies) with L2's evict-first policy;
+- with ``--prmt``, each ``mxfp4_mma`` row (bounded ones too) again with its codes decoded by
+  byte permutes (``kk_e2m1_pair_prmt``; at a bound of 2 per SM it fits 128 registers
+  without spills for gate/up, ``profile_kernels --sass``);
 - with ``--min-blocks N``, ``mxfp4_mma`` compiled with ``__launch_bounds__(threads, N)``
   (the compiler caps its registers so that N threadgroups fit an SM);
 - with ``--ac-shapes``, ``mxfp4_mma_ac`` (code words and scales brought into threadgroup
@@ -42,6 +45,7 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_rounds
+from benchmarks.mxfp4_fused_sweep import prmt_kernel
 from benchmarks.profile_kernels import register_count
 from kimi_k3.kernels import mxfp4_mma
 from kimi_k3.kernels.source import Instance, Kernel, constant
@@ -240,6 +244,11 @@ def main():
         default=[],
         help="also time mxfp4_mma with __launch_bounds__(threads, N) for each N (CUDA only)",
     )
+    p.add_argument(
+        "--prmt",
+        action="store_true",
+        help="also time every mxfp4_mma row (bounded ones too) with the byte-permute decode",
+    )
     p.add_argument("--tokens", type=int, default=1, help="tokens per call (k pairs each)")
     p.add_argument(
         "--projections", nargs="+", default=["gate_up", "down"], choices=["gate_up", "down"]
@@ -291,6 +300,9 @@ def main():
                 continue
             bound = mxfp4_mma.MXFP4_MMA.bounded(32 * rt * sk, b)
             shape_kernels[f"mma, {b} per SM"] = bound
+        if args.prmt:
+            for name in [n for n in shape_kernels if n == "mma" or n.endswith("per SM")]:
+                shape_kernels[f"{name}, byte permute"] = prmt_kernel(shape_kernels[name])
         for name, kern in shape_kernels.items():
             for proj in args.projections:
                 glu = proj == "gate_up"

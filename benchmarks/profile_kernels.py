@@ -8,13 +8,21 @@ reports each kernel's GPU time, registers and DRAM bytes:
 
 With ``--ptxas`` it instead compiles every kernel's CUDA rendering with ``nvcc -Xptxas -v``
 and prints registers, stack frame and spills per kernel (no GPU needed, only nvcc).
+
+With ``--sass`` it disassembles the MXFP4 decode kernels' sm_90 code (nvcc, then NVIDIA's
+``nvdisasm``: on PATH, or from the ``nvidia-cuda-nvdisasm`` wheel) and counts the
+instructions of each one's main loop (first to last tensor-core instruction), per decode
+(shifts or byte permutes) and launch bound: a static cost per MMA, no GPU needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import re
+import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,22 +30,25 @@ import mlx.core as mx
 import numpy as np
 
 
-def ptxas(kernel, instances=None, timeout=None):
+def ptxas(kernel, instances=None, timeout=None, disassemble=None):
     """``nvcc -Xptxas -v`` (sm_90, -O3, to a cubin) of the kernel's CUDA translation unit.
     Returns (return code, stderr, [(entry function, registers, (stack, spill stores, spill
-    loads))]); registers and the triple are None where ptxas did not report them."""
+    loads))]); registers and the triple are None where ptxas did not report them. With
+    ``disassemble`` (an ``nvdisasm`` path) the stderr slot holds the cubin's SASS instead."""
     from kimi_k3.kernels import source
 
     with tempfile.TemporaryDirectory() as tmp:
         cu = Path(tmp) / f"{kernel.name}.cu"
         cu.write_text(source.cuda_translation_unit(kernel, instances))
         cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-O3", "-Xptxas", "-v", "--cubin", str(cu)]
+        cubin = cu.with_suffix(".cubin")
         res = subprocess.run(
-            cmd + ["-o", str(cu.with_suffix(".cubin"))],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+            cmd + ["-o", str(cubin)], capture_output=True, text=True, timeout=timeout
         )
+        text = res.stderr
+        if disassemble and res.returncode == 0:
+            dis = [disassemble, "-c", str(cubin)]
+            text = subprocess.run(dis, capture_output=True, text=True, timeout=timeout).stdout
     entries = []
     for fn, body in re.findall(
         r"Compiling entry function '([^']+)'.*?\n(.*?)(?=ptxas info    : Compiling|\Z)",
@@ -49,7 +60,7 @@ def ptxas(kernel, instances=None, timeout=None):
             r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", body
         )
         entries.append((fn, regs and regs.group(1), stack and stack.groups()))
-    return res.returncode, res.stderr, entries
+    return res.returncode, text, entries
 
 
 def register_count(kernel, instances=None, timeout=300) -> str:
@@ -63,6 +74,77 @@ def register_count(kernel, instances=None, timeout=300) -> str:
         return "?"
     _, regs, stack = entries[0]
     return regs + (f" (spill {stack[1]})" if stack and stack[1] != "0" else "")
+
+
+def nvdisasm() -> str | None:
+    """NVIDIA's disassembler: on PATH, else from the ``nvidia-cuda-nvdisasm`` wheel."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    for root in map(Path, sys.path):
+        for hit in sorted(root.glob("nvidia/*/bin/nvdisasm")):
+            return str(hit)
+    return None
+
+
+_SASS_LINE = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Instructions from the first to the last tensor-core instruction (HMMA, IMMA) of one
+    function's SASS (``nvdisasm -c``): the main loop of a decode kernel whose prologue and
+    epilogue have none. Returns (count, opcode counts), (0, empty) without MMAs."""
+    ops = [m.group(1) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
+    mma = [i for i, op in enumerate(ops) if op in ("HMMA", "IMMA")]
+    if not mma:
+        return 0, collections.Counter()
+    body = ops[mma[0] : mma[-1] + 1]
+    return len(body), collections.Counter(body)
+
+
+def decode_variants():
+    """(label, kernel, instance) for the decode kernels' sm_90 static costs: mxfp4_mma's two
+    projections and mxfp4_fused at K3 size, bf16 latents, shift and byte-permute decode,
+    without and with a bound of two threadgroups per SM."""
+    from benchmarks.mxfp4_fused_sweep import prmt_kernel
+    from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
+
+    gate_up, _, _, down = mxfp4_mma.MXFP4_MMA.instances
+    base = [
+        ("mxfp4_mma gate/up", mxfp4_mma.MXFP4_MMA, gate_up),
+        ("mxfp4_mma down", mxfp4_mma.MXFP4_MMA, down),
+        ("mxfp4_fused", mxfp4_fused.MXFP4_FUSED, mxfp4_fused.MXFP4_FUSED.instances[0]),
+    ]
+    out = []
+    for label, kernel, inst in base:
+        for decode in ("shift", "byte permute"):
+            for blocks in (1, 2):
+                k = kernel.bounded(256, blocks)
+                k = prmt_kernel(k) if decode == "byte permute" else k
+                out.append((f"{label}, {decode}, {blocks} per SM", k, inst))
+    return out
+
+
+def sass_report():
+    tool = nvdisasm()
+    if tool is None or shutil.which("nvcc") is None:
+        raise SystemExit("--sass needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    print(
+        "| kernel, decode, bound | registers | spill stores (bytes) | loop instructions | "
+        "MMAs | per MMA | most frequent |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for label, kernel, inst in decode_variants():
+        code, sass, entries = ptxas(kernel, [inst], disassemble=tool)
+        if code or not entries:
+            print(f"| {label} | failed | | | | | |")
+            continue
+        _, regs, stack = entries[0]
+        n, ops = loop_mix(sass)
+        mma = ops["HMMA"] + ops["IMMA"]
+        top = ", ".join(f"{op} {c}" for op, c in ops.most_common(6))
+        spill = stack[1] if stack else "?"
+        print(f"| {label} | {regs} | {spill} | {n} | {mma} | {n / max(mma, 1):.1f} | {top} |")
 
 
 def ptxas_report():
@@ -128,11 +210,14 @@ def run_kernels(rounds: int, only: str | None = None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ptxas", action="store_true")
+    parser.add_argument("--sass", action="store_true", help="decode kernels' loop costs")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", help="comma-separated subset of the kernel groups to run")
     args = parser.parse_args()
     if args.ptxas:
         ptxas_report()
+    elif args.sass:
+        sass_report()
     else:
         run_kernels(args.rounds, args.only)
 

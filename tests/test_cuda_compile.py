@@ -117,3 +117,40 @@ def test_launch_bounds_reach_the_compiler(tmp_path):
         text = ptx.read_text()
         assert (".maxntid 256, 1, 1" in text) is bounded
         assert (".minnctapersm 2" in text) is bounded
+
+
+SASS = """
+        /*0100*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0110*/                   HMMA.16816.F32 R8, R4, R12, RZ ;
+        /*0120*/              @!P0 LOP3.LUT R1, R2, 0x7, RZ, 0xc0, !PT ;
+        /*0130*/                   IMAD.SHL.U32 R3, R1, 0x200, RZ ;
+        /*0140*/                   HMMA.16816.F32 R8, R4, R14, R8 ;
+        /*0150*/                   EXIT ;
+"""
+
+
+def test_loop_mix_counts_from_the_first_to_the_last_mma():
+    """``profile_kernels.loop_mix`` (the ``--sass`` report): opcodes of the span between the
+    first and last tensor-core instruction, predicates and modifiers stripped."""
+    from benchmarks.profile_kernels import loop_mix
+
+    n, ops = loop_mix(SASS)
+    assert n == 4 and ops == {"HMMA": 2, "LOP3": 1, "IMAD": 1}
+    assert loop_mix("        /*0150*/                   EXIT ;") == (0, {})
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_sass_of_the_decode_loop():
+    """The gate/up decode's main loop disassembled (nvdisasm from PATH or its wheel): the
+    two double-buffered steps of (8, 1, 8, True) hold 2 x 2 blocks x 2 tiles x 8 MMAs."""
+    from benchmarks.profile_kernels import loop_mix, nvdisasm, ptxas
+    from kimi_k3.kernels import mxfp4_mma
+
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    inst = mxfp4_mma.MXFP4_MMA.instances[0]
+    code, sass, entries = ptxas(mxfp4_mma.MXFP4_MMA, [inst], disassemble=tool)
+    assert code == 0 and entries
+    n, ops = loop_mix(sass)
+    assert ops["HMMA"] == 64 and n > 64
