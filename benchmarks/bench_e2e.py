@@ -19,6 +19,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from kimi_k3.convert.synth import parse_override, write_checkpoint
 from kimi_k3.loader import load_model
+from kimi_k3.streaming import get_stats, reset_stats
 
 
 def _time(fn, repeats: int) -> float:
@@ -31,17 +32,20 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(model, prompt: mx.array, decode: int, repeats: int) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of one greedy run: prompt in one call, then ``decode``
-    single-token steps."""
+def measure(model, prompt: mx.array, decode: int, repeats: int) -> tuple[float, float, str]:
+    """(prefill tok/s, decode tok/s, experts) of one greedy run: prompt in one call, then
+    ``decode`` single-token steps. ``experts``: "resident", or the streamer's counters over
+    the decode steps of one more run (hit rate, GB read per token, the reads' GB/s)."""
 
     def prefill():
         cache = model.make_cache()
         mx.eval(model(prompt, cache=cache))
         return cache
 
-    def run_decode():
+    def run_decode(after_prefill=None):
         cache = prefill()
+        if after_prefill:
+            after_prefill()
         tok = mx.array([[1]])
         t = time.perf_counter()
         for _ in range(decode):
@@ -52,7 +56,18 @@ def measure(model, prompt: mx.array, decode: int, repeats: int) -> tuple[float, 
     t_pre = _time(prefill, repeats)
     run_decode()
     t_dec = statistics.median(run_decode() for _ in range(repeats))
-    return prompt.shape[1] / t_pre, decode / t_dec
+    return prompt.shape[1] / t_pre, decode / t_dec, decode_experts(model, run_decode, decode)
+
+
+def decode_experts(model, run_decode, decode: int) -> str:
+    """The streamer's counters over one run's decode steps, or "resident"."""
+    if get_stats(model) is None:
+        return "resident"
+    run_decode(after_prefill=lambda: reset_stats(model))
+    st = get_stats(model)
+    rate = "no lookups" if st["hit_rate"] is None else f"{st['hit_rate']:.0%} hit"
+    gbps = "" if st["read_gbps"] is None else f", read at {st['read_gbps']:.2f} GB/s"
+    return f"{rate}, {st['bytes_read'] / decode / 1e6:.2f} MB read per token{gbps}"
 
 
 def main(argv=None):
@@ -99,10 +114,10 @@ def main(argv=None):
                 )
             for label, model in runs:
                 try:
-                    pre, dec = measure(model, prompt, args.decode_tokens, args.repeats)
-                    rows.append((name, label, f"{pre:.1f}", f"{dec:.1f}"))
+                    pre, dec, experts = measure(model, prompt, args.decode_tokens, args.repeats)
+                    rows.append((name, label, f"{pre:.1f}", f"{dec:.1f}", experts))
                 except Exception as e:  # one failing comparator is a row, not a crash
-                    rows.append((name, label, f"failed: {type(e).__name__}: {e}", ""))
+                    rows.append((name, label, f"failed: {type(e).__name__}: {e}", "", ""))
             del ours, ref, runs
     device = f"{mx.default_device()} ({platform.machine()}, mlx {mx.__version__})"
     lines = [
@@ -110,12 +125,13 @@ def main(argv=None):
         "",
         f"Command: `python {' '.join([sys.argv[0]] + (argv or sys.argv[1:]))}`",
         f"Prompt {args.prompt_tokens} tokens in one call; {args.decode_tokens} greedy decode "
-        f"steps; median of {args.repeats}.",
+        f"steps; median of {args.repeats}. Streamed rows: the expert cache's counters over the "
+        "decode steps of one more run.",
         "",
-        "| dtype | implementation | prefill tok/s | decode tok/s |",
-        "|---|---|---:|---:|",
+        "| dtype | implementation | prefill tok/s | decode tok/s | experts while decoding |",
+        "|---|---|---:|---:|---|",
     ]
-    lines += [f"| {d} | {label} | {p} | {t} |" for d, label, p, t in rows]
+    lines += [f"| {d} | {label} | {p} | {t} | {x} |" for d, label, p, t, x in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
