@@ -110,16 +110,22 @@ def decode_variants():
     from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
 
     gate_up, _, _, down = mxfp4_mma.MXFP4_MMA.instances
-    base = [
-        ("mxfp4_mma gate/up", mxfp4_mma.MXFP4_MMA, gate_up),
-        ("mxfp4_mma down", mxfp4_mma.MXFP4_MMA, down),
-        ("mxfp4_fused", mxfp4_fused.MXFP4_FUSED, mxfp4_fused.MXFP4_FUSED.instances[0]),
+    mma_threads = {p: 32 * rt * sk for p, (rt, sk, *_) in mxfp4_mma.LAUNCH.items()}
+    base = [  # the instances are the kernels' own (their modules' LAUNCH)
+        ("mxfp4_mma gate/up", mxfp4_mma.MXFP4_MMA, gate_up, mma_threads["gate_up"]),
+        ("mxfp4_mma down", mxfp4_mma.MXFP4_MMA, down, mma_threads["down"]),
+        (
+            "mxfp4_fused",
+            mxfp4_fused.MXFP4_FUSED,
+            mxfp4_fused.MXFP4_FUSED.instances[0],
+            32 * mxfp4_fused.LAUNCH[1],
+        ),
     ]
     out = []
-    for label, kernel, inst in base:
+    for label, kernel, inst, threads in base:
         for decode in ("shift", "byte permute"):
             for blocks in (1, 2):
-                k = kernel.bounded(256, blocks)
+                k = kernel.bounded(threads, blocks)
                 k = prmt_kernel(k) if decode == "byte permute" else k
                 out.append((f"{label}, {decode}, {blocks} per SM", k, inst))
     return out
