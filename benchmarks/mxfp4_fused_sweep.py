@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -43,7 +42,7 @@ from benchmarks.bench_mxfp4 import (
 from benchmarks.profile_kernels import register_count
 from kimi_k3.experts import expert_glu_reference
 from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
-from kimi_k3.kernels.source import Instance, Kernel
+from kimi_k3.kernels.source import Instance
 
 BETA, CAP = 4.0, 25.0
 DEFAULT_LAUNCHES = ["384,8,8,4", "256,8,8,8", "128,4,8,4", "256,4,8,8", "512,8,8,8"]
@@ -110,18 +109,11 @@ def with_bound(fn, bound: int):
     return run
 
 
-def prmt_kernel(kernel: Kernel) -> Kernel:
-    """``kernel`` with its codes decoded by byte permutes (``kk_e2m1_pair_prmt``) instead of
-    shifts and masks per pair (its launch bound kept), named ``<name>_prmt``."""
-    header = kernel.header.replace("kk_e2m1_pair(uint w", "kk_e2m1_pair_shift(uint w")
-    header = header.replace("kk_e2m1_pair_prmt(uint w", "kk_e2m1_pair(uint w")
-    return replace(kernel, name=kernel.name + "_prmt", header=header, _built={})
-
-
 def prmt_decode(fn, module=mxfp4_mma, name="MXFP4_MMA"):
-    """``fn`` with ``module.name``'s codes decoded by byte permutes (``prmt_kernel``)."""
+    """``fn`` with ``module.name``'s codes decoded by byte permutes
+    (``mxfp4_mma.byte_permute_decode``)."""
     kernel = getattr(module, name)
-    variant = prmt_kernel(kernel)
+    variant = mxfp4_mma.byte_permute_decode(kernel)
 
     def run(*a):
         setattr(module, name, variant)

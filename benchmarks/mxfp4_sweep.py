@@ -45,7 +45,6 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_rounds
-from benchmarks.mxfp4_fused_sweep import prmt_kernel
 from benchmarks.profile_kernels import register_count
 from kimi_k3.kernels import mxfp4_mma
 from kimi_k3.kernels.source import Instance, Kernel, constant
@@ -302,7 +301,9 @@ def main():
             shape_kernels[f"mma, {b} per SM"] = bound
         if args.prmt:
             for name in [n for n in shape_kernels if n == "mma" or n.endswith("per SM")]:
-                shape_kernels[f"{name}, byte permute"] = prmt_kernel(shape_kernels[name])
+                shape_kernels[f"{name}, byte permute"] = mxfp4_mma.byte_permute_decode(
+                    shape_kernels[name]
+                )
         for name, kern in shape_kernels.items():
             for proj in args.projections:
                 glu = proj == "gate_up"

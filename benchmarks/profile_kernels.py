@@ -106,7 +106,6 @@ def decode_variants():
     """(label, kernel, instance) for the decode kernels' sm_90 static costs: mxfp4_mma's two
     projections and mxfp4_fused at K3 size, bf16 latents, shift and byte-permute decode,
     without and with a bound of two threadgroups per SM."""
-    from benchmarks.mxfp4_fused_sweep import prmt_kernel
     from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
 
     gate_up, _, _, down = mxfp4_mma.MXFP4_MMA.instances
@@ -126,7 +125,7 @@ def decode_variants():
         for decode in ("shift", "byte permute"):
             for blocks in (1, 2):
                 k = kernel.bounded(threads, blocks)
-                k = prmt_kernel(k) if decode == "byte permute" else k
+                k = mxfp4_mma.byte_permute_decode(k) if decode == "byte permute" else k
                 out.append((f"{label}, {decode}, {blocks} per SM", k, inst))
     return out
 

@@ -76,6 +76,34 @@ CONSTANTS = """\
   constexpr int U1 = SL / 16;                   // gate/up units: 16 rows of gate and of up
   constexpr int U2 = KD / 32;                   // down units: 32 rows (two 16-row tiles)
 """
+# Both kernels' ends of a unit (after KK_LANES is defined): gate/up unit u's rows g, g + 8
+# become h (SiTU-GLU) in threadgroup memory; down unit u's rows g, g + 8, 16 + g, 24 + g go
+# to this slice's partial, weighted by the pair's routing weight.
+UNIT_ENDS = """\
+#define KK_END1(u)                                                                     \\
+  {                                                                                    \\
+    KK_LANES();                                                                        \\
+    if (tq == 0) {                                                                     \\
+      const uint row = 16 * (warp + NW * uint(u));                                     \\
+      hs[row + g] = kk_situ_glu(acc0 * unscale1, acc2 * unscale1, params[0], params[1]); \\
+      hs[row + 8 + g] = kk_situ_glu(acc1 * unscale1, acc3 * unscale1, params[0], params[1]); \\
+    }                                                                                  \\
+    acc0 = acc2 = 0.0f, acc1 = acc3 = 0.0f;                                            \\
+  }
+#define KK_END2(u)                                                                     \\
+  {                                                                                    \\
+    KK_LANES();                                                                        \\
+    if (tq == 0) {                                                                     \\
+      const float f = wts[p] * unscale2;                                               \\
+      DEVICE float* o = part + ((size_t)p * J + js) * KD + 32 * (warp + NW * uint(u)); \\
+      o[g] = f * acc0;                                                                 \\
+      o[8 + g] = f * acc1;                                                             \\
+      o[16 + g] = f * acc2;                                                            \\
+      o[24 + g] = f * acc3;                                                            \\
+    }                                                                                  \\
+    acc0 = acc1 = acc2 = acc3 = 0.0f;                                                  \\
+  }
+"""
 DECLS = (
     """\
   SHARED uint4 frag1[G1 * 8];
@@ -139,37 +167,17 @@ BODY = (
 """
     + STEP_MACRO
     + LANES
-    + """  // The last step of a unit: gate/up rows g, g + 8 become h (SiTU-GLU), in threadgroup
-  // memory.
+    + UNIT_ENDS
+    + """  // The last step of a unit ends it (KK_END1, KK_END2).
 #define KK_STEP1(q, sc, t)                                                             \\
   {                                                                                    \\
     KK_STEP(q, sc, frag1, ((t) % S1) * GW, GW / 4);                                    \\
-    if ((t) % S1 == S1 - 1) {                                                          \\
-      KK_LANES();                                                                      \\
-      if (tq == 0) {                                                                   \\
-        const uint row = 16 * (warp + NW * uint((t) / S1));                            \\
-        hs[row + g] = kk_situ_glu(acc0 * unscale1, acc2 * unscale1, params[0], params[1]); \\
-        hs[row + 8 + g] = kk_situ_glu(acc1 * unscale1, acc3 * unscale1, params[0], params[1]); \\
-      }                                                                                \\
-      acc0 = acc2 = 0.0f, acc1 = acc3 = 0.0f;                                                \\
-    }                                                                                  \\
+    if ((t) % S1 == S1 - 1) KK_END1((t) / S1);                                         \\
   }
-  // The last step of a down unit: rows g, g + 8, 16 + g, 24 + g of this slice's partial.
 #define KK_STEP2(q, sc, t)                                                             \\
   {                                                                                    \\
     KK_STEP(q, sc, frag2, ((t) % S2) * GW2, GW2 / 4);                                  \\
-    if ((t) % S2 == S2 - 1) {                                                          \\
-      KK_LANES();                                                                      \\
-      if (tq == 0) {                                                                   \\
-        const float f = wts[p] * unscale2;                                             \\
-        DEVICE float* o = part + ((size_t)p * J + js) * KD + 32 * (warp + NW * uint((t) / S2)); \\
-        o[g] = f * acc0;                                                               \\
-        o[8 + g] = f * acc1;                                                           \\
-        o[16 + g] = f * acc2;                                                          \\
-        o[24 + g] = f * acc3;                                                          \\
-      }                                                                                \\
-      acc0 = acc1 = acc2 = acc3 = 0.0f;                                                \\
-    }                                                                                  \\
+    if ((t) % S2 == S2 - 1) KK_END2((t) / S2);                                         \\
   }
   // Two register buffers take turns: a step's loads go out before the previous step's math.
 #define KK_PIPE(NT, LOADF, STEPF)                                                      \\
@@ -218,6 +226,8 @@ BODY = (
 #undef KK_LOAD2
 #undef KK_STEP
 #undef KK_LANES
+#undef KK_END1
+#undef KK_END2
 #undef KK_STEP1
 #undef KK_STEP2
 #undef KK_PIPE
@@ -508,6 +518,7 @@ BODY_BULK = (
   }
 """
     + LANES
+    + UNIT_ENDS
     + """
   if (lane == 0) {
     // One arrival with the bytes expected, plus (plain layout) one per lane's scale copy.
@@ -525,15 +536,7 @@ BODY_BULK = (
   // Phase 1: this slice's gate and up rows, SiTU-GLU into hs.
   for (int t = 0; t < T1; ++t) {
     KB_STEP(t, frag1, t % S1);
-    if (t % S1 == S1 - 1) {
-      KK_LANES();
-      if (tq == 0) {
-        const uint row = 16 * (warp + NW * uint(t / S1));
-        hs[row + g] = kk_situ_glu(acc0 * unscale1, acc2 * unscale1, params[0], params[1]);
-        hs[row + 8 + g] = kk_situ_glu(acc1 * unscale1, acc3 * unscale1, params[0], params[1]);
-      }
-      acc0 = acc1 = acc2 = acc3 = 0.0f;
-    }
+    if (t % S1 == S1 - 1) KK_END1(t / S1);
   }
   BARRIER();
 """
@@ -545,22 +548,13 @@ BODY_BULK = (
   for (int t = T1; t < TT; ++t) {
     const int t2 = t - T1;
     KB_STEP(t, frag2, t2 % S2);
-    if (t2 % S2 == S2 - 1) {
-      KK_LANES();
-      if (tq == 0) {
-        const float f = wts[p] * unscale2;
-        DEVICE float* o = part + ((size_t)p * J + js) * KD + 32 * (warp + NW * uint(t2 / S2));
-        o[g] = f * acc0;
-        o[8 + g] = f * acc1;
-        o[16 + g] = f * acc2;
-        o[24 + g] = f * acc3;
-      }
-      acc0 = acc1 = acc2 = acc3 = 0.0f;
-    }
+    if (t2 % S2 == S2 - 1) KK_END2(t2 / S2);
   }
 #undef KB_ISSUE
 #undef KB_STEP
 #undef KK_LANES
+#undef KK_END1
+#undef KK_END2
 """
 )
 

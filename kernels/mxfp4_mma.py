@@ -40,6 +40,8 @@ kernels on CUDA only (Metal keeps ``mxfp4_decode``'s LUT kernels).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 
 from .mxfp4_decode import HEADER, K3, sum_pairs
@@ -116,6 +118,15 @@ STEP_MACRO = (
     )
     + "  }\n"
 )
+
+
+def byte_permute_decode(kernel: Kernel) -> Kernel:
+    """``kernel`` (any kernel built on ``MMA_HEADER``, bounded or not) with its codes decoded
+    by ``kk_e2m1_pair_prmt`` instead of shifts and masks per pair, named ``<name>_prmt``: the
+    variant the sweeps time with ``--prmt``."""
+    header = kernel.header.replace("kk_e2m1_pair(uint w", "kk_e2m1_pair_shift(uint w")
+    header = header.replace("kk_e2m1_pair_prmt(uint w", "kk_e2m1_pair(uint w")
+    return replace(kernel, name=kernel.name + "_prmt", header=header, _built={})
 
 
 # Both kernels' warp roles: row tile rt and split sk of the warp, lane (g, tq) of the MMA.
