@@ -208,7 +208,7 @@ def with_setting(module, table: str, gate_up, down):
 
 # Decode rows at other __launch_bounds__ than the default (mxfp4_mma.MIN_BLOCKS): threadgroups
 # per SM for (gate/up, down); 1 is no bound.
-MIN_BLOCK_ROWS = [(1, 1), (2, 1), (2, 2)]
+MIN_BLOCK_ROWS = [(1, 1), (1, 2)]
 
 
 # Launch shapes of the tensor-core decode kernels that --variants times: (gate/up, down),
@@ -229,12 +229,18 @@ def decode_variants(sweep: bool) -> dict:
     from kimi_k3.kernels import mxfp4_decode, mxfp4_mma
 
     bounds = tuple(mxfp4_mma.MIN_BLOCKS[p] for p in ("gate_up", "down"))
+    decodes = tuple(mxfp4_mma.DECODE[p] for p in ("gate_up", "down"))
+    how = decodes[0] if decodes[0] == decodes[1] else " / ".join(decodes)
+    default = f"decode kernel (tensor cores, {how} decode, at least {bounds} per SM)"
     out = {
-        f"decode kernel (tensor cores, at least {bounds} per SM)": mxfp4_mma.expert_glu_decode,
+        default: mxfp4_mma.expert_glu_decode,
         "decode kernel (tensor cores, async copies)": mxfp4_mma.expert_glu_decode_ac,
         "decode kernel (LUT)": expert_glu_decode,
     }
-    for gu, dn in MIN_BLOCK_ROWS:
+    for decode in [d for d in mxfp4_mma.DECODES if d not in decodes]:
+        label = f"tensor cores, {decode} decode, at least {bounds} per SM"
+        out[label] = with_setting(mxfp4_mma, "DECODE", decode, decode)
+    for gu, dn in [b for b in MIN_BLOCK_ROWS if b != bounds]:
         label = f"tensor cores, threadgroups per SM at least ({gu}, {dn})"
         out[label] = with_setting(mxfp4_mma, "MIN_BLOCKS", gu, dn)
     if sweep:

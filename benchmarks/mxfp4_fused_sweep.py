@@ -19,8 +19,9 @@ run. Each row's output is compared with ``mxfp4_mma``'s.
 (rows of I per threadgroup, warps, ring stages) in the launch column. ``--tiled`` adds the
 fused kernel reading the same experts in ``tile_experts``' layout (16-row tiles of 4-group
 blocks: a warp load is 512 contiguous bytes), converted once before timing. ``--prmt`` adds
-``mxfp4_mma`` and the first fused launch with the codes decoded by byte permutes
-(``kk_e2m1_pair_prmt``) instead of shifts.
+``mxfp4_mma`` with the codes decoded by shifts (``kk_e2m1_pair``; it is dispatched with byte
+permutes, ``mxfp4_mma.DECODE``) and the first fused launch with its codes decoded by byte
+permutes (``kk_e2m1_pair_prmt``) instead of shifts.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from benchmarks.bench_mxfp4 import (
     rel_err,
     routing,
     time_rounds,
+    with_setting,
 )
 from benchmarks.profile_kernels import register_count
 from kimi_k3.experts import expert_glu_reference
@@ -109,9 +111,9 @@ def with_bound(fn, bound: int):
     return run
 
 
-def prmt_decode(fn, module=mxfp4_mma, name="MXFP4_MMA"):
+def prmt_decode(fn, module, name):
     """``fn`` with ``module.name``'s codes decoded by byte permutes
-    (``mxfp4_mma.byte_permute_decode``)."""
+    (``mxfp4_mma.byte_permute_decode``); for ``mxfp4_mma`` itself that is its ``DECODE``."""
     kernel = getattr(module, name)
     variant = mxfp4_mma.byte_permute_decode(kernel)
 
@@ -138,7 +140,7 @@ def main():
     p.add_argument(
         "--prmt",
         action="store_true",
-        help="also mxfp4_mma and the first fused launch decoding codes by byte permutes",
+        help="also mxfp4_mma decoding codes by shifts, the first fused launch by byte permutes",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
@@ -168,8 +170,8 @@ def main():
     ]
     fused, bulk = mxfp4_fused.expert_glu_decode, mxfp4_fused.expert_glu_decode_bulk
     if args.prmt:
-        fn = prmt_decode(mxfp4_mma.expert_glu_decode)
-        jobs.append(("mxfp4_mma, byte-permute decode", "", "", fn))
+        fn = with_setting(mxfp4_mma, "DECODE", "shift", "shift")
+        jobs.append(("mxfp4_mma, shift decode", "", "", fn))
         for lc in launches[:1]:
             fn = prmt_decode(decode_job(fused, lc), mxfp4_fused, "MXFP4_FUSED")
             shape = mxfp4_fused.shape_for(D, I, lc)

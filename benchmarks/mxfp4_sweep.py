@@ -17,14 +17,16 @@ the first shape's), and with ``--probe`` the same grid with the math taken out:
   ``--ac-shapes`` also ``mxfp4_mma_ac`` (asynchronous copies) with L2's evict-first policy;
 - with ``--prmt``, each ``mxfp4_mma`` row (bounded ones too) again with its codes decoded by
   byte permutes (``kk_e2m1_pair_prmt``; at a bound of 2 per SM it fits 128 registers
-  without spills for gate/up, ``profile_kernels --sass``);
+  without spills for gate/up, ``profile_kernels --sass``): "mma, 2 per SM, byte permute" is
+  the dispatcher's kernel (``mxfp4_mma.DECODE``, ``MIN_BLOCKS``);
 - with ``--min-blocks N``, ``mxfp4_mma`` compiled with ``__launch_bounds__(threads, N)``
   (the compiler caps its registers so that N threadgroups fit an SM);
 - with ``--ac-shapes``, ``mxfp4_mma_ac`` (code words and scales brought into threadgroup
   memory by asynchronous copies) at those shapes (rt, sk, gw, stages).
 
-The "mma" rows are the kernel as the dispatcher launches it (gate/up with CS, streaming
-code loads; down without). The probes keep the kernel's CS flag.
+The "mma" rows decode by shifts and run the dispatcher's launch shapes and load hints
+(gate/up with CS, streaming code loads; down without). The probes keep the kernel's CS
+flag.
 
 Beside them: a device copy, and ptxas's register count per shape (nvcc -Xptxas -v, sm_90,
 when nvcc is on PATH). GB/s are over the weight bytes, scales included.

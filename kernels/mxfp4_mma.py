@@ -8,7 +8,9 @@ a code costs about two, and the multiply-adds go to the tensor cores:
 * **Codes to fp16 in registers.** An E2M1 code ``s e1 e0 m`` placed at fp16 bits 15 and
   11..9 is that code's value times 2^-14 exactly (e = 0 lands on fp16's subnormals, which
   are E2M1's 0 and 0.5). Nibbles j and j + 4 of a 32-bit word sit 16 bits apart, so one
-  shift and two masks give a half2 of two codes; the 2^14 goes into the scale.
+  shift and two masks give a half2 of two codes; the 2^14 goes into the scale. The
+  dispatcher's kernels (``DECODE``) make those fp16 high bytes for all eight codes of a word
+  at once and take each pair out with one byte permute, which costs fewer instructions.
 * **fp32-exact activations as fp16 hi and lo.** The activation row (the latent for
   gate/up, ``h`` for down) is scaled by a power of two (largest |x| in [2^14, 2^15)) and
   split as x = hi + lo, both fp16 (22 significant bits of x; the products themselves are
@@ -56,11 +58,11 @@ HELPER uint kk_e2m1_pair(uint w, int j) {
   const uint x = w >> (4 * j);
   return ((x & 0x00070007u) << 9) | ((x & 0x00080008u) << 12);
 }
-// The same by byte permutes (benchmarks/mxfp4_fused_sweep --prmt): such an fp16 has a zero
-// low byte, and its high byte is the code's sign at bit 7 and its other bits at 3..1; made
-// for all eight codes of a word at once (even codes in one word, odd in the other, shared by
-// the j's once inlined), then one permute per pair. 17% fewer PTX instructions in gate/up,
-// but 155 registers instead of 129, and not faster on the H200 (docs/benchmarks.md).
+// The same by byte permutes: such an fp16 has a zero low byte, and its high byte is the
+// code's sign at bit 7 and its other bits at 3..1; made for all eight codes of a word at once
+// (even codes in one word, odd in the other, shared by the j's once inlined), then one
+// permute per pair. 14.0-14.5 instead of 18.3-18.5 SASS instructions per MMA in the main
+// loop (profile_kernels --sass); what the dispatcher uses (DECODE, byte_permute_decode).
 HELPER uint kk_e2m1_pair_prmt(uint w, int j) {
   const uint b = (j & 1) ? ((w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu))
                          : (((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu));
@@ -122,8 +124,9 @@ STEP_MACRO = (
 
 def byte_permute_decode(kernel: Kernel) -> Kernel:
     """``kernel`` (any kernel built on ``MMA_HEADER``, bounded or not) with its codes decoded
-    by ``kk_e2m1_pair_prmt`` instead of shifts and masks per pair, named ``<name>_prmt``: the
-    variant the sweeps time with ``--prmt``."""
+    by ``kk_e2m1_pair_prmt`` instead of shifts and masks per pair, named ``<name>_prmt``:
+    what ``DECODE`` picks for ``mxfp4_mma``, and the variant the sweeps time with
+    ``--prmt``."""
     header = kernel.header.replace("kk_e2m1_pair(uint w", "kk_e2m1_pair_shift(uint w")
     header = header.replace("kk_e2m1_pair_prmt(uint w", "kk_e2m1_pair(uint w")
     return replace(kernel, name=kernel.name + "_prmt", header=header, _built={})
@@ -341,12 +344,17 @@ STREAM_LOADS = {"gate_up": True, "down": False}
 
 
 # Threadgroups per SM that the compiler must leave room for (CUDA's __launch_bounds__; 1:
-# no bound). At 129-130 registers a 256-thread threadgroup of either projection runs alone
-# on an SM; a bound of 2 caps them at 128 (ptxas spills 16-20 bytes) so two fit. H200,
-# `mxfp4_sweep --min-blocks 2 --rounds 3/4`, every round faster for down: 46.4-53.6 vs
-# 51.9-58.5 us at one token (seven rounds, two runs), 232-238 vs 267-271 us at eight (four);
-# gate/up was not (77.7-80.7 vs 73.5-80.8 us), so it keeps no bound (docs/benchmarks.md).
-MIN_BLOCKS = {"gate_up": 1, "down": 2}
+# no bound). Unbounded, a 256-thread threadgroup of either projection takes 129-158
+# registers and runs alone on an SM; a bound of 2 caps it at 128 so two fit.
+MIN_BLOCKS = {"gate_up": 2, "down": 2}
+# How the codes become fp16 per projection: "byte permute" (kk_e2m1_pair_prmt,
+# byte_permute_decode) or "shift" (kk_e2m1_pair). H200, `mxfp4_sweep --prmt --min-blocks 2
+# --rounds 5` (docs/benchmarks.md), both bounded to 2 per SM: gate/up at one token 76.1-85.5
+# us with byte permutes (128 registers, no spill) against 83.6-89.4 with shifts (spill 16
+# bytes), faster in every round; down 55.5-57.7 against 53.4-59.8 at one token (a tie; it
+# spills 60 bytes against 20) and 228.6-247.8 against 241.7-273.9 at eight tokens.
+DECODE = {"gate_up": "byte permute", "down": "byte permute"}
+DECODES = ("shift", "byte permute")
 
 
 def _proj(glu: bool) -> str:
@@ -445,9 +453,24 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
         return _whole_steps(KD, LAUNCH[_proj(glu)])
 
     def kernel_for(glu, shape):
-        return MXFP4_MMA.bounded(32 * shape[0] * shape[1], MIN_BLOCKS[_proj(glu)])
+        proj = _proj(glu)
+        if DECODE[proj] not in DECODES:
+            raise ValueError(f"mxfp4_mma.DECODE[{proj!r}] = {DECODE[proj]!r}: one of {DECODES}")
+        kernel = MXFP4_MMA.bounded(32 * shape[0] * shape[1], MIN_BLOCKS[proj])
+        return _byte_permute(kernel) if DECODE[proj] == "byte permute" else kernel
 
     return _decode(kernel_for, template, shape_for, backend, z, w, inds, weights, beta, cap)
+
+
+_PRMT: dict = {}
+
+
+def _byte_permute(kernel: Kernel) -> Kernel:
+    """``byte_permute_decode(kernel)``, made once per kernel (so it is built once)."""
+    key = (kernel.name, kernel.body, kernel.header, kernel.launch_bounds)
+    if key not in _PRMT:
+        _PRMT[key] = byte_permute_decode(kernel)
+    return _PRMT[key]
 
 
 def eligible(z, w, inds) -> bool:

@@ -277,6 +277,28 @@ def test_a_broken_mma_kernel_fails(monkeypatch, old, new):
     assert_broken(lambda: mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want)
 
 
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("(j & 2) ? 0x3414u : 0x2404u", "(j & 2) ? 0x3404u : 0x2404u"),
+        ("((w >> 3) & 0x0E0E0E0Eu)", "((w >> 3) & 0x0C0E0E0Eu)"),
+    ],
+    ids=["prmt-selector", "prmt-odd-mask"],
+)
+def test_a_broken_byte_permute_decode_fails(monkeypatch, old, new):
+    """The dispatched decode (``DECODE``: byte permutes, ``kk_e2m1_pair_prmt`` in the header)
+    is what the emulator tests run: a wrong selector or mask is caught."""
+    from dataclasses import replace
+
+    kernel = mxfp4_mma.MXFP4_MMA
+    assert kernel.header.count(old) == 1, old
+    header = kernel.header.replace(old, new)
+    broken_kernel = replace(kernel, name=kernel.name + "_broken", header=header, _built={})
+    monkeypatch.setattr(mxfp4_mma, "MXFP4_MMA", broken_kernel)
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    assert_broken(lambda: mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want)
+
+
 # The same product with code words and scales brought in by asynchronous copies
 # (mxfp4_mma_ac): a ring of S stages per warp. (4, 1280, 1152) gives down rows of 36 groups
 # (4-group steps); at K3's size the ring is cut to Metal's 32 KB (fit_ac).
@@ -418,15 +440,20 @@ def test_fused_reads_the_tiled_layout(E, D, I, N, k, dtype, fn):
     assert rel_err(fn(z, wt, inds, wts, beta, cap, backend="emulator"), want) > 0.1
 
 
-def test_byte_permute_decode_is_the_same():
-    """``kk_e2m1_pair_prmt`` (BYTE_PERM) decodes every code as the shifts do: the decode gives
-    the same result to the last bit."""
-    from benchmarks.mxfp4_fused_sweep import prmt_decode
-
-    args, _ = case(4, 1280, 1152, 2, 2, "float32")
-    plain = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
-    prmt = prmt_decode(lambda *a: mxfp4_mma.expert_glu_decode(*a, backend="emulator"))(*args)
-    assert mx.array_equal(plain, prmt).item()
+def test_byte_permute_decode_is_the_same(monkeypatch):
+    """``kk_e2m1_pair_prmt`` (BYTE_PERM, what ``mxfp4_mma.DECODE`` picks) decodes every code
+    as the shifts do: the decode gives the same result to the last bit, per projection."""
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    assert mxfp4_mma.DECODE == {"gate_up": "byte permute", "down": "byte permute"}
+    prmt = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+    assert rel_err(prmt, want) < TOL
+    for proj in ("gate_up", "down"):
+        monkeypatch.setitem(mxfp4_mma.DECODE, proj, "shift")
+        got = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+        assert mx.array_equal(got, prmt).item(), proj
+    monkeypatch.setitem(mxfp4_mma.DECODE, "down", "bytes")
+    with pytest.raises(ValueError, match=r"DECODE\['down'\] = 'bytes'"):
+        mxfp4_mma.expert_glu_decode(*args, backend="emulator")
 
 
 def test_fused_shapes_fit():
@@ -789,8 +816,9 @@ def test_launch_geometry_at_k3_scale(monkeypatch, tokens):
     names = [name for name, _, _ in launches]
     assert names.count("mxfp4_grouped") == 8 and names.count("mxfp4_bfrag") == 6
     assert names.count("mxfp4_grouped_mma") == 6 and names.count("mxfp4_sum") == 2
-    # the tensor-core decode's down projection runs with its launch bound (MIN_BLOCKS)
-    assert names[-3:] == ["mxfp4_mma", "mxfp4_mma_lb256x2", "mxfp4_sum"]
+    # the tensor-core decode runs with its launch bounds (MIN_BLOCKS) and byte-permute
+    # decode (DECODE)
+    assert names[-3:] == ["mxfp4_mma_lb256x2_prmt", "mxfp4_mma_lb256x2_prmt", "mxfp4_sum"]
     assert len(launches) == 8 + 12 + 3 + 3
     for name, grid, tg in launches:
         check_cuda_grid(grid, tg)

@@ -88,15 +88,15 @@ def test_mma_decode_with_launch_bounds(monkeypatch, blocks):
 
 @pytest.mark.parametrize("bound", [1, 2])
 def test_byte_permute_decode_with_launch_bounds(monkeypatch, bound):
-    """``mxfp4_mma`` with its codes decoded by byte permutes (``mxfp4_sweep --prmt``; at a
-    bound of 2 per SM gate/up fits 128 registers without spills): the shift decode's result
+    """``mxfp4_mma`` with its codes decoded by byte permutes (``DECODE``, the dispatcher's; at
+    a bound of 2 per SM gate/up fits 128 registers without spills): the shift decode's result
     to the last bit, at K3 size."""
-    from benchmarks.mxfp4_fused_sweep import prmt_decode
-
     args, want = case(16, *K3, 4, 16, "bfloat16")
     monkeypatch.setattr(mxfp4_mma, "MIN_BLOCKS", {"gate_up": bound, "down": bound})
+    monkeypatch.setattr(mxfp4_mma, "DECODE", {"gate_up": "shift", "down": "shift"})
     plain = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
-    got = prmt_decode(lambda *a: mxfp4_mma.expert_glu_decode(*a, backend="cuda"))(*args)
+    monkeypatch.setattr(mxfp4_mma, "DECODE", {"gate_up": "byte permute", "down": "byte permute"})
+    got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
     assert rel_err(got, want) < TOL
     assert mx.array_equal(got, plain).item()
 
