@@ -2,8 +2,10 @@
 
 Decode: effective GB/s over the selected experts' bytes, against a device copy measured in the
 same run and the HBM datasheet peak, and against ``expert_glu_reference`` (``gather_qmm``) on the
-same inputs. Prefill: tokens/s of one MoE layer's routed experts. Every comparator runs in its
-own try/except, so one failure is a row that says so, not a crash.
+same inputs; the decode kernels of one token count are timed in interleaved rounds (each
+round times every kernel once), and a row gives its best round and lists them all. Prefill:
+tokens/s of one MoE layer's routed experts. Every comparator runs in its own try/except, so
+one failure is a row that says so, not a crash.
 
     python -m benchmarks.bench_mxfp4 --out bench_mxfp4.md
 """
@@ -46,6 +48,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM datasheet peak")
     p.add_argument("--calls", type=int, default=20, help="calls per timed batch")
     p.add_argument("--repeats", type=int, default=5, help="timed batches (best is reported)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="decode: rounds, each timing every kernel once"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", action="store_true", help="also time other decode kernels")
@@ -168,12 +173,15 @@ def attempt(table: Table, label: str, fn, *args):
         return None
 
 
-def decode_row(table, label, fn, inputs, nbytes, args, copy):
-    t = time_batch(fn, inputs, args.repeats)
+def decode_row(table, label, times: list, nbytes, args, copy):
+    """A decode row: the best of ``times`` (seconds per call, one per round), its rates, and
+    every round in the check column."""
+    t = min(times)
     gbps = nbytes / t / 1e9
     of_copy = f"{100 * gbps / copy:.0f}% of copy" if copy else "copy n/a"
     of_peak = f"{100 * gbps / args.peak_gbps:.0f}% of peak, {of_copy}"
-    table.add(label, f"{t * 1e3:.3f} ms", f"{gbps:.0f} GB/s", of_peak, "")
+    rounds = "rounds (ms): " + ", ".join(f"{x * 1e3:.3f}" for x in times)
+    table.add(label, f"{t * 1e3:.3f} ms", f"{gbps:.0f} GB/s", of_peak, rounds)
     return t
 
 
@@ -268,18 +276,24 @@ def bench_decode(args, table: Table, copy: float | None):
             inputs.append((z, w, inds, weights, BETA, CAP))
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
-        timed = {}
         variants = decode_variants(args.variants)
-        for name, fn in (
+        jobs = [
             ("gather_qmm", expert_glu_reference),
             *variants.items(),
             ("prefill kernel (LUT)", expert_glu_prefill),
             ("prefill kernel (tensor cores)", expert_glu_prefill_mma),
-        ):
+        ]
+        # one round times every job once, rounds one after another: the first job of a run
+        # is no longer the one that meets the clocks cold
+        times, failed = time_rounds([fn for _, fn in jobs], inputs, args.rounds, args.repeats)
+        timed = {}
+        for j, ((name, _), ts) in enumerate(zip(jobs, times)):
             label = f"decode N={n}: {name}"
-            timed[name] = attempt(
-                table, label, decode_row, table, label, fn, inputs, nbytes, args, copy
-            )
+            if j in failed:
+                table.add(label, "FAILED", failed[j], "", "")
+                timed[name] = None
+            else:
+                timed[name] = decode_row(table, label, ts, nbytes, args, copy)
         for name, fn in variants.items():
             compare(
                 table,

@@ -80,8 +80,8 @@ for step in "$@"; do
     model_cuda) MLX_ENABLE_TF32=0 run model_cuda 300 python3 -m pytest -q tests/cuda/test_model_cuda.py ;;
     bench_kda_final) run bench_kda 320 python3 -m benchmarks.bench_kda --skip-slow --repeats 10 --out "$OUT/bench_kda.md" ;;
     bench_kda) run bench_kda 300 python3 -m benchmarks.bench_kda --out "$OUT/bench_kda.md" ;;
-    bench_mxfp4) run bench_mxfp4 300 python3 -m benchmarks.bench_mxfp4 --out "$OUT/bench_mxfp4.md" ;;
-    bench_mxfp4_decode) run bench_mxfp4_decode 200 python3 -m benchmarks.bench_mxfp4 --skip-prefill --out "$OUT/bench_mxfp4_decode.md" ;;
+    bench_mxfp4) run bench_mxfp4 500 python3 -m benchmarks.bench_mxfp4 --out "$OUT/bench_mxfp4.md" ;;
+    bench_mxfp4_decode) run bench_mxfp4_decode 400 python3 -m benchmarks.bench_mxfp4 --skip-prefill --out "$OUT/bench_mxfp4_decode.md" ;;
     bench_e2e) run bench_e2e 400 python3 benchmarks/bench_e2e.py --preset k3-layers --set vocab_size=32768 --set intermediate_size=4096 --prompt-tokens 512 --decode-tokens 16 --dtypes bfloat16 --expert-cache-gb 0.6 --out "$OUT/bench_e2e_h200.md" ;;
     bench_e2e_cpu) run bench_e2e_cpu 300 python3 benchmarks/bench_e2e.py --preset small --device cpu --repeats 3 --out "$OUT/bench_e2e_cpu.md" ;;
     bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --quick --out "$OUT/bench_streaming_h200.md" ;;
