@@ -227,6 +227,9 @@ MMA_SHAPES = [
     ((8, 1, 8, False), (4, 2, 8, False)),
     ((4, 1, 8, True), (2, 2, 8, True)),
     ((8, 1, 16, True), (8, 1, 16, True)),
+    # gate/up's 384 threadgroups are 1.45 waves of the 264 that fit (two per SM); with its
+    # groups split over two warps they are 768, 2.9 waves
+    ((4, 2, 8, True), (8, 1, 8, True)),
 ]
 
 

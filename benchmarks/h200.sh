@@ -128,6 +128,13 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       for n in 1 8; do
         run mxfp4_prmt 200 python3 -m benchmarks.mxfp4_sweep --tokens $n --shapes 8,1,8,1 --min-blocks 2 --prmt --rounds 5
       done ;;
+    mxfp4_waves)
+      # gate/up's grid (384 threadgroups, 264 fit at two per SM: 1.45 waves) against the same
+      # rows split over two warps each (768: 2.9 waves), and 11 pairs (264: one wave)
+      run waves_gu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up --shapes 8,1,8,1 4,2,8,1 --min-blocks 2 --prmt --rounds 4
+      run waves_k11 150 python3 -m benchmarks.mxfp4_sweep --projections gate_up --topk 11 --shapes 8,1,8,1 --min-blocks 2 --prmt --rounds 3
+      MLX_ENABLE_TF32=0 run shape_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "mma_launch_shapes"
+      run bench_variants 300 python3 -m benchmarks.bench_mxfp4 --variants --skip-prefill --decode-tokens 1 8 --out "$OUT/bench_mxfp4_variants.md" ;;
     mxfp4_lb) run mxfp4_lb 250 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 4 --ac-shapes 2,1,8,2 --rounds 3 ;;
     mxfp4_lb_down)
       for n in 1 8; do
