@@ -12,7 +12,9 @@
 # profile_ac_stalls 9 s, profile_prefill_mma 27 s, mxfp4_tests_par 253 s (67 tests; 70 now), mxfp4_lb 45 s,
 # mxfp4_new_tests 146 s, model_cuda 260 s, mxfp4_lb_down 33 s, mxfp4_fused 71-74 s, fused_tests 85 s,
 # mxfp4_tests_par 317 s (89 tests), bulk_smoke 12 s, mxfp4_bulk 52 s, mxfp4_tiled 94 s, mxfp4_tiled_bulk 99 s,
-# fused_tests_par 158 s (35 tests). A fresh machine's first call costs about 90 s
+# fused_tests_par 158 s (35 tests), mxfp4_prmt 90 s, mxfp4_tests_par 303 s (106 tests),
+# bench_mxfp4 130 s, bench_e2e 155 s, cuda_tests_par 137 s, bench_mxfp4_decode 137 s (three
+# interleaved rounds), profile_mma_stalls 9 s, mxfp4_waves 203 s. A fresh machine's first call costs about 90 s
 # of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
@@ -100,7 +102,7 @@ for step in "$@"; do
     profile_prefill_mma) run profile_prefill_mma 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_grouped|mxfp4_bfrag" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_prefill,mxfp4_prefill_mma ;;
     profile_ac_stalls) run profile_ac_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma_ac" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma_ac ;;
     profile_fused) run profile_fused 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_fused|mxfp4_mma" -c 12 python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 --launches 256,8,8,8 --min-blocks 2 --bulk-launches --rounds 1 --repeats 1 --calls 2 ;;
-    profile_mma_stalls) run profile_mma_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma ;;
+    profile_mma_stalls) run profile_mma_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__cycles_active.avg.pct_of_peak_sustained_elapsed,gpc__cycles_elapsed.avg.per_second,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma ;;
     mxfp4_fused) run mxfp4_fused 300 python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 8 --min-blocks 1 2 --prmt --rounds 3 ;;
     bulk_smoke) run bulk_smoke 90 python3 -c "
 import mlx.core as mx
@@ -135,6 +137,10 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       run waves_k11 150 python3 -m benchmarks.mxfp4_sweep --projections gate_up --topk 11 --shapes 8,1,8,1 --min-blocks 2 --prmt --rounds 3
       MLX_ENABLE_TF32=0 run shape_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "mma_launch_shapes"
       run bench_variants 300 python3 -m benchmarks.bench_mxfp4 --variants --skip-prefill --decode-tokens 1 8 --out "$OUT/bench_mxfp4_variants.md" ;;
+    mxfp4_gate_rows)
+      # gate/up streams 2.3-2.66 TB/s, down 2.8-2.96 with the same body: the gate matrix read
+      # as down is read, and gate/up without its streaming (CS) loads
+      run gate_rows 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up down gate_rows --shapes 8,1,8,1 --min-blocks 2 --prmt --hints --rounds 4 ;;
     mxfp4_lb) run mxfp4_lb 250 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 4 --ac-shapes 2,1,8,2 --rounds 3 ;;
     mxfp4_lb_down)
       for n in 1 8; do

@@ -22,7 +22,11 @@ the first shape's), and with ``--probe`` the same grid with the math taken out:
 - with ``--min-blocks N``, ``mxfp4_mma`` compiled with ``__launch_bounds__(threads, N)``
   (the compiler caps its registers so that N threadgroups fit an SM);
 - with ``--ac-shapes``, ``mxfp4_mma_ac`` (code words and scales brought into threadgroup
-  memory by asynchronous copies) at those shapes (rt, sk, gw, stages).
+  memory by asynchronous copies) at those shapes (rt, sk, gw, stages);
+- with ``--projections gate_rows``, the gate matrix read the way down is (the kernel without
+  GLU: one matrix, 32-row units, fp32 activations of width D), which tells whether gate/up
+  streams slower than down because of its two matrices per warp and bf16 latents or because
+  of its rows.
 
 The "mma" rows decode by shifts and run the dispatcher's launch shapes and load hints
 (gate/up with CS, streaming code loads; down without). The probes keep the kernel's CS
@@ -48,7 +52,7 @@ import numpy as np
 
 from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_rounds
 from benchmarks.profile_kernels import register_count
-from kimi_k3.kernels import mxfp4_mma
+from kimi_k3.kernels import mxfp4_mma, source
 from kimi_k3.kernels.source import Instance, Kernel, constant
 
 DEFAULT_SHAPES = ["8,1,8,1", "4,1,8,1", "16,1,8,1", "4,2,8,1", "8,1,8,0", "2,2,8,1"]
@@ -224,7 +228,8 @@ def hinted_kernel(hint: str) -> Kernel:
 
 def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
     args = (x, wa, sa, wb, sb, inds, params, KD, NR, k, glu)
-    return mxfp4_mma._launch(kernel, template_of(kernel), shape, "cuda", *args)
+    backend = source.backend() or "cuda"  # KIMI_K3_KERNEL_BACKEND=emulator: a CPU smoke run
+    return mxfp4_mma._launch(kernel, template_of(kernel), shape, backend, *args)
 
 
 def main():
@@ -252,7 +257,10 @@ def main():
     )
     p.add_argument("--tokens", type=int, default=1, help="tokens per call (k pairs each)")
     p.add_argument(
-        "--projections", nargs="+", default=["gate_up", "down"], choices=["gate_up", "down"]
+        "--projections",
+        nargs="+",
+        default=["gate_up", "down"],
+        choices=["gate_up", "down", "gate_rows"],
     )
     p.add_argument("--dim", type=int, default=3584)
     p.add_argument("--hidden", type=int, default=3072)
@@ -272,7 +280,8 @@ def main():
         inds, wts = routing(n, args.experts, k, rng)
         z = mx.random.normal((n, D)).astype(mx.bfloat16)
         h = mx.random.normal((n * k, I)).astype(mx.float32)
-        sets.append((z, h, inds.reshape(-1).astype(mx.int32), wts.reshape(-1)))
+        hg = mx.random.normal((n * k, D)).astype(mx.float32)  # gate_rows' activations
+        sets.append((z, h, inds.reshape(-1).astype(mx.int32), wts.reshape(-1), hg))
     mx.eval(sets)
     # bytes of the distinct experts a call reads (mean over the calls)
     used = np.mean([len(np.unique(np.array(st[2]))) for st in sets])
@@ -309,7 +318,7 @@ def main():
         for name, kern in shape_kernels.items():
             for proj in args.projections:
                 glu = proj == "gate_up"
-                KD, NR = (D, I) if glu else (I, D)
+                KD, NR = (I, D) if proj == "down" else (D, I)
                 # whole steps of GW groups; GW = 0 (whole rows) is a stream visit size only
                 if (gw and (KD // 32) % gw) or (gw == 0 and name != "stream"):
                     continue
@@ -324,7 +333,7 @@ def main():
                 continue
             for proj in args.projections:
                 glu = proj == "gate_up"
-                KD, NR = (D, I) if glu else (I, D)
+                KD, NR = (I, D) if proj == "down" else (D, I)
                 if mxfp4_mma.shared_bytes_ac(KD, rt, sk, gw, st) > mxfp4_mma.SHARED_LIMIT["cuda"]:
                     continue
                 jobs.append((name, kern, proj, glu, KD, NR, (rt, sk, gw, st)))
@@ -341,11 +350,13 @@ def main():
     fns = []
     for _, kern, _, glu, KD, NR, shape in jobs:
 
-        def fn(z, h, inds, wts, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
+        def fn(z, h, inds, wts, hg, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
             if glu:
                 a = (z, *w["w1"], *w["w3"], inds, params_gu)
-            else:
+            elif KD == I:
                 a = (h, *w["w2"], *w["w2"], inds, wts)
+            else:  # gate_rows
+                a = (hg, *w["w1"], *w["w1"], inds, wts)
             return launch(kern, *a, KD, NR, k, glu, shape)
 
         fns.append(fn)

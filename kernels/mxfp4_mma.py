@@ -473,6 +473,11 @@ def _byte_permute(kernel: Kernel) -> Kernel:
     return _PRMT[key]
 
 
+# What the dispatcher runs (before its launch bound), at module level so that the tests
+# that find every kernel (tests/test_cuda_compile.py) compile it too.
+MXFP4_MMA_PRMT = _byte_permute(MXFP4_MMA)
+
+
 def eligible(z, w, inds) -> bool:
     """What ``mxfp4_decode.eligible`` accepts, with D and I multiples of 128 (scale bytes read
     four at a time) and the activations' fragments within threadgroup memory."""
