@@ -55,6 +55,13 @@ from benchmarks.profile_kernels import register_count
 from kimi_k3.kernels import mxfp4_mma, source
 from kimi_k3.kernels.source import Instance, Kernel, constant
 
+# Per projection: (GLU, inner width KD, rows NR) from the latent width D and expert width I.
+PROJ_DIMS = {
+    "gate_up": lambda D, I: (True, D, I),
+    "down": lambda D, I: (False, I, D),
+    "gate_rows": lambda D, I: (False, D, I),
+}
+
 DEFAULT_SHAPES = ["8,1,8,1", "4,1,8,1", "16,1,8,1", "4,2,8,1", "8,1,8,0", "2,2,8,1"]
 
 PROBE_STEP = r"""#define KK_STEP(q, sc, frag, bb, NBL)                                   \
@@ -260,7 +267,7 @@ def main():
         "--projections",
         nargs="+",
         default=["gate_up", "down"],
-        choices=["gate_up", "down", "gate_rows"],
+        choices=list(PROJ_DIMS),
     )
     p.add_argument("--dim", type=int, default=3584)
     p.add_argument("--hidden", type=int, default=3072)
@@ -317,8 +324,7 @@ def main():
                 )
         for name, kern in shape_kernels.items():
             for proj in args.projections:
-                glu = proj == "gate_up"
-                KD, NR = (I, D) if proj == "down" else (D, I)
+                glu, KD, NR = PROJ_DIMS[proj](D, I)
                 # whole steps of GW groups; GW = 0 (whole rows) is a stream visit size only
                 if (gw and (KD // 32) % gw) or (gw == 0 and name != "stream"):
                     continue
@@ -332,8 +338,7 @@ def main():
             if name != "mma_ac" and not args.hints:
                 continue
             for proj in args.projections:
-                glu = proj == "gate_up"
-                KD, NR = (I, D) if proj == "down" else (D, I)
+                glu, KD, NR = PROJ_DIMS[proj](D, I)
                 if mxfp4_mma.shared_bytes_ac(KD, rt, sk, gw, st) > mxfp4_mma.SHARED_LIMIT["cuda"]:
                     continue
                 jobs.append((name, kern, proj, glu, KD, NR, (rt, sk, gw, st)))
@@ -348,12 +353,12 @@ def main():
     print("|---|---|---|---:|---:|---:|---:|---:|---|")
     # Every job is timed once per round (time_rounds); a row reports its best round.
     fns = []
-    for _, kern, _, glu, KD, NR, shape in jobs:
+    for _, kern, proj, glu, KD, NR, shape in jobs:
 
-        def fn(z, h, inds, wts, hg, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
-            if glu:
+        def fn(z, h, inds, wts, hg, proj=proj, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
+            if proj == "gate_up":
                 a = (z, *w["w1"], *w["w3"], inds, params_gu)
-            elif KD == I:
+            elif proj == "down":
                 a = (h, *w["w2"], *w["w2"], inds, wts)
             else:  # gate_rows
                 a = (hg, *w["w1"], *w["w1"], inds, wts)

@@ -42,8 +42,6 @@ kernels on CUDA only (Metal keeps ``mxfp4_decode``'s LUT kernels).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import mlx.core as mx
 
 from .mxfp4_decode import HEADER, K3, sum_pairs
@@ -124,12 +122,12 @@ STEP_MACRO = (
 
 def byte_permute_decode(kernel: Kernel) -> Kernel:
     """``kernel`` (any kernel built on ``MMA_HEADER``, bounded or not) with its codes decoded
-    by ``kk_e2m1_pair_prmt`` instead of shifts and masks per pair, named ``<name>_prmt``:
-    what ``DECODE`` picks for ``mxfp4_mma``, and the variant the sweeps time with
-    ``--prmt``."""
+    by ``kk_e2m1_pair_prmt`` instead of shifts and masks per pair, named ``<name>_prmt``
+    (``Kernel.variant``: made once): what ``DECODE`` picks for ``mxfp4_mma``, and the variant
+    the sweeps time with ``--prmt``."""
     header = kernel.header.replace("kk_e2m1_pair(uint w", "kk_e2m1_pair_shift(uint w")
     header = header.replace("kk_e2m1_pair_prmt(uint w", "kk_e2m1_pair(uint w")
-    return replace(kernel, name=kernel.name + "_prmt", header=header, _built={})
+    return kernel.variant("_prmt", header=header)
 
 
 # Both kernels' warp roles: row tile rt and split sk of the warp, lane (g, tq) of the MMA.
@@ -457,25 +455,14 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
         if DECODE[proj] not in DECODES:
             raise ValueError(f"mxfp4_mma.DECODE[{proj!r}] = {DECODE[proj]!r}: one of {DECODES}")
         kernel = MXFP4_MMA.bounded(32 * shape[0] * shape[1], MIN_BLOCKS[proj])
-        return _byte_permute(kernel) if DECODE[proj] == "byte permute" else kernel
+        return byte_permute_decode(kernel) if DECODE[proj] == "byte permute" else kernel
 
     return _decode(kernel_for, template, shape_for, backend, z, w, inds, weights, beta, cap)
 
 
-_PRMT: dict = {}
-
-
-def _byte_permute(kernel: Kernel) -> Kernel:
-    """``byte_permute_decode(kernel)``, made once per kernel (so it is built once)."""
-    key = (kernel.name, kernel.body, kernel.header, kernel.launch_bounds)
-    if key not in _PRMT:
-        _PRMT[key] = byte_permute_decode(kernel)
-    return _PRMT[key]
-
-
 # What the dispatcher runs (before its launch bound), at module level so that the tests
 # that find every kernel (tests/test_cuda_compile.py) compile it too.
-MXFP4_MMA_PRMT = _byte_permute(MXFP4_MMA)
+MXFP4_MMA_PRMT = byte_permute_decode(MXFP4_MMA)
 
 
 def eligible(z, w, inds) -> bool:

@@ -501,7 +501,7 @@ class Instance:
     template: list = field(default_factory=list)
 
 
-_BOUNDED: dict = {}
+_VARIANTS: dict = {}
 
 
 @dataclass
@@ -527,21 +527,21 @@ class Kernel:
     def source(self, backend: str) -> str:
         return render(self.body, backend)
 
+    def variant(self, suffix: str, **changes) -> Kernel:
+        """This kernel with ``changes`` to its fields, named ``<name><suffix>``; made (and so
+        built) once per kernel text and changes."""
+        key = (self.name, self.body, self.header, self.launch_bounds, suffix, *changes.items())
+        if key not in _VARIANTS:
+            _VARIANTS[key] = replace(self, name=self.name + suffix, _built={}, **changes)
+        return _VARIANTS[key]
+
     def bounded(self, threads: int, blocks: int) -> Kernel:
         """This kernel compiled for CUDA with ``__launch_bounds__(threads, blocks)``, named
         ``<name>_lb<threads>x<blocks>`` (itself where ``blocks`` is 1; Metal ignores the
-        bound). Built once per kernel text and bound."""
+        bound)."""
         if blocks <= 1:
             return self
-        key = (self.name, self.body, self.header, threads, blocks)
-        if key not in _BOUNDED:
-            _BOUNDED[key] = replace(
-                self,
-                name=f"{self.name}_lb{threads}x{blocks}",
-                launch_bounds=(threads, blocks),
-                _built={},
-            )
-        return _BOUNDED[key]
+        return self.variant(f"_lb{threads}x{blocks}", launch_bounds=(threads, blocks))
 
     def header_for(self, backend: str) -> str:
         """The header handed to MLX for ``backend`` (``render_header``), with the launch
