@@ -3,7 +3,11 @@
 Decode: effective GB/s over the selected experts' bytes, against a device copy measured in the
 same run and the HBM datasheet peak, and against ``expert_glu_reference`` (``gather_qmm``) on the
 same inputs; the decode kernels of one token count are timed in interleaved rounds (each
-round times every kernel once), and a row gives its best round and lists them all. Prefill:
+round times every kernel once), and a row gives its best round and lists them all. A decode
+row's time is per call of a dependent chain (``time_chain``: each call's latent is the call
+before's output, as layers follow each other; the Python calls that build the graph are not
+timed); ``--timing batch`` times independent calls with their Python calls, as the tables
+before 2026-12-02's fifth session did. Prefill:
 tokens/s of one MoE layer's routed experts. Every comparator runs in its own try/except, so
 one failure is a row that says so, not a crash.
 
@@ -50,6 +54,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed batches (best is reported)")
     p.add_argument(
         "--rounds", type=int, default=3, help="decode: rounds, each timing every kernel once"
+    )
+    p.add_argument(
+        "--timing",
+        default="chain",
+        choices=["chain", "batch"],
+        help="decode: chain (each call on the previous one's output, the graph built before "
+        "the clock; time_chain) or batch (independent calls, Python's calls timed too; the "
+        "decode tables before 2026-12-02's fifth session)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
@@ -118,17 +130,47 @@ def time_batch(fn, inputs: list, repeats: int) -> float:
     return best
 
 
-def time_rounds(fns: list, inputs: list, rounds: int, repeats: int, width: int = 80):
-    """Every ``fns[j]`` timed once per round (``time_batch``), the rounds one after another, so
-    a drift of the clocks over the run reaches all alike. Returns (``times[j]``: seconds per
-    call of each round, ``failed``: {j: the first error, whitespace folded, ``width`` chars})."""
+def relatch(out: mx.array, args: tuple) -> tuple:
+    """The next decode call's inputs made to depend on this one's output: its latent is the
+    output (fp32 [N, D]) cast to the latent's dtype (one small kernel)."""
+    return (out.astype(args[0].dtype), *args[1:])
+
+
+def time_chain(fn, inputs: list, repeats: int, link=relatch) -> float:
+    """Best seconds per call of a chain of calls, each on ``link(previous output, its
+    inputs)``, so that call i + 1 cannot start before call i is done, as in a model's
+    forward pass. The graph is built before the clock starts: the time is the evaluation
+    (the CPU encodes kernels while the GPU runs the ones before), not Python's calls. Unlike
+    ``time_batch`` (independent calls, which MLX's CUDA graphs may run side by side, and
+    whose Python calls are timed), this is what a layer's expert kernels take in a decode."""
+    mx.eval(fn(*inputs[0]))
+    best = math.inf
+    for _ in range(repeats):
+        out = None
+        for a in inputs:
+            out = fn(*(a if out is None else link(out, a)))
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(out)
+        mx.synchronize()
+        best = min(best, (time.perf_counter() - t0) / len(inputs))
+    return best
+
+
+def time_rounds(
+    fns: list, inputs: list, rounds: int, repeats: int, width: int = 80, timer=time_batch
+):
+    """Every ``fns[j]`` timed once per round (``timer``: ``time_batch`` or ``time_chain``), the
+    rounds one after another, so a drift of the clocks over the run reaches all alike. Returns
+    (``times[j]``: seconds per call of each round, ``failed``: {j: the first error, whitespace
+    folded, ``width`` chars})."""
     times, failed = [[] for _ in fns], {}
     for _ in range(rounds):
         for j, fn in enumerate(fns):
             if j in failed:
                 continue
             try:
-                times[j].append(time_batch(fn, inputs, repeats))
+                times[j].append(timer(fn, inputs, repeats))
             except Exception as e:  # noqa: BLE001 - a launch that fails is a row
                 failed[j] = re.sub(r"\s+", " ", str(e))[:width]
     return times, failed
@@ -214,6 +256,21 @@ def with_setting(module, table: str, gate_up, down):
     return run
 
 
+def with_flag(module, name: str, value):
+    """A decode kernel module's ``expert_glu_decode`` with its module-level ``name`` set to
+    ``value``."""
+
+    def run(*a):
+        saved = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return module.expert_glu_decode(*a)
+        finally:
+            setattr(module, name, saved)
+
+    return run
+
+
 # Decode rows at other __launch_bounds__ than the default (mxfp4_mma.MIN_BLOCKS): threadgroups
 # per SM for (gate/up, down); 1 is no bound.
 MIN_BLOCK_ROWS = [(1, 1), (1, 2)]
@@ -251,6 +308,13 @@ def decode_variants(sweep: bool) -> dict:
     for decode in [d for d in mxfp4_mma.DECODES if d not in decodes]:
         label = f"tensor cores, {decode} decode, at least {bounds} per SM"
         out[label] = with_setting(mxfp4_mma, "DECODE", decode, decode)
+    loads = tuple(mxfp4_mma.SCALE_LOADS[p] for p in ("gate_up", "down"))
+    for how in [h for h in mxfp4_mma.SCALE_LOADINGS if (h, h) != loads]:
+        label = f"tensor cores, scale {how} loaded, at least {bounds} per SM"
+        out[label] = with_setting(mxfp4_mma, "SCALE_LOADS", how, how)
+    split = "paired" if mxfp4_mma.GLU_SPLIT else "split"
+    label = f"tensor cores, gate/up rows {split} (GLU_SPLIT), at least {bounds} per SM"
+    out[label] = with_flag(mxfp4_mma, "GLU_SPLIT", not mxfp4_mma.GLU_SPLIT)
     for gu, dn in [b for b in MIN_BLOCK_ROWS if b != bounds]:
         label = f"tensor cores, threadgroups per SM at least ({gu}, {dn})"
         out[label] = with_setting(mxfp4_mma, "MIN_BLOCKS", gu, dn)
@@ -288,7 +352,9 @@ def bench_decode(args, table: Table, copy: float | None):
         ]
         # one round times every job once, rounds one after another: the first job of a run
         # is no longer the one that meets the clocks cold
-        times, failed = time_rounds([fn for _, fn in jobs], inputs, args.rounds, args.repeats)
+        timer = time_chain if args.timing == "chain" else time_batch
+        fns = [fn for _, fn in jobs]
+        times, failed = time_rounds(fns, inputs, args.rounds, args.repeats, timer=timer)
         timed = {}
         for j, ((name, _), ts) in enumerate(zip(jobs, times)):
             label = f"decode N={n}: {name}"
@@ -384,7 +450,8 @@ def main():
     md = (
         f"MXFP4 experts, D={args.dim}, I={args.hidden}, top-{args.topk}, {args.dtype} inputs, "
         f"mlx {mx.__version__} on {mx.default_device()}; decode picks from "
-        f"{args.decode_experts} experts, prefill from {args.prefill_experts}; peak "
+        f"{args.decode_experts} experts ({args.timing} timing), prefill from "
+        f"{args.prefill_experts}; peak "
         f"{args.peak_gbps:.0f} GB/s.\n\n" + table.markdown(header) + "\n"
     )
     print("\n" + md)

@@ -456,6 +456,83 @@ def test_byte_permute_decode_is_the_same(monkeypatch):
         mxfp4_mma.expert_glu_decode(*args, backend="emulator")
 
 
+def test_scale_words_are_the_same(monkeypatch):
+    """A step's scale bytes loaded as words (``scale_words``: 64-bit loads for gate/up's rows
+    of 40 groups, two 32-bit loads for down's of 36 in 4-group steps) give the byte loads'
+    result to the last bit, per projection; an unknown ``SCALE_LOADS`` value is refused by
+    name."""
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    plain = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+    for proj in ("gate_up", "down"):
+        monkeypatch.setitem(mxfp4_mma.SCALE_LOADS, proj, "words")
+        got = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+        assert mx.array_equal(got, plain).item(), proj
+    monkeypatch.setitem(mxfp4_mma.SCALE_LOADS, "gate_up", "halves")
+    with pytest.raises(ValueError, match=r"SCALE_LOADS\['gate_up'\] = 'halves'"):
+        mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("0x4440u | tq;", "0x4440u | (tq ^ 1u);"),
+        ("sc[4 * u + 4 + r] = v.y;", "sc[4 * u + 4 + r] = v.x;"),
+        ("+ (r % 2) * 8 * G + (bb)", "+ (r % 2) * 8 * G + (bb) / 2"),
+    ],
+    ids=["byte-selector", "second-word", "step-offset"],
+)
+def test_broken_scale_words_fail(monkeypatch, old, new):
+    """The word loads are checked: a wrong byte, word or step offset is caught."""
+    edits = list(mxfp4_mma.SCALE_WORD_EDITS)
+    hits = [i for i, (_, text) in enumerate(edits) if old in text]
+    assert len(hits) == 1, old
+    edits[hits[0]] = (edits[hits[0]][0], edits[hits[0]][1].replace(old, new))
+    monkeypatch.setattr(mxfp4_mma, "SCALE_WORD_EDITS", edits)
+    monkeypatch.setattr(mxfp4_mma, "SCALE_LOADS", {"gate_up": "words", "down": "words"})
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    assert_broken(lambda: mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want)
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 8, True), (4, 2, 8, True), (2, 1, 4, False)])
+def test_glu_split_is_the_same(monkeypatch, shape):
+    """Gate/up's rows dealt out as down's (``glu_split``: a warp reads 32 rows of gate or of
+    up, the epilogue meets them in threadgroup memory) give the paired warps' result to the
+    last bit, at launch shapes with row tiles 8, 4 and 2, a split row and 4-group steps."""
+    args, want = case(4, 1280, 1152, 3, 2, "bfloat16")
+    monkeypatch.setitem(mxfp4_mma.LAUNCH, "gate_up", shape)
+    plain = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+    assert rel_err(plain, want) < TOL
+    monkeypatch.setattr(mxfp4_mma, "GLU_SPLIT", True)
+    got = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+    assert mx.array_equal(got, plain).item()
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("upv += red[(s * RT + UT + ru) * 32 + i];", "upv += red[(s * RT + ru) * 32 + i];"),
+        ("const bool upper = GLU && rt >= UT;", "const bool upper = GLU && rt > UT;"),
+        ("(GLU && !upper ? s_a : s_b) + rb * G", "(GLU && upper ? s_a : s_b) + rb * G"),
+        (
+            "const uint unit = GROUP_POS.x * UT + rt % UT;",
+            "const uint unit = GROUP_POS.x * UT + rt / 2;",
+        ),
+    ],
+    ids=["up-sums", "up-warps", "tile-b-scales", "unit"],
+)
+def test_broken_glu_split_fails(monkeypatch, old, new):
+    """glu_split's bookkeeping is checked: the up sums, which warps read up, tile B's scales
+    and the warp's row unit."""
+    edits = list(mxfp4_mma.GLU_SPLIT_EDITS)
+    hits = [i for i, (_, text) in enumerate(edits) if old in text]
+    assert len(hits) == 1, old
+    edits[hits[0]] = (edits[hits[0]][0], edits[hits[0]][1].replace(old, new))
+    monkeypatch.setattr(mxfp4_mma, "GLU_SPLIT_EDITS", edits)
+    monkeypatch.setattr(mxfp4_mma, "GLU_SPLIT", True)
+    args, want = case(4, 1280, 1152, 2, 2, "float32")
+    assert_broken(lambda: mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want)
+
+
 def test_fused_shapes_fit():
     """Slices divide I (multiples of 128); the bulk kernel's rings fit CUDA's 48 KB at K3
     size as given, and are cut for Metal's 32 KB; a latent too wide for any ring is refused."""

@@ -1,0 +1,165 @@
+"""Where a decode call's wall time goes: building the graph, evaluating it, the kernels.
+
+``bench_mxfp4`` and ``mxfp4_sweep`` time a batch of calls as build + evaluate: the Python
+calls that put the kernels into the graph (``fn(*inputs)``) run inside the timed region,
+before the GPU gets its first kernel. This splits that time, per call and per job, into
+
+- ``build``: the Python calls alone (nothing is evaluated);
+- ``eval``: ``mx.eval`` of the already built outputs of the whole batch (the CPU encodes
+  kernel after kernel while the GPU runs the ones before);
+- ``build + eval``: what the other benchmarks report;
+
+for the dispatched decode (gate/up + SiTU-GLU, down, the ordered sum), each of its two
+projection kernels alone, MLX's ``gather_qmm`` path and a one-element op (the floor of a
+launch). GB/s are over the expert weights a call reads (scales included).
+
+The GPU's own time per kernel comes from Nsight Compute, which serializes kernels and reads
+each one's duration (``--cache-control none``: L2 as the previous kernel left it, as in a
+real decode). ``--summarize`` turns its CSV into a table of the median per kernel:
+
+    python3 -m benchmarks.gpu_time                                   # on the H200
+    ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv \\
+        --log-file ncu.csv python3 -m benchmarks.gpu_time --calls 10 --rounds 1 --repeats 1
+    python3 -m benchmarks.gpu_time --summarize ncu.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from benchmarks.bench_mxfp4 import BETA, CAP, expert_bytes, random_experts, routing
+from kimi_k3.experts import expert_glu_reference
+from kimi_k3.kernels import mxfp4_mma, source
+from kimi_k3.kernels.dispatch import expert_glu_kernel
+from kimi_k3.kernels.source import constant
+
+
+def split_batch(fn, inputs: list, repeats: int) -> tuple[float, float]:
+    """Best (build, eval) seconds per call over ``repeats`` batches of every input set."""
+    mx.eval([fn(*a) for a in inputs[:2]])
+    best_build = best_eval = float("inf")
+    for _ in range(repeats):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        outs = [fn(*a) for a in inputs]
+        t1 = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        t2 = time.perf_counter()
+        best_build = min(best_build, (t1 - t0) / len(inputs))
+        best_eval = min(best_eval, (t2 - t1) / len(inputs))
+    return best_build, best_eval
+
+
+def projection(glu: bool):
+    """One projection of the dispatched decode alone, with the dispatcher's kernel, launch
+    shape and bound (``mxfp4_mma.expert_glu_decode``'s own choices)."""
+    proj = "gate_up" if glu else "down"
+
+    def fn(z, w, inds, wts, h):
+        shape = mxfp4_mma._whole_steps(z.shape[-1] if glu else h.shape[-1], mxfp4_mma.LAUNCH[proj])
+        kernel = mxfp4_mma.MXFP4_MMA.bounded(32 * shape[0] * shape[1], mxfp4_mma.MIN_BLOCKS[proj])
+        if mxfp4_mma.DECODE[proj] == "byte permute":
+            kernel = mxfp4_mma.byte_permute_decode(kernel)
+        flat = inds.reshape(-1)
+        D, I = z.shape[-1], w["w1"][0].shape[-2]
+        k = inds.shape[-1]
+        if glu:
+            args = (z, *w["w1"], *w["w3"], flat, constant((BETA, CAP)), D, I, k, True)
+        else:
+            args = (h, *w["w2"], *w["w2"], flat, wts.reshape(-1), I, D, k, False)
+        backend = source.backend() or "cuda"  # KIMI_K3_KERNEL_BACKEND=emulator: a CPU smoke run
+        return mxfp4_mma._launch(kernel, mxfp4_mma.template, shape, backend, *args)
+
+    return fn
+
+
+def summarize(path: str) -> None:
+    """Median, min and count of gpu__time_duration per kernel (name up to its first '(')."""
+    rows = {}
+    with open(path, newline="") as f:
+        lines = [line for line in f if line.startswith('"')]
+    for rec in csv.DictReader(lines):
+        if rec.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        name = rec["Kernel Name"].split("(")[0]
+        value = float(rec["Metric Value"].replace(",", ""))
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+        rows.setdefault(name, []).append(value * scale[rec["Metric Unit"]])
+    print("| kernel | launches | median (us) | min (us) |")
+    print("|---|---:|---:|---:|")
+    for name, ts in rows.items():
+        short = re.sub(r"^custom_kernel_", "", name)[:90]
+        print(f"| {short} | {len(ts)} | {statistics.median(ts):.1f} | {min(ts):.1f} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dim", type=int, default=3584)
+    p.add_argument("--hidden", type=int, default=3072)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--summarize", metavar="NCU_CSV", help="summarize an ncu --csv log instead")
+    args = p.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
+
+    D, I, k = args.dim, args.hidden, args.topk
+    w = random_experts(args.experts, D, I, 0)
+    rng = np.random.default_rng(0)
+    sets = []
+    for _ in range(args.calls):
+        inds, wts = routing(args.tokens, args.experts, k, rng)
+        z = mx.random.normal((args.tokens, D)).astype(mx.bfloat16)
+        h = mx.random.normal((args.tokens * k, I)).astype(mx.float32)
+        sets.append((z, w, inds, wts, h))
+    mx.eval([s[:1] + s[2:] for s in sets])
+    used = np.mean([len(np.unique(np.array(s[2]))) for s in sets])
+    per = expert_bytes(D, I) / 3
+    one = mx.array(1, dtype=mx.uint32)
+    jobs = {
+        "decode, dispatched": (
+            lambda z, w, i, wt, h: expert_glu_kernel(z, w, i)(z, w, i, wt, BETA, CAP),
+            3 * per,
+        ),
+        "gate/up alone": (projection(True), 2 * per),
+        "down alone": (projection(False), per),
+        "gather_qmm (MLX)": (
+            lambda z, w, i, wt, h: expert_glu_reference(z, w, i, wt, BETA, CAP),
+            3 * per,
+        ),
+        "one-element op": (lambda z, w, i, wt, h: one ^ i[0, 0].astype(mx.uint32), 0),
+    }
+    times = {name: [] for name in jobs}
+    for _ in range(args.rounds):
+        for name, (fn, _) in jobs.items():
+            times[name].append(split_batch(fn, sets, args.repeats))
+    print(f"{args.tokens} token(s), {k} of {args.experts} experts, {args.calls} calls a batch")
+    print(
+        "| job | build (us/call) | eval (us/call) | build + eval | GB/s on eval | "
+        "eval, every round |"
+    )
+    print("|---|---:|---:|---:|---:|---|")
+    for name, (_, nbytes) in jobs.items():
+        b = min(t[0] for t in times[name])
+        e = min(t[1] for t in times[name])
+        both = min(t[0] + t[1] for t in times[name])
+        gbps = f"{used * nbytes / e / 1e9:.0f}" if nbytes else ""
+        every = ", ".join(f"{t[1] * 1e6:.1f}" for t in times[name])
+        print(f"| {name} | {b * 1e6:.1f} | {e * 1e6:.1f} | {both * 1e6:.1f} | {gbps} | {every} |")
+
+
+if __name__ == "__main__":
+    main()
