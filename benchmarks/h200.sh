@@ -183,6 +183,11 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       MLX_ENABLE_TF32=0 run gs_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "glu_split"
       ncu_times gs_ncu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 --prmt --glu-split --calls 10 --repeats 1
       ncu_times gs11_ncu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up --topk 11 --shapes 8,1,8,1 --min-blocks 2 --prmt --glu-split --calls 10 --repeats 1 ;;
+    x_per_pair)
+      # gate/up's threadgroups all stage one latent row (a token's); down's stage a row each:
+      # the dispatcher's gate/up with a copy per pair, GPU time alone, one process
+      ncu_times xpp_ncu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up --shapes 8,1,8,1 --x-per-pair --calls 10 --repeats 1
+      ncu_times xpp11_ncu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up --topk 11 --shapes 8,1,8,1 --x-per-pair --calls 10 --repeats 1 ;;
     mxfp4_lb) run mxfp4_lb 250 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 4 --ac-shapes 2,1,8,2 --rounds 3 ;;
     mxfp4_lb_down)
       for n in 1 8; do
