@@ -130,13 +130,13 @@ def time_batch(fn, inputs: list, repeats: int) -> float:
     return best
 
 
-def relatch(out: mx.array, args: tuple) -> tuple:
+def chain_link(out: mx.array, args: tuple) -> tuple:
     """The next decode call's inputs made to depend on this one's output: its latent is the
     output (fp32 [N, D]) cast to the latent's dtype (one small kernel)."""
     return (out.astype(args[0].dtype), *args[1:])
 
 
-def time_chain(fn, inputs: list, repeats: int, link=relatch) -> float:
+def time_chain(fn, inputs: list, repeats: int, link=chain_link) -> float:
     """Best seconds per call of a chain of calls, each on ``link(previous output, its
     inputs)``, so that call i + 1 cannot start before call i is done, as in a model's
     forward pass. The graph is built before the clock starts: the time is the evaluation
@@ -256,21 +256,6 @@ def with_setting(module, table: str, gate_up, down):
     return run
 
 
-def with_flag(module, name: str, value):
-    """A decode kernel module's ``expert_glu_decode`` with its module-level ``name`` set to
-    ``value``."""
-
-    def run(*a):
-        saved = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            return module.expert_glu_decode(*a)
-        finally:
-            setattr(module, name, saved)
-
-    return run
-
-
 # Decode rows at other __launch_bounds__ than the default (mxfp4_mma.MIN_BLOCKS): threadgroups
 # per SM for (gate/up, down); 1 is no bound.
 MIN_BLOCK_ROWS = [(1, 1), (1, 2)]
@@ -308,13 +293,6 @@ def decode_variants(sweep: bool) -> dict:
     for decode in [d for d in mxfp4_mma.DECODES if d not in decodes]:
         label = f"tensor cores, {decode} decode, at least {bounds} per SM"
         out[label] = with_setting(mxfp4_mma, "DECODE", decode, decode)
-    loads = tuple(mxfp4_mma.SCALE_LOADS[p] for p in ("gate_up", "down"))
-    for how in [h for h in mxfp4_mma.SCALE_LOADINGS if (h, h) != loads]:
-        label = f"tensor cores, scale {how} loaded, at least {bounds} per SM"
-        out[label] = with_setting(mxfp4_mma, "SCALE_LOADS", how, how)
-    split = "paired" if mxfp4_mma.GLU_SPLIT else "split"
-    label = f"tensor cores, gate/up rows {split} (GLU_SPLIT), at least {bounds} per SM"
-    out[label] = with_flag(mxfp4_mma, "GLU_SPLIT", not mxfp4_mma.GLU_SPLIT)
     for gu, dn in [b for b in MIN_BLOCK_ROWS if b != bounds]:
         label = f"tensor cores, threadgroups per SM at least ({gu}, {dn})"
         out[label] = with_setting(mxfp4_mma, "MIN_BLOCKS", gu, dn)

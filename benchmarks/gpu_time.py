@@ -59,26 +59,26 @@ def split_batch(fn, inputs: list, repeats: int) -> tuple[float, float]:
 
 
 def projection(glu: bool):
-    """One projection of the dispatched decode alone, with the dispatcher's kernel, launch
-    shape and bound (``mxfp4_mma.expert_glu_decode``'s own choices)."""
-    proj = "gate_up" if glu else "down"
+    """One projection of the dispatched decode alone: the dispatcher's kernel, launch shape,
+    bound and decode (``mxfp4_mma.dispatched_kernel``, ``dispatched_shape``)."""
 
     def fn(z, w, inds, wts, h):
-        shape = mxfp4_mma._whole_steps(z.shape[-1] if glu else h.shape[-1], mxfp4_mma.LAUNCH[proj])
-        kernel = mxfp4_mma.MXFP4_MMA.bounded(32 * shape[0] * shape[1], mxfp4_mma.MIN_BLOCKS[proj])
-        if mxfp4_mma.DECODE[proj] == "byte permute":
-            kernel = mxfp4_mma.byte_permute_decode(kernel)
+        backend = source.backend() or "cuda"  # KIMI_K3_KERNEL_BACKEND=emulator: a CPU smoke run
+        D, I, k = z.shape[-1], w["w1"][0].shape[-2], inds.shape[-1]
         flat = inds.reshape(-1)
-        D, I = z.shape[-1], w["w1"][0].shape[-2]
-        k = inds.shape[-1]
         if glu:
             args = (z, *w["w1"], *w["w3"], flat, constant((BETA, CAP)), D, I, k, True)
         else:
             args = (h, *w["w2"], *w["w2"], flat, wts.reshape(-1), I, D, k, False)
-        backend = source.backend() or "cuda"  # KIMI_K3_KERNEL_BACKEND=emulator: a CPU smoke run
+        shape = mxfp4_mma.dispatched_shape(backend, D if glu else I, glu)
+        kernel = mxfp4_mma.dispatched_kernel(glu, shape)
         return mxfp4_mma._launch(kernel, mxfp4_mma.template, shape, backend, *args)
 
     return fn
+
+
+# ncu's time units in microseconds
+MICROSECONDS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 
 
 def summarize(path: str) -> None:
@@ -91,8 +91,13 @@ def summarize(path: str) -> None:
             continue
         name = rec["Kernel Name"].split("(")[0]
         value = float(rec["Metric Value"].replace(",", ""))
-        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
-        rows.setdefault(name, []).append(value * scale[rec["Metric Unit"]])
+        unit = rec["Metric Unit"]
+        if unit not in MICROSECONDS:
+            raise ValueError(f"{path}: unknown time unit {unit!r} for {name}")
+        rows.setdefault(name, []).append(value * MICROSECONDS[unit])
+    if not rows:
+        print(f"{path}: no gpu__time_duration.sum rows (did the profiled command fail?)")
+        return
     print("| kernel | launches | median (us) | min (us) |")
     print("|---|---:|---:|---:|")
     for name, ts in rows.items():

@@ -14,7 +14,8 @@
 # mxfp4_tests_par 317 s (89 tests), bulk_smoke 12 s, mxfp4_bulk 52 s, mxfp4_tiled 94 s, mxfp4_tiled_bulk 99 s,
 # fused_tests_par 158 s (35 tests), mxfp4_prmt 90 s, mxfp4_tests_par 303 s (106 tests),
 # bench_mxfp4 130 s, bench_e2e 155 s, cuda_tests_par 137 s, bench_mxfp4_decode 137 s (three
-# interleaved rounds), profile_mma_stalls 9 s, mxfp4_waves 203 s. A fresh machine's first call costs about 90 s
+# interleaved rounds), profile_mma_stalls 9 s, mxfp4_waves 203 s, mxfp4_gate_rows 79 s, gpu_time 51 s,
+# gate_rows_ncu 82 s, bench_mxfp4_decode 172 s (chain timing). A fresh machine's first call costs about 90 s
 # of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
@@ -160,34 +161,6 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       # the mxfp4_gate_rows and mxfp4_waves sweeps' kernels, GPU time alone
       ncu_times gate_rows_ncu 250 python3 -m benchmarks.mxfp4_sweep --projections gate_up down gate_rows --shapes 8,1,8,1 --min-blocks 2 --prmt --calls 10 --repeats 1
       ncu_times waves_ncu 250 python3 -m benchmarks.mxfp4_sweep --projections gate_up --topk 11 --shapes 8,1,8,1 4,2,8,1 --min-blocks 2 --prmt --calls 10 --repeats 1 ;;
-    mxfp4_scale_words)
-      # scale bytes loaded as one word per row and step (mxfp4_mma.scale_words) against byte
-      # loads, GPU time alone; gate/up (11 pairs) against the gate matrix read as down is (22
-      # pairs): 264 threadgroups each, two per SM, the same bytes per threadgroup
-      MLX_ENABLE_TF32=0 run sw_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "scale_words"
-      ncu_times sw_ncu 250 python3 -m benchmarks.mxfp4_sweep --projections gate_up down --shapes 8,1,8,1 --min-blocks 2 --prmt --scale-words --calls 10 --repeats 1
-      ncu_times full_gu_ncu 150 python3 -m benchmarks.mxfp4_sweep --projections gate_up --topk 11 --shapes 8,1,8,1 --min-blocks 2 --prmt --scale-words --calls 10 --repeats 1
-      ncu_times full_rows_ncu 150 python3 -m benchmarks.mxfp4_sweep --projections gate_rows --topk 22 --shapes 8,1,8,1 --min-blocks 2 --prmt --scale-words --calls 10 --repeats 1 ;;
-    gate_vs_rows)
-      # gate/up (11 pairs) against the gate matrix read as down is (22 pairs): 264 threadgroups
-      # each, the same bytes; GPU time with every load hint, then ncu counters of the plain and
-      # the dispatcher's loads
-      ncu_times gvr_gu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up --topk 11 --shapes 8,1,8,1 --hints --calls 10 --repeats 1
-      ncu_times gvr_rows 200 python3 -m benchmarks.mxfp4_sweep --projections gate_rows --topk 22 --shapes 8,1,8,1 --hints --calls 10 --repeats 1
-      for a in "gate_up 11" "gate_rows 22"; do read -r proj topk <<< "$a"
-        run gvr_metrics_$proj 200 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,sm__cycles_active.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__warps_active.avg.per_cycle_active,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,gpc__cycles_elapsed.avg.per_second -k "regex:mxfp4_mma_bfloat16|mxfp4_mma_float|mxfp4_hint_plain" -c 8 python3 -m benchmarks.mxfp4_sweep --projections $proj --topk $topk --shapes 8,1,8,1 --hints --calls 2 --repeats 1
-      done ;;
-    glu_split)
-      # gate/up's rows dealt out as down's (mxfp4_mma.glu_split), GPU time alone at 16 and 11
-      # pairs; its CUDA tests
-      MLX_ENABLE_TF32=0 run gs_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "glu_split"
-      ncu_times gs_ncu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 --prmt --glu-split --calls 10 --repeats 1
-      ncu_times gs11_ncu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up --topk 11 --shapes 8,1,8,1 --min-blocks 2 --prmt --glu-split --calls 10 --repeats 1 ;;
-    x_per_pair)
-      # gate/up's threadgroups all stage one latent row (a token's); down's stage a row each:
-      # the dispatcher's gate/up with a copy per pair, GPU time alone, one process
-      ncu_times xpp_ncu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up --shapes 8,1,8,1 --x-per-pair --calls 10 --repeats 1
-      ncu_times xpp11_ncu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up --topk 11 --shapes 8,1,8,1 --x-per-pair --calls 10 --repeats 1 ;;
     mxfp4_lb) run mxfp4_lb 250 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 4 --ac-shapes 2,1,8,2 --rounds 3 ;;
     mxfp4_lb_down)
       for n in 1 8; do

@@ -19,12 +19,6 @@ the first shape's), and with ``--probe`` the same grid with the math taken out:
   byte permutes (``kk_e2m1_pair_prmt``; at a bound of 2 per SM it fits 128 registers
   without spills for gate/up, ``profile_kernels --sass``): "mma, 2 per SM, byte permute" is
   the dispatcher's kernel (``mxfp4_mma.DECODE``, ``MIN_BLOCKS``);
-- with ``--scale-words``, each of those rows again with a step's scale bytes loaded as one
-  word per row (``mxfp4_mma.scale_words``; the dispatcher's ``SCALE_LOADS``);
-- with ``--glu-split``, each of those rows again for gate/up with its rows dealt out as
-  down's: a warp reads 32 rows of one matrix (``mxfp4_mma.glu_split``; ``GLU_SPLIT``);
-- with ``--x-per-pair``, the dispatcher's gate/up kernel staging its latent from a copy
-  per pair (down's indexing) instead of the row a token's pairs share;
 - with ``--min-blocks N``, ``mxfp4_mma`` compiled with ``__launch_bounds__(threads, N)``
   (the compiler caps its registers so that N threadgroups fit an SM);
 - with ``--ac-shapes``, ``mxfp4_mma_ac`` (code words and scales brought into threadgroup
@@ -268,24 +262,6 @@ def main():
         action="store_true",
         help="also time every mxfp4_mma row (bounded ones too) with the byte-permute decode",
     )
-    p.add_argument(
-        "--scale-words",
-        action="store_true",
-        help="also time every mxfp4_mma row (bounded, byte-permute ones too) with its scale "
-        "bytes loaded as words (mxfp4_mma.scale_words)",
-    )
-    p.add_argument(
-        "--glu-split",
-        action="store_true",
-        help="also time every mxfp4_mma gate/up row (bounded, byte-permute ones too) with its "
-        "rows dealt out as down's (mxfp4_mma.glu_split)",
-    )
-    p.add_argument(
-        "--x-per-pair",
-        action="store_true",
-        help="also time the dispatcher's gate/up kernel staging its own copy of the latent per "
-        "(token, choice) pair, as down does, instead of one row all of a token's pairs share",
-    )
     p.add_argument("--tokens", type=int, default=1, help="tokens per call (k pairs each)")
     p.add_argument(
         "--projections",
@@ -346,25 +322,8 @@ def main():
                 shape_kernels[f"{name}, byte permute"] = mxfp4_mma.byte_permute_decode(
                     shape_kernels[name]
                 )
-        if args.scale_words:
-            for name in [n for n in shape_kernels if n.startswith("mma") and "," not in n[:3]]:
-                if name == "mma" or "per SM" in name or "byte permute" in name:
-                    sw = mxfp4_mma.scale_words(shape_kernels[name])
-                    shape_kernels[f"{name}, scale words"] = sw
-        if args.glu_split and rt % 2 == 0:
-            for name in [n for n in shape_kernels if n == "mma" or n.startswith("mma, ")]:
-                if name == "mma" or "per SM" in name or "byte permute" in name:
-                    shape_kernels[f"{name}, split"] = mxfp4_mma.glu_split(shape_kernels[name])
-        if args.x_per_pair:
-            name = "mma, 2 per SM, byte permute"
-            base = mxfp4_mma.byte_permute_decode(mxfp4_mma.MXFP4_MMA.bounded(32 * rt * sk, 2))
-            shape_kernels.setdefault(name, base)
-            own = base.body.replace("(GLU ? p / K : p) * KD", "(size_t)p * KD")
-            shape_kernels[f"{name}, x per pair"] = base.variant("_xpp", body=own)
         for name, kern in shape_kernels.items():
             for proj in args.projections:
-                if name.endswith((", split", ", x per pair")) and proj != "gate_up":
-                    continue
                 glu, KD, NR = PROJ_DIMS[proj](D, I)
                 # whole steps of GW groups; GW = 0 (whole rows) is a stream visit size only
                 if (gw and (KD // 32) % gw) or (gw == 0 and name != "stream"):
@@ -397,9 +356,7 @@ def main():
     for _, kern, proj, glu, KD, NR, shape in jobs:
 
         def fn(z, h, inds, wts, hg, proj=proj, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
-            if proj == "gate_up" and kern.name.endswith("_xpp"):  # a copy per pair
-                a = (mx.repeat(z, k, axis=0), *w["w1"], *w["w3"], inds, params_gu)
-            elif proj == "gate_up":
+            if proj == "gate_up":
                 a = (z, *w["w1"], *w["w3"], inds, params_gu)
             elif proj == "down":
                 a = (h, *w["w2"], *w["w2"], inds, wts)

@@ -108,22 +108,16 @@ def mma_block(frag: str, scales: tuple, words: str = "", indent: str = "    ") -
 # A step of the register kernels (mxfp4_mma, mxfp4_fused): NBL 4-group blocks whose code
 # words and scale bytes are in the registers q and sc, against the B fragments frag from group
 # bb on.
-def step_macro(scales: tuple = ("sc[4 * u]", "sc[4 * u + 1]", "sc[4 * u + 2]", "sc[4 * u + 3]")):
-    """KK_STEP's text, with ``scales`` (expressions in u) giving a block's four scale bytes."""
-    return (
-        "#define KK_STEP(q, sc, frag, bb, NBL) \\\n"
-        '  _Pragma("unroll") for (int u = 0; u < NBL; ++u) { \\\n'
-        + mma_block(
-            "frag[((bb) / 4 + u) * 32 + pq * 8 + g]",
-            scales,
-            "const uint4 wa0 = q[4 * u], wa8 = q[4 * u + 1], "
-            "wb0 = q[4 * u + 2], wb8 = q[4 * u + 3];",
-        )
-        + "  }\n"
+STEP_MACRO = (
+    "#define KK_STEP(q, sc, frag, bb, NBL) \\\n"
+    '  _Pragma("unroll") for (int u = 0; u < NBL; ++u) { \\\n'
+    + mma_block(
+        "frag[((bb) / 4 + u) * 32 + pq * 8 + g]",
+        ("sc[4 * u]", "sc[4 * u + 1]", "sc[4 * u + 2]", "sc[4 * u + 3]"),
+        "const uint4 wa0 = q[4 * u], wa8 = q[4 * u + 1], wb0 = q[4 * u + 2], wb8 = q[4 * u + 3];",
     )
-
-
-STEP_MACRO = step_macro()
+    + "  }\n"
+)
 
 
 def byte_permute_decode(kernel: Kernel) -> Kernel:
@@ -134,35 +128,6 @@ def byte_permute_decode(kernel: Kernel) -> Kernel:
     header = kernel.header.replace("kk_e2m1_pair(uint w", "kk_e2m1_pair_shift(uint w")
     header = header.replace("kk_e2m1_pair_prmt(uint w", "kk_e2m1_pair(uint w")
     return kernel.variant("_prmt", header=header)
-
-
-def scale_words(kernel: Kernel) -> Kernel:
-    """``kernel`` (``mxfp4_mma``'s body, bounded or not, either decode) with each step's scale
-    bytes loaded as words: a row's eight bytes of a step (GW = 8) as one 64-bit load shared by
-    the row's four lanes, instead of one byte load per block and lane; lane tq takes its byte
-    of each word with one byte permute where the block uses it. Four scale loads per step
-    instead of eight; named ``<name>_sw`` (``Kernel.variant``: made once)."""
-    body = kernel.body
-    for old, new in SCALE_WORD_EDITS:
-        if old not in body:
-            raise ValueError(f"scale_words: {kernel.name}'s body has no {old.strip()[:60]!r}")
-        body = body.replace(old, new)
-    return kernel.variant("_sw", body=body)
-
-
-def glu_split(kernel: Kernel) -> Kernel:
-    """``kernel`` (``mxfp4_mma``'s body, bounded or not, any decode or scale loads) with
-    gate/up's rows dealt out as down's are: a warp reads 32 rows of one matrix (two 16-row
-    tiles), warps rt < RT / 2 gate rows and the others the same rows of up, and the epilogue
-    meets each row's gate and up sums in threadgroup memory; the grid is unchanged
-    (ceil(NR / 32 / (RT / 2)) = ceil(NR / 16 / RT)). Down is computed as without it. Named
-    ``<name>_gs`` (``Kernel.variant``: made once)."""
-    body = kernel.body
-    for old, new in GLU_SPLIT_EDITS:
-        if old not in body:
-            raise ValueError(f"glu_split: {kernel.name}'s body has no {old.strip()[:60]!r}")
-        body = body.replace(old, new)
-    return kernel.variant("_gs", body=body)
 
 
 # Both kernels' warp roles: row tile rt and split sk of the warp, lane (g, tq) of the MMA.
@@ -365,113 +330,6 @@ BODY = (
 """
 )
 
-# scale_words' edits of BODY: word pointers and the lane's byte selector; the loads (word u
-# of row r in sc[4 u + r], two words a load where the step has two blocks); the byte taken
-# where a block uses it.
-_BYTE_LOADS = """\
-      sc[4 * u] = ea[(bb) + 4 * u];                                                 \\
-      sc[4 * u + 1] = ea[8 * G + (bb) + 4 * u];                                     \\
-      sc[4 * u + 2] = eb[(bb) + 4 * u];                                             \\
-      sc[4 * u + 3] = eb[8 * G + (bb) + 4 * u];                                     \\
-    }                                                                               \\
-"""
-_WORD_LOADS = """\
-    }                                                                               \\
-    _Pragma("unroll") for (int u = 0; u < NB; u += 2) {                             \\
-      _Pragma("unroll") for (int r = 0; r < 4; ++r) {                               \\
-        const DEVICE uint8_t* src = (r < 2 ? ew_a : ew_b) + (r % 2) * 8 * G + (bb) + 4 * u; \\
-        if (u + 1 < NB && G % 8 == 0) {                 /* 8-byte aligned */        \\
-          const uint2 v = *(const DEVICE uint2*)src;                                \\
-          sc[4 * u + r] = v.x;                                                      \\
-          sc[4 * u + 4 + r] = v.y;                                                  \\
-        } else {                                                                    \\
-          sc[4 * u + r] = *(const DEVICE uint*)src;                                 \\
-          if (u + 1 < NB) sc[4 * u + 4 + r] = *(const DEVICE uint*)(src + 4);       \\
-        }                                                                           \\
-      }                                                                             \\
-    }                                                                               \\
-"""
-SCALE_WORD_EDITS = [
-    (
-        "  const DEVICE uint8_t* eb = s_b + rb * G + tq;\n",
-        "  const DEVICE uint8_t* eb = s_b + rb * G + tq;\n"
-        "  const DEVICE uint8_t* ew_a = s_a + ra * G;      // scale words: the row's\n"
-        "  const DEVICE uint8_t* ew_b = s_b + rb * G;\n"
-        "  const uint ssel = 0x4440u | tq;                 // BYTE_PERM: byte tq, zero-extended\n",
-    ),
-    (_BYTE_LOADS, _WORD_LOADS),
-    (
-        STEP_MACRO,
-        step_macro(tuple(f"BYTE_PERM(sc[4 * u + {r}], 0u, ssel)" for r in range(4))),
-    ),
-]
-
-# glu_split's edits of BODY: the warp's row unit, its rows and matrix, the epilogue.
-GLU_SPLIT_EDITS = [
-    (
-        """\
-  const uint unit = GROUP_POS.x * RT + rt;
-  const bool active = unit < UNITS;               // the whole warp agrees
-""",
-        """\
-  // glu_split: gate/up's warps rt < RT / 2 take 32 gate rows each, the others the same rows
-  // of up (for down, UT = RT and UN = UNITS: as without the edit)
-  static_assert(!GLU || RT % 2 == 0, "glu_split needs an even number of row tiles");
-  constexpr int UT = GLU ? RT / 2 : RT;                      // row units per threadgroup
-  constexpr int UN = GLU ? NR / 32 : UNITS;                  // row units of 32 rows
-  const uint unit = GROUP_POS.x * UT + rt % UT;
-  const bool active = unit < UN;                  // the whole warp agrees
-""",
-    ),
-    (
-        """\
-  const size_t ra = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0) + g;
-  const size_t rb = GLU ? ra : ra + 16;
-  const DEVICE uint4* qa = (const DEVICE uint4*)w_a + ra * G + tq;
-  const DEVICE uint4* qb = (const DEVICE uint4*)w_b + rb * G + tq;
-  const DEVICE uint8_t* ea = s_a + ra * G + tq;
-  const DEVICE uint8_t* eb = s_b + rb * G + tq;
-""",
-        """\
-  const size_t ra = (size_t)inds[p] * NR + 32 * (active ? unit : 0) + g;
-  const size_t rb = ra + 16;
-  const bool upper = GLU && rt >= UT;             // this warp reads up's rows
-  const DEVICE uint4* qa = (const DEVICE uint4*)(upper ? w_b : w_a) + ra * G + tq;
-  const DEVICE uint4* qb = (const DEVICE uint4*)(GLU && !upper ? w_a : w_b) + rb * G + tq;
-  const DEVICE uint8_t* ea = (upper ? s_b : s_a) + ra * G + tq;
-  const DEVICE uint8_t* eb = (GLU && !upper ? s_a : s_b) + rb * G + tq;
-""",
-    ),
-    (
-        """\
-  const uint unit_out = GROUP_POS.x * RT + ru;
-  if ((int)tid < RT * 32 && unit_out < UNITS) {
-    if (GLU) {
-      if (i < 16) {
-        float gate = 0.0f, upv = 0.0f;
-        for (int s = 0; s < SK; ++s) {
-          gate += red[(s * RT + ru) * 32 + i];
-          upv += red[(s * RT + ru) * 32 + 16 + i];
-        }
-        out[(size_t)p * NR + 16 * unit_out + i] =
-            kk_situ_glu(gate * unscale, upv * unscale, params[0], params[1]);
-      }
-    } else {""",
-        """\
-  const uint unit_out = GROUP_POS.x * UT + ru;
-  if ((int)tid < UT * 32 && unit_out < UN) {
-    if (GLU) {
-      float gate = 0.0f, upv = 0.0f;
-      for (int s = 0; s < SK; ++s) {
-        gate += red[(s * RT + ru) * 32 + i];
-        upv += red[(s * RT + UT + ru) * 32 + i];
-      }
-      out[(size_t)p * NR + 32 * unit_out + i] =
-          kk_situ_glu(gate * unscale, upv * unscale, params[0], params[1]);
-    } else {""",
-    ),
-]
-
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 # Warps per threadgroup as row tiles (RT) x splits of a row's groups (SK), scale groups per
@@ -495,13 +353,6 @@ MIN_BLOCKS = {"gate_up": 2, "down": 2}
 # spills 60 bytes against 20) and 228.6-247.8 against 241.7-273.9 at eight tokens.
 DECODE = {"gate_up": "byte permute", "down": "byte permute"}
 DECODES = ("shift", "byte permute")
-# How a step's scale bytes are loaded per projection: "bytes" (one byte load per block, row
-# and lane) or "words" (scale_words: a row's eight bytes in one load, G a multiple of 8).
-SCALE_LOADS = {"gate_up": "bytes", "down": "bytes"}
-SCALE_LOADINGS = ("bytes", "words")
-# Gate/up's rows dealt out as down's (glu_split: a warp reads 32 rows of one matrix) instead
-# of 16 rows of gate and the same 16 of up per warp.
-GLU_SPLIT = False
 
 
 def _proj(glu: bool) -> str:
@@ -592,27 +443,26 @@ def _decode(kernel_for, template_fn, shape_for, backend, z, w, inds, weights, be
     return sum_pairs(backend, part, N, k)
 
 
+def dispatched_shape(backend, KD: int, glu: bool) -> tuple:
+    """The launch shape ``expert_glu_decode`` uses for a projection of inner width KD."""
+    return _whole_steps(KD, LAUNCH[_proj(glu)])
+
+
+def dispatched_kernel(glu: bool, shape: tuple) -> Kernel:
+    """The kernel ``expert_glu_decode`` launches for a projection at ``shape``: bounded by
+    ``MIN_BLOCKS``, decoding as ``DECODE`` says (an unknown value is refused by key)."""
+    proj = _proj(glu)
+    if DECODE[proj] not in DECODES:
+        raise ValueError(f"mxfp4_mma.DECODE[{proj!r}] = {DECODE[proj]!r}: one of {DECODES}")
+    kernel = MXFP4_MMA.bounded(32 * shape[0] * shape[1], MIN_BLOCKS[proj])
+    return byte_permute_decode(kernel) if DECODE[proj] == "byte permute" else kernel
+
+
 def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None):
     """``mxfp4_decode.expert_glu_decode`` with tensor-core dot products (same shapes and
     return: fp32 [N, D]). Needs ``eligible`` inputs."""
-
-    def shape_for(backend, KD, glu):
-        return _whole_steps(KD, LAUNCH[_proj(glu)])
-
-    def kernel_for(glu, shape):
-        proj = _proj(glu)
-        if DECODE[proj] not in DECODES:
-            raise ValueError(f"mxfp4_mma.DECODE[{proj!r}] = {DECODE[proj]!r}: one of {DECODES}")
-        if SCALE_LOADS[proj] not in SCALE_LOADINGS:
-            raise ValueError(
-                f"mxfp4_mma.SCALE_LOADS[{proj!r}] = {SCALE_LOADS[proj]!r}: one of {SCALE_LOADINGS}"
-            )
-        kernel = MXFP4_MMA.bounded(32 * shape[0] * shape[1], MIN_BLOCKS[proj])
-        kernel = byte_permute_decode(kernel) if DECODE[proj] == "byte permute" else kernel
-        kernel = glu_split(kernel) if glu and GLU_SPLIT else kernel
-        return scale_words(kernel) if SCALE_LOADS[proj] == "words" else kernel
-
-    return _decode(kernel_for, template, shape_for, backend, z, w, inds, weights, beta, cap)
+    args = (backend, z, w, inds, weights, beta, cap)
+    return _decode(dispatched_kernel, template, dispatched_shape, *args)
 
 
 # What the dispatcher runs (before its launch bound), at module level so that the tests

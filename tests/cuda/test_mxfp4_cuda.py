@@ -101,31 +101,6 @@ def test_byte_permute_decode_with_launch_bounds(monkeypatch, bound):
     assert mx.array_equal(got, plain).item()
 
 
-@pytest.mark.parametrize("shape", [(16, *K3, 4, 16, "bfloat16"), (4, 1280, 1152, 3, 2, "float32")])
-def test_scale_words_with_launch_bounds(monkeypatch, shape):
-    """``mxfp4_mma`` with a step's scale bytes loaded as words (``SCALE_LOADS``): the byte
-    loads' result to the last bit, at K3 size (64-bit loads) and where down's rows of 36
-    groups take two 32-bit loads, with the dispatcher's bound and decode."""
-    args, want = case(*shape)
-    plain = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
-    monkeypatch.setattr(mxfp4_mma, "SCALE_LOADS", {"gate_up": "words", "down": "words"})
-    got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
-    assert rel_err(got, want) < TOL
-    assert mx.array_equal(got, plain).item()
-
-
-@pytest.mark.parametrize("shape", [(16, *K3, 4, 16, "bfloat16"), (4, 1280, 1152, 3, 2, "float32")])
-def test_glu_split_with_launch_bounds(monkeypatch, shape):
-    """Gate/up with its rows dealt out as down's (``GLU_SPLIT``), with the dispatcher's bound,
-    decode and scale loads: the paired warps' result to the last bit."""
-    args, want = case(*shape)
-    plain = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
-    monkeypatch.setattr(mxfp4_mma, "GLU_SPLIT", True)
-    got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
-    assert rel_err(got, want) < TOL
-    assert mx.array_equal(got, plain).item()
-
-
 FUSED_FNS = {"regs": mxfp4_fused.expert_glu_decode, "bulk": mxfp4_fused.expert_glu_decode_bulk}
 
 
