@@ -66,6 +66,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", action="store_true", help="also time other decode kernels")
+    p.add_argument(
+        "--occupancy", action="store_true", help="also time OCCUPANCY_ROWS (in --variants too)"
+    )
+    p.add_argument(
+        "--fused", action="store_true", help="also time mxfp4_fused's one-launch decodes"
+    )
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--out", default=None, help="write the markdown table here")
     return p
@@ -240,20 +246,27 @@ def compare(table, label, ours, ref, t_ours, t_ref, inputs):
         table.add(label, f"{t_ref / t_ours:.2f}x faster", "", "", f"rel err {err:.1e}")
 
 
-def with_setting(module, table: str, gate_up, down):
-    """A decode kernel module's ``expert_glu_decode`` with its per-projection dict ``table``
-    (``LAUNCH``: launch shapes; ``MIN_BLOCKS``: launch bounds) set to these values."""
+def with_settings(module, **tables):
+    """A decode kernel module's ``expert_glu_decode`` with each per-projection dict named in
+    ``tables`` (``LAUNCH``: launch shapes; ``MIN_BLOCKS``: launch bounds; ``DECODE``) set to
+    its (gate/up, down) values."""
 
     def run(*a):
-        setting = getattr(module, table)
-        saved = dict(setting)
-        setting.update(gate_up=gate_up, down=down)
+        saved = {name: dict(getattr(module, name)) for name in tables}
+        for name, (gate_up, down) in tables.items():
+            getattr(module, name).update(gate_up=gate_up, down=down)
         try:
             return module.expert_glu_decode(*a)
         finally:
-            setting.update(saved)
+            for name, values in saved.items():
+                getattr(module, name).update(values)
 
     return run
+
+
+def with_setting(module, table: str, gate_up, down):
+    """``with_settings`` for one table."""
+    return with_settings(module, **{table: (gate_up, down)})
 
 
 # Decode rows at other __launch_bounds__ than the default (mxfp4_mma.MIN_BLOCKS): threadgroups
@@ -275,10 +288,26 @@ MMA_SHAPES = [
 ]
 
 
-def decode_variants(sweep: bool) -> dict:
+# Launches that keep every threadgroup of gate/up resident at once (at two per SM its 384
+# threadgroups are a wave of 264 and a second of 120, and the SMs idle 26% of the kernel):
+# ((gate/up shape, threadgroups per SM), (down shape, threadgroups per SM)). 4-group steps
+# without double buffering fit 72-78 registers (3 per SM: 396 slots); 128-thread
+# threadgroups of 8-group steps fit 80 at 6 per SM (768 threadgroups, 792 slots; ptxas, no
+# spill with the shift decode, 36 bytes with byte permutes).
+OCCUPANCY_ROWS = [
+    (((8, 1, 4, False), 3), ((8, 1, 8, True), 2)),
+    (((4, 1, 8, False), 6), ((8, 1, 8, True), 2)),
+    (((8, 1, 8, False), 3), ((8, 1, 8, True), 2)),
+    (((8, 1, 4, False), 3), ((8, 1, 4, False), 3)),
+]
+
+
+def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -> dict:
     """The decode kernels at their launch shapes: tensor cores (``mxfp4_mma``, what the
     dispatcher picks on CUDA) and the LUT kernels (``mxfp4_decode``, Metal's), plus
-    (``--variants``) other launch shapes of both."""
+    (``--variants``) other launch shapes of both, (``--occupancy``) ``OCCUPANCY_ROWS`` and
+    (``--fused``) the one-launch kernels of ``mxfp4_fused`` (gate/up, SiTU-GLU and a slice of
+    down per threadgroup, then the sum: two launches a call instead of three)."""
     from kimi_k3.kernels import mxfp4_decode, mxfp4_mma
 
     bounds = tuple(mxfp4_mma.MIN_BLOCKS[p] for p in ("gate_up", "down"))
@@ -296,6 +325,20 @@ def decode_variants(sweep: bool) -> dict:
     for gu, dn in [b for b in MIN_BLOCK_ROWS if b != bounds]:
         label = f"tensor cores, threadgroups per SM at least ({gu}, {dn})"
         out[label] = with_setting(mxfp4_mma, "MIN_BLOCKS", gu, dn)
+    if sweep or occupancy:
+        for (gu, gb), (dn, db) in OCCUPANCY_ROWS:
+            label = f"tensor cores, launch {gu} {dn} at ({gb}, {db}) per SM"
+            out[label] = with_settings(mxfp4_mma, LAUNCH=(gu, dn), MIN_BLOCKS=(gb, db))
+    if fused:
+        from benchmarks.mxfp4_fused_sweep import prmt_decode, with_bound
+        from kimi_k3.kernels import mxfp4_fused
+
+        one = mxfp4_fused.expert_glu_decode
+        out["one launch + sum (mxfp4_fused)"] = one
+        out["one launch + sum (mxfp4_fused, byte permute, 2 per SM)"] = prmt_decode(
+            with_bound(one, 2), mxfp4_fused, "MXFP4_FUSED"
+        )
+        out["one launch + sum (mxfp4_fused, bulk copies)"] = mxfp4_fused.expert_glu_decode_bulk
     if sweep:
         for gu, dn in MMA_SHAPES:
             out[f"tensor cores, launch {gu} {dn}"] = with_setting(mxfp4_mma, "LAUNCH", gu, dn)
@@ -321,7 +364,7 @@ def bench_decode(args, table: Table, copy: float | None):
             inputs.append((z, w, inds, weights, BETA, CAP))
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
-        variants = decode_variants(args.variants)
+        variants = decode_variants(args.variants, args.occupancy, args.fused)
         jobs = [
             ("gather_qmm", expert_glu_reference),
             *variants.items(),

@@ -161,6 +161,14 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       # the mxfp4_gate_rows and mxfp4_waves sweeps' kernels, GPU time alone
       ncu_times gate_rows_ncu 250 python3 -m benchmarks.mxfp4_sweep --projections gate_up down gate_rows --shapes 8,1,8,1 --min-blocks 2 --prmt --calls 10 --repeats 1
       ncu_times waves_ncu 250 python3 -m benchmarks.mxfp4_sweep --projections gate_up --topk 11 --shapes 8,1,8,1 4,2,8,1 --min-blocks 2 --prmt --calls 10 --repeats 1 ;;
+    mxfp4_occupancy)
+      # every gate/up threadgroup resident at once (no second wave): 4-group steps without
+      # double buffering at 3 per SM (384 of 396 slots), 128-thread threadgroups at 6 per SM
+      # (768 of 792); their CUDA tests, GPU time alone (ncu), then as a chain beside the
+      # one-launch mxfp4_fused decodes (two launches a call, not three)
+      MLX_ENABLE_TF32=0 run occ_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "occupancy"
+      ncu_times occ_ncu 300 python3 -m benchmarks.mxfp4_sweep --projections gate_up down --shapes 8,1,8,1 8,1,4,0 8,1,8,0 4,1,8,0 --min-blocks 2 3 6 --prmt --calls 10 --repeats 1
+      run occ_chain 300 python3 -m benchmarks.bench_mxfp4 --occupancy --fused --skip-prefill --decode-tokens 1 2 8 --out "$OUT/bench_mxfp4_occupancy.md" ;;
     mxfp4_lb) run mxfp4_lb 250 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 4 --ac-shapes 2,1,8,2 --rounds 3 ;;
     mxfp4_lb_down)
       for n in 1 8; do

@@ -313,7 +313,7 @@ def main():
             continue
         shape_kernels = dict(kernels)
         for b in args.min_blocks:
-            if 65536 // (32 * rt * sk * b) < 96:  # below 96 registers: hundreds of bytes spilt
+            if 65536 // (32 * rt * sk * b) < 72:  # below 72 registers: hundreds of bytes spilt
                 continue
             bound = mxfp4_mma.MXFP4_MMA.bounded(32 * rt * sk, b)
             shape_kernels[f"mma, {b} per SM"] = bound

@@ -24,7 +24,7 @@ from test_mxfp4_kernels import (  # noqa: E402
     rel_err,
 )
 
-from benchmarks.bench_mxfp4 import MMA_SHAPES  # noqa: E402
+from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS  # noqa: E402
 from benchmarks.mxfp4_fused_sweep import BULK_LAUNCHES, DEFAULT_LAUNCHES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
 from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma  # noqa: E402
@@ -67,6 +67,17 @@ def test_mma_launch_shapes(monkeypatch, gate_up, down):
     """Every launch shape the benchmark times, at K3 size (so any of them may be the default)."""
     monkeypatch.setitem(mxfp4_mma.LAUNCH, "gate_up", gate_up)
     monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", down)
+    args, want = case(16, *K3, 4, 16, "bfloat16")
+    assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="cuda"), want) < TOL
+
+
+@pytest.mark.parametrize("gate_up, down", OCCUPANCY_ROWS)
+def test_mma_occupancy_launches(monkeypatch, gate_up, down):
+    """The launches that keep all of gate/up's threadgroups resident (bench_mxfp4
+    --occupancy: 3 or 6 per SM, 72-80 registers), with the dispatcher's decode, at K3 size."""
+    for proj, (shape, blocks) in (("gate_up", gate_up), ("down", down)):
+        monkeypatch.setitem(mxfp4_mma.LAUNCH, proj, shape)
+        monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, proj, blocks)
     args, want = case(16, *K3, 4, 16, "bfloat16")
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="cuda"), want) < TOL
 
