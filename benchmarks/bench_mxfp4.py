@@ -123,17 +123,26 @@ def routing(tokens: int, experts: int, topk: int, rng: np.random.Generator):
     return mx.array(inds), mx.array(weights)
 
 
-def time_batch(fn, inputs: list, repeats: int) -> float:
-    """Best seconds per call: each batch enqueues every input set, then evaluates once."""
+def batch_splits(fn, inputs: list, repeats: int) -> list[tuple[float, float]]:
+    """Per batch (``repeats`` of them, after a warm-up): seconds per call spent building the
+    graph of every input set (Python's calls), then evaluating it once."""
     mx.eval([fn(*a) for a in inputs[:2]])
-    best = math.inf
+    splits = []
     for _ in range(repeats):
         mx.synchronize()
         t0 = time.perf_counter()
-        mx.eval([fn(*a) for a in inputs])
+        outs = [fn(*a) for a in inputs]
+        t1 = time.perf_counter()
+        mx.eval(outs)
         mx.synchronize()
-        best = min(best, (time.perf_counter() - t0) / len(inputs))
-    return best
+        t2 = time.perf_counter()
+        splits.append(((t1 - t0) / len(inputs), (t2 - t1) / len(inputs)))
+    return splits
+
+
+def time_batch(fn, inputs: list, repeats: int) -> float:
+    """Best seconds per call: each batch enqueues every input set, then evaluates once."""
+    return min(build + run for build, run in batch_splits(fn, inputs, repeats))
 
 
 def chain_link(out: mx.array, args: tuple) -> tuple:

@@ -29,12 +29,12 @@ import argparse
 import csv
 import re
 import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench_mxfp4 import BETA, CAP, expert_bytes, random_experts, routing
+from benchmarks.bench_mxfp4 import BETA, CAP, batch_splits, expert_bytes, random_experts, routing
+from benchmarks.mxfp4_sweep import launch
 from kimi_k3.experts import expert_glu_reference
 from kimi_k3.kernels import mxfp4_mma, source
 from kimi_k3.kernels.dispatch import expert_glu_kernel
@@ -42,37 +42,26 @@ from kimi_k3.kernels.source import constant
 
 
 def split_batch(fn, inputs: list, repeats: int) -> tuple[float, float]:
-    """Best (build, eval) seconds per call over ``repeats`` batches of every input set."""
-    mx.eval([fn(*a) for a in inputs[:2]])
-    best_build = best_eval = float("inf")
-    for _ in range(repeats):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        outs = [fn(*a) for a in inputs]
-        t1 = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        t2 = time.perf_counter()
-        best_build = min(best_build, (t1 - t0) / len(inputs))
-        best_eval = min(best_eval, (t2 - t1) / len(inputs))
-    return best_build, best_eval
+    """Best (build, eval) seconds per call over ``repeats`` batches of every input set
+    (``bench_mxfp4.batch_splits``)."""
+    splits = batch_splits(fn, inputs, repeats)
+    return min(b for b, _ in splits), min(e for _, e in splits)
 
 
 def projection(glu: bool):
     """One projection of the dispatched decode alone: the dispatcher's kernel, launch shape,
-    bound and decode (``mxfp4_mma.dispatched_kernel``, ``dispatched_shape``)."""
+    bound and decode (``mxfp4_mma.dispatched_kernel``, ``dispatched_shape``), launched as
+    ``mxfp4_sweep`` launches its jobs."""
 
     def fn(z, w, inds, wts, h):
-        backend = source.backend() or "cuda"  # KIMI_K3_KERNEL_BACKEND=emulator: a CPU smoke run
         D, I, k = z.shape[-1], w["w1"][0].shape[-2], inds.shape[-1]
         flat = inds.reshape(-1)
         if glu:
             args = (z, *w["w1"], *w["w3"], flat, constant((BETA, CAP)), D, I, k, True)
         else:
             args = (h, *w["w2"], *w["w2"], flat, wts.reshape(-1), I, D, k, False)
-        shape = mxfp4_mma.dispatched_shape(backend, D if glu else I, glu)
-        kernel = mxfp4_mma.dispatched_kernel(glu, shape)
-        return mxfp4_mma._launch(kernel, mxfp4_mma.template, shape, backend, *args)
+        shape = mxfp4_mma.dispatched_shape(source.backend(), D if glu else I, glu)
+        return launch(mxfp4_mma.dispatched_kernel(glu, shape), *args, shape)
 
     return fn
 

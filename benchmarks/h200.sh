@@ -173,9 +173,9 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       # the chain's gaps between dependent launches (about 5 us each) against MLX's CUDA graph
       # settings: as is, up to 100 ops a graph, no graphs
       i=0
-      for e in "KIMI_K3_UNUSED=0" "MLX_MAX_OPS_PER_BUFFER=100" "MLX_USE_CUDA_GRAPHS=0"; do
+      for e in "" "MLX_MAX_OPS_PER_BUFFER=100" "MLX_USE_CUDA_GRAPHS=0"; do
         i=$((i + 1))
-        run "mlx_graphs_$e" 200 env "$e" python3 -m benchmarks.bench_mxfp4 --skip-prefill --decode-tokens 1 2 --out "$OUT/bench_graphs_$i.md"
+        run "mlx_graphs_${e:-as_is}" 200 env ${e:+"$e"} python3 -m benchmarks.bench_mxfp4 --skip-prefill --decode-tokens 1 2 --out "$OUT/bench_graphs_$i.md"
       done ;;
     mxfp4_lb) run mxfp4_lb 250 python3 -m benchmarks.mxfp4_sweep --shapes 8,1,8,1 4,1,8,1 --min-blocks 2 4 --ac-shapes 2,1,8,2 --rounds 3 ;;
     mxfp4_lb_down)

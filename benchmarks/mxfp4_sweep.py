@@ -287,7 +287,9 @@ def main():
         inds, wts = routing(n, args.experts, k, rng)
         z = mx.random.normal((n, D)).astype(mx.bfloat16)
         h = mx.random.normal((n * k, I)).astype(mx.float32)
-        hg = mx.random.normal((n * k, D)).astype(mx.float32)  # gate_rows' activations
+        hg = None  # gate_rows' activations, made only for that projection
+        if "gate_rows" in args.projections:
+            hg = mx.random.normal((n * k, D)).astype(mx.float32)
         sets.append((z, h, inds.reshape(-1).astype(mx.int32), wts.reshape(-1), hg))
     mx.eval(sets)
     # bytes of the distinct experts a call reads (mean over the calls)
