@@ -72,6 +72,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fused", action="store_true", help="also time mxfp4_fused's one-launch decodes"
     )
+    p.add_argument(
+        "--read-limit",
+        action="store_true",
+        help="also time READ_LIMIT_ROWS: the call's weight bytes read and nothing else "
+        "(benchmarks/read_limit.py), the decode's ceiling",
+    )
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--out", default=None, help="write the markdown table here")
     return p
@@ -356,6 +362,24 @@ def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -
     return out
 
 
+# The decode call's weight bytes read and nothing else (benchmarks/read_limit.py): (launches,
+# read-once loads) per row.
+READ_LIMIT_ROWS = {
+    "read limit: the call's weight bytes in one launch, loads only": (1, False),
+    "read limit: one launch, loads read once (as gate/up's)": (1, True),
+    "read limit: two launches (gate and up, then down)": (2, False),
+}
+
+
+def read_limit_jobs() -> list:
+    from benchmarks.read_limit import read_call
+
+    return [
+        (label, lambda *a, n=n, s=s: read_call(*a, launches=n, stream=s))
+        for label, (n, s) in READ_LIMIT_ROWS.items()
+    ]
+
+
 def with_tile(tile, fn=expert_glu_prefill):
     return lambda *a: fn(*a, tile_tokens=tile)
 
@@ -377,6 +401,7 @@ def bench_decode(args, table: Table, copy: float | None):
         jobs = [
             ("gather_qmm", expert_glu_reference),
             *variants.items(),
+            *(read_limit_jobs() if args.read_limit else []),
             ("prefill kernel (LUT)", expert_glu_prefill),
             ("prefill kernel (tensor cores)", expert_glu_prefill_mma),
         ]

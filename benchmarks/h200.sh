@@ -169,6 +169,12 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       MLX_ENABLE_TF32=0 run occ_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "occupancy"
       ncu_times occ_ncu 300 python3 -m benchmarks.mxfp4_sweep --projections gate_up down --shapes 8,1,8,1 8,1,4,0 8,1,8,0 4,1,8,0 --min-blocks 2 3 6 --prmt --calls 10 --repeats 1
       run occ_chain 300 python3 -m benchmarks.bench_mxfp4 --occupancy --fused --skip-prefill --decode-tokens 1 2 8 --out "$OUT/bench_mxfp4_occupancy.md" ;;
+    read_limit)
+      # the decode call's weight bytes read and nothing else (benchmarks/read_limit.py): its
+      # test on CUDA, then as a chain beside the decode kernels, then each kernel under ncu
+      run read_limit_tests 120 python3 -m pytest -q tests/test_read_limit.py
+      run read_limit 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 2 8 --out "$OUT/bench_read_limit.md"
+      ncu_times read_limit_ncu 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
     mlx_graphs)
       # the chain's gaps between dependent launches (about 5 us each) against MLX's CUDA graph
       # settings: as is, up to 100 ops a graph, no graphs
