@@ -363,11 +363,23 @@ def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -
 
 
 # The decode call's weight bytes read and nothing else (benchmarks/read_limit.py): (launches,
-# read-once loads) per row.
+# read-once loads, read_mats' threadgroup shape) per row. The last two hold the threads per SM
+# to the decode kernels' 512 (128-thread threadgroups, four per SM by 47 KB of threadgroup
+# memory each), with 8 and 4 loads of 16 bytes in flight per thread.
 READ_LIMIT_ROWS = {
-    "read limit: the call's weight bytes in one launch, loads only": (1, False),
-    "read limit: one launch, loads read once (as gate/up's)": (1, True),
-    "read limit: two launches (gate and up, then down)": (2, False),
+    "read limit: the call's weight bytes in one launch, loads only": (1, False, {}),
+    "read limit: one launch, loads read once (as gate/up's)": (1, True, {}),
+    "read limit: two launches (gate and up, then down)": (2, False, {}),
+    "read limit: two launches, 512 threads per SM, 8 loads in flight": (
+        2,
+        False,
+        dict(threads=128, unroll=8, pad_kb=47),
+    ),
+    "read limit: two launches, 512 threads per SM, 4 loads in flight": (
+        2,
+        False,
+        dict(threads=128, unroll=4, pad_kb=47),
+    ),
 }
 
 
@@ -375,8 +387,8 @@ def read_limit_jobs() -> list:
     from benchmarks.read_limit import read_call
 
     return [
-        (label, lambda *a, n=n, s=s: read_call(*a, launches=n, stream=s))
-        for label, (n, s) in READ_LIMIT_ROWS.items()
+        (label, lambda *a, n=n, s=s, k=k: read_call(*a, launches=n, stream=s, **k))
+        for label, (n, s, k) in READ_LIMIT_ROWS.items()
     ]
 
 

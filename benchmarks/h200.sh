@@ -175,6 +175,9 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       run read_limit_tests 120 python3 -m pytest -q tests/test_read_limit.py
       run read_limit 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 2 8 --out "$OUT/bench_read_limit.md"
       ncu_times read_limit_ncu 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
+    read_limit_n1)
+      # one token only, seven interleaved rounds: the decode against its read limit round by round
+      run read_limit_n1 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 --rounds 7 --out "$OUT/bench_read_limit_n1.md" ;;
     mlx_graphs)
       # the chain's gaps between dependent launches (about 5 us each) against MLX's CUDA graph
       # settings: as is, up to 100 ops a graph, no graphs

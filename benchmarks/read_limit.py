@@ -10,7 +10,12 @@ one word (``parts``, so that no load can be dropped). No decode, no math, no sta
 - ``launches=1``: the three matrices in one launch, the limit for any decode call;
 - ``launches=2``: gate and up in one launch, down in a second that waits for the first (as
   gate/up, then down, wait in the decode): what the launch between them costs;
-- ``stream=True``: the loads marked as read once (``LOAD_STREAM``, as gate/up's).
+- ``stream=True``: the loads marked as read once (``LOAD_STREAM``, as gate/up's);
+- ``threads``, ``unroll``, ``pad_kb``: threadgroup size, 16-byte loads in flight per thread,
+  and threadgroup memory held (unused) per threadgroup, which caps the threadgroups per SM:
+  at 128 threads and 47 KB (CUDA allows 48 KB), four per SM (512 threads, as the decode
+  kernels at two 256-thread threadgroups), so the bytes in flight per SM match theirs (64 KB
+  at eight loads a thread).
 
 ``bench_mxfp4`` times these as chains beside the decode kernels (``--read-limit``):
 
@@ -28,8 +33,8 @@ from kimi_k3.kernels.source import Kernel
 from kimi_k3.kernels.source import backend as default_backend
 
 U32 = mx.uint32
-THREADS = 256  # a threadgroup's threads
-UNROLL = 8  # 16-byte loads in flight per thread
+THREADS = 256  # a threadgroup's threads (default)
+UNROLL = 8  # 16-byte loads in flight per thread (default)
 CHUNK = 4  # rounds of THREADS * UNROLL loads per threadgroup and matrix
 
 # Threadgroup (c, q): chunk c of matrix q % M of pair q / M (M = number of matrices given:
@@ -37,6 +42,7 @@ CHUNK = 4  # rounds of THREADS * UNROLL loads per threadgroup and matrix
 # matrix's scales per expert are a multiple of 16 bytes, read_call checks).
 BODY = """
   SHARED uint red[THREADS / 32];
+  SHARED uint pad[PAD > 0 ? PAD : 1];             // held only to cap threadgroups per SM
   const uint tid = THREAD_INDEX;
   const uint c = GROUP_POS.x;
   const uint nc = NUM_GROUPS.x;
@@ -64,6 +70,11 @@ BODY = """
   for (uint i = c * sh + tid; i < s_end; i += THREADS) {
     const uint4 v = sw[i];
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (PAD > 0) {
+    for (uint i = tid; i < PAD; i += THREADS) pad[i] = acc;
+    BARRIER();
+    acc = pad[tid];                                 // its own value (PAD >= THREADS), kept
   }
   acc = SIMD_XOR(acc);
   if (LANE == 0) red[SIMDGROUP] = acc;
@@ -96,16 +107,28 @@ READ_LIMIT = Kernel(
 )
 
 
-def chunks(code_words4: int) -> int:
-    """Threadgroups per matrix: CHUNK rounds of THREADS * UNROLL 16-byte words each."""
-    per = THREADS * UNROLL * CHUNK
-    return -(-code_words4 // per)
+def chunks(code_words4: int, threads: int = THREADS, unroll: int = UNROLL) -> int:
+    """Threadgroups per matrix: CHUNK rounds of threads * unroll 16-byte words each."""
+    return -(-code_words4 // (threads * unroll * CHUNK))
 
 
-def read_mats(x, mats, inds, stream: bool, backend: str | None = None):
+def read_mats(
+    x,
+    mats,
+    inds,
+    stream: bool,
+    backend: str | None = None,
+    threads: int = THREADS,
+    unroll: int = UNROLL,
+    pad_kb: int = 0,
+):
     """One launch reading ``mats`` (1-3 ``(codes, scales)`` pairs of stacked experts, all the
     same size) of every expert in ``inds``; returns (``x`` as fp32, per-threadgroup XORs)."""
     backend = backend or default_backend()
+    if threads % 32 or not 32 <= threads <= 1024 or unroll < 1:
+        raise ValueError(f"read_mats: threads {threads} (a multiple of 32), unroll {unroll}")
+    if pad_kb and pad_kb * 256 < threads:
+        raise ValueError(f"read_mats: pad_kb {pad_kb} holds fewer words than threads ({threads})")
     if not 1 <= len(mats) <= 3:
         raise ValueError(f"read_mats: 1 to 3 matrices, got {len(mats)}")
     codes, scales = mats[0]
@@ -119,38 +142,40 @@ def read_mats(x, mats, inds, stream: bool, backend: str | None = None):
             raise ValueError("read_mats: the matrices differ in size")
     flat = inds.reshape(-1).astype(mx.int32)
     padded = list(mats) + [mats[0]] * (3 - len(mats))
-    nc = chunks(cbytes // 16)
+    nc = chunks(cbytes // 16, threads, unroll)
     groups = flat.size * len(mats)
     out, parts = READ_LIMIT(
         backend,
         inputs=[x, *(a for pair in padded for a in pair), flat],
         output_shapes=[x.shape, (groups * nc,)],
         output_dtypes=[mx.float32, U32],
-        grid=(THREADS * nc, groups, 1),
-        threadgroup=(THREADS, 1, 1),
+        grid=(threads * nc, groups, 1),
+        threadgroup=(threads, 1, 1),
         template=[
             ("T", x.dtype),
             ("M", len(mats)),
             ("CW4", cbytes // 16),
             ("SW4", sbytes // 16),
             ("NX", x.size),
-            ("THREADS", THREADS),
-            ("UNROLL", UNROLL),
+            ("THREADS", threads),
+            ("UNROLL", unroll),
             ("CHUNK", CHUNK),
             ("STREAM", stream),
+            ("PAD", pad_kb * 256),
         ],
     )
     return out, parts
 
 
-def read_call(z, w, inds, weights, beta, cap, launches=1, stream=False, backend=None):
+def read_call(z, w, inds, weights, beta, cap, launches=1, stream=False, backend=None, **shape):
     """The decode call's weight bytes read (signature and output of ``expert_glu_decode``:
     the output is ``z`` as fp32, [N, D]). ``launches``: 1 (all three matrices at once) or 2
-    (gate and up, then down on the first launch's output)."""
+    (gate and up, then down on the first launch's output); ``shape``: ``read_mats``'
+    ``threads``, ``unroll``, ``pad_kb``."""
     mats = [w["w1"], w["w3"], w["w2"]]
     if launches == 1:
-        return read_mats(z, mats, inds, stream, backend)[0]
+        return read_mats(z, mats, inds, stream, backend, **shape)[0]
     if launches != 2:
         raise ValueError(f"read_call: launches is 1 or 2, got {launches}")
-    first, _ = read_mats(z, mats[:2], inds, stream, backend)
-    return read_mats(first, mats[2:], inds, stream, backend)[0]
+    first, _ = read_mats(z, mats[:2], inds, stream, backend, **shape)
+    return read_mats(first, mats[2:], inds, stream, backend, **shape)[0]

@@ -50,6 +50,21 @@ def test_one_launch_reads_every_selected_byte(backend, stream):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [dict(threads=128, unroll=4, pad_kb=1), dict(threads=64)])
+def test_other_shapes_read_the_same(backend, shape):
+    # threadgroup size, loads in flight and held threadgroup memory change who reads what
+    w = random_experts(3, 640, 544, seed=4)
+    inds = mx.array([[2, 0]], dtype=mx.int32)
+    z = mx.zeros((1, 640), dtype=mx.float32)
+    mats = [w["w1"], w["w2"]]
+    _, parts = read_limit.read_mats(z, mats, inds, True, backend, **shape)
+    assert parts.size == 2 * 2 * read_limit.chunks(
+        544 * 640 // 32, shape["threads"], 4 if "unroll" in shape else read_limit.UNROLL
+    )
+    assert fold(parts, 4) == expected_xor(w, ("w1", "w2"), inds)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_each_matrix_and_pair_counts(backend):
     w = random_experts(4, 256, 128, seed=5)
     inds = mx.array([[2, 3]], dtype=mx.int32)
@@ -72,6 +87,10 @@ def test_two_launches_chain_and_bad_arguments():
         np.testing.assert_array_equal(np.asarray(out), np.asarray(z))
     with pytest.raises(ValueError, match="launches is 1 or 2"):
         read_limit.read_call(z, w, inds, None, 4.0, 25.0, 3, backend="emulator")
+    with pytest.raises(ValueError, match="pad_kb 1 holds fewer words than threads"):
+        read_limit.read_mats(z, [w["w1"]], inds, False, "emulator", threads=512, pad_kb=1)
+    with pytest.raises(ValueError, match="threads 48"):
+        read_limit.read_mats(z, [w["w1"]], inds, False, "emulator", threads=48)
     with pytest.raises(ValueError, match="1 to 3 matrices"):
         read_limit.read_mats(z, [], inds, False, "emulator")
     odd = random_experts(3, 32, 8, seed=1)  # 8 scale bytes an expert
@@ -95,9 +114,10 @@ def test_read_limit_compiles_for_cuda():
                 ("UNROLL", read_limit.UNROLL),
                 ("CHUNK", read_limit.CHUNK),
                 ("STREAM", stream),
+                ("PAD", pad),
             ],
         )
-        for stream in (False, True)
+        for stream, pad in ((False, 0), (True, 47 * 256))
     ]
     code, err, _ = ptxas(read_limit.READ_LIMIT, insts)
     assert code == 0, err[-3000:]
