@@ -179,7 +179,7 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       # gate/up (and down) with four register buffers in turn (PP = 4): CUDA tests, GPU time
       # alone (ncu) beside the dispatched launches, then as a chain beside the read limit
       MLX_ENABLE_TF32=0 run pipe_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "four_buffer"
-      ncu_times pipe_ncu 250 python3 -m benchmarks.mxfp4_sweep --projections gate_up down --shapes 8,1,8,1 8,1,4,4 4,1,4,4 --min-blocks 2 4 --prmt --calls 10 --repeats 1
+      ncu_times pipe_ncu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up down --shapes 8,1,8,1 4,1,4,4 --min-blocks 2 4 --prmt --calls 10 --repeats 1
       run pipe_chain 300 python3 -m benchmarks.bench_mxfp4 --pipeline --read-limit --skip-prefill --decode-tokens 1 --rounds 5 --out "$OUT/bench_mxfp4_pipeline.md" ;;
     read_limit_n1)
       # one token only, seven interleaved rounds: the decode against its read limit round by round
