@@ -73,9 +73,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--fused", action="store_true", help="also time mxfp4_fused's one-launch decodes"
     )
     p.add_argument(
-        "--pipeline", action="store_true", help="also time PIPELINE_ROWS (four register buffers)"
-    )
-    p.add_argument(
         "--read-limit",
         action="store_true",
         help="also time READ_LIMIT_ROWS: the call's weight bytes read and nothing else "
@@ -320,26 +317,12 @@ OCCUPANCY_ROWS = [
 ]
 
 
-# Gate/up (and down) with four register buffers in turn (LAUNCH's PP = 4: three 4-group steps'
-# loads in flight during a step's math, 64 + 16 registers of buffers as two 8-group ones),
-# with their threadgroups per SM: 128 registers by ptxas, 64 bytes spilt at (8, 1, 4, 4) x 2,
-# 8-16 at (4, 1, 4, 4) x 4 (512 threads per SM either way).
-PIPELINE_ROWS = [
-    (((8, 1, 4, 4), 2), ((8, 1, 8, True), 2)),
-    (((4, 1, 4, 4), 4), ((8, 1, 8, True), 2)),
-    (((4, 1, 4, 4), 4), ((4, 1, 4, 4), 4)),
-]
-
-
-def decode_variants(
-    sweep: bool, occupancy: bool = False, fused: bool = False, pipeline: bool = False
-) -> dict:
+def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -> dict:
     """The decode kernels at their launch shapes: tensor cores (``mxfp4_mma``, what the
     dispatcher picks on CUDA) and the LUT kernels (``mxfp4_decode``, Metal's), plus
     (``--variants``) other launch shapes of both, (``--occupancy``) ``OCCUPANCY_ROWS`` and
     (``--fused``) the one-launch kernels of ``mxfp4_fused`` (gate/up, SiTU-GLU and a slice of
-    down per threadgroup, then the sum: two launches a call instead of three) and
-    (``--pipeline``) ``PIPELINE_ROWS``."""
+    down per threadgroup, then the sum: two launches a call instead of three)."""
     from kimi_k3.kernels import mxfp4_decode, mxfp4_mma
 
     bounds = tuple(mxfp4_mma.MIN_BLOCKS[p] for p in ("gate_up", "down"))
@@ -357,9 +340,8 @@ def decode_variants(
     for gu, dn in [b for b in MIN_BLOCK_ROWS if b != bounds]:
         label = f"tensor cores, threadgroups per SM at least ({gu}, {dn})"
         out[label] = with_setting(mxfp4_mma, "MIN_BLOCKS", gu, dn)
-    rows = (OCCUPANCY_ROWS if sweep or occupancy else []) + (PIPELINE_ROWS if pipeline else [])
-    if rows:
-        for (gu, gb), (dn, db) in rows:
+    if sweep or occupancy:
+        for (gu, gb), (dn, db) in OCCUPANCY_ROWS:
             label = f"tensor cores, launch {gu} {dn} at ({gb}, {db}) per SM"
             out[label] = with_settings(mxfp4_mma, LAUNCH=(gu, dn), MIN_BLOCKS=(gb, db))
     if fused:
@@ -427,7 +409,7 @@ def bench_decode(args, table: Table, copy: float | None):
             inputs.append((z, w, inds, weights, BETA, CAP))
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
-        variants = decode_variants(args.variants, args.occupancy, args.fused, args.pipeline)
+        variants = decode_variants(args.variants, args.occupancy, args.fused)
         jobs = [
             ("gather_qmm", expert_glu_reference),
             *variants.items(),

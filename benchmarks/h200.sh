@@ -15,7 +15,8 @@
 # fused_tests_par 158 s (35 tests), mxfp4_prmt 90 s, mxfp4_tests_par 303 s (106 tests),
 # bench_mxfp4 130 s, bench_e2e 155 s, cuda_tests_par 137 s, bench_mxfp4_decode 137 s (three
 # interleaved rounds), profile_mma_stalls 9 s, mxfp4_waves 203 s, mxfp4_gate_rows 79 s, gpu_time 51 s,
-# gate_rows_ncu 82 s, bench_mxfp4_decode 172 s (chain timing). A fresh machine's first call costs about 90 s
+# gate_rows_ncu 82 s, bench_mxfp4_decode 172 s (chain timing), mxfp4_occupancy 250 s, mlx_graphs 100 s,
+# read_limit 190 s (before its 512-threads-per-SM rows). A fresh machine's first call costs about 90 s
 # of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
@@ -175,15 +176,6 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       run read_limit_tests 120 python3 -m pytest -q tests/test_read_limit.py
       run read_limit 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 2 8 --out "$OUT/bench_read_limit.md"
       ncu_times read_limit_ncu 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
-    mxfp4_pipeline)
-      # gate/up (and down) with four register buffers in turn (PP = 4): CUDA tests, GPU time
-      # alone (ncu) beside the dispatched launches, then as a chain beside the read limit
-      MLX_ENABLE_TF32=0 run pipe_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "four_buffer"
-      ncu_times pipe_ncu 200 python3 -m benchmarks.mxfp4_sweep --projections gate_up down --shapes 8,1,8,1 4,1,4,4 --min-blocks 2 4 --prmt --calls 10 --repeats 1
-      run pipe_chain 300 python3 -m benchmarks.bench_mxfp4 --pipeline --read-limit --skip-prefill --decode-tokens 1 --rounds 5 --out "$OUT/bench_mxfp4_pipeline.md" ;;
-    read_limit_n1)
-      # one token only, seven interleaved rounds: the decode against its read limit round by round
-      run read_limit_n1 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 --rounds 7 --out "$OUT/bench_read_limit_n1.md" ;;
     mlx_graphs)
       # the chain's gaps between dependent launches (about 5 us each) against MLX's CUDA graph
       # settings: as is, up to 100 ops a graph, no graphs

@@ -262,13 +262,7 @@ BODY = (
   }
   uint4 qx[4 * NB], qy[4 * NB];
   uint sx[4 * NB], sy[4 * NB];
-  uint4 qz[PP == 4 ? 4 * NB : 1], qw[PP == 4 ? 4 * NB : 1];  // PP = 4 only
-  uint sz[PP == 4 ? 4 * NB : 1], sw[PP == 4 ? 4 * NB : 1];
   if (work) KK_LOAD(qx, sx, b0);
-  if (work && PP == 4) {
-    if (b0 + GW < b1) KK_LOAD(qy, sy, b0 + GW);
-    if (b0 + 2 * GW < b1) KK_LOAD(qz, sz, b0 + 2 * GW);
-  }
 """
     + STAGING
     + """  BARRIER();
@@ -279,17 +273,15 @@ BODY = (
   // group's hi and lo columns) times the group's scale.
 """
     + STEP_MACRO
-    + """  // PP (true or 1): two register buffers take turns, a step's loads go out before the
-  // previous one's math. Without it (false) each step loads then computes (fewer registers,
-  // more warps resident). PP = 4: four buffers in turn, three steps' loads in flight during
-  // a step's math (at GW = 4, the registers of two 8-group buffers).
+    + """  // PP: two register buffers take turns, a step's loads go out before the previous one's
+  // math. Without it each step loads then computes (fewer registers, more warps resident).
   if (work && !PP) {
     for (uint b = b0; b < b1; b += GW) {
       if (b > b0) KK_LOAD(qx, sx, b);
       KK_STEP(qx, sx, frag, b, NB);
     }
   }
-  if (work && (int)PP == 1) {
+  if (work && PP) {
     for (uint b = b0; b < b1; b += 2 * GW) {
       const bool second = b + GW < b1;            // the whole warp agrees
       if (second) KK_LOAD(qy, sy, b + GW);
@@ -298,21 +290,6 @@ BODY = (
         if (b + 2 * GW < b1) KK_LOAD(qx, sx, b + 2 * GW);
         KK_STEP(qy, sy, frag, b + GW, NB);
       }
-    }
-  }
-  if (work && PP == 4) {
-    for (uint b = b0; b < b1; b += 4 * GW) {      // every branch: the whole warp agrees
-      if (b + 3 * GW < b1) KK_LOAD(qw, sw, b + 3 * GW);
-      KK_STEP(qx, sx, frag, b, NB);
-      if (b + GW >= b1) break;
-      if (b + 4 * GW < b1) KK_LOAD(qx, sx, b + 4 * GW);
-      KK_STEP(qy, sy, frag, b + GW, NB);
-      if (b + 2 * GW >= b1) break;
-      if (b + 5 * GW < b1) KK_LOAD(qy, sy, b + 5 * GW);
-      KK_STEP(qz, sz, frag, b + 2 * GW, NB);
-      if (b + 3 * GW >= b1) break;
-      if (b + 6 * GW < b1) KK_LOAD(qz, sz, b + 6 * GW);
-      KK_STEP(qw, sw, frag, b + 3 * GW, NB);
     }
   }
 #undef KK_Q
@@ -356,8 +333,7 @@ BODY = (
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 # Warps per threadgroup as row tiles (RT) x splits of a row's groups (SK), scale groups per
-# step (GW: 4 or 8), and whether a step's loads go out during the previous step (PP: True;
-# 4: during the third step before).
+# step (GW: 4 or 8), and whether a step's loads go out during the previous step (PP).
 LAUNCH = {"gate_up": (8, 1, 8, True), "down": (8, 1, 8, True)}
 # Code words loaded as read once (CS; LOAD_STREAM, CUDA's ld.global.cs) per projection: on
 # the H200 gate/up took 71.9 instead of 83.8 us with them, down 49.2 instead of 47.0

@@ -228,21 +228,6 @@ def test_mma_decode_launch_shapes(monkeypatch, launch):
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want) < TOL
 
 
-@pytest.mark.parametrize("rt, sk", [(8, 1), (2, 2), (1, 4)])
-def test_mma_four_buffers_equal_two(monkeypatch, rt, sk):
-    """PP = 4 (four register buffers in turn) loads ahead further and computes the same steps
-    in the same order: the same result to the bit as two buffers, at widths of 5 and 6 steps
-    of 4 groups (a whole turn of the buffers and part of the next; split over SK warps)."""
-    args, want = case(4, 640, 768, 2, 3, "bfloat16")
-    got = {}
-    for pp in (True, 4):
-        monkeypatch.setitem(mxfp4_mma.LAUNCH, "gate_up", (rt, sk, 4, pp))
-        monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", (rt, sk, 4, pp))
-        got[pp] = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
-    assert rel_err(got[4], want) < TOL
-    assert mx.array_equal(got[4], got[True]).item()
-
-
 def check_mma_large_and_tiny(backend: str, fn=mxfp4_mma.expert_glu_decode):
     """The power-of-two scaling keeps fp16 fragments in range: latents far above fp16's
     largest value and far below its smallest give the oracle's result, scaled."""

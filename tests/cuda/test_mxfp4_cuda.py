@@ -24,7 +24,7 @@ from test_mxfp4_kernels import (  # noqa: E402
     rel_err,
 )
 
-from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS, PIPELINE_ROWS  # noqa: E402
+from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS  # noqa: E402
 from benchmarks.mxfp4_fused_sweep import BULK_LAUNCHES, DEFAULT_LAUNCHES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
 from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma  # noqa: E402
@@ -80,22 +80,6 @@ def test_mma_occupancy_launches(monkeypatch, gate_up, down):
         monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, proj, blocks)
     args, want = case(16, *K3, 4, 16, "bfloat16")
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="cuda"), want) < TOL
-
-
-@pytest.mark.parametrize("gate_up, down", PIPELINE_ROWS)
-def test_mma_four_buffer_launches(monkeypatch, gate_up, down):
-    """Four register buffers in turn (bench_mxfp4 --pipeline), with the dispatcher's decode, at
-    K3 size: the oracle's result, and to the bit what two buffers at the same steps give."""
-    args, want = case(16, *K3, 4, 16, "bfloat16")
-    got = {}
-    for two in (False, True):
-        for proj, ((rt, sk, gw, pp), blocks) in (("gate_up", gate_up), ("down", down)):
-            shape = (rt, sk, gw, True if two else pp)
-            monkeypatch.setitem(mxfp4_mma.LAUNCH, proj, shape)
-            monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, proj, blocks)
-        got[two] = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
-    assert rel_err(got[False], want) < TOL
-    assert mx.array_equal(got[False], got[True]).item()
 
 
 @pytest.mark.parametrize("blocks", [{"gate_up": 2, "down": 2}, {"gate_up": 1, "down": 2}])
