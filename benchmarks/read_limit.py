@@ -39,7 +39,7 @@ CHUNK = 4  # rounds of THREADS * UNROLL loads per threadgroup and matrix
 
 # Threadgroup (c, q): chunk c of matrix q % M of pair q / M (M = number of matrices given:
 # 1, 2 or 3), its code words and its share of the scale bytes (16 bytes at a time: a
-# matrix's scales per expert are a multiple of 16 bytes, read_call checks).
+# matrix's scales per expert are a multiple of 16 bytes, read_mats checks).
 BODY = """
   SHARED uint red[THREADS / 32];
   SHARED uint pad[PAD > 0 ? PAD : 1];             // held only to cap threadgroups per SM
