@@ -102,7 +102,7 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
     return len(body), collections.Counter(body)
 
 
-def decode_variants():
+def static_cost_instances():
     """(label, kernel, instance) for the decode kernels' sm_90 static costs: mxfp4_mma's two
     projections and mxfp4_fused at K3 size, bf16 latents, shift and byte-permute decode,
     without and with a bound of two threadgroups per SM."""
@@ -139,7 +139,7 @@ def sass_report():
         "MMAs | per MMA | most frequent |"
     )
     print("|---|---:|---:|---:|---:|---:|---|")
-    for label, kernel, inst in decode_variants():
+    for label, kernel, inst in static_cost_instances():
         code, sass, entries = ptxas(kernel, [inst], disassemble=tool)
         if code or not entries:
             print(f"| {label} | failed | | | | | |")
