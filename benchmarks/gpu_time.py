@@ -34,11 +34,10 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks.bench_mxfp4 import BETA, CAP, batch_splits, expert_bytes, random_experts, routing
-from benchmarks.mxfp4_sweep import launch
+from benchmarks.mxfp4_sweep import launch, projection_inputs
 from kimi_k3.experts import expert_glu_reference
 from kimi_k3.kernels import mxfp4_mma, source
 from kimi_k3.kernels.dispatch import expert_glu_kernel
-from kimi_k3.kernels.source import constant
 
 
 def split_batch(fn, inputs: list, repeats: int) -> tuple[float, float]:
@@ -55,13 +54,12 @@ def projection(glu: bool):
 
     def fn(z, w, inds, wts, h):
         D, I, k = z.shape[-1], w["w1"][0].shape[-2], inds.shape[-1]
-        flat = inds.reshape(-1)
-        if glu:
-            args = (z, *w["w1"], *w["w3"], flat, constant((BETA, CAP)), D, I, k, True)
-        else:
-            args = (h, *w["w2"], *w["w2"], flat, wts.reshape(-1), I, D, k, False)
-        shape = mxfp4_mma.dispatched_shape(source.backend(), D if glu else I, glu)
-        return launch(mxfp4_mma.dispatched_kernel(glu, shape), *args, shape)
+        a = projection_inputs(
+            "gate_up" if glu else "down", w, z, h, inds.reshape(-1), wts.reshape(-1)
+        )
+        KD, NR = (D, I) if glu else (I, D)
+        shape = mxfp4_mma.dispatched_shape(source.backend(), KD, glu)
+        return launch(mxfp4_mma.dispatched_kernel(glu, shape), *a, KD, NR, k, glu, shape)
 
     return fn
 

@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench_mxfp4 import copy_gbps, random_experts, routing, time_rounds
+from benchmarks.bench_mxfp4 import BETA, CAP, copy_gbps, random_experts, routing, time_rounds
 from benchmarks.profile_kernels import register_count
 from kimi_k3.kernels import mxfp4_mma, source
 from kimi_k3.kernels.source import Instance, Kernel, constant
@@ -233,6 +233,17 @@ def hinted_kernel(hint: str) -> Kernel:
     return _variant(name, body, HINT_HELPERS)
 
 
+def projection_inputs(proj: str, w, z, h, inds, wts, hg=None) -> tuple:
+    """``launch``'s (x, wa, sa, wb, sb, inds, params) for one projection: gate/up (latent
+    ``z``, SiTU-GLU's beta and cap), down (``h``, the routing weights) or gate_rows (``hg``
+    through the gate matrix as down reads its matrix). ``inds``, ``wts``: flat per pair."""
+    if proj == "gate_up":
+        return (z, *w["w1"], *w["w3"], inds, constant((BETA, CAP)))
+    if proj == "down":
+        return (h, *w["w2"], *w["w2"], inds, wts)
+    return (hg, *w["w1"], *w["w1"], inds, wts)
+
+
 def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
     args = (x, wa, sa, wb, sb, inds, params, KD, NR, k, glu)
     backend = source.backend() or "cuda"  # KIMI_K3_KERNEL_BACKEND=emulator: a CPU smoke run
@@ -307,7 +318,6 @@ def main():
         for hint in HINTS:
             kernels[f"mma, {hint}"] = hinted_kernel(hint)
         kernels["mma, ldcs codes and scales"] = scales_hinted_kernel()
-    params_gu = constant((4.0, 25.0))
     jobs = []
     for spec in args.shapes:
         rt, sk, gw, pp = (int(v) for v in spec.split(","))
@@ -358,12 +368,7 @@ def main():
     for _, kern, proj, glu, KD, NR, shape in jobs:
 
         def fn(z, h, inds, wts, hg, proj=proj, glu=glu, KD=KD, NR=NR, kern=kern, shape=shape):
-            if proj == "gate_up":
-                a = (z, *w["w1"], *w["w3"], inds, params_gu)
-            elif proj == "down":
-                a = (h, *w["w2"], *w["w2"], inds, wts)
-            else:  # gate_rows
-                a = (hg, *w["w1"], *w["w1"], inds, wts)
+            a = projection_inputs(proj, w, z, h, inds, wts, hg)
             return launch(kern, *a, KD, NR, k, glu, shape)
 
         fns.append(fn)

@@ -112,6 +112,33 @@ def chunks(code_words4: int, threads: int = THREADS, unroll: int = UNROLL) -> in
     return -(-code_words4 // (threads * unroll * CHUNK))
 
 
+def template(
+    dtype,
+    mats: int,
+    cw4: int,
+    sw4: int,
+    nx: int,
+    stream: bool,
+    threads=THREADS,
+    unroll=UNROLL,
+    pad_kb=0,
+) -> list:
+    """The kernel's template: latent dtype, matrices per launch, 16-byte code and scale words
+    per expert and matrix, latent elements, read-once loads and the threadgroup shape."""
+    return [
+        ("T", dtype),
+        ("M", mats),
+        ("CW4", cw4),
+        ("SW4", sw4),
+        ("NX", nx),
+        ("THREADS", threads),
+        ("UNROLL", unroll),
+        ("CHUNK", CHUNK),
+        ("STREAM", stream),
+        ("PAD", pad_kb * 256),
+    ]
+
+
 def read_mats(
     x,
     mats,
@@ -151,18 +178,9 @@ def read_mats(
         output_dtypes=[mx.float32, U32],
         grid=(threads * nc, groups, 1),
         threadgroup=(threads, 1, 1),
-        template=[
-            ("T", x.dtype),
-            ("M", len(mats)),
-            ("CW4", cbytes // 16),
-            ("SW4", sbytes // 16),
-            ("NX", x.size),
-            ("THREADS", threads),
-            ("UNROLL", unroll),
-            ("CHUNK", CHUNK),
-            ("STREAM", stream),
-            ("PAD", pad_kb * 256),
-        ],
+        template=template(
+            x.dtype, len(mats), cbytes // 16, sbytes // 16, x.size, stream, threads, unroll, pad_kb
+        ),
     )
     return out, parts
 

@@ -100,24 +100,14 @@ def test_two_launches_chain_and_bad_arguments():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_read_limit_compiles_for_cuda():
+    cw4 = 3072 * 3584 // 32  # K3's 16-byte code words per expert and matrix
     insts = [
         source.Instance(
-            [mx.bfloat16, mx.uint32, mx.uint8] * 1 + [mx.uint32, mx.uint8] * 2 + [mx.int32],
+            [mx.bfloat16] + [mx.uint32, mx.uint8] * 3 + [mx.int32],
             [mx.float32, mx.uint32],
-            [
-                ("T", mx.bfloat16),
-                ("M", 3),
-                ("CW4", 3072 * 3584 // 32),
-                ("SW4", 3072 * 3584 // 32 // 16),
-                ("NX", 3584),
-                ("THREADS", read_limit.THREADS),
-                ("UNROLL", read_limit.UNROLL),
-                ("CHUNK", read_limit.CHUNK),
-                ("STREAM", stream),
-                ("PAD", pad),
-            ],
+            read_limit.template(mx.bfloat16, 3, cw4, cw4 // 16, 3584, stream, pad_kb=pad),
         )
-        for stream, pad in ((False, 0), (True, 47 * 256))
+        for stream, pad in ((False, 0), (True, 47))
     ]
     code, err, _ = ptxas(read_limit.READ_LIMIT, insts)
     assert code == 0, err[-3000:]
