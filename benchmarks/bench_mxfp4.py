@@ -17,6 +17,7 @@ one failure is a row that says so, not a crash.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import time
@@ -77,6 +78,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time READ_LIMIT_ROWS: the call's weight bytes read and nothing else "
         "(benchmarks/read_limit.py), the decode's ceiling",
+    )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="also time STREAM_ROWS: the streamed-ring decode (kernels/mxfp4_stream.py) at "
+        "several launches, and its probe without products",
     )
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--out", default=None, help="write the markdown table here")
@@ -363,9 +370,11 @@ def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -
 
 
 # The decode call's weight bytes read and nothing else (benchmarks/read_limit.py): (launches,
-# read-once loads, read_mats' threadgroup shape) per row. The last two hold the threads per SM
-# to the decode kernels' 512 (128-thread threadgroups, four per SM by 47 KB of threadgroup
-# memory each), with 8 and 4 loads of 16 bytes in flight per thread.
+# read-once loads, read_mats' threadgroup shape) per row. The last four hold the threads per
+# SM to the decode kernels' 512 (128-thread threadgroups, four per SM by 47 KB of threadgroup
+# memory each), with 8, 4, 16 and 24 loads of 16 bytes in flight per thread (ptxas: 48, 34,
+# 80 and 116 registers, so four threadgroups still fit; 24 loads bring the bytes in flight
+# per SM to three quarters of the unrestricted rows' 2048 threads at 8).
 READ_LIMIT_ROWS = {
     "read limit: the call's weight bytes in one launch, loads only": (1, False, {}),
     "read limit: one launch, loads read once (as gate/up's)": (1, True, {}),
@@ -380,7 +389,63 @@ READ_LIMIT_ROWS = {
         False,
         dict(threads=128, unroll=4, pad_kb=47),
     ),
+    "read limit: two launches, 512 threads per SM, 16 loads in flight": (
+        2,
+        False,
+        dict(threads=128, unroll=16, pad_kb=47),
+    ),
+    "read limit: two launches, 512 threads per SM, 24 loads in flight": (
+        2,
+        False,
+        dict(threads=128, unroll=24, pad_kb=47),
+    ),
 }
+
+
+# The streamed-ring decode (kernels/mxfp4_stream.py): (gate/up, down) as (warps per
+# threadgroup, ring stages, rows of a unit's 32 brought by bulk copies; the rest by 16-byte
+# asynchronous copies from every thread), one threadgroup per SM. A unit's row has 28 4-group
+# blocks in gate/up and 24 in down: 8 warps take 3-4 and 3, 14 and 12 take 2, 16 take 1-2.
+STREAM_ROWS = {
+    "streamed ring (8, 3, 32) (8, 3, 32)": ((8, 3, 32), (8, 3, 32)),
+    "streamed ring (14, 3, 32) (12, 3, 32)": ((14, 3, 32), (12, 3, 32)),
+    "streamed ring (8, 3, 0) (8, 3, 0)": ((8, 3, 0), (8, 3, 0)),
+    "streamed ring (14, 3, 0) (12, 3, 0)": ((14, 3, 0), (12, 3, 0)),
+    "streamed ring (16, 3, 0) (16, 3, 0)": ((16, 3, 0), (16, 3, 0)),
+    "streamed ring (8, 3, 16) (8, 3, 16)": ((8, 3, 16), (8, 3, 16)),
+    "streamed ring (14, 3, 16) (12, 3, 16)": ((14, 3, 16), (12, 3, 16)),
+}
+# The same rings without the products (not decodes): what their copies alone stream.
+STREAM_PROBES = {
+    "streamed ring (8, 3, 32), probe without products": (8, 3, 32),
+    "streamed ring (8, 3, 0), probe without products": (8, 3, 0),
+    "streamed ring (16, 3, 0), probe without products": (16, 3, 0),
+}
+
+
+def stream_variants() -> dict:
+    from kimi_k3.kernels import mxfp4_stream
+
+    return {
+        label: functools.partial(mxfp4_stream.expert_glu_decode, launch={"gate_up": gu, "down": dn})
+        for label, (gu, dn) in STREAM_ROWS.items()
+    }
+
+
+def stream_probe_jobs() -> list:
+    from kimi_k3.kernels import mxfp4_stream
+
+    return [
+        (
+            label,
+            functools.partial(
+                mxfp4_stream.expert_glu_decode,
+                launch={"gate_up": launch, "down": launch},
+                math=False,
+            ),
+        )
+        for label, launch in STREAM_PROBES.items()
+    ]
 
 
 def read_limit_jobs() -> list:
@@ -410,10 +475,13 @@ def bench_decode(args, table: Table, copy: float | None):
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
         variants = decode_variants(args.variants, args.occupancy, args.fused)
+        if args.stream:
+            variants.update(stream_variants())
         jobs = [
             ("gather_qmm", expert_glu_reference),
             *variants.items(),
             *(read_limit_jobs() if args.read_limit else []),
+            *(stream_probe_jobs() if args.stream else []),
             ("prefill kernel (LUT)", expert_glu_prefill),
             ("prefill kernel (tensor cores)", expert_glu_prefill_mma),
         ]

@@ -176,6 +176,21 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       run read_limit_tests 120 python3 -m pytest -q tests/test_read_limit.py
       run read_limit 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 2 8 --out "$OUT/bench_read_limit.md"
       ncu_times read_limit_ncu 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
+    stream_tests)
+      # the streamed-ring decode (kernels/mxfp4_stream.py): its CUDA tests
+      MLX_ENABLE_TF32=0 run stream_tests 250 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k stream ;;
+    stream_bench)
+      # the streamed ring as a chain beside the dispatched decode and the read limit, then
+      # each kernel under ncu
+      run stream_bench 250 python3 -m benchmarks.bench_mxfp4 --stream --read-limit --skip-prefill --decode-tokens 1 8 --out "$OUT/bench_stream.md"
+      ncu_times stream_ncu 130 python3 -m benchmarks.bench_mxfp4 --stream --skip-prefill --decode-tokens 1 --calls 3 --rounds 1 --repeats 1 ;;
+    read_limit_inflight)
+      # the read limit at 512 threads per SM with 4 to 32 loads in flight a thread, five rounds
+      run read_limit_inflight 200 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 --rounds 5 --out "$OUT/bench_read_limit_inflight.md" ;;
+    stream_stalls)
+      # ncu of the streamed ring's launches (one call of each STREAM_ROWS row at one token):
+      # time, DRAM, issue and stall reasons
+      run stream_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_stream" --csv --log-file "$OUT/stream_stalls.csv" python3 -m benchmarks.bench_mxfp4 --stream --skip-prefill --decode-tokens 1 --calls 1 --rounds 1 --repeats 1 ;;
     mlx_graphs)
       # the chain's gaps between dependent launches (about 5 us each) against MLX's CUDA graph
       # settings: as is, up to 100 ops a graph, no graphs

@@ -5,7 +5,12 @@ scale byte of its k experts' three matrices once. ``read_call`` reads exactly th
 (same inputs and output as the decode: fp32 ``[N, D]``, here the latent itself) with the
 simplest access there is: each threadgroup streams a contiguous chunk of one matrix of one
 (token, choice) pair, 16 bytes a lane and eight loads in flight, and XORs what it read into
-one word (``parts``, so that no load can be dropped). No decode, no math, no staging:
+one word (``parts``, so that no load can be dropped). No decode, no math, no staging.
+
+The loads of a batch that lies wholly inside the chunk carry no per-load predicate: with one
+predicate each (as until session 24), ptxas gave the kernel 32 registers at 8, 16 and 32
+loads, and at 8 its SASS issued them as two batches of four, so the "8 loads in flight" rows
+before then had 4. Now 8 loads take 48 registers and go out together. The rows:
 
 - ``launches=1``: the three matrices in one launch, the limit for any decode call;
 - ``launches=2``: gate and up in one launch, down in a second that waits for the first (as
@@ -58,9 +63,18 @@ BODY = """
   const uint end = (c + 1) * CH < CW4 ? (c + 1) * CH : CW4;
   for (uint i = c * CH + tid; i < end; i += THREADS * UNROLL) {
     uint4 v[UNROLL];
-    _Pragma("unroll") for (int j = 0; j < UNROLL; ++j) {
-      const uint at = i + j * THREADS;
-      v[j] = at < end ? (STREAM ? LOAD_STREAM(&cw[at]) : cw[at]) : UINT4(0u, 0u, 0u, 0u);
+    if (i + (UNROLL - 1) * THREADS < end) {
+      // the whole batch in range: no predicate per load, so all UNROLL go out at once (with
+      // one predicate each, ptxas issued them four at a time)
+      _Pragma("unroll") for (int j = 0; j < UNROLL; ++j) {
+        const uint at = i + j * THREADS;
+        v[j] = STREAM ? LOAD_STREAM(&cw[at]) : cw[at];
+      }
+    } else {
+      _Pragma("unroll") for (int j = 0; j < UNROLL; ++j) {
+        const uint at = i + j * THREADS;
+        v[j] = at < end ? (STREAM ? LOAD_STREAM(&cw[at]) : cw[at]) : UINT4(0u, 0u, 0u, 0u);
+      }
     }
     _Pragma("unroll") for (int j = 0; j < UNROLL; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
   }

@@ -403,6 +403,12 @@ HELPER float4 kk_mma(float4 c, kk_split4_t a, float2 b, uint lane, bool x3) {
 }
 """
 
+# SHARED_DYNAMIC(type, name, count); declares a threadgroup array of ``count`` elements: on
+# Metal a plain one (no dynamic size there), on CUDA dynamic shared memory, whose bytes the
+# launch gives (``Kernel.shared_memory``; it may pass the 48 KB that static arrays may hold).
+_DYNAMIC_RE = re.compile(r"\bSHARED_DYNAMIC\(\s*([\w:]+)\s*,\s*(\w+)\s*,\s*([^;]+?)\s*\)\s*;")
+_DYNAMIC = (r"threadgroup \1 \2[\3];", r"extern __shared__ __align__(16) \1 \2[];")
+
 _WORD_RE = re.compile(r"\b(" + "|".join(sorted(WORDS, key=len, reverse=True)) + r")\b")
 _CALL_RE = re.compile(r"\b(" + "|".join(sorted(CALLS, key=len, reverse=True)) + r")\s*\(")
 
@@ -420,6 +426,7 @@ def render(text: str, backend: str) -> str:
             return f"{name}({_BARRIER_ARGS[word]}"
         return name + "("
 
+    text = _DYNAMIC_RE.sub(_DYNAMIC[i], text)
     text = _CALL_RE.sub(call, text)
     return _WORD_RE.sub(lambda m: WORDS[m.group(1)][i], text)
 

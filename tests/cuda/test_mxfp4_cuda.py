@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -24,10 +25,10 @@ from test_mxfp4_kernels import (  # noqa: E402
     rel_err,
 )
 
-from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS  # noqa: E402
+from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS, STREAM_ROWS  # noqa: E402
 from benchmarks.mxfp4_fused_sweep import BULK_LAUNCHES, DEFAULT_LAUNCHES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
-from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma  # noqa: E402
+from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma, mxfp4_stream  # noqa: E402
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma  # noqa: E402
@@ -314,3 +315,47 @@ def test_k3_layer_scale_against_dense_oracle(k3_layer, monkeypatch, lo):
     got = expert_glu_prefill_mma(z, w, inds, wts, B, C, backend="cuda")
     assert rel_err(got, want) < 1e-5
     assert rel_err(expert_glu(z, w, inds, wts, B, C), want) < 1e-5  # N*k > 128: prefill path
+
+
+# The streamed-ring decode (kernels/mxfp4_stream.py): its ring is dynamic shared memory over
+# 48 KB here, which the emulator cannot run at K3's size.
+STREAM_CUDA_CASES = [c for c in MMA_CASES if c[1:3] != K3] + [
+    (16, *K3, 1, 16, "bfloat16"),
+    (16, *K3, 4, 16, "bfloat16"),
+    (16, *K3, 8, 16, "float32"),
+]
+
+
+@pytest.mark.parametrize("E,D,I,N,k,dtype", STREAM_CUDA_CASES)
+def test_stream_decode_matches_oracle(E, D, I, N, k, dtype):
+    args, want = case(E, D, I, N, k, dtype)
+    got = mxfp4_stream.expert_glu_decode(*args, backend="cuda")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("label", sorted(STREAM_ROWS))
+def test_stream_launches(label):
+    """Every launch bench_mxfp4 --stream times, at K3's size; the grid and the ring's depth
+    do not change a bit."""
+    gu, dn = STREAM_ROWS[label]
+    args, want = case(16, *K3, 2, 16, "bfloat16")
+    got = mxfp4_stream.expert_glu_decode(*args, backend="cuda", launch={"gate_up": gu, "down": dn})
+    assert rel_err(got, want) < TOL
+    other = mxfp4_stream.expert_glu_decode(
+        *args,
+        backend="cuda",
+        launch={"gate_up": (gu[0], 2, gu[2]), "down": (dn[0], 2, dn[2])},
+        ctas=37,
+    )
+    assert np.array_equal(np.array(got), np.array(other))
+
+
+def test_stream_probe_runs():
+    args, _ = case(16, *K3, 1, 16, "bfloat16")
+    got = mxfp4_stream.expert_glu_decode(*args, backend="cuda", math=False)
+    assert got.shape == (1, K3[0])
+
+
+def test_stream_handles_large_and_tiny_activations():
+    check_mma_large_and_tiny("cuda", lambda *a, **kw: mxfp4_stream.expert_glu_decode(*a, **kw))
