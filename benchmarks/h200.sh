@@ -16,7 +16,8 @@
 # bench_mxfp4 130 s, bench_e2e 155 s, cuda_tests_par 137 s, bench_mxfp4_decode 137 s (three
 # interleaved rounds), profile_mma_stalls 9 s, mxfp4_waves 203 s, mxfp4_gate_rows 79 s, gpu_time 51 s,
 # gate_rows_ncu 82 s, bench_mxfp4_decode 172 s (chain timing), mxfp4_occupancy 250 s, mlx_graphs 100 s,
-# read_limit 190 s (before its 512-threads-per-SM rows). A fresh machine's first call costs about 90 s
+# read_limit 190 s (before its 512-threads-per-SM rows; 164 s with them, session 24), stream_tests 115-120 s,
+# stream_bench 250 s, read_limit_inflight 81 s, stream_stalls more than 200 s (ran out of time). A fresh machine's first call costs about 90 s
 # of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
@@ -190,7 +191,7 @@ print('bulk vs mma rel diff', rel_err(got, ref))
     stream_stalls)
       # ncu of the streamed ring's launches (one call of each STREAM_ROWS row at one token):
       # time, DRAM, issue and stall reasons
-      run stream_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_stream" --csv --log-file "$OUT/stream_stalls.csv" python3 -m benchmarks.bench_mxfp4 --stream --skip-prefill --decode-tokens 1 --calls 1 --rounds 1 --repeats 1 ;;
+      run stream_stalls 400 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_stream" --csv --log-file "$OUT/stream_stalls.csv" python3 -m benchmarks.bench_mxfp4 --stream --skip-prefill --decode-tokens 1 --calls 1 --rounds 1 --repeats 1 ;;
     mlx_graphs)
       # the chain's gaps between dependent launches (about 5 us each) against MLX's CUDA graph
       # settings: as is, up to 100 ops a graph, no graphs
