@@ -360,13 +360,14 @@ def _proj(glu: bool) -> str:
     return "gate_up" if glu else "down"
 
 
+def projection_template(dtype, KD, NR, K, glu) -> list:
+    """The template values every decode projection kernel starts with: the activations'
+    dtype, inner and output widths, choices per token, gate/up (or down)."""
+    return [("T", dtype), ("KD", KD), ("NR", NR), ("K", K), ("GLU", glu)]
+
+
 def template(dtype, KD, NR, K, glu, rt, sk, gw, pp=True, cs=None):
-    return [
-        ("T", dtype),
-        ("KD", KD),
-        ("NR", NR),
-        ("K", K),
-        ("GLU", glu),
+    return projection_template(dtype, KD, NR, K, glu) + [
         ("RT", rt),
         ("SK", sk),
         ("GW", gw),

@@ -40,7 +40,14 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .mxfp4_decode import K3, sum_pairs
-from .mxfp4_mma import LANES, MMA_HEADER, byte_permute_decode, mma_block, staging
+from .mxfp4_mma import (
+    LANES,
+    MMA_HEADER,
+    byte_permute_decode,
+    mma_block,
+    projection_template,
+    staging,
+)
 from .source import Instance, Kernel, constant
 from .source import backend as default_backend
 
@@ -259,12 +266,7 @@ def fit(backend, KD, launch) -> tuple:
 
 
 def template(dtype, KD, NR, K, glu, P, nw, s, fill, math=True):
-    return [
-        ("T", dtype),
-        ("KD", KD),
-        ("NR", NR),
-        ("K", K),
-        ("GLU", glu),
+    return projection_template(dtype, KD, NR, K, glu) + [
         ("P", P),
         ("NW", nw),
         ("S", s),
