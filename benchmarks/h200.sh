@@ -189,9 +189,9 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       # the read limit at 512 threads per SM with 4 to 32 loads in flight a thread, five rounds
       run read_limit_inflight 200 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 --rounds 5 --out "$OUT/bench_read_limit_inflight.md" ;;
     stream_stalls)
-      # ncu of the streamed ring's launches (one call of each STREAM_ROWS row at one token):
+      # ncu of the streamed ring's first 12 launches (the first STREAM_ROWS rows at one token):
       # time, DRAM, issue and stall reasons
-      run stream_stalls 400 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_stream" --csv --log-file "$OUT/stream_stalls.csv" python3 -m benchmarks.bench_mxfp4 --stream --skip-prefill --decode-tokens 1 --calls 1 --rounds 1 --repeats 1 ;;
+      run stream_stalls 400 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_stream" --launch-count 12 --csv --log-file "$OUT/stream_stalls.csv" python3 -m benchmarks.bench_mxfp4 --stream --skip-prefill --decode-tokens 1 --calls 1 --rounds 1 --repeats 1 ;;
     mlx_graphs)
       # the chain's gaps between dependent launches (about 5 us each) against MLX's CUDA graph
       # settings: as is, up to 100 ops a graph, no graphs
