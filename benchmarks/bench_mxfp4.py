@@ -423,29 +423,20 @@ STREAM_PROBES = {
 }
 
 
-def stream_variants() -> dict:
+def stream_decode(gate_up, down, math=True):
+    """``mxfp4_stream.expert_glu_decode`` at the given (warps, stages, bulk rows) launches."""
     from kimi_k3.kernels import mxfp4_stream
 
-    return {
-        label: functools.partial(mxfp4_stream.expert_glu_decode, launch={"gate_up": gu, "down": dn})
-        for label, (gu, dn) in STREAM_ROWS.items()
-    }
+    launch = {"gate_up": gate_up, "down": down}
+    return functools.partial(mxfp4_stream.expert_glu_decode, launch=launch, math=math)
+
+
+def stream_variants() -> dict:
+    return {label: stream_decode(gu, dn) for label, (gu, dn) in STREAM_ROWS.items()}
 
 
 def stream_probe_jobs() -> list:
-    from kimi_k3.kernels import mxfp4_stream
-
-    return [
-        (
-            label,
-            functools.partial(
-                mxfp4_stream.expert_glu_decode,
-                launch={"gate_up": launch, "down": launch},
-                math=False,
-            ),
-        )
-        for label, launch in STREAM_PROBES.items()
-    ]
+    return [(label, stream_decode(ln, ln, math=False)) for label, ln in STREAM_PROBES.items()]
 
 
 def read_limit_jobs() -> list:

@@ -17,7 +17,7 @@
 # interleaved rounds), profile_mma_stalls 9 s, mxfp4_waves 203 s, mxfp4_gate_rows 79 s, gpu_time 51 s,
 # gate_rows_ncu 82 s, bench_mxfp4_decode 172 s (chain timing), mxfp4_occupancy 250 s, mlx_graphs 100 s,
 # read_limit 190 s (before its 512-threads-per-SM rows; 164 s with them, session 24), stream_tests 115-120 s,
-# stream_bench 250 s, read_limit_inflight 81 s, stream_stalls more than 200 s (ran out of time). A fresh machine's first call costs about 90 s
+# stream_bench 250 s, read_limit_inflight 81 s, stream_stalls 192 s (its first 12 launches). A fresh machine's first call costs about 90 s
 # of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
@@ -186,7 +186,7 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       run stream_bench 250 python3 -m benchmarks.bench_mxfp4 --stream --read-limit --skip-prefill --decode-tokens 1 8 --out "$OUT/bench_stream.md"
       ncu_times stream_ncu 130 python3 -m benchmarks.bench_mxfp4 --stream --skip-prefill --decode-tokens 1 --calls 3 --rounds 1 --repeats 1 ;;
     read_limit_inflight)
-      # the read limit at 512 threads per SM with 4 to 32 loads in flight a thread, five rounds
+      # the read limit at 512 threads per SM with 4 to 24 loads in flight a thread, five rounds
       run read_limit_inflight 200 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 --rounds 5 --out "$OUT/bench_read_limit_inflight.md" ;;
     stream_stalls)
       # ncu of the streamed ring's first 12 launches (the first STREAM_ROWS rows at one token):

@@ -4,9 +4,9 @@ Same contract and launches as ``mxfp4_mma`` (gate/up + SiTU-GLU, down weighted b
 weight, then the ordered sum ``sum_pairs``), the same tensor-core body (``mma_block``), and a
 different way of getting the weights to it. The register kernels hold their loads in
 registers: at 128 registers a thread two 256-thread threadgroups fit an SM, and their bytes
-in flight are what limits them (docs/benchmarks.md, "the decode against its read limit": a
-kernel that only reads, held to the same 512 threads per SM, reaches 59% of peak). Here the
-bytes in flight live in threadgroup memory instead, and many more of them:
+in flight were taken to be what limits them (session 23's read limit, corrected in session
+24: docs/benchmarks.md, "a streamed ring, and the read limit corrected"). Here the bytes in
+flight live in threadgroup memory instead, and many more of them:
 
 * **Persistent threadgroups.** ``NUM_GROUPS.x`` threadgroups (one per SM: ``ctas``) split the
   projection's units evenly; a unit is 16 rows of gate and the same 16 of up (gate/up) or 32
@@ -14,18 +14,19 @@ bytes in flight live in threadgroup memory instead, and many more of them:
   ``[U b / n, U (b + 1) / n)``, pair-major, so no SM waits on a second wave.
 * **A ring of S whole units.** A unit's 32 rows of code words (``G`` 16-byte chunks each)
   and its two tiles' scale bytes (16 rows x G bytes each, contiguous in MLX's layout) are
-  one ring stage, brought in by the copy engine: one ``BULK_COPY`` of a whole row per lane
-  of warp 0 (rows land at a stride of ``RS`` chunks, ``RS`` = 4 mod 8, so the MMA's rows g
-  and g + 1 read opposite halves of the banks), two more for the scales, all counted on the
-  stage's barrier (``MBAR_EXPECT``). At K3's size a stage is 63 KB (gate/up) or 54 KB
-  (down); three stages keep two units (about 120 KB) in flight per SM. The ring is
-  dynamic shared memory on CUDA (``Kernel.shared_memory``, over the 48 KB of static
-  arrays); Metal and the emulator declare it as a threadgroup array (32 KB there, so only
-  small shapes run on them).
+  one ring stage (rows land at a stride of ``RS`` chunks, ``RS`` = 4 mod 8, so the MMA's rows
+  g and g + 1 read opposite halves of the banks). ``FILL`` of the 32 rows come by the copy
+  engine, one ``BULK_COPY`` of a whole row per lane of warp 0 (and the scales as two more
+  where ``FILL`` is 32); the rest by 16-byte ``ASYNC_COPY16``s from every thread. All are
+  counted on the stage's barrier (``MBAR_EXPECT``, ``MBAR_ASYNC_ARRIVE``). At K3's size a
+  stage is 63 KB (gate/up) or 54 KB (down); three stages keep two units (about 120 KB) in
+  flight per SM. The ring is dynamic shared memory on CUDA (``Kernel.shared_memory``, over
+  the 48 KB of static arrays); Metal and the emulator declare it as a threadgroup array
+  (32 KB there, so only small shapes run on them).
 * **Split of a unit over the warps.** Warp w takes 4-group blocks ``[NBK w / NW, NBK (w + 1)
   / NW)`` of every row of the unit, with ``mxfp4_mma``'s fragment layout and decode; the
   warps' partial sums meet in threadgroup memory (``red``, two buffers), and after the one
-  barrier per unit warp 0 refills the stage just read with the unit S ahead. Results repeat
+  barrier per unit the stage just read is refilled with the unit S ahead. Results repeat
   to the bit (no atomics; the sums over warps are in a fixed order).
 * The activations' B fragments are staged as in ``mxfp4_mma`` (``staging``), again only
   when a unit's row of activations differs from the one staged (for one token, gate/up
@@ -41,8 +42,13 @@ import mlx.core as mx
 
 from .mxfp4_decode import K3, sum_pairs
 from .mxfp4_mma import (
+    F32,
+    I32,
     LANES,
     MMA_HEADER,
+    U8,
+    U32,
+    _proj,
     byte_permute_decode,
     mma_block,
     projection_template,
@@ -213,8 +219,6 @@ BODY += (
 """
 )
 
-U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
-
 # (warps per threadgroup, ring stages, rows of a unit's 32 brought by bulk copies) per
 # projection; the other rows and (below 32) the scales come by 16-byte asynchronous copies.
 LAUNCH = {"gate_up": (8, 3, 32), "down": (8, 3, 32)}
@@ -225,10 +229,6 @@ CTAS = 132
 # Threadgroup memory a threadgroup may hold: sm_90's 227 KB (static arrays plus the dynamic
 # ring); Metal's and the emulator's 32 KB.
 SHARED_LIMIT = {"cuda": 227 * 1024, "metal": 32 * 1024, "emulator": 32 * 1024}
-
-
-def _proj(glu: bool) -> str:
-    return "gate_up" if glu else "down"
 
 
 def row_stride(G: int) -> int:
