@@ -17,7 +17,9 @@
 # interleaved rounds), profile_mma_stalls 9 s, mxfp4_waves 203 s, mxfp4_gate_rows 79 s, gpu_time 51 s,
 # gate_rows_ncu 82 s, bench_mxfp4_decode 172 s (chain timing), mxfp4_occupancy 250 s, mlx_graphs 100 s,
 # read_limit 190 s (before its 512-threads-per-SM rows; 164 s with them, session 24), stream_tests 115-120 s,
-# stream_bench 250 s, read_limit_inflight 81 s, stream_stalls 192 s (its first 12 launches). A fresh machine's first call costs about 90 s
+# stream_bench 250 s, read_limit_inflight 81 s, stream_stalls 192 s (its first 12 launches),
+# mxfp4_gate_up 85 s (session 25; run as mxfp4_layout 68-132 s), mxfp4_gate_up_chain 24 s, mxfp4_mma_tests 190 s,
+# read_limit 200 s with its ncu pass, bench_e2e more than 200 s (cut off by the session's device time). A fresh machine's first call costs about 90 s
 # of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
@@ -171,6 +173,15 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       MLX_ENABLE_TF32=0 run occ_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "occupancy"
       ncu_times occ_ncu 300 python3 -m benchmarks.mxfp4_sweep --projections gate_up down --shapes 8,1,8,1 8,1,4,0 8,1,8,0 4,1,8,0 --min-blocks 2 3 6 --prmt --calls 10 --repeats 1
       run occ_chain 300 python3 -m benchmarks.bench_mxfp4 --occupancy --fused --skip-prefill --decode-tokens 1 2 8 --out "$OUT/bench_mxfp4_occupancy.md" ;;
+    mxfp4_gate_up_chain) run mxfp4_gate_up 200 python3 -m benchmarks.mxfp4_gate_up --rounds 7 ;;
+    mxfp4_gate_up)
+      # gate/up against its variants (benchmarks/mxfp4_gate_up.py: the epilogue's parameters
+      # read at the end, literals, one interleaved stack) and down, as chains; then each
+      # kernel under ncu (the decode calls in processes of their own: their kernels share names)
+      run mxfp4_gate_up 200 python3 -m benchmarks.mxfp4_gate_up --layouts
+      for j in "0 1 2 3 4 5 6" 7 8 9; do
+        ncu_times "gate_up_ncu_${j// /}" 100 python3 -m benchmarks.mxfp4_gate_up --layouts --calls 10 --repeats 1 --rounds 1 --only $j
+      done ;;
     read_limit)
       # the decode call's weight bytes read and nothing else (benchmarks/read_limit.py): its
       # test on CUDA, then as a chain beside the decode kernels, then each kernel under ncu

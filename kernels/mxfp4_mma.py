@@ -216,6 +216,18 @@ STAGING = "  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;\n" + stagi
     "frag", "KD", "xr", "s_max"
 )
 
+# The epilogue's parameters (SiTU-GLU's beta and cap, or the pair's routing weight) go to
+# threadgroup memory s_par before the staging's barrier. Read from global memory in the
+# epilogue instead, gate/up's two dependent loads (and SiTU-GLU's divisions after them) held
+# every threadgroup's place on its SM under a full memory queue: gate/up took 77-84 instead
+# of 54-56 us on the H200 (benchmarks/mxfp4_gate_up.py, docs/benchmarks.md, session 25).
+PARAMS = """\
+  if (tid == 0) {
+    s_par[0] = params[GLU ? 0 : p];
+    s_par[1] = GLU ? params[1] : 0.0f;
+  }
+"""
+
 BODY = (
     "\n"
     + CONSTANTS
@@ -223,6 +235,7 @@ BODY = (
   SHARED uint4 frag[G * 8];
   SHARED float red[SK * RT * 32];
   SHARED float s_max[NW];
+  SHARED float s_par[2];
   const uint tid = THREAD_INDEX;
   const uint lane = LANE;
   const uint warp = SIMDGROUP;
@@ -264,6 +277,7 @@ BODY = (
   uint sx[4 * NB], sy[4 * NB];
   if (work) KK_LOAD(qx, sx, b0);
 """
+    + PARAMS
     + STAGING
     + """  BARRIER();
 
@@ -319,12 +333,12 @@ BODY = (
           upv += red[(s * RT + ru) * 32 + 16 + i];
         }
         out[(size_t)p * NR + 16 * unit_out + i] =
-            kk_situ_glu(gate * unscale, upv * unscale, params[0], params[1]);
+            kk_situ_glu(gate * unscale, upv * unscale, s_par[0], s_par[1]);
       }
     } else {
       float total = 0.0f;
       for (int s = 0; s < SK; ++s) total += red[(s * RT + ru) * 32 + i];
-      out[(size_t)p * NR + 32 * unit_out + i] = params[p] * (total * unscale);
+      out[(size_t)p * NR + 32 * unit_out + i] = s_par[0] * (total * unscale);
     }
   }
 """
@@ -500,6 +514,7 @@ BODY_AC = (
   SHARED uint sring[NW * S * SC];
   SHARED float red[SK * RT * 32];
   SHARED float s_max[NW];
+  SHARED float s_par[2];
   const uint tid = THREAD_INDEX;
   const uint lane = LANE;
   const uint warp = SIMDGROUP;
@@ -554,6 +569,7 @@ BODY_AC = (
   }
 
 """
+    + PARAMS
     + STAGING
     + """  BARRIER();
 
@@ -608,9 +624,10 @@ def template_ac(dtype, KD, NR, K, glu, rt, sk, gw, s):
 
 
 def shared_bytes_ac(KD, rt, sk, gw, s) -> int:
-    """Threadgroup memory of one launch: fragments, rings, partial sums and maxima."""
+    """Threadgroup memory of one launch: fragments, rings, partial sums, maxima and the
+    epilogue's two parameters."""
     nw = rt * sk
-    return KD * 4 + nw * s * (32 * gw * 16 + 32 * gw) + sk * rt * 32 * 4 + nw * 4
+    return KD * 4 + nw * s * (32 * gw * 16 + 32 * gw) + sk * rt * 32 * 4 + nw * 4 + 8
 
 
 def fit_ac(backend, KD, shape):

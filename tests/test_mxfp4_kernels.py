@@ -258,6 +258,8 @@ def test_mma_decode_handles_large_and_tiny_activations(fn):
         ("const size_t rb = GLU ? ra : ra + 16;", "const size_t rb = GLU ? ra : ra + 8;"),
         ("const bool bcol = g / 2 == tq;", "const bool bcol = true;"),
         ("acc1 += SIMD_SHUFFLE_XOR(acc1, 2);", ""),
+        ("s_par[0] = params[GLU ? 0 : p];", "s_par[0] = params[0];"),
+        ("s_par[1] = GLU ? params[1] : 0.0f;", "s_par[1] = GLU ? params[0] : 0.0f;"),
     ],
     ids=[
         "missing-barrier",
@@ -269,6 +271,8 @@ def test_mma_decode_handles_large_and_tiny_activations(fn):
         "down-second-tile-offset",
         "b-outside-its-group",
         "lane-sum-dropped",
+        "first-pair-weight-for-all",
+        "cap-is-beta",
     ],
 )
 def test_a_broken_mma_kernel_fails(monkeypatch, old, new):
