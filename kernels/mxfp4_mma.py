@@ -218,9 +218,9 @@ STAGING = "  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;\n" + stagi
 
 # The epilogue's parameters (SiTU-GLU's beta and cap, or the pair's routing weight) go to
 # threadgroup memory s_par before the staging's barrier. Read from global memory in the
-# epilogue instead, gate/up's two dependent loads (and SiTU-GLU's divisions after them) held
-# every threadgroup's place on its SM under a full memory queue: gate/up took 77-84 instead
-# of 54-56 us on the H200 (benchmarks/mxfp4_gate_up.py, docs/benchmarks.md, session 25).
+# epilogue instead (until session 25), gate/up streamed at 47% of DRAM peak where the same
+# main loop ending in a plain product reached 67%, and a decode call took 121-124 instead of
+# 110-112 us as a chain on the H200 (benchmarks/mxfp4_gate_up.py, docs/benchmarks.md).
 PARAMS = """\
   if (tid == 0) {
     s_par[0] = params[GLU ? 0 : p];
