@@ -90,6 +90,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_layer_args(p: argparse.ArgumentParser, rounds: int, rounds_help: str | None = None):
+    """The one-layer decode benchmarks' common options (``mxfp4_sweep``, ``gpu_time``,
+    ``mxfp4_gate_up``): K3's expert shape, the stack the calls pick from, calls per timing,
+    timings per job and rounds (default ``rounds``)."""
+    p.add_argument("--dim", type=int, default=3584)
+    p.add_argument("--hidden", type=int, default=3072)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=16)
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+
+
 def expert_bytes(dim: int, hidden: int) -> int:
     """Bytes of one expert: three [hidden x dim] MXFP4 matrices (packed codes + E8M0 scales)."""
     return 3 * (hidden * dim // 2 + hidden * dim // 32)

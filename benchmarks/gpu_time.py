@@ -33,7 +33,15 @@ import statistics
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench_mxfp4 import BETA, CAP, batch_splits, expert_bytes, random_experts, routing
+from benchmarks.bench_mxfp4 import (
+    BETA,
+    CAP,
+    add_layer_args,
+    batch_splits,
+    expert_bytes,
+    random_experts,
+    routing,
+)
 from benchmarks.mxfp4_sweep import launch, projection_inputs
 from kimi_k3.experts import expert_glu_reference
 from kimi_k3.kernels import mxfp4_mma, source
@@ -94,14 +102,8 @@ def summarize(path: str) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dim", type=int, default=3584)
-    p.add_argument("--hidden", type=int, default=3072)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=16)
+    add_layer_args(p, rounds=3)
     p.add_argument("--tokens", type=int, default=1)
-    p.add_argument("--calls", type=int, default=40)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--summarize", metavar="NCU_CSV", help="summarize an ncu --csv log instead")
     args = p.parse_args()
     if args.summarize:

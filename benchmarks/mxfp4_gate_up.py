@@ -33,7 +33,15 @@ import statistics
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench_mxfp4 import BETA, CAP, copy_gbps, random_experts, rel_err, time_chain
+from benchmarks.bench_mxfp4 import (
+    BETA,
+    CAP,
+    add_layer_args,
+    copy_gbps,
+    random_experts,
+    rel_err,
+    time_chain,
+)
 from kimi_k3.experts import situ_glu
 from kimi_k3.kernels import mxfp4_mma, source
 from kimi_k3.kernels.source import constant
@@ -185,13 +193,7 @@ def check(jobs: dict, inputs: dict, I: int, k: int) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dim", type=int, default=3584)
-    p.add_argument("--hidden", type=int, default=3072)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=16)
-    p.add_argument("--calls", type=int, default=40)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=5)
+    add_layer_args(p, rounds=5)
     p.add_argument("--layouts", action="store_true", help="also the interleaved-stack rows")
     p.add_argument("--only", type=int, nargs="*", help="time only these jobs (table order)")
     args = p.parse_args()

@@ -50,7 +50,15 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.bench_mxfp4 import BETA, CAP, copy_gbps, random_experts, routing, time_rounds
+from benchmarks.bench_mxfp4 import (
+    BETA,
+    CAP,
+    add_layer_args,
+    copy_gbps,
+    random_experts,
+    routing,
+    time_rounds,
+)
 from benchmarks.profile_kernels import register_count
 from kimi_k3.kernels import mxfp4_mma, source
 from kimi_k3.kernels.source import Instance, Kernel, constant
@@ -280,13 +288,7 @@ def main():
         default=["gate_up", "down"],
         choices=list(PROJ_DIMS),
     )
-    p.add_argument("--dim", type=int, default=3584)
-    p.add_argument("--hidden", type=int, default=3072)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=16)
-    p.add_argument("--calls", type=int, default=40)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=1, help="time every job this many times")
+    add_layer_args(p, rounds=1, rounds_help="time every job this many times")
     args = p.parse_args()
 
     D, I, k = args.dim, args.hidden, args.topk
