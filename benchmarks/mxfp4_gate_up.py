@@ -42,6 +42,7 @@ from benchmarks.bench_mxfp4 import (
     rel_err,
     time_chain,
 )
+from benchmarks.kda_prep_probes import rewrite
 from kimi_k3.experts import situ_glu
 from kimi_k3.kernels import mxfp4_mma, source
 from kimi_k3.kernels.source import constant
@@ -73,23 +74,17 @@ def interleave(a: mx.array, b: mx.array, rows: int = 16) -> mx.array:
     return both.reshape(E, 2 * R, C)
 
 
-def edited(kernel, edits, suffix: str):
-    """``kernel`` with each (old, new) of ``edits`` replaced in its body, named
-    ``<name><suffix>``; refuses an ``old`` that is not in the body."""
-    body = kernel.body
-    for old, new in edits:
-        if old not in body:
-            raise ValueError(f"{kernel.name}: {old.strip()!r} is not in its body")
-        body = body.replace(old, new)
-    return kernel.variant(suffix, body=body)
-
-
 def kernel_for(edits=(), suffix: str = ""):
-    """``mxfp4_mma``'s ``kernel_for(glu, shape)``: the dispatched kernel, ``edited``."""
+    """``mxfp4_mma``'s ``kernel_for(glu, shape)``: the dispatched kernel with ``edits``
+    ((old, new) pairs, ``kda_prep_probes.rewrite``) applied, named ``<name><suffix>``; made
+    once per (glu, shape)."""
 
+    @functools.cache
     def fn(glu, shape):
         kernel = mxfp4_mma.dispatched_kernel(glu, shape)
-        return edited(kernel, edits, suffix) if edits else kernel
+        if not edits:
+            return kernel
+        return rewrite(kernel, edits, kernel.name + suffix, f"{kernel.name}{suffix}")
 
     return fn
 
@@ -97,13 +92,14 @@ def kernel_for(edits=(), suffix: str = ""):
 def projection(glu: bool, cs: bool | None = None, edits=(), suffix: str = ""):
     """``fn(x, wa, sa, wb, sb, inds, params, KD, NR, k)``: one dispatched projection kernel
     (gate/up with ``glu``, else down's), with its code loads' hint ``cs`` (None: as
-    dispatched) and its body ``edited`` by ``edits``."""
+    dispatched) and ``edits`` to its body (``kernel_for``)."""
     backend = source.backend() or "cuda"
     tmpl = functools.partial(mxfp4_mma.template, cs=cs)
+    kf = kernel_for(edits, suffix)
 
     def fn(x, wa, sa, wb, sb, inds, params, KD, NR, k):
         shape = mxfp4_mma.dispatched_shape(backend, KD, glu)
-        kernel = kernel_for(edits, suffix)(glu, shape)
+        kernel = kf(glu, shape)
         args = (x, wa, sa, wb, sb, inds, params, KD, NR, k, glu)
         return mxfp4_mma._launch(kernel, tmpl, shape, backend, *args)
 
@@ -112,7 +108,7 @@ def projection(glu: bool, cs: bool | None = None, edits=(), suffix: str = ""):
 
 def decode(w, k, edits=(), suffix: str = ""):
     """``fn(z, inds, wts)``: one token's decode call through ``mxfp4_mma._decode`` with both
-    projections' kernels ``edited``."""
+    projections' kernels given ``edits`` (``kernel_for``)."""
     backend = source.backend() or "cuda"
     kf = kernel_for(edits, suffix)
 
@@ -129,58 +125,71 @@ def link(out: mx.array, args: tuple) -> tuple:
     return (x + (out[:1, :1] * 0).astype(x.dtype), *args[1:])
 
 
+# What a job's output is, for ``check`` and for its byte count: gate/up's (the GLU output),
+# gate and up's sums (the interleaved stack read as down), down's, or a whole decode call's.
+GATE_UP, SUMS, DOWN, CALL = "gate/up", "sums", "down", "call"
+
+
 def jobs_for(w, w13, D, I, k, layouts: bool) -> dict:
-    """name: (function, its inputs from one call's (z, zk, h, inds, wts))."""
+    """name: (function, its inputs from one call's (z, zk, h, inds, wts), its output's kind)."""
     glu_params = constant((BETA, CAP))
     ones = mx.ones((k,), mx.float32)
-    gate_up = (lambda z, zk, h, inds, wts: (z, *w["w1"], *w["w3"], inds, glu_params, D, I, k),)
-    down = (lambda z, zk, h, inds, wts: (h, *w["w2"], *w["w2"], inds, wts, I, D, k),)
-    call = (lambda z, zk, h, inds, wts: (z, inds, wts),)
+
+    def gate_up(fn):
+        return (
+            fn,
+            lambda z, zk, h, inds, wts: (z, *w["w1"], *w["w3"], inds, glu_params, D, I, k),
+            GATE_UP,
+        )
+
+    def down(fn):
+        return fn, lambda z, zk, h, inds, wts: (h, *w["w2"], *w["w2"], inds, wts, I, D, k), DOWN
+
+    def call(fn):
+        return fn, lambda z, zk, h, inds, wts: (z, inds, wts), CALL
+
     jobs = {
-        "gate/up (dispatched)": (projection(True),) + gate_up,
-        "gate/up, parameters read in the epilogue (before)": (
-            projection(True, edits=PARAMS_AT_END, suffix="_parend"),
-        )
-        + gate_up,
-        "gate/up, constants in the epilogue": (
-            projection(True, edits=LITERALS, suffix="_literals"),
-        )
-        + gate_up,
+        "gate/up (dispatched)": gate_up(projection(True)),
+        "gate/up, parameters read in the epilogue (before)": gate_up(
+            projection(True, edits=PARAMS_AT_END, suffix="_parend")
+        ),
+        "gate/up, constants in the epilogue": gate_up(
+            projection(True, edits=LITERALS, suffix="_literals")
+        ),
     }
     if layouts:
         jobs["gate/up, one interleaved stack"] = (
             projection(True, edits=INTERLEAVED, suffix="_il"),
             lambda z, zk, h, inds, wts: (z, *w13, *w13, inds, glu_params, D, I, k),
+            GATE_UP,
         )
         jobs["one interleaved stack read as down (no GLU), evict-first codes"] = (
             projection(False, cs=True),
             lambda z, zk, h, inds, wts: (zk, *w13, *w13, inds, ones, D, 2 * I, k),
+            SUMS,
         )
-    jobs["down (dispatched)"] = (projection(False),) + down
-    jobs["down, its weight read in the epilogue (before)"] = (
-        projection(False, edits=PARAMS_AT_END[1:], suffix="_parend"),
-    ) + down
-    jobs["decode call (dispatched)"] = (decode(w, k),) + call
-    jobs["decode call, parameters read in the epilogues (before)"] = (
-        decode(w, k, PARAMS_AT_END, "_parend"),
-    ) + call
-    jobs["decode call, constants in gate/up's epilogue"] = (
-        decode(w, k, LITERALS, "_literals"),
-    ) + call
+    jobs["down (dispatched)"] = down(projection(False))
+    jobs["down, its weight read in the epilogue (before)"] = down(
+        projection(False, edits=PARAMS_AT_END[1:], suffix="_parend")
+    )
+    jobs["decode call (dispatched)"] = call(decode(w, k))
+    jobs["decode call, parameters read in the epilogues (before)"] = call(
+        decode(w, k, PARAMS_AT_END, "_parend")
+    )
+    jobs["decode call, constants in gate/up's epilogue"] = call(decode(w, k, LITERALS, "_literals"))
     return jobs
 
 
 def check(jobs: dict, inputs: dict, I: int, k: int) -> None:
-    """Every variant computes the dispatched kernels' bits (the read as down: gate and up's
-    sums, which give gate/up's output through SiTU-GLU to rounding)."""
+    """Every variant computes the bits of the first job of its kind (the dispatched kernel);
+    gate and up's sums give gate/up's output through SiTU-GLU to rounding."""
     ref = {}
-    for name, (fn, _) in jobs.items():
+    for name, (fn, _, kind) in jobs.items():
         got = fn(*inputs[name][0])
-        kind = name.split(",")[0].split(" (")[0]
-        if kind.startswith("one interleaved"):
+        if kind == SUMS:
             sums = got.reshape(k, I // 16, 2, 16)
             gate, up = sums[:, :, 0].reshape(k, I), sums[:, :, 1].reshape(k, I)
-            err = rel_err(situ_glu(gate, up, BETA, CAP), ref["gate/up"])
+            err = rel_err(situ_glu(gate, up, BETA, CAP), ref[GATE_UP])
             print(f"{name}: through SiTU-GLU, rel err {err:.1e} against gate/up")
             if not err < 1e-5:
                 raise SystemExit(f"{name}: does not compute gate/up's sums")
@@ -213,7 +222,7 @@ def main():
         h = mx.random.normal((k, I)).astype(mx.float32)
         wts = mx.random.uniform(shape=(k,))
         wts = wts / wts.sum()
-        for n, (_, make) in jobs.items():
+        for n, (_, make, _) in jobs.items():
             inputs[n].append(make(z, zk, h, inds, wts))
     mx.eval(list(inputs.values()))
     check(jobs, inputs, I, k)
@@ -231,7 +240,7 @@ def main():
     print("| chain of calls | best us | median us | GB/s at best | rounds (us) |")
     print("|---|---:|---:|---:|---|")
     for n in names:
-        nbytes = {"down": gu_bytes // 2, "deco": gu_bytes * 3 // 2}.get(n[:4], gu_bytes)
+        nbytes = {DOWN: gu_bytes // 2, CALL: gu_bytes * 3 // 2}.get(jobs[n][2], gu_bytes)
         best, med = min(times[n]), statistics.median(times[n])
         rounds = ", ".join(f"{t * 1e6:.1f}" for t in times[n])
         gbps = nbytes / best / 1e9

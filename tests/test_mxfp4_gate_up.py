@@ -28,7 +28,7 @@ def test_every_variant_computes_the_dispatched_bits(monkeypatch, backend, capsys
     zk = mx.broadcast_to(z, (k, D)) + 0
     h = mx.random.normal((k, I), key=mx.random.key(2))
     wts = mx.array([0.25, 0.75])
-    inputs = {n: [make(z, zk, h, inds, wts)] for n, (_, make) in jobs.items()}
+    inputs = {n: [make(z, zk, h, inds, wts)] for n, (_, make, _) in jobs.items()}
     gu.check(jobs, inputs, I, k)
     assert "every variant: the dispatched kernels' bits" in capsys.readouterr().out
 
@@ -43,6 +43,6 @@ def test_interleave_puts_a_units_gate_rows_before_its_up_rows():
 
 
 def test_an_edit_that_no_longer_applies_is_refused():
-    kernel = mxfp4_mma.MXFP4_MMA
-    with pytest.raises(ValueError, match="not in its body"):
-        gu.edited(kernel, (("params[0], params[1])", "0.0f, 0.0f)"),), "_stale")
+    stale = gu.kernel_for((("params[0], params[1])", "0.0f, 0.0f)"),), "_stale")
+    with pytest.raises(AssertionError, match="_stale: the kernel changed"):
+        stale(True, mxfp4_mma.LAUNCH["gate_up"])
