@@ -281,17 +281,17 @@ def compare(table, label, ours, ref, t_ours, t_ref, inputs):
         table.add(label, f"{t_ref / t_ours:.2f}x faster", "", "", f"rel err {err:.1e}")
 
 
-def with_settings(module, **tables):
-    """A decode kernel module's ``expert_glu_decode`` with each per-projection dict named in
-    ``tables`` (``LAUNCH``: launch shapes; ``MIN_BLOCKS``: launch bounds; ``DECODE``) set to
-    its (gate/up, down) values."""
+def with_settings(module, fn=None, **tables):
+    """A decode kernel module's ``expert_glu_decode`` (or ``fn``) with each per-projection
+    dict of ``module`` named in ``tables`` (``LAUNCH``: launch shapes; ``MIN_BLOCKS``: launch
+    bounds; ``DECODE``) set to its (gate/up, down) values."""
 
     def run(*a):
         saved = {name: dict(getattr(module, name)) for name in tables}
         for name, (gate_up, down) in tables.items():
             getattr(module, name).update(gate_up=gate_up, down=down)
         try:
-            return module.expert_glu_decode(*a)
+            return (fn or module.expert_glu_decode)(*a)
         finally:
             for name, values in saved.items():
                 getattr(module, name).update(values)
@@ -343,7 +343,7 @@ def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -
     (``--variants``) other launch shapes of both, (``--occupancy``) ``OCCUPANCY_ROWS`` and
     (``--fused``) the one-launch kernels of ``mxfp4_fused`` (gate/up, SiTU-GLU and a slice of
     down per threadgroup, then the sum: two launches a call instead of three)."""
-    from kimi_k3.kernels import mxfp4_decode, mxfp4_mma
+    from kimi_k3.kernels import mxfp4_decode, mxfp4_mma, mxfp4_one
 
     bounds = tuple(mxfp4_mma.MIN_BLOCKS[p] for p in ("gate_up", "down"))
     decodes = tuple(mxfp4_mma.DECODE[p] for p in ("gate_up", "down"))
@@ -351,6 +351,20 @@ def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -
     default = f"decode kernel (tensor cores, {how} decode, at least {bounds} per SM)"
     out = {
         default: mxfp4_mma.expert_glu_decode,
+        "one launch (mxfp4_one: gate/up, down and the sum meeting through counters)": (
+            mxfp4_one.expert_glu_decode
+        ),
+        "one launch, counters in a zero input (one fill, not four)": functools.partial(
+            mxfp4_one.expert_glu_decode, counts="input"
+        ),
+        "one launch, counters left zeroed by the call before (no fill)": functools.partial(
+            mxfp4_one.expert_glu_decode, counts="chained"
+        ),
+        "one launch, counters left zeroed by the call before, no launch bound": with_settings(
+            mxfp4_mma,
+            functools.partial(mxfp4_one.expert_glu_decode, counts="chained"),
+            MIN_BLOCKS=(1, 1),
+        ),
         "decode kernel (tensor cores, async copies)": mxfp4_mma.expert_glu_decode_ac,
         "decode kernel (LUT)": expert_glu_decode,
     }

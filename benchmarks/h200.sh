@@ -118,7 +118,11 @@ for step in "$@"; do
     profile_ac_stalls) run profile_ac_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma_ac" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma_ac ;;
     profile_fused) run profile_fused 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_fused|mxfp4_mma" -c 12 python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 --launches 256,8,8,8 --min-blocks 2 --bulk-launches --rounds 1 --repeats 1 --calls 2 ;;
     profile_mma_stalls) run profile_mma_stalls 200 ncu --clock-control none --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__cycles_active.avg.pct_of_peak_sustained_elapsed,gpc__cycles_elapsed.avg.per_second,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k "regex:mxfp4_mma" python3 -m benchmarks.profile_kernels --rounds 1 --only mxfp4_mma ;;
-    mxfp4_fused) run mxfp4_fused 300 python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 8 --min-blocks 1 2 --prmt --rounds 3 ;;
+    mxfp4_fused) run mxfp4_fused 300 python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 8 --min-blocks 1 2 --decodes shift "byte permute" --timing batch --rounds 3 ;;
+    mxfp4_fused_params)
+      # the fused kernel with its unit ends' parameters staged (session 26) as chains beside
+      # the dispatched decode, at five launches and two bounds, and as it was before
+      run mxfp4_fused_params 400 python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 2 8 --launches 256,8,8,8 128,4,8,4 384,8,8,4 512,8,8,8 256,4,8,8 --min-blocks 2 1 --bulk-launches --params-at-end --rounds 3 ;;
     bulk_smoke) run bulk_smoke 90 python3 -c "
 import mlx.core as mx
 from benchmarks.bench_mxfp4 import random_experts, routing, rel_err
@@ -173,6 +177,16 @@ print('bulk vs mma rel diff', rel_err(got, ref))
       MLX_ENABLE_TF32=0 run occ_tests 200 python3 -m pytest -q tests/cuda/test_mxfp4_cuda.py -k "occupancy"
       ncu_times occ_ncu 300 python3 -m benchmarks.mxfp4_sweep --projections gate_up down --shapes 8,1,8,1 8,1,4,0 8,1,8,0 4,1,8,0 --min-blocks 2 3 6 --prmt --calls 10 --repeats 1
       run occ_chain 300 python3 -m benchmarks.bench_mxfp4 --occupancy --fused --skip-prefill --decode-tokens 1 2 8 --out "$OUT/bench_mxfp4_occupancy.md" ;;
+    mxfp4_one)
+      # the one-launch decode (kernels/mxfp4_one.py): its registers, its CUDA tests, then as a
+      # chain beside the dispatched decode and the read limit, then each kernel under ncu
+      run one_regs 120 python3 -c "
+from benchmarks.profile_kernels import register_count
+from kimi_k3.kernels import mxfp4_one
+print('mxfp4_one registers (bf16 latent):', register_count(mxfp4_one.dispatched_kernel(8, 1), mxfp4_one.MXFP4_ONE.instances[:1]))"
+      MLX_ENABLE_TF32=0 run one_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k one_launch
+      run one_bench 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 2 8 --rounds 5 --out "$OUT/bench_one.md"
+      ncu_times one_ncu 200 python3 -m benchmarks.bench_mxfp4 --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
     mxfp4_gate_up_chain) run mxfp4_gate_up 200 python3 -m benchmarks.mxfp4_gate_up --rounds 7 ;;
     mxfp4_gate_up)
       # gate/up against its variants (benchmarks/mxfp4_gate_up.py: the epilogue's parameters

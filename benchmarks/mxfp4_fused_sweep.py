@@ -2,13 +2,19 @@
 launch, then the sum) against the three-launch ``mxfp4_mma`` and ``gather_qmm``.
 
 At K3 size (16 experts of 64 per token, D = 3584, I = 3072) and each token count given, this
-times end to end: ``gather_qmm`` (``expert_glu_reference``), ``mxfp4_mma`` as dispatched, and
+times: ``gather_qmm`` (``expert_glu_reference``), ``mxfp4_mma`` as dispatched, and
 ``mxfp4_fused`` at every launch (rows of I per threadgroup, warps, groups per step in gate/up
-and in down) and launch bound given; ``--launch-only`` adds the fused launch without its sum.
-Every job is timed once per round, rounds one after another (a clock drift reaches all jobs
-alike); a row reports its best round and lists them all. GB/s are over the distinct experts'
-weight bytes (scales included), against the datasheet peak and the device copy of the same
-run. Each row's output is compared with ``mxfp4_mma``'s.
+and in down), launch bound and code decode given (``--decodes``: byte permutes by default;
+with ``shift``, also ``mxfp4_mma`` decoding by shifts); ``--launch-only`` adds the fused
+launch without its sum, ``--params-at-end`` the first fused row's kernel as it was before
+session 26 (its unit ends reading beta, cap and the routing weight from global memory).
+Calls are timed as chains (``--timing chain``, the default since session 26: each call on
+the previous one's output, as in a model's forward pass) or in batches of independent calls
+(``--timing batch``, the default before). Every job is timed once per round, rounds one after
+another (a clock drift reaches all jobs alike); a row reports its best round and lists them
+all. GB/s are over the distinct experts' weight bytes (scales included), against the
+datasheet peak and the device copy of the same run. Each row's output is compared with
+``mxfp4_mma``'s.
 
     python3 -m benchmarks.mxfp4_fused_sweep --rounds 3
     python3 -m benchmarks.mxfp4_fused_sweep --tokens 1 --launches 256,8,8,8 --min-blocks 1 2
@@ -18,15 +24,13 @@ run. Each row's output is compared with ``mxfp4_mma``'s.
 ``mxfp4_fused_bulk`` rows (the same two phases, weights brought in by bulk copies) give
 (rows of I per threadgroup, warps, ring stages) in the launch column. ``--tiled`` adds the
 fused kernel reading the same experts in ``tile_experts``' layout (16-row tiles of 4-group
-blocks: a warp load is 512 contiguous bytes), converted once before timing. ``--prmt`` adds
-``mxfp4_mma`` with the codes decoded by shifts (``kk_e2m1_pair``; it is dispatched with byte
-permutes, ``mxfp4_mma.DECODE``) and the first fused launch with its codes decoded by byte
-permutes (``kk_e2m1_pair_prmt``) instead of shifts.
+blocks: a warp load is 512 contiguous bytes), converted once before timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -38,9 +42,12 @@ from benchmarks.bench_mxfp4 import (
     random_experts,
     rel_err,
     routing,
+    time_batch,
+    time_chain,
     time_rounds,
     with_setting,
 )
+from benchmarks.kda_prep_probes import rewrite
 from benchmarks.profile_kernels import register_count
 from kimi_k3.experts import expert_glu_reference
 from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
@@ -97,34 +104,43 @@ def decode_job(decode, launch, tiled: bool = False):
     return run
 
 
-def with_bound(fn, bound: int):
-    """``fn`` run with ``mxfp4_fused.MIN_BLOCKS`` set to ``bound``."""
+def with_attr(fn, module, name: str, value):
+    """``fn`` run with ``module.name`` set to ``value`` (restored after)."""
 
     def run(*a):
-        saved = mxfp4_fused.MIN_BLOCKS
-        mxfp4_fused.MIN_BLOCKS = bound
+        saved = getattr(module, name)
+        setattr(module, name, value)
         try:
             return fn(*a)
         finally:
-            mxfp4_fused.MIN_BLOCKS = saved
+            setattr(module, name, saved)
 
     return run
+
+
+def with_bound(fn, bound: int):
+    """``fn`` run with ``mxfp4_fused.MIN_BLOCKS`` set to ``bound``."""
+    return with_attr(fn, mxfp4_fused, "MIN_BLOCKS", bound)
 
 
 def prmt_decode(fn, module, name):
     """``fn`` with ``module.name``'s codes decoded by byte permutes
     (``mxfp4_mma.byte_permute_decode``); for ``mxfp4_mma`` itself that is its ``DECODE``."""
-    kernel = getattr(module, name)
-    variant = mxfp4_mma.byte_permute_decode(kernel)
+    return with_attr(fn, module, name, mxfp4_mma.byte_permute_decode(getattr(module, name)))
 
-    def run(*a):
-        setattr(module, name, variant)
-        try:
-            return fn(*a)
-        finally:
-            setattr(module, name, kernel)
 
-    return run
+# The fused kernel as it was before session 26: its unit ends read SiTU-GLU's beta and cap
+# and the pair's routing weight from global memory (not from s_par, mxfp4_fused.PARAMS).
+PARAMS_AT_END = (
+    (mxfp4_fused.PARAMS, ""),
+    (re.compile(r"s_par\[0\], s_par\[1\]\)"), "params[0], params[1])"),
+    ("s_par[2] * unscale2", "wts[p] * unscale2"),
+)
+
+
+def params_at_end(kernel):
+    """``kernel`` (``mxfp4_fused.MXFP4_FUSED`` or a variant) with ``PARAMS_AT_END``."""
+    return rewrite(kernel, PARAMS_AT_END, kernel.name + "_parend", "mxfp4_fused params at end")
 
 
 def main():
@@ -138,9 +154,25 @@ def main():
         "--tiled", action="store_true", help="also the fused kernel on tile_experts' layout"
     )
     p.add_argument(
-        "--prmt",
+        "--decodes",
+        nargs="+",
+        choices=mxfp4_mma.DECODES,
+        default=["byte permute"],
+        help="how the fused rows decode codes (each launch and bound at each); with shift, "
+        "also mxfp4_mma decoding by shifts",
+    )
+    p.add_argument(
+        "--params-at-end",
         action="store_true",
-        help="also mxfp4_mma decoding codes by shifts, the first fused launch by byte permutes",
+        help="also the first fused row's kernel with its unit ends reading their parameters "
+        "from global memory (as before session 26)",
+    )
+    p.add_argument(
+        "--timing",
+        default="chain",
+        choices=["chain", "batch"],
+        help="chain (each call on the previous one's output: bench_mxfp4.time_chain) or "
+        "batch (independent calls, time_batch; the default until session 26)",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
@@ -169,27 +201,39 @@ def main():
         ("mxfp4_mma (dispatched)", "", "", mxfp4_mma.expert_glu_decode),
     ]
     fused, bulk = mxfp4_fused.expert_glu_decode, mxfp4_fused.expert_glu_decode_bulk
-    if args.prmt:
+    if "shift" in args.decodes:
         fn = with_setting(mxfp4_mma, "DECODE", "shift", "shift")
         jobs.append(("mxfp4_mma, shift decode", "", "", fn))
-        for lc in launches[:1]:
-            fn = prmt_decode(decode_job(fused, lc), mxfp4_fused, "MXFP4_FUSED")
-            shape = mxfp4_fused.shape_for(D, I, lc)
-            jobs.append(("mxfp4_fused, byte-permute decode", shape, "1", with_bound(fn, 1)))
+
+    def fused_row(lc, decode, kernel=mxfp4_fused.MXFP4_FUSED):
+        if decode == "byte permute":
+            kernel = mxfp4_mma.byte_permute_decode(kernel)
+        return with_attr(decode_job(fused, lc), mxfp4_fused, "MXFP4_FUSED", kernel)
+
     for lc in launches:
         shape = mxfp4_fused.shape_for(D, I, lc)
         for b in args.min_blocks:
-            fn = with_bound(decode_job(fused, lc), b)
-            jobs.append(("mxfp4_fused", shape, f"{b} ({regs[(lc, b)]})", fn))
-            if args.tiled:
-                fn = with_bound(decode_job(fused, lc, tiled=True), b)
-                jobs.append(("mxfp4_fused, tiled layout", shape, f"{b}", fn))
-            if args.launch_only:
+            for dec in args.decodes:
+                label = f"mxfp4_fused, {dec} decode"
+                jobs.append(
+                    (label, shape, f"{b} ({regs[(lc, b)]})", with_bound(fused_row(lc, dec), b))
+                )
+                if args.params_at_end and (lc, b, dec) == (
+                    launches[0],
+                    args.min_blocks[0],
+                    args.decodes[0],
+                ):
+                    fn = with_bound(fused_row(lc, dec, params_at_end(mxfp4_fused.MXFP4_FUSED)), b)
+                    jobs.append((f"{label}, parameters read at the unit ends", shape, f"{b}", fn))
+                if args.tiled:
+                    fn = with_bound(decode_job(fused, lc, tiled=True), b)
+                    jobs.append(("mxfp4_fused, tiled layout", shape, f"{b}", fn))
+                if args.launch_only:
 
-                def part(*a, lc=lc):
-                    return mxfp4_fused.partials(*a, launch=lc)
+                    def part(*a, lc=lc):
+                        return mxfp4_fused.partials(*a, launch=lc)
 
-                jobs.append(("fused launch only", shape, f"{b}", with_bound(part, b)))
+                    jobs.append(("fused launch only", shape, f"{b}", with_bound(part, b)))
 
     for spec in args.bulk_launches:
         lc = tuple(int(v) for v in spec.split(","))
@@ -213,7 +257,8 @@ def main():
         nbytes = np.mean([len(np.unique(np.array(s[2]))) for s in sets]) * per_expert
         ref = mxfp4_mma.expert_glu_decode(*sets[0])
         fns = [fn for *_, fn in jobs]
-        times, failed = time_rounds(fns, sets, args.rounds, args.repeats, width=100)
+        timer = time_chain if args.timing == "chain" else time_batch
+        times, failed = time_rounds(fns, sets, args.rounds, args.repeats, 100, timer)
         diffs = {}
         for j, (name, _, _, fn) in enumerate(jobs):
             if j not in failed and name != "fused launch only":

@@ -85,8 +85,8 @@ UNIT_ENDS = """\
     KK_LANES();                                                                        \\
     if (tq == 0) {                                                                     \\
       const uint row = 16 * (warp + NW * uint(u));                                     \\
-      hs[row + g] = kk_situ_glu(acc0 * unscale1, acc2 * unscale1, params[0], params[1]); \\
-      hs[row + 8 + g] = kk_situ_glu(acc1 * unscale1, acc3 * unscale1, params[0], params[1]); \\
+      hs[row + g] = kk_situ_glu(acc0 * unscale1, acc2 * unscale1, s_par[0], s_par[1]);   \\
+      hs[row + 8 + g] = kk_situ_glu(acc1 * unscale1, acc3 * unscale1, s_par[0], s_par[1]); \\
     }                                                                                  \\
     acc0 = acc2 = 0.0f, acc1 = acc3 = 0.0f;                                            \\
   }
@@ -94,7 +94,7 @@ UNIT_ENDS = """\
   {                                                                                    \\
     KK_LANES();                                                                        \\
     if (tq == 0) {                                                                     \\
-      const float f = wts[p] * unscale2;                                               \\
+      const float f = s_par[2] * unscale2;                                             \\
       DEVICE float* o = part + ((size_t)p * J + js) * KD + 32 * (warp + NW * uint(u)); \\
       o[g] = f * acc0;                                                                 \\
       o[8 + g] = f * acc1;                                                             \\
@@ -111,9 +111,22 @@ DECLS = (
   SHARED float hs[SL];
   SHARED float s_max1[NW];
   SHARED float s_max2[NW];
+  SHARED float s_par[3];
 """
     + ROLES
 )
+
+# The unit ends' parameters (SiTU-GLU's beta and cap, the pair's routing weight) go to
+# threadgroup memory s_par before the latent staging's barrier, as in mxfp4_mma (PARAMS):
+# read from global memory at every unit end (until session 26), each read waited behind the
+# streaming loads in the middle of the pipeline.
+PARAMS = """\
+  if (tid == 0) {
+    s_par[0] = params[0];
+    s_par[1] = params[1];
+    s_par[2] = wts[p];
+  }
+"""
 
 BODY = (
     "\n"
@@ -196,6 +209,7 @@ BODY = (
   if (T1 > 0) KK_LOAD1(qx, sx, 0);
   const DEVICE T* xr = x + (size_t)(p / K) * KD;
 """
+    + PARAMS
     + staging("frag1", "KD", "xr", "s_max1", "1")
     + """\
   BARRIER();
@@ -529,6 +543,7 @@ BODY_BULK = (
   float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
   const DEVICE T* xr = x + (size_t)(p / K) * KD;
 """
+    + PARAMS
     + staging("frag1", "KD", "xr", "s_max1", "1")
     + """\
   BARRIER();
@@ -563,8 +578,9 @@ LAUNCH_BULK = (128, 2, 6)
 
 
 def shared_bytes_bulk(D: int, sl: int, nw: int, s: int) -> int:
-    """Threadgroup memory of one bulk launch: fragments, h, maxima, rings, barriers."""
-    return 4 * D + 8 * sl + 8 * nw + nw * s * (2048 + 128 + 8)
+    """Threadgroup memory of one bulk launch: fragments, h, maxima, the unit ends'
+    parameters, rings, barriers."""
+    return 4 * D + 8 * sl + 8 * nw + 12 + nw * s * (2048 + 128 + 8)
 
 
 def shape_for_bulk(D: int, I: int, launch=None, backend: str = "cuda") -> tuple:

@@ -92,6 +92,12 @@ CALLS = {
     "MBAR_EXPECT": ("kk_mbar_expect", "kk_mbar_expect"),
     "MBAR_ASYNC_ARRIVE": ("kk_mbar_async_arrive", "kk_mbar_async_arrive"),
     "MBAR_WAIT": ("kk_mbar_wait", "kk_mbar_wait"),
+    # threadgroups of one launch meeting through a uint counter in device memory (an output):
+    # ATOMIC_ADD returns the old value; LOAD_ACQUIRE reads it (a spin's read); FENCE_DEVICE
+    # orders this thread's device-memory accesses before and after it at device scope
+    "ATOMIC_ADD": ("kk_atomic_add", "kk_atomic_add"),
+    "LOAD_ACQUIRE": ("kk_load_acquire", "kk_load_acquire"),
+    "FENCE_DEVICE": ("kk_fence_device", "__threadfence"),
 }
 
 # Barrier words take no arguments in the dialect; Metal needs the memory flags.
@@ -221,6 +227,14 @@ __device__ inline void kk_async_wait(int n) {
     default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
   }
 }
+// ATOMIC_ADD(p, v): the old value (relaxed). LOAD_ACQUIRE(p): ld.acquire.gpu, so what the
+// writer made visible before its release is visible after. FENCE_DEVICE() is __threadfence.
+__device__ inline uint kk_atomic_add(uint* p, uint v) { return atomicAdd(p, v); }
+__device__ inline uint kk_load_acquire(const uint* p) {
+  uint v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 // c + A B for one warp: A 16x8 tf32 (float4), B 8x8 tf32 (float2), C 16x8 fp32, in PTX's
 // m16n8k8 fragment layout (SIMD_MMA_TF32 in kernels/README.md). The operands must already be
 // tf32 values (low 13 bits zero).
@@ -243,6 +257,21 @@ inline uint kk_pack_half2(float lo, float hi) { return as_type<uint>(half2(half(
 inline float kk_round_half(float x) { return float(half(x)); }
 inline void kk_store4(device float* p, float4 v) { *reinterpret_cast<device float4*>(p) = v; }
 template <typename T> inline T kk_load_stream(const device T* p) { return *p; }
+// ATOMIC_ADD / LOAD_ACQUIRE / FENCE_DEVICE (CUDA's spelling above). The emulator runs one
+// threadgroup at a time, so its fence has nothing to order.
+inline uint kk_atomic_add(device uint* p, uint v) {
+  return atomic_fetch_add_explicit((device atomic_uint*)p, v, memory_order_relaxed);
+}
+inline uint kk_load_acquire(device uint* p) {
+  return atomic_load_explicit((device atomic_uint*)p, memory_order_relaxed);
+}
+#ifdef KK_METAL_EMULATOR
+inline void kk_fence_device() {}
+#else
+inline void kk_fence_device() {
+  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+}
+#endif
 inline uint kk_byte_perm(uint x, uint y, uint s) {
   uint r = 0u;
   for (uint i = 0u; i < 4u; ++i) {

@@ -488,6 +488,8 @@ def test_fused_decode_handles_large_and_tiny_activations():
         ("+ uint((t) % S2) * (GW2 / 4) * BS)", ")"),
         ("o[16 + g] = f * acc2;", "o[16 + g] = f * acc3;"),
         ("if (t + 2 < (NT)) LOADF(qx, sx, t + 2);", "if (t + 2 < (NT)) LOADF(qx, sx, t + 1);"),
+        ("s_par[2] = wts[p];", "s_par[2] = wts[0];"),
+        ("s_par[1] = params[1];", "s_par[1] = params[0];"),
     ],
     ids=[
         "accumulators-not-reset",
@@ -495,6 +497,8 @@ def test_fused_decode_handles_large_and_tiny_activations():
         "down-steps-same-groups",
         "partial-row-swapped",
         "pipeline-reloads-a-step",
+        "first-pair-weight-for-all",
+        "cap-is-beta",
     ],
 )
 def test_a_broken_fused_kernel_fails(monkeypatch, old, new):

@@ -28,7 +28,7 @@ from test_mxfp4_kernels import (  # noqa: E402
 from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS, STREAM_ROWS  # noqa: E402
 from benchmarks.mxfp4_fused_sweep import BULK_LAUNCHES, DEFAULT_LAUNCHES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
-from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma, mxfp4_stream  # noqa: E402
+from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma, mxfp4_one, mxfp4_stream  # noqa: E402
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma  # noqa: E402
@@ -61,6 +61,35 @@ def test_mma_decode_matches_oracle(E, D, I, N, k, dtype):
     got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype",
+    MMA_CASES
+    + [(16, *K3, 1, 16, "bfloat16"), (16, *K3, 2, 16, "bfloat16"), (16, *K3, 8, 16, "float32")],
+)
+def test_one_launch_gives_the_three_launches_bits(E, D, I, N, k, dtype):
+    """mxfp4_one (gate/up, down and the sum in one grid, meeting through counters), with its
+    counters in an output and in a zero input: the three-launch decode's bits at every one
+    of five launches each (a race would show as a difference in some), and the oracle."""
+    args, want = case(E, D, I, N, k, dtype)
+    three = np.array(mxfp4_mma.expert_glu_decode(*args, backend="cuda"))
+    for counts in mxfp4_one.COUNTS_MODES:
+        for _ in range(5):
+            got = mxfp4_one.expert_glu_decode(*args, backend="cuda", counts=counts)
+            assert got.dtype == mx.float32 and got.shape == (N, D)
+            assert np.array_equal(np.array(got), three), counts
+    assert rel_err(got, want) < TOL
+
+
+def test_one_launch_counts_at_k3_size():
+    N, k = 4, 16
+    args, _ = case(16, *K3, N, k, "bfloat16")
+    rt, sk = mxfp4_one.shape_for("cuda", *K3)[:2]
+    counts = mxfp4_one.launch(mxfp4_one.dispatched_kernel(rt, sk), *args, backend="cuda")[3]
+    xg, xd = -(-(K3[1] // 16) // rt), -(-(K3[0] // 32) // rt)
+    want = [(xg + xd) * N * k] + [xg] * (N * k) + [k] * (N * xd)
+    assert np.array(counts).tolist() == want
 
 
 @pytest.mark.parametrize("gate_up, down", MMA_SHAPES)

@@ -1,0 +1,391 @@
+"""MXFP4 expert decode in one launch: ``mxfp4_mma``'s gate/up, down and ordered sum in one grid.
+
+``mxfp4_mma`` makes three dependent launches a call (gate/up + SiTU-GLU, down weighted by the
+routing weight, the sum over the k choices). Between them the GPU drains: the last
+threadgroups of one launch run with the SMs half empty, then the next launch starts with no
+loads in flight. Here the same two projection bodies share one grid, and threadgroups meet
+through counters in device memory (``counts``, an output filled with zeros):
+
+* **Tickets, not block indices.** A threadgroup's first act is to take a ticket (an atomic
+  add on ``counts[0]``). Tickets ``0 .. XG * pairs - 1`` are gate/up work (pair ``t / XG``, row
+  block ``t % XG``), the rest down work (pair ``d / XD``, row block ``d % XD``). A down
+  ticket is handed out only after every gate/up ticket, to threadgroups already running, and
+  gate/up work waits for nothing, so the waits below always end (no assumption about the
+  order in which the hardware starts threadgroups).
+* **Gate/up** is ``mxfp4_mma``'s body: it writes its 16-row units of ``h [pairs, I]``, then
+  (after a barrier, a device fence and an atomic add) counts itself done on ``counts[1 + p]``.
+* **Down** issues its first step's weight loads, then waits until all ``XG`` gate/up
+  threadgroups of its pair are done (one thread spins on ``LOAD_ACQUIRE``), stages its row of
+  ``h`` and runs ``mxfp4_mma``'s down body into ``part [pairs, D]``. It then counts itself on
+  its (token, row block) counter; the threadgroup that brings that counter to k adds the k
+  pairs' ``part`` rows of its block in order into ``y`` (the sum of ``mxfp4_decode``'s
+  ``mxfp4_sum``: the same order, so the same bits as the three launches).
+
+A wait that has not ended after ``SPIN_LIMIT`` reads gives up and makes its rows NaN (it
+cannot happen with tickets; a broken count shows as NaN, not as a hang or a wrong number).
+
+Same exactness contract and bits as ``mxfp4_mma.expert_glu_decode``. On Metal the threads of
+a spinning threadgroup hold their core while it waits; like every ``mxfp4_mma`` kernel this
+one is dispatched on CUDA only, and the emulator (one threadgroup at a time, in ticket order)
+checks its bookkeeping.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+
+from . import mxfp4_mma
+from .mxfp4_decode import K3
+from .mxfp4_mma import MMA_HEADER
+from .source import Instance, Kernel, constant
+from .source import backend as default_backend
+
+U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
+
+# Reads of a counter before a wait gives up (its rows become NaN).
+SPIN_LIMIT = 1 << 24
+
+
+def _swap(text: str, pairs, what: str) -> str:
+    """``text`` with each (old, new) of ``pairs`` replaced; ``old`` must occur exactly once
+    (or as often as a third item says)."""
+    for pair in pairs:
+        old, new = pair[:2]
+        count = pair[2] if len(pair) > 2 else 1
+        if text.count(old) != count:
+            raise AssertionError(f"mxfp4_one ({what}): mxfp4_mma's body changed near {old!r}")
+        text = text.replace(old, new)
+    return text
+
+
+# mxfp4_mma's body without what the one kernel declares once for both roles (threadgroup
+# arrays, thread indices, the pair), its threadgroup position as the ticket's row block ``bx``
+# and its activation type as ``TX`` (the latent's type in gate/up, float in down).
+_COMMON = (
+    ("  SHARED uint4 frag[G * 8];\n", ""),
+    ("  SHARED float red[SK * RT * 32];\n", ""),
+    ("  SHARED float s_max[NW];\n", ""),
+    ("  SHARED float s_par[2];\n", ""),
+    ("  const uint tid = THREAD_INDEX;\n", ""),
+    ("  const uint lane = LANE;\n", ""),
+    ("  const uint warp = SIMDGROUP;\n", ""),
+    ("  const uint p = GROUP_POS.y;\n", ""),
+    ("GROUP_POS.x", "bx", 2),
+    ("const DEVICE T* xr", "const DEVICE TX* xr"),
+    ("const DEVICE T* src", "const DEVICE TX* src"),
+)
+_ROLE = _swap(mxfp4_mma.BODY, _COMMON, "both roles")
+
+GATE_UP = _swap(
+    _ROLE,
+    (
+        ("(const DEVICE uint4*)w_a", "(const DEVICE uint4*)w1"),
+        ("(const DEVICE uint4*)w_b", "(const DEVICE uint4*)w3"),
+        ("s_a + ra", "s1 + ra"),
+        ("s_b + rb", "s3 + rb"),
+        ("x + (size_t)(GLU ? p / K : p) * KD", "z + (size_t)(p / K) * KD"),
+        (
+            mxfp4_mma.PARAMS,
+            "  if (tid == 0) {\n    s_par[0] = glu[0];\n    s_par[1] = glu[1];\n  }\n",
+        ),
+        ("out[(size_t)p * NR", "h[(size_t)p * NR", 2),
+    ),
+    "gate/up",
+)
+
+# Down waits for its pair's gate/up threadgroups between its first loads and the staging of h.
+WAIT = """\
+  if (tid == 0) {
+    s_par[0] = wts[p];
+    uint spins = 0;
+    while (LOAD_ACQUIRE(&cnt[1 + p]) < (uint)XG) {
+      if (++spins == SPIN_LIMIT) {
+        s_par[0] = AS_FLOAT(0x7fc00000u);  // NaN: the wait gave up
+        break;
+      }
+    }
+    FENCE_DEVICE();
+  }
+  BARRIER();
+"""
+DOWN = _swap(
+    _ROLE,
+    (
+        ("(const DEVICE uint4*)w_a", "(const DEVICE uint4*)w2"),
+        ("(const DEVICE uint4*)w_b", "(const DEVICE uint4*)w2"),
+        ("s_a + ra", "s2 + ra"),
+        ("s_b + rb", "s2 + rb"),
+        ("x + (size_t)(GLU ? p / K : p) * KD", "h + (size_t)p * KD"),
+        (mxfp4_mma.PARAMS, WAIT),
+        ("out[(size_t)p * NR", "part[(size_t)p * NR", 2),
+    ),
+    "down",
+)
+
+BODY = (
+    """
+  constexpr int XG = (NI / 16 + RT - 1) / RT;   // gate/up row blocks per pair
+  constexpr int XD = (D / 32 + RT - 1) / RT;    // down row blocks per pair
+  constexpr int FG = (D > NI ? D : NI) / 32;    // the wider projection's scale groups
+  constexpr uint SPIN_LIMIT = """
+    + str(SPIN_LIMIT)
+    + """u;
+  SHARED uint4 frag[FG * 8];
+  SHARED float red[SK * RT * 32];
+  SHARED float s_max[RT * SK];
+  SHARED float s_par[2];
+  SHARED uint s_ticket[1];
+  const uint tid = THREAD_INDEX;
+  const uint lane = LANE;
+  const uint warp = SIMDGROUP;
+  const uint pairs = NUM_GROUPS.x / (XG + XD);
+  if (tid == 0) s_ticket[0] = ATOMIC_ADD(&cnt[0], 1u);
+  BARRIER();
+  const uint ticket = s_ticket[0];
+  if (ticket < XG * pairs) {
+    typedef T TX;
+    constexpr int KD = D;
+    constexpr int NR = NI;
+    constexpr bool GLU = true;
+    constexpr int GW = GW1;
+    constexpr bool CS = CS1;
+    const uint p = ticket / XG;
+    const uint bx = ticket % XG;
+"""
+    + GATE_UP
+    + """
+    // Done: every thread's h is written (barrier), then made visible before the count.
+    BARRIER();
+    if (tid == 0) {
+      FENCE_DEVICE();
+      ATOMIC_ADD(&cnt[1 + p], 1u);
+    }
+  } else {
+    typedef float TX;
+    constexpr int KD = NI;
+    constexpr int NR = D;
+    constexpr bool GLU = false;
+    constexpr int GW = GW2;
+    constexpr bool CS = CS2;
+    const uint p = (ticket - XG * pairs) / XD;
+    const uint bx = (ticket - XG * pairs) % XD;
+"""
+    + DOWN
+    + """
+    // The last of the token's k pairs to finish this row block adds them up, in order.
+    BARRIER();
+    const uint tok = p / K;
+    if (tid == 0) {
+      FENCE_DEVICE();
+      const uint done = ATOMIC_ADD(&cnt[1 + pairs + tok * XD + bx], 1u);
+      if (done == K - 1) FENCE_DEVICE();
+      s_ticket[0] = done;
+    }
+    BARRIER();
+    const uint row = bx * (RT * 32) + tid;
+    if (s_ticket[0] == K - 1 && (int)tid < RT * 32 && row < D) {
+      float total = 0.0f;
+      for (int j = 0; j < K; ++j) total += part[((size_t)tok * K + j) * D + row];
+      y[(size_t)tok * D + row] = total;
+    }
+  }
+"""
+)
+
+INPUTS = ["z", "w1", "s1", "w3", "s3", "w2", "s2", "inds", "wts", "glu"]
+OUTPUTS = ["y", "h", "part"]
+# Where the counters come from (COUNTS):
+# - "output": a fourth output that MLX fills with zeros (init_value, which fills every
+#   output: four fills a call);
+# - "input": a zero array made per call (one fill) that the kernel counts in, in place
+#   (nothing else holds it);
+# - "chained": the zero array left by the previous call of this kernel (its fifth output,
+#   CHAIN_WORDS words that ticket 0's threadgroup zeroes), so no fill at all. Each such array
+#   is handed to exactly one later call, which therefore runs after the call that made it:
+#   the calls of one process form one chain (a dependency between calls that were
+#   independent, never a shared counter). A first call, or one needing more words, takes a
+#   fresh zero array.
+COUNTS = "output"
+COUNTS_MODES = ("output", "input", "chained")
+CHAIN_WORDS = 4096
+_CNT = {
+    "output": "  DEVICE uint* cnt = counts;\n",
+    "input": "  DEVICE uint* cnt = (DEVICE uint*)counts;\n",
+    "chained": "  DEVICE uint* cnt = (DEVICE uint*)counts;\n",
+}
+# The chained mode's zeroing of the next call's counters.
+_ZEROING = (
+    "  const uint ticket = s_ticket[0];\n",
+    "  const uint ticket = s_ticket[0];\n"
+    "  if (ticket == 0) {\n"
+    "    for (uint i = tid; i < (uint)NZ; i += RT * SK * 32) zeros[i] = 0u;\n"
+    "  }\n",
+)
+_CHAIN: dict = {}  # backend: the zero array the next chained call counts in
+_CHAIN_LOCK = threading.Lock()
+
+
+def template(dtype, D, I, k, rt, sk, gw1, gw2, pp=True, cs1=None, cs2=None) -> list:
+    """The template values: latent dtype, D, I, top-k, row tiles and splits per threadgroup
+    (both roles), groups per step of gate/up and of down, double buffering, and whether each
+    role's code words are loaded as read once (default: ``mxfp4_mma.STREAM_LOADS``)."""
+    return [
+        ("T", dtype),
+        ("D", D),
+        ("NI", I),
+        ("K", k),
+        ("RT", rt),
+        ("SK", sk),
+        ("GW1", gw1),
+        ("GW2", gw2),
+        ("PP", pp),
+        ("CS1", mxfp4_mma.STREAM_LOADS["gate_up"] if cs1 is None else cs1),
+        ("CS2", mxfp4_mma.STREAM_LOADS["down"] if cs2 is None else cs2),
+    ]
+
+
+def shape_for(backend: str, D: int, I: int) -> tuple:
+    """(RT, SK, GW1, GW2, PP): ``mxfp4_mma``'s dispatched launch shapes, which must agree on
+    the threadgroup (both roles share it)."""
+    gu = mxfp4_mma.dispatched_shape(backend, D, True)
+    dn = mxfp4_mma.dispatched_shape(backend, I, False)
+    if gu[:2] != dn[:2] or gu[3] != dn[3]:
+        raise ValueError(
+            f"mxfp4_one: mxfp4_mma.LAUNCH's gate/up {gu} and down {dn} differ in threadgroup"
+        )
+    return gu[0], gu[1], gu[2], dn[2], gu[3]
+
+
+def _io(counts: str) -> tuple:
+    """(inputs, outputs) names and (input, output) extra dtypes of the kernel for ``counts``."""
+    ins = INPUTS + ([] if counts == "output" else ["counts"])
+    outs = OUTPUTS + {"output": ["counts"], "input": [], "chained": ["zeros"]}[counts]
+    extra_in = [] if counts == "output" else [U32]
+    extra_out = [] if counts == "input" else [U32]
+    return ins, outs, extra_in, extra_out
+
+
+def _instances(counts: str) -> list:
+    rt, sk, gw1, gw2, pp = shape_for("cuda", K3["D"], K3["I"])
+    _, _, extra_in, extra_out = _io(counts)
+    nz = [("NZ", CHAIN_WORDS)] if counts == "chained" else []
+    return [
+        Instance(
+            [dt, U32, U8, U32, U8, U32, U8, I32, F32, F32] + extra_in,
+            [F32, F32, F32] + extra_out,
+            template(dt, K3["D"], K3["I"], K3["K"], rt, sk, gw1, gw2, pp) + nz,
+        )
+        for dt in (mx.bfloat16, mx.float16, mx.float32)
+    ]
+
+
+def _kernel(counts: str) -> Kernel:
+    ins, outs, _, _ = _io(counts)
+    name = "mxfp4_one" + {"output": "", "input": "_cin", "chained": "_chain"}[counts]
+    body = BODY.replace(*_ZEROING) if counts == "chained" else BODY
+    assert counts != "chained" or body != BODY
+    body = "\n" + _CNT[counts] + body
+    return Kernel(name, ins, outs, body, header=MMA_HEADER, instances=_instances(counts))
+
+
+MXFP4_ONE = _kernel("output")
+MXFP4_ONE_CIN = _kernel("input")
+MXFP4_ONE_CHAIN = _kernel("chained")
+_BASE = {"output": "MXFP4_ONE", "input": "MXFP4_ONE_CIN", "chained": "MXFP4_ONE_CHAIN"}
+
+
+def dispatched_kernel(rt: int, sk: int, counts: str | None = None) -> Kernel:
+    """The kernel for ``counts`` (default ``COUNTS``) at ``mxfp4_mma``'s launch bound and code
+    decode (both roles must agree)."""
+    counts = counts or COUNTS
+    if counts not in COUNTS_MODES:
+        raise ValueError(f"mxfp4_one.COUNTS = {counts!r}: one of {COUNTS_MODES}")
+    bounds = set(mxfp4_mma.MIN_BLOCKS.values())
+    decodes = set(mxfp4_mma.DECODE.values())
+    if len(bounds) != 1 or len(decodes) != 1:
+        raise ValueError(
+            f"mxfp4_one: one launch needs one bound and one decode for both projections, got "
+            f"mxfp4_mma.MIN_BLOCKS {mxfp4_mma.MIN_BLOCKS}, DECODE {mxfp4_mma.DECODE}"
+        )
+    (decode,) = decodes
+    if decode not in mxfp4_mma.DECODES:
+        raise ValueError(f"mxfp4_mma.DECODE = {decode!r}: one of {mxfp4_mma.DECODES}")
+    base = globals()[_BASE[counts]]
+    kernel = base.bounded(32 * rt * sk, bounds.pop())
+    return mxfp4_mma.byte_permute_decode(kernel) if decode == "byte permute" else kernel
+
+
+def launch(kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, shape=None):
+    """One launch of ``kernel`` (the ``_BASE`` kernel of ``counts``, default ``COUNTS``, or a
+    variant): (y [N, D], h [pairs, I], part [pairs, D], the counters) at ``shape`` (default
+    ``shape_for``)."""
+    backend = backend or default_backend()
+    counts = counts or COUNTS
+    N, k = inds.shape
+    D = z.shape[-1]
+    I = w["w1"][0].shape[-2]
+    rt, sk, gw1, gw2, pp = shape or shape_for(backend, D, I)
+    pairs = N * k
+    xg, xd = -(-(I // 16) // rt), -(-(D // 32) // rt)
+    ncounts = 1 + pairs + N * xd
+    if counts == "chained" and ncounts > CHAIN_WORDS:
+        counts, kernel = "input", dispatched_kernel(rt, sk, "input")
+    inputs = [
+        z,
+        *w["w1"],
+        *w["w3"],
+        *w["w2"],
+        inds.reshape(-1).astype(I32),
+        weights.reshape(-1).astype(F32),
+        constant((beta, cap)),
+    ]
+    shapes, dtypes = [(N, D), (pairs, I), (pairs, D)], [F32, F32, F32]
+    tmpl = template(z.dtype, D, I, k, rt, sk, gw1, gw2, pp)
+    extra = {}
+    lock = None
+    if counts == "output":
+        shapes.append((ncounts,))
+        dtypes.append(U32)
+        extra["init_value"] = 0
+    elif counts == "input":
+        # Metal passes inputs of fewer than 8 elements in its constant address space
+        cnt = mx.zeros((max(ncounts, 8),), U32)
+        inputs.append(cnt)
+    else:
+        lock = _CHAIN_LOCK
+        lock.acquire()
+        cnt = _CHAIN.pop(backend, None)
+        if cnt is None:
+            cnt = mx.zeros((CHAIN_WORDS,), U32)
+        inputs.append(cnt)
+        shapes.append((CHAIN_WORDS,))
+        dtypes.append(U32)
+        tmpl = tmpl + [("NZ", CHAIN_WORDS)]
+    try:
+        out = kernel(
+            backend,
+            inputs=inputs,
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+            grid=(32 * rt * sk * (xg + xd) * pairs, 1, 1),
+            threadgroup=(32 * rt * sk, 1, 1),
+            template=tmpl,
+            **extra,
+        )
+        if lock is not None:
+            _CHAIN[backend] = out[-1]
+    finally:
+        if lock is not None:
+            lock.release()
+    return tuple(out) if counts == "output" else (*out[:3], cnt)
+
+
+def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None, counts=None):
+    """``mxfp4_mma.expert_glu_decode`` in one launch (same shapes, return and bits: fp32
+    [N, D]). Needs ``mxfp4_mma.eligible`` inputs. ``counts``: ``COUNTS``' choice."""
+    backend = backend or default_backend()
+    rt, sk = shape_for(backend, z.shape[-1], w["w1"][0].shape[-2])[:2]
+    kernel = dispatched_kernel(rt, sk, counts)
+    return launch(kernel, z, w, inds, weights, beta, cap, backend, counts)[0]

@@ -1,0 +1,102 @@
+"""The one-launch MXFP4 decode (kernels/mxfp4_one.py) on the Metal emulator: the bits of the
+three-launch ``mxfp4_mma`` decode, its counters, and mutations of its meeting points that
+must fail (a wait that never ends gives NaN, not a hang)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import broken
+from test_mxfp4_kernels import TOL, assert_broken, case, rel_err
+
+from kimi_k3.kernels import mxfp4_mma, mxfp4_one
+
+# (experts, D, I, tokens, top-k, dtype): rows of 4 and 8 groups, a partial last row block in
+# both roles (I = 1152: 72 gate/up units in blocks of 8 = 9; D = 1280: 40 down units, 5
+# blocks), top-16 over 20 experts.
+CASES = [
+    (3, 128, 128, 2, 2, "float32"),
+    (5, 256, 384, 3, 2, "bfloat16"),
+    (4, 1280, 1152, 2, 2, "float32"),
+    (20, 128, 256, 1, 16, "float16"),
+]
+
+
+@pytest.mark.parametrize("E,D,I,N,k,dtype", CASES)
+def test_one_launch_gives_the_three_launches_bits(E, D, I, N, k, dtype):
+    args, want = case(E, D, I, N, k, dtype)
+    got = mxfp4_one.expert_glu_decode(*args, backend="emulator")
+    three = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+    assert got.dtype == mx.float32 and got.shape == (N, D)
+    assert np.array_equal(np.array(got), np.array(three))
+    assert rel_err(got, want) < TOL
+
+
+def test_every_place_for_the_counters_gives_the_same_bits(monkeypatch):
+    """Counters in an output, in a zero input, and chained: each call counts in the zeros the
+    one before left (the first and one needing more words than CHAIN_WORDS take fresh
+    zeros), and leaves CHAIN_WORDS zeros for the next."""
+    args, _ = case(5, 256, 384, 3, 2, "bfloat16")
+    want = np.array(mxfp4_one.expert_glu_decode(*args, backend="emulator", counts="output"))
+    got = mxfp4_one.expert_glu_decode(*args, backend="emulator", counts="input")
+    assert np.array_equal(np.array(got), want)
+    monkeypatch.setattr(mxfp4_one, "_CHAIN", {})
+    for _ in range(3):
+        got = mxfp4_one.expert_glu_decode(*args, backend="emulator", counts="chained")
+        assert np.array_equal(np.array(got), want)
+        left = mxfp4_one._CHAIN["emulator"]
+        assert left.shape == (mxfp4_one.CHAIN_WORDS,) and not np.array(left).any()
+    monkeypatch.setattr(mxfp4_one, "CHAIN_WORDS", 8)  # fewer than this call's counters
+    got = mxfp4_one.expert_glu_decode(*args, backend="emulator", counts="chained")
+    assert np.array_equal(np.array(got), want)
+    with pytest.raises(ValueError, match="COUNTS"):
+        mxfp4_one.expert_glu_decode(*args, backend="emulator", counts="both")
+
+
+def test_every_threadgroup_counts_once():
+    """counts: every ticket taken; each pair's gate/up row blocks done; each (token, down row
+    block) summed over its k pairs."""
+    E, D, I, N, k = 4, 1280, 1152, 2, 2
+    args, _ = case(E, D, I, N, k, "float32")
+    rt, sk = mxfp4_one.shape_for("emulator", D, I)[:2]
+    y, h, part, counts = mxfp4_one.launch(
+        mxfp4_one.dispatched_kernel(rt, sk), *args, backend="emulator"
+    )
+    xg, xd = -(-(I // 16) // rt), -(-(D // 32) // rt)
+    pairs = N * k
+    want = [(xg + xd) * pairs] + [xg] * pairs + [k] * (N * xd)
+    assert np.array(counts).tolist() == want
+    assert np.array_equal(np.array(part).reshape(N, k, D).sum(1), np.array(y))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("      ATOMIC_ADD(&cnt[1 + p], 1u);\n", ""),
+        ("    if (s_ticket[0] == K - 1 && ", "    if (s_ticket[0] == 0 && "),
+        ("h + (size_t)p * KD", "h + (size_t)(p / K) * KD"),
+    ],
+    ids=["gate-up-never-done", "first-pair-sums", "down-reads-the-tokens-first-h"],
+)
+def test_a_broken_one_launch_kernel_fails(monkeypatch, old, new):
+    monkeypatch.setattr(mxfp4_one, "MXFP4_ONE", broken(mxfp4_one.MXFP4_ONE, old, new))
+    args, want = case(4, 256, 384, 2, 2, "float32")
+    assert_broken(lambda: mxfp4_one.expert_glu_decode(*args, backend="emulator"), want)
+
+
+def test_a_wait_that_gives_up_makes_nan():
+    kernel = broken(mxfp4_one.MXFP4_ONE, "      ATOMIC_ADD(&cnt[1 + p], 1u);\n", "")
+    args, _ = case(3, 128, 128, 1, 2, "float32")
+    y = mxfp4_one.launch(kernel, *args, backend="emulator")[0]
+    assert np.isnan(np.array(y)).all()
+
+
+def test_both_projections_must_share_the_threadgroup(monkeypatch):
+    monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", (4, 2, 8, True))
+    with pytest.raises(ValueError, match="mxfp4_mma.LAUNCH"):
+        mxfp4_one.shape_for("cuda", 3584, 3072)
+    monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", mxfp4_mma.LAUNCH["gate_up"])
+    monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, "down", 1)
+    with pytest.raises(ValueError, match="MIN_BLOCKS"):
+        mxfp4_one.dispatched_kernel(8, 1)
