@@ -351,10 +351,9 @@ def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -
     default = f"decode kernel (tensor cores, {how} decode, at least {bounds} per SM)"
     out = {
         default: mxfp4_mma.expert_glu_decode,
-        "one launch (mxfp4_one: gate/up, down and the sum meeting through counters)": (
-            mxfp4_one.expert_glu_decode
-        ),
-        "one launch, counters in a zero input (one fill, not four)": functools.partial(
+        "one launch (mxfp4_one: gate/up, down and the sum meeting through counters in its "
+        "zero-filled output)": functools.partial(mxfp4_one.expert_glu_decode, counts="output"),
+        "one launch, counters in a zero input": functools.partial(
             mxfp4_one.expert_glu_decode, counts="input"
         ),
         "one launch, counters left zeroed by the call before (no fill)": functools.partial(

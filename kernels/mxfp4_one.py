@@ -141,6 +141,7 @@ BODY = (
   const uint lane = LANE;
   const uint warp = SIMDGROUP;
   const uint pairs = NUM_GROUPS.x / (XG + XD);
+//@POINTERS
   if (tid == 0) s_ticket[0] = ATOMIC_ADD(&cnt[0], 1u);
   BARRIER();
   const uint ticket = s_ticket[0];
@@ -197,8 +198,9 @@ BODY = (
 INPUTS = ["z", "w1", "s1", "w3", "s3", "w2", "s2", "inds", "wts", "glu"]
 OUTPUTS = ["y", "h", "part"]
 # Where the counters come from (COUNTS):
-# - "output": a fourth output that MLX fills with zeros (init_value, which fills every
-#   output: four fills a call);
+# - "output": one output holding the counters, h, part and y (in that order, each from a
+#   multiple of 32 words), which MLX fills with zeros (init_value fills every output, so
+#   one output is one fill); y is a view of it;
 # - "input": a zero array made per call (one fill) that the kernel counts in, in place
 #   (nothing else holds it);
 # - "chained": the zero array left by the previous call of this kernel (its fifth output,
@@ -207,11 +209,20 @@ OUTPUTS = ["y", "h", "part"]
 #   the calls of one process form one chain (a dependency between calls that were
 #   independent, never a shared counter). A first call, or one needing more words, takes a
 #   fresh zero array.
+# "input" and "chained" write into an input, which MLX does not expect: under mx.compile
+# two calls' zero arrays may be merged into one, and a chained array made inside a compiled
+# function would leak out of it. Only "output" is safe there.
 COUNTS = "output"
 COUNTS_MODES = ("output", "input", "chained")
 CHAIN_WORDS = 4096
-_CNT = {
-    "output": "  DEVICE uint* cnt = counts;\n",
+_POINTERS = {
+    "output": """\
+  const uint nc_ = (1 + pairs + (pairs / K) * XD + 31) / 32 * 32;
+  DEVICE uint* cnt = (DEVICE uint*)buf;
+  DEVICE float* h = buf + nc_;
+  DEVICE float* part = h + (size_t)pairs * NI;
+  DEVICE float* y = part + (size_t)pairs * D;
+""",
     "input": "  DEVICE uint* cnt = (DEVICE uint*)counts;\n",
     "chained": "  DEVICE uint* cnt = (DEVICE uint*)counts;\n",
 }
@@ -259,22 +270,22 @@ def shape_for(backend: str, D: int, I: int) -> tuple:
 
 
 def _io(counts: str) -> tuple:
-    """(inputs, outputs) names and (input, output) extra dtypes of the kernel for ``counts``."""
-    ins = INPUTS + ([] if counts == "output" else ["counts"])
-    outs = OUTPUTS + {"output": ["counts"], "input": [], "chained": ["zeros"]}[counts]
-    extra_in = [] if counts == "output" else [U32]
-    extra_out = [] if counts == "input" else [U32]
-    return ins, outs, extra_in, extra_out
+    """(inputs, outputs) names and dtypes of the kernel for ``counts``."""
+    if counts == "output":
+        return INPUTS, ["buf"], [], [F32]
+    outs = OUTPUTS + (["zeros"] if counts == "chained" else [])
+    dts = [F32, F32, F32] + ([U32] if counts == "chained" else [])
+    return INPUTS + ["counts"], outs, [U32], dts
 
 
 def _instances(counts: str) -> list:
     rt, sk, gw1, gw2, pp = shape_for("cuda", K3["D"], K3["I"])
-    _, _, extra_in, extra_out = _io(counts)
+    _, _, extra_in, out_dts = _io(counts)
     nz = [("NZ", CHAIN_WORDS)] if counts == "chained" else []
     return [
         Instance(
             [dt, U32, U8, U32, U8, U32, U8, I32, F32, F32] + extra_in,
-            [F32, F32, F32] + extra_out,
+            out_dts,
             template(dt, K3["D"], K3["I"], K3["K"], rt, sk, gw1, gw2, pp) + nz,
         )
         for dt in (mx.bfloat16, mx.float16, mx.float32)
@@ -286,7 +297,7 @@ def _kernel(counts: str) -> Kernel:
     name = "mxfp4_one" + {"output": "", "input": "_cin", "chained": "_chain"}[counts]
     body = BODY.replace(*_ZEROING) if counts == "chained" else BODY
     assert counts != "chained" or body != BODY
-    body = "\n" + _CNT[counts] + body
+    body = body.replace("//@POINTERS\n", _POINTERS[counts])
     return Kernel(name, ins, outs, body, header=MMA_HEADER, instances=_instances(counts))
 
 
@@ -341,15 +352,30 @@ def launch(kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, sh
         weights.reshape(-1).astype(F32),
         constant((beta, cap)),
     ]
-    shapes, dtypes = [(N, D), (pairs, I), (pairs, D)], [F32, F32, F32]
     tmpl = template(z.dtype, D, I, k, rt, sk, gw1, gw2, pp)
-    extra = {}
-    lock = None
     if counts == "output":
-        shapes.append((ncounts,))
-        dtypes.append(U32)
-        extra["init_value"] = 0
-    elif counts == "input":
+        (buf,) = kernel(
+            backend,
+            inputs=inputs,
+            output_shapes=[(-(-ncounts // 32) * 32 + pairs * (I + D) + N * D,)],
+            output_dtypes=[F32],
+            grid=(32 * rt * sk * (xg + xd) * pairs, 1, 1),
+            threadgroup=(32 * rt * sk, 1, 1),
+            template=tmpl,
+            init_value=0,
+        )
+        o_h = -(-ncounts // 32) * 32
+        o_p = o_h + pairs * I
+        o_y = o_p + pairs * D
+        return (
+            buf[o_y:].reshape(N, D),
+            buf[o_h:o_p].reshape(pairs, I),
+            buf[o_p:o_y].reshape(pairs, D),
+            buf[:ncounts].view(U32),
+        )
+    shapes, dtypes = [(N, D), (pairs, I), (pairs, D)], [F32, F32, F32]
+    lock = None
+    if counts == "input":
         # Metal passes inputs of fewer than 8 elements in its constant address space
         cnt = mx.zeros((max(ncounts, 8),), U32)
         inputs.append(cnt)
@@ -372,14 +398,13 @@ def launch(kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, sh
             grid=(32 * rt * sk * (xg + xd) * pairs, 1, 1),
             threadgroup=(32 * rt * sk, 1, 1),
             template=tmpl,
-            **extra,
         )
         if lock is not None:
             _CHAIN[backend] = out[-1]
     finally:
         if lock is not None:
             lock.release()
-    return tuple(out) if counts == "output" else (*out[:3], cnt)
+    return (*out[:3], cnt)
 
 
 def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None, counts=None):
