@@ -74,6 +74,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--fused", action="store_true", help="also time mxfp4_fused's one-launch decodes"
     )
     p.add_argument(
+        "--one",
+        action="store_true",
+        help="also time mxfp4_one's one-launch decodes (each place for its counters)",
+    )
+    p.add_argument(
         "--read-limit",
         action="store_true",
         help="also time READ_LIMIT_ROWS: the call's weight bytes read and nothing else "
@@ -337,12 +342,24 @@ OCCUPANCY_ROWS = [
 ]
 
 
-def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -> dict:
+# mxfp4_one's rows (--one) per place for its counters (mxfp4_one.COUNTS).
+ONE_ROWS = {
+    "output": "one launch (mxfp4_one: gate/up, down and the sum meeting through counters in "
+    "its zero-filled output)",
+    "input": "one launch, counters in a zero input",
+    "chained": "one launch, counters left zeroed by the call before (no fill)",
+}
+
+
+def decode_variants(
+    sweep: bool, occupancy: bool = False, fused: bool = False, one: bool = False
+) -> dict:
     """The decode kernels at their launch shapes: tensor cores (``mxfp4_mma``, what the
     dispatcher picks on CUDA) and the LUT kernels (``mxfp4_decode``, Metal's), plus
     (``--variants``) other launch shapes of both, (``--occupancy``) ``OCCUPANCY_ROWS`` and
     (``--fused``) the one-launch kernels of ``mxfp4_fused`` (gate/up, SiTU-GLU and a slice of
-    down per threadgroup, then the sum: two launches a call instead of three)."""
+    down per threadgroup, then the sum: two launches a call instead of three) and (``--one``)
+    ``mxfp4_one`` (gate/up, down and the sum in one grid) with each place for its counters."""
     from kimi_k3.kernels import mxfp4_decode, mxfp4_mma, mxfp4_one
 
     bounds = tuple(mxfp4_mma.MIN_BLOCKS[p] for p in ("gate_up", "down"))
@@ -351,19 +368,6 @@ def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -
     default = f"decode kernel (tensor cores, {how} decode, at least {bounds} per SM)"
     out = {
         default: mxfp4_mma.expert_glu_decode,
-        "one launch (mxfp4_one: gate/up, down and the sum meeting through counters in its "
-        "zero-filled output)": functools.partial(mxfp4_one.expert_glu_decode, counts="output"),
-        "one launch, counters in a zero input": functools.partial(
-            mxfp4_one.expert_glu_decode, counts="input"
-        ),
-        "one launch, counters left zeroed by the call before (no fill)": functools.partial(
-            mxfp4_one.expert_glu_decode, counts="chained"
-        ),
-        "one launch, counters left zeroed by the call before, no launch bound": with_settings(
-            mxfp4_mma,
-            functools.partial(mxfp4_one.expert_glu_decode, counts="chained"),
-            MIN_BLOCKS=(1, 1),
-        ),
         "decode kernel (tensor cores, async copies)": mxfp4_mma.expert_glu_decode_ac,
         "decode kernel (LUT)": expert_glu_decode,
     }
@@ -387,6 +391,14 @@ def decode_variants(sweep: bool, occupancy: bool = False, fused: bool = False) -
             with_bound(one, 2), mxfp4_fused, "MXFP4_FUSED"
         )
         out["one launch + sum (mxfp4_fused, bulk copies)"] = mxfp4_fused.expert_glu_decode_bulk
+    if one:
+        for counts, label in ONE_ROWS.items():
+            out[label] = functools.partial(mxfp4_one.expert_glu_decode, counts=counts)
+        out[ONE_ROWS["chained"] + ", no launch bound"] = with_settings(
+            mxfp4_mma,
+            functools.partial(mxfp4_one.expert_glu_decode, counts="chained"),
+            MIN_BLOCKS=(1, 1),
+        )
     if sweep:
         for gu, dn in MMA_SHAPES:
             out[f"tensor cores, launch {gu} {dn}"] = with_setting(mxfp4_mma, "LAUNCH", gu, dn)
@@ -491,7 +503,7 @@ def bench_decode(args, table: Table, copy: float | None):
             inputs.append((z, w, inds, weights, BETA, CAP))
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
-        variants = decode_variants(args.variants, args.occupancy, args.fused)
+        variants = decode_variants(args.variants, args.occupancy, args.fused, args.one)
         if args.stream:
             variants.update(stream_variants())
         jobs = [

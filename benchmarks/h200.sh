@@ -185,8 +185,8 @@ from benchmarks.profile_kernels import register_count
 from kimi_k3.kernels import mxfp4_one
 print('mxfp4_one registers (bf16 latent):', register_count(mxfp4_one.dispatched_kernel(8, 1), mxfp4_one.MXFP4_ONE.instances[:1]))"
       MLX_ENABLE_TF32=0 run one_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k one_launch
-      run one_bench 300 python3 -m benchmarks.bench_mxfp4 --read-limit --skip-prefill --decode-tokens 1 2 8 --rounds 5 --out "$OUT/bench_one.md"
-      ncu_times one_ncu 200 python3 -m benchmarks.bench_mxfp4 --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
+      run one_bench 300 python3 -m benchmarks.bench_mxfp4 --one --read-limit --skip-prefill --decode-tokens 1 2 8 --rounds 5 --out "$OUT/bench_one.md"
+      ncu_times one_ncu 200 python3 -m benchmarks.bench_mxfp4 --one --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
     mxfp4_gate_up_chain) run mxfp4_gate_up 200 python3 -m benchmarks.mxfp4_gate_up --rounds 7 ;;
     mxfp4_gate_up)
       # gate/up against its variants (benchmarks/mxfp4_gate_up.py: the epilogue's parameters

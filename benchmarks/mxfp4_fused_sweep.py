@@ -210,6 +210,7 @@ def main():
             kernel = mxfp4_mma.byte_permute_decode(kernel)
         return with_attr(decode_job(fused, lc), mxfp4_fused, "MXFP4_FUSED", kernel)
 
+    first_fused = len(jobs)  # --params-at-end follows the first fused row
     for lc in launches:
         shape = mxfp4_fused.shape_for(D, I, lc)
         for b in args.min_blocks:
@@ -218,11 +219,7 @@ def main():
                 jobs.append(
                     (label, shape, f"{b} ({regs[(lc, b)]})", with_bound(fused_row(lc, dec), b))
                 )
-                if args.params_at_end and (lc, b, dec) == (
-                    launches[0],
-                    args.min_blocks[0],
-                    args.decodes[0],
-                ):
+                if args.params_at_end and len(jobs) == first_fused + 1:
                     fn = with_bound(fused_row(lc, dec, params_at_end(mxfp4_fused.MXFP4_FUSED)), b)
                     jobs.append((f"{label}, parameters read at the unit ends", shape, f"{b}", fn))
                 if args.tiled:

@@ -32,6 +32,7 @@ checks its bookkeeping.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import mlx.core as mx
@@ -124,6 +125,19 @@ DOWN = _swap(
     "down",
 )
 
+# A role's names for mxfp4_mma's body (its template values there), and its pair and row
+# block from its ticket t (x row blocks a pair).
+ROLE_HEAD = """\
+    typedef {tx} TX;
+    constexpr int KD = {kd};
+    constexpr int NR = {nr};
+    constexpr bool GLU = {glu};
+    constexpr int GW = {gw};
+    constexpr bool CS = {cs};
+    const uint p = {t} / {x};
+    const uint bx = {t} % {x};
+"""
+
 BODY = (
     """
   constexpr int XG = (NI / 16 + RT - 1) / RT;   // gate/up row blocks per pair
@@ -146,15 +160,8 @@ BODY = (
   BARRIER();
   const uint ticket = s_ticket[0];
   if (ticket < XG * pairs) {
-    typedef T TX;
-    constexpr int KD = D;
-    constexpr int NR = NI;
-    constexpr bool GLU = true;
-    constexpr int GW = GW1;
-    constexpr bool CS = CS1;
-    const uint p = ticket / XG;
-    const uint bx = ticket % XG;
 """
+    + ROLE_HEAD.format(tx="T", kd="D", nr="NI", glu="true", gw="GW1", cs="CS1", t="ticket", x="XG")
     + GATE_UP
     + """
     // Done: every thread's h is written (barrier), then made visible before the count.
@@ -164,15 +171,17 @@ BODY = (
       ATOMIC_ADD(&cnt[1 + p], 1u);
     }
   } else {
-    typedef float TX;
-    constexpr int KD = NI;
-    constexpr int NR = D;
-    constexpr bool GLU = false;
-    constexpr int GW = GW2;
-    constexpr bool CS = CS2;
-    const uint p = (ticket - XG * pairs) / XD;
-    const uint bx = (ticket - XG * pairs) % XD;
 """
+    + ROLE_HEAD.format(
+        tx="float",
+        kd="NI",
+        nr="D",
+        glu="false",
+        gw="GW2",
+        cs="CS2",
+        t="(ticket - XG * pairs)",
+        x="XD",
+    )
     + DOWN
     + """
     // The last of the token's k pairs to finish this row block adds them up, in order.
@@ -304,6 +313,7 @@ def _kernel(counts: str) -> Kernel:
 MXFP4_ONE = _kernel("output")
 MXFP4_ONE_CIN = _kernel("input")
 MXFP4_ONE_CHAIN = _kernel("chained")
+# Looked up by name at dispatch, so that a test's replacement of one is what runs.
 _BASE = {"output": "MXFP4_ONE", "input": "MXFP4_ONE_CIN", "chained": "MXFP4_ONE_CHAIN"}
 
 
@@ -353,43 +363,26 @@ def launch(kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, sh
         constant((beta, cap)),
     ]
     tmpl = template(z.dtype, D, I, k, rt, sk, gw1, gw2, pp)
-    if counts == "output":
-        (buf,) = kernel(
-            backend,
-            inputs=inputs,
-            output_shapes=[(-(-ncounts // 32) * 32 + pairs * (I + D) + N * D,)],
-            output_dtypes=[F32],
-            grid=(32 * rt * sk * (xg + xd) * pairs, 1, 1),
-            threadgroup=(32 * rt * sk, 1, 1),
-            template=tmpl,
-            init_value=0,
-        )
-        o_h = -(-ncounts // 32) * 32
-        o_p = o_h + pairs * I
-        o_y = o_p + pairs * D
-        return (
-            buf[o_y:].reshape(N, D),
-            buf[o_h:o_p].reshape(pairs, I),
-            buf[o_p:o_y].reshape(pairs, D),
-            buf[:ncounts].view(U32),
-        )
-    shapes, dtypes = [(N, D), (pairs, I), (pairs, D)], [F32, F32, F32]
-    lock = None
-    if counts == "input":
-        # Metal passes inputs of fewer than 8 elements in its constant address space
-        cnt = mx.zeros((max(ncounts, 8),), U32)
-        inputs.append(cnt)
-    else:
-        lock = _CHAIN_LOCK
-        lock.acquire()
-        cnt = _CHAIN.pop(backend, None)
-        if cnt is None:
-            cnt = mx.zeros((CHAIN_WORDS,), U32)
-        inputs.append(cnt)
-        shapes.append((CHAIN_WORDS,))
-        dtypes.append(U32)
-        tmpl = tmpl + [("NZ", CHAIN_WORDS)]
-    try:
+    # "output": counters, h, part, y in one buffer (h from a multiple of 32 words)
+    o_h = -(-ncounts // 32) * 32
+    o_p = o_h + pairs * I
+    o_y = o_p + pairs * D
+    extra, cnt = {}, None
+    with _CHAIN_LOCK if counts == "chained" else contextlib.nullcontext():
+        if counts == "output":
+            shapes, dtypes = [(o_y + N * D,)], [F32]
+            extra["init_value"] = 0
+        else:
+            shapes, dtypes = [(N, D), (pairs, I), (pairs, D)], [F32, F32, F32]
+            if counts == "chained":
+                cnt = _CHAIN.pop(backend, None)
+                shapes.append((CHAIN_WORDS,))
+                dtypes.append(U32)
+                tmpl = tmpl + [("NZ", CHAIN_WORDS)]
+            if cnt is None:
+                # Metal passes inputs of fewer than 8 elements in its constant address space
+                cnt = mx.zeros((CHAIN_WORDS if counts == "chained" else max(ncounts, 8),), U32)
+            inputs.append(cnt)
         out = kernel(
             backend,
             inputs=inputs,
@@ -398,12 +391,18 @@ def launch(kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, sh
             grid=(32 * rt * sk * (xg + xd) * pairs, 1, 1),
             threadgroup=(32 * rt * sk, 1, 1),
             template=tmpl,
+            **extra,
         )
-        if lock is not None:
+        if counts == "chained":
             _CHAIN[backend] = out[-1]
-    finally:
-        if lock is not None:
-            lock.release()
+    if counts == "output":
+        (buf,) = out
+        return (
+            buf[o_y:].reshape(N, D),
+            buf[o_h:o_p].reshape(pairs, I),
+            buf[o_p:o_y].reshape(pairs, D),
+            buf[:ncounts].view(U32),
+        )
     return (*out[:3], cnt)
 
 
