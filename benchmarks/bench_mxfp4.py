@@ -79,11 +79,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="also time mxfp4_one's one-launch decodes (each place for its counters)",
     )
     p.add_argument(
-        "--ring",
-        action="store_true",
-        help="also time RING_ROWS: mxfp4_mma with its loads as a ring of register blocks",
-    )
-    p.add_argument(
         "--read-limit",
         action="store_true",
         help="also time READ_LIMIT_ROWS: the call's weight bytes read and nothing else "
@@ -347,20 +342,6 @@ OCCUPANCY_ROWS = [
 ]
 
 
-# The ring of register blocks (mxfp4_mma's PP = 2: a block's loads go out again as soon as
-# its MMAs have read it, GW / 2 blocks of 4 groups, so GW / 2 - 1 in flight during a block's
-# math) that --ring times: ((gate/up shape, threadgroups per SM), (down shape, per SM)).
-# ptxas at two per SM (8-group steps): 128 registers, no spill in gate/up, 8 bytes in down.
-RING_ROWS = [
-    (((8, 1, 8, 2), 2), ((8, 1, 8, 2), 2)),
-    (((8, 1, 8, 2), 2), ((8, 1, 8, True), 2)),
-    (((8, 1, 8, True), 2), ((8, 1, 8, 2), 2)),
-    (((8, 1, 8, 2), 1), ((8, 1, 8, 2), 1)),
-    (((8, 1, 16, 2), 1), ((8, 1, 16, 2), 1)),
-    (((4, 1, 8, 2), 4), ((4, 1, 8, 2), 4)),
-]
-
-
 # mxfp4_one's rows (--one) per place for its counters (mxfp4_one.COUNTS).
 ONE_ROWS = {
     "output": "one launch (mxfp4_one: gate/up, down and the sum meeting through counters in "
@@ -371,19 +352,14 @@ ONE_ROWS = {
 
 
 def decode_variants(
-    sweep: bool,
-    occupancy: bool = False,
-    fused: bool = False,
-    one: bool = False,
-    ring: bool = False,
+    sweep: bool, occupancy: bool = False, fused: bool = False, one: bool = False
 ) -> dict:
     """The decode kernels at their launch shapes: tensor cores (``mxfp4_mma``, what the
     dispatcher picks on CUDA) and the LUT kernels (``mxfp4_decode``, Metal's), plus
     (``--variants``) other launch shapes of both, (``--occupancy``) ``OCCUPANCY_ROWS`` and
     (``--fused``) the one-launch kernels of ``mxfp4_fused`` (gate/up, SiTU-GLU and a slice of
     down per threadgroup, then the sum: two launches a call instead of three) and (``--one``)
-    ``mxfp4_one`` (gate/up, down and the sum in one grid) with each place for its counters,
-    and (``--ring``) ``RING_ROWS``."""
+    ``mxfp4_one`` (gate/up, down and the sum in one grid) with each place for its counters."""
     from kimi_k3.kernels import mxfp4_decode, mxfp4_mma, mxfp4_one
 
     bounds = tuple(mxfp4_mma.MIN_BLOCKS[p] for p in ("gate_up", "down"))
@@ -401,10 +377,10 @@ def decode_variants(
     for gu, dn in [b for b in MIN_BLOCK_ROWS if b != bounds]:
         label = f"tensor cores, threadgroups per SM at least ({gu}, {dn})"
         out[label] = with_setting(mxfp4_mma, "MIN_BLOCKS", gu, dn)
-    rows = (OCCUPANCY_ROWS if sweep or occupancy else []) + (RING_ROWS if ring else [])
-    for (gu, gb), (dn, db) in rows:
-        label = f"tensor cores, launch {gu} {dn} at ({gb}, {db}) per SM"
-        out[label] = with_settings(mxfp4_mma, LAUNCH=(gu, dn), MIN_BLOCKS=(gb, db))
+    if sweep or occupancy:
+        for (gu, gb), (dn, db) in OCCUPANCY_ROWS:
+            label = f"tensor cores, launch {gu} {dn} at ({gb}, {db}) per SM"
+            out[label] = with_settings(mxfp4_mma, LAUNCH=(gu, dn), MIN_BLOCKS=(gb, db))
     if fused:
         from benchmarks.mxfp4_fused_sweep import prmt_decode, with_bound
         from kimi_k3.kernels import mxfp4_fused
@@ -527,7 +503,7 @@ def bench_decode(args, table: Table, copy: float | None):
             inputs.append((z, w, inds, weights, BETA, CAP))
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
-        variants = decode_variants(args.variants, args.occupancy, args.fused, args.one, args.ring)
+        variants = decode_variants(args.variants, args.occupancy, args.fused, args.one)
         if args.stream:
             variants.update(stream_variants())
         jobs = [

@@ -187,15 +187,6 @@ print('mxfp4_one registers (bf16 latent):', register_count(mxfp4_one.dispatched_
       MLX_ENABLE_TF32=0 run one_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k one_launch
       run one_bench 300 python3 -m benchmarks.bench_mxfp4 --one --read-limit --skip-prefill --decode-tokens 1 2 8 --rounds 5 --out "$OUT/bench_one.md"
       ncu_times one_ncu 200 python3 -m benchmarks.bench_mxfp4 --one --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
-    mxfp4_ring)
-      # mxfp4_mma's loads as a ring of register blocks (PP = 2): its CUDA tests (the same bits
-      # as double buffering), then as chains beside the dispatched decode and the read limit,
-      # then with an fp32 latent (the chain's link is then no kernel: the output is the next
-      # call's latent), then each kernel under ncu
-      MLX_ENABLE_TF32=0 run ring_tests 200 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k ring_launches
-      run ring_bench 300 python3 -m benchmarks.bench_mxfp4 --ring --read-limit --skip-prefill --decode-tokens 1 2 8 --rounds 5 --out "$OUT/bench_ring.md"
-      run ring_fp32 120 python3 -m benchmarks.bench_mxfp4 --ring --skip-prefill --decode-tokens 1 --rounds 5 --dtype float32 --out "$OUT/bench_ring_fp32.md"
-      ncu_times ring_ncu 150 python3 -m benchmarks.bench_mxfp4 --ring --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
     mxfp4_gate_up_chain) run mxfp4_gate_up 200 python3 -m benchmarks.mxfp4_gate_up --rounds 7 ;;
     mxfp4_gate_up)
       # gate/up against its variants (benchmarks/mxfp4_gate_up.py: the epilogue's parameters

@@ -260,12 +260,7 @@ def launch(kernel, x, wa, sa, wb, sb, inds, params, KD, NR, k, glu, shape):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--shapes",
-        nargs="+",
-        default=DEFAULT_SHAPES,
-        help="rt,sk,gw,pp each (pp: 0, 1 double buffer, 2 ring)",
-    )
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="rt,sk,gw,pp each")
     p.add_argument("--probe", action="store_true", help="also time the load-only probes")
     p.add_argument("--hints", action="store_true", help="also time cache-hinted code loads")
     p.add_argument(
@@ -347,9 +342,7 @@ def main():
                 # whole steps of GW groups; GW = 0 (whole rows) is a stream visit size only
                 if (gw and (KD // 32) % gw) or (gw == 0 and name != "stream"):
                     continue
-                jobs.append(
-                    (name, kern, proj, glu, KD, NR, (rt, sk, gw, pp if pp == 2 else bool(pp)))
-                )
+                jobs.append((name, kern, proj, glu, KD, NR, (rt, sk, gw, bool(pp))))
     for spec in args.ac_shapes:
         rt, sk, gw, st = (int(v) for v in spec.split(","))
         for name, kern in (

@@ -120,23 +120,6 @@ STEP_MACRO = (
 )
 
 
-# One 4-group block of the ring (PP == 2): block j of the registers qr, sr, from group bb on.
-# (Its names differ from KK_STEP's, so that the mutation tests' strings stay unique.)
-BLOCK_MACRO = (
-    "#define KK_BLOCK(j, bb) \\\n"
-    "  { \\\n"
-    + mma_block(
-        "frag[(bb) / 4 * 32 + 8 * pq + g]",
-        ("sr[4 * (j)]", "sr[4 * (j) + 1]", "sr[4 * (j) + 2]", "sr[4 * (j) + 3]"),
-        "const uint4 wa0 = qr[4 * (j)], wa8 = qr[4 * (j) + 1], wb0 = qr[4 * (j) + 2], "
-        "wb8 = qr[4 * (j) + 3];",
-    )
-    .replace("xa", "ra")
-    .replace("xb", "rb")
-    + "  }\n"
-)
-
-
 def byte_permute_decode(kernel: Kernel) -> Kernel:
     """``kernel`` (any kernel built on ``MMA_HEADER``, bounded or not) with its codes decoded
     by ``kk_e2m1_pair_prmt`` instead of shifts and masks per pair, named ``<name>_prmt``
@@ -292,28 +275,7 @@ BODY = (
   }
   uint4 qx[4 * NB], qy[4 * NB];
   uint sx[4 * NB], sy[4 * NB];
-  // PP == 2's ring: block j's four words and scale bytes at 4 j.
-  constexpr int RB = 2 * NB;
-  uint4 qr[4 * RB];
-  uint sr[4 * RB];
-#define KK_LOADB(j, bb)                                                             \\
-  {                                                                                 \\
-    qr[4 * (j)] = KK_Q(qa, (bb));                                                   \\
-    qr[4 * (j) + 1] = KK_Q(qa, 8 * G + (bb));                                       \\
-    qr[4 * (j) + 2] = KK_Q(qb, (bb));                                               \\
-    qr[4 * (j) + 3] = KK_Q(qb, 8 * G + (bb));                                       \\
-    sr[4 * (j)] = ea[(bb)];                                                         \\
-    sr[4 * (j) + 1] = ea[8 * G + (bb)];                                             \\
-    sr[4 * (j) + 2] = eb[(bb)];                                                     \\
-    sr[4 * (j) + 3] = eb[8 * G + (bb)];                                             \\
-  }
-  const uint nbk = work ? (b1 - b0) / 4 : 0;      // blocks of this split (G % 4 == 0)
-  if (work && PP != 2) KK_LOAD(qx, sx, b0);
-  if (PP == 2) {
-    _Pragma("unroll") for (int j = 0; j < RB; ++j) {
-      if ((uint)j < nbk) KK_LOADB(j, b0 + 4 * j);
-    }
-  }
+  if (work) KK_LOAD(qx, sx, b0);
 """
     + PARAMS
     + STAGING
@@ -327,13 +289,13 @@ BODY = (
     + STEP_MACRO
     + """  // PP: two register buffers take turns, a step's loads go out before the previous one's
   // math. Without it each step loads then computes (fewer registers, more warps resident).
-  if (work && PP == 0) {
+  if (work && !PP) {
     for (uint b = b0; b < b1; b += GW) {
       if (b > b0) KK_LOAD(qx, sx, b);
       KK_STEP(qx, sx, frag, b, NB);
     }
   }
-  if (work && PP == 1) {
+  if (work && PP) {
     for (uint b = b0; b < b1; b += 2 * GW) {
       const bool second = b + GW < b1;            // the whole warp agrees
       if (second) KK_LOAD(qy, sy, b + GW);
@@ -344,27 +306,9 @@ BODY = (
       }
     }
   }
-  // PP == 2: the same registers as a ring of RB = GW / 2 blocks of 4 groups (filled before
-  // the staging). A block's loads go out again, for the block RB ahead, as soon as its MMAs
-  // have read it, so while one block is multiplied the other RB - 1 are in flight (PP == 1
-  // has one step, GW / 4 blocks, in flight during a step's math).
-"""
-    + BLOCK_MACRO
-    + """  if (PP == 2) {
-    for (uint i = 0; i < nbk; i += RB) {
-      _Pragma("unroll") for (int j = 0; j < RB; ++j) {
-        if (i + j < nbk) {
-          KK_BLOCK(j, b0 + 4 * (i + j));
-          if (i + j + RB < nbk) KK_LOADB(j, b0 + 4 * (i + j + RB));
-        }
-      }
-    }
-  }
 #undef KK_Q
 #undef KK_LOAD
-#undef KK_LOADB
 #undef KK_STEP
-#undef KK_BLOCK
 """
     + LANES
     + """  KK_LANES();

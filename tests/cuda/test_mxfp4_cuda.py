@@ -25,7 +25,7 @@ from test_mxfp4_kernels import (  # noqa: E402
     rel_err,
 )
 
-from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS, RING_ROWS, STREAM_ROWS  # noqa: E402
+from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS, STREAM_ROWS  # noqa: E402
 from benchmarks.mxfp4_fused_sweep import BULK_LAUNCHES, DEFAULT_LAUNCHES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
 from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma, mxfp4_one, mxfp4_stream  # noqa: E402
@@ -99,23 +99,6 @@ def test_mma_launch_shapes(monkeypatch, gate_up, down):
     monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", down)
     args, want = case(16, *K3, 4, 16, "bfloat16")
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="cuda"), want) < TOL
-
-
-@pytest.mark.parametrize("gate_up, down", RING_ROWS)
-@pytest.mark.parametrize("N", [1, 4])
-def test_mma_ring_launches(monkeypatch, gate_up, down, N):
-    """The ring of register blocks (PP = 2, bench_mxfp4 --ring) only reorders loads: the same
-    bits as the double-buffered launch of its groups per step, at K3 size."""
-    args, want = case(16, *K3, N, 16, "bfloat16")
-    for proj, ((rt, sk, gw, _), blocks) in (("gate_up", gate_up), ("down", down)):
-        monkeypatch.setitem(mxfp4_mma.LAUNCH, proj, (rt, sk, gw, True))
-        monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, proj, blocks)
-    plain = np.array(mxfp4_mma.expert_glu_decode(*args, backend="cuda"))
-    for proj, (shape, _) in (("gate_up", gate_up), ("down", down)):
-        monkeypatch.setitem(mxfp4_mma.LAUNCH, proj, shape)
-    got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
-    assert np.array_equal(np.array(got), plain)
-    assert rel_err(got, want) < TOL
 
 
 @pytest.mark.parametrize("gate_up, down", OCCUPANCY_ROWS)
