@@ -79,6 +79,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="also time mxfp4_one's one-launch decodes (each place for its counters)",
     )
     p.add_argument(
+        "--tiled",
+        action="store_true",
+        help="also time the dispatched kernels on mxfp4_fused.tile_experts' layout (the "
+        "stacks converted once, before timing)",
+    )
+    p.add_argument(
         "--read-limit",
         action="store_true",
         help="also time READ_LIMIT_ROWS: the call's weight bytes read and nothing else "
@@ -342,6 +348,24 @@ OCCUPANCY_ROWS = [
 ]
 
 
+def tiled_decode():
+    """The dispatched decode kernels reading the stacks in ``mxfp4_fused.tile_experts``'
+    layout (``mxfp4_mma.tiled_layout``; a warp load is 512 contiguous bytes), each stack
+    converted once, at its first call (the timers' warm-up), not inside a timed call."""
+    from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
+
+    tiled = {}  # id(w): (w, its tiled copy); w is kept so that its id is not reused
+
+    def fn(z, w, inds, weights, beta, cap):
+        if id(w) not in tiled:
+            t = mxfp4_fused.tile_experts(w)
+            mx.eval(t)
+            tiled[id(w)] = (w, t)
+        return mxfp4_mma.expert_glu_decode_tiled(z, tiled[id(w)][1], inds, weights, beta, cap)
+
+    return fn
+
+
 # mxfp4_one's rows (--one) per place for its counters (mxfp4_one.COUNTS).
 ONE_ROWS = {
     "output": "one launch (mxfp4_one: gate/up, down and the sum meeting through counters in "
@@ -352,14 +376,19 @@ ONE_ROWS = {
 
 
 def decode_variants(
-    sweep: bool, occupancy: bool = False, fused: bool = False, one: bool = False
+    sweep: bool,
+    occupancy: bool = False,
+    fused: bool = False,
+    one: bool = False,
+    tiled: bool = False,
 ) -> dict:
     """The decode kernels at their launch shapes: tensor cores (``mxfp4_mma``, what the
     dispatcher picks on CUDA) and the LUT kernels (``mxfp4_decode``, Metal's), plus
     (``--variants``) other launch shapes of both, (``--occupancy``) ``OCCUPANCY_ROWS`` and
     (``--fused``) the one-launch kernels of ``mxfp4_fused`` (gate/up, SiTU-GLU and a slice of
     down per threadgroup, then the sum: two launches a call instead of three) and (``--one``)
-    ``mxfp4_one`` (gate/up, down and the sum in one grid) with each place for its counters."""
+    ``mxfp4_one`` (gate/up, down and the sum in one grid) with each place for its counters,
+    and (``--tiled``) the dispatched kernels on ``tile_experts``' layout (``tiled_decode``)."""
     from kimi_k3.kernels import mxfp4_decode, mxfp4_mma, mxfp4_one
 
     bounds = tuple(mxfp4_mma.MIN_BLOCKS[p] for p in ("gate_up", "down"))
@@ -391,6 +420,8 @@ def decode_variants(
             with_bound(one, 2), mxfp4_fused, "MXFP4_FUSED"
         )
         out["one launch + sum (mxfp4_fused, bulk copies)"] = mxfp4_fused.expert_glu_decode_bulk
+    if tiled:
+        out[default.replace("decode kernel", "decode kernel on the tiled layout")] = tiled_decode()
     if one:
         for counts, label in ONE_ROWS.items():
             out[label] = functools.partial(mxfp4_one.expert_glu_decode, counts=counts)
@@ -503,7 +534,7 @@ def bench_decode(args, table: Table, copy: float | None):
             inputs.append((z, w, inds, weights, BETA, CAP))
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
-        variants = decode_variants(args.variants, args.occupancy, args.fused, args.one)
+        variants = decode_variants(args.variants, args.occupancy, args.fused, args.one, args.tiled)
         if args.stream:
             variants.update(stream_variants())
         jobs = [

@@ -187,6 +187,12 @@ print('mxfp4_one registers (bf16 latent):', register_count(mxfp4_one.dispatched_
       MLX_ENABLE_TF32=0 run one_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k one_launch
       run one_bench 300 python3 -m benchmarks.bench_mxfp4 --one --read-limit --skip-prefill --decode-tokens 1 2 8 --rounds 5 --out "$OUT/bench_one.md"
       ncu_times one_ncu 200 python3 -m benchmarks.bench_mxfp4 --one --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
+    mxfp4_tiled_mma)
+      # the dispatched kernels on mxfp4_fused.tile_experts' layout (a warp load is 512
+      # contiguous bytes; mxfp4_mma.tiled_layout): CUDA tests (same bits), chains, ncu
+      MLX_ENABLE_TF32=0 run tiled_mma_tests 200 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k tiled_layout_same_bits
+      run tiled_mma_bench 300 python3 -m benchmarks.bench_mxfp4 --tiled --skip-prefill --decode-tokens 1 2 8 --rounds 5 --out "$OUT/bench_tiled_mma.md"
+      ncu_times tiled_mma_ncu 150 python3 -m benchmarks.bench_mxfp4 --tiled --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
     mxfp4_gate_up_chain) run mxfp4_gate_up 200 python3 -m benchmarks.mxfp4_gate_up --rounds 7 ;;
     mxfp4_gate_up)
       # gate/up against its variants (benchmarks/mxfp4_gate_up.py: the epilogue's parameters

@@ -130,6 +130,50 @@ def byte_permute_decode(kernel: Kernel) -> Kernel:
     return kernel.variant("_prmt", header=header)
 
 
+# mxfp4_fused.tile_experts' layout (16-row tiles of 4-group blocks, a block's 16 rows x 64
+# bytes of codes and 16 x 4 scale bytes contiguous): lane (g, tq)'s word of a block is word
+# ``lane`` of it, row g + 8's is ``lane + 32``, so one warp load is 512 contiguous bytes.
+_TILED = (
+    (
+        "  const size_t ra = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0) + g;\n"
+        "  const size_t rb = GLU ? ra : ra + 16;\n",
+        "  const size_t ra = ((size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0)) / 16"
+        " * (G / 4) * 64 + lane;\n"
+        "  const size_t rb = GLU ? ra : ra + (G / 4) * 64;\n",
+    ),
+    ("ra * G + tq;", "ra;"),
+    ("rb * G + tq;", "rb;"),
+    ("8 * G + (bb) + 4 * u]", "32 + 16 * (bb) + 64 * u]"),
+    ("8 * G + (bb) + 4 * u)", "32 + 16 * (bb) + 64 * u)"),
+    ("[(bb) + 4 * u]", "[16 * (bb) + 64 * u]"),
+    ("(bb) + 4 * u)", "16 * (bb) + 64 * u)"),
+)
+
+
+def tiled_layout(kernel: Kernel) -> Kernel:
+    """``kernel`` (``mxfp4_mma``'s register kernel, any decode or bound) reading expert stacks
+    in ``mxfp4_fused.tile_experts``' layout instead of MLX's, named ``<name>_tiled``: same
+    arithmetic in the same order, so the same bits (a benchmark probe: the expert store holds
+    MLX's layout)."""
+    body = kernel.body
+    for old, new in _TILED:
+        if old not in body:
+            raise AssertionError(f"mxfp4_mma.tiled_layout: the body changed near {old!r}")
+        body = body.replace(old, new)
+    return kernel.variant("_tiled", body=body)
+
+
+def expert_glu_decode_tiled(z, w, inds, weights, beta, cap, backend: str | None = None):
+    """``expert_glu_decode`` (the dispatched kernels, via ``tiled_layout``) on stacks ``w`` in
+    ``mxfp4_fused.tile_experts``' layout."""
+
+    def kernel_for(glu, shape):
+        return tiled_layout(dispatched_kernel(glu, shape))
+
+    args = (backend, z, w, inds, weights, beta, cap)
+    return _decode(kernel_for, template, dispatched_shape, *args)
+
+
 # Both kernels' warp roles: row tile rt and split sk of the warp, lane (g, tq) of the MMA.
 ROLES = """\
   const uint rt = warp % RT;

@@ -228,6 +228,19 @@ def test_mma_decode_launch_shapes(monkeypatch, launch):
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want) < TOL
 
 
+@pytest.mark.parametrize("E,D,I,N,k,dtype", [MMA_CASES[1], MMA_CASES[2]])
+def test_mma_decode_on_the_tiled_layout_gives_the_same_bits(E, D, I, N, k, dtype):
+    """``mxfp4_mma.tiled_layout`` (a benchmark probe: the dispatched kernels on
+    ``tile_experts``' layout) only moves the loads' addresses."""
+    (z, w, *rest), want = case(E, D, I, N, k, dtype)
+    plain = mxfp4_mma.expert_glu_decode(z, w, *rest, backend="emulator")
+    got = mxfp4_mma.expert_glu_decode_tiled(
+        z, mxfp4_fused.tile_experts(w), *rest, backend="emulator"
+    )
+    assert np.array_equal(np.array(got), np.array(plain))
+    assert rel_err(got, want) < TOL
+
+
 def check_mma_large_and_tiny(backend: str, fn=mxfp4_mma.expert_glu_decode):
     """The power-of-two scaling keeps fp16 fragments in range: latents far above fp16's
     largest value and far below its smallest give the oracle's result, scaled."""

@@ -101,6 +101,18 @@ def test_mma_launch_shapes(monkeypatch, gate_up, down):
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="cuda"), want) < TOL
 
 
+@pytest.mark.parametrize("N", [1, 4])
+def test_mma_tiled_layout_same_bits(N):
+    """The dispatched kernels reading ``tile_experts``' layout (``mxfp4_mma.tiled_layout``,
+    bench_mxfp4 --tiled) give the same bits as on MLX's layout, at K3 size."""
+    args, want = case(16, *K3, N, 16, "bfloat16")
+    z, w, *rest = args
+    plain = np.array(mxfp4_mma.expert_glu_decode(*args, backend="cuda"))
+    got = mxfp4_mma.expert_glu_decode_tiled(z, mxfp4_fused.tile_experts(w), *rest, backend="cuda")
+    assert np.array_equal(np.array(got), plain)
+    assert rel_err(got, want) < TOL
+
+
 @pytest.mark.parametrize("gate_up, down", OCCUPANCY_ROWS)
 def test_mma_occupancy_launches(monkeypatch, gate_up, down):
     """The launches that keep all of gate/up's threadgroups resident (bench_mxfp4
