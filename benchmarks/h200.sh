@@ -18,7 +18,7 @@
 # gate_rows_ncu 82 s, bench_mxfp4_decode 172 s (chain timing), mxfp4_occupancy 250 s, mlx_graphs 100 s,
 # read_limit 190 s (before its 512-threads-per-SM rows; 164 s with them, session 24), stream_tests 115-120 s,
 # stream_bench 250 s, read_limit_inflight 81 s, stream_stalls 192 s (its first 12 launches),
-# mxfp4_gate_up 85 s (session 25; run as mxfp4_layout 68-132 s), mxfp4_gate_up_chain 24 s, mxfp4_mma_tests 190 s, mxfp4_fused_params 64 s, mxfp4_one 245-285 s,
+# mxfp4_gate_up 85 s (session 25; run as mxfp4_layout 68-132 s), mxfp4_gate_up_chain 24 s, mxfp4_mma_tests 190 s, mxfp4_fused_params 64 s, mxfp4_one 245-285 s, mxfp4_tiled_mma 181 s,
 # read_limit 200 s with its ncu pass, bench_e2e more than 200 s (cut off by the session's device time). A fresh machine's first call costs about 90 s
 # of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
