@@ -45,7 +45,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .mxfp4_decode import HEADER, K3, sum_pairs
-from .source import Instance, Kernel, constant
+from .source import Instance, Kernel, constant, swap
 from .source import backend as default_backend
 
 MMA_HEADER = (
@@ -141,12 +141,12 @@ _TILED = (
         " * (G / 4) * 64 + lane;\n"
         "  const size_t rb = GLU ? ra : ra + (G / 4) * 64;\n",
     ),
-    ("ra * G + tq;", "ra;"),
-    ("rb * G + tq;", "rb;"),
-    ("8 * G + (bb) + 4 * u]", "32 + 16 * (bb) + 64 * u]"),
-    ("8 * G + (bb) + 4 * u)", "32 + 16 * (bb) + 64 * u)"),
-    ("[(bb) + 4 * u]", "[16 * (bb) + 64 * u]"),
-    ("(bb) + 4 * u)", "16 * (bb) + 64 * u)"),
+    ("ra * G + tq;", "ra;", 2),
+    ("rb * G + tq;", "rb;", 2),
+    ("8 * G + (bb) + 4 * u]", "32 + 16 * (bb) + 64 * u]", 2),
+    ("8 * G + (bb) + 4 * u)", "32 + 16 * (bb) + 64 * u)", 2),
+    ("[(bb) + 4 * u]", "[16 * (bb) + 64 * u]", 2),
+    ("(bb) + 4 * u)", "16 * (bb) + 64 * u)", 2),
 )
 
 
@@ -155,12 +155,7 @@ def tiled_layout(kernel: Kernel) -> Kernel:
     in ``mxfp4_fused.tile_experts``' layout instead of MLX's, named ``<name>_tiled``: same
     arithmetic in the same order, so the same bits (a benchmark probe: the expert store holds
     MLX's layout)."""
-    body = kernel.body
-    for old, new in _TILED:
-        if old not in body:
-            raise AssertionError(f"mxfp4_mma.tiled_layout: the body changed near {old!r}")
-        body = body.replace(old, new)
-    return kernel.variant("_tiled", body=body)
+    return kernel.variant("_tiled", body=swap(kernel.body, _TILED, "mxfp4_mma.tiled_layout"))
 
 
 def expert_glu_decode_tiled(z, w, inds, weights, beta, cap, backend: str | None = None):

@@ -40,25 +40,13 @@ import mlx.core as mx
 from . import mxfp4_mma
 from .mxfp4_decode import K3
 from .mxfp4_mma import MMA_HEADER
-from .source import Instance, Kernel, constant
+from .source import Instance, Kernel, constant, swap
 from .source import backend as default_backend
 
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 
 # Reads of a counter before a wait gives up (its rows become NaN).
 SPIN_LIMIT = 1 << 24
-
-
-def _swap(text: str, pairs, what: str) -> str:
-    """``text`` with each (old, new) of ``pairs`` replaced; ``old`` must occur exactly once
-    (or as often as a third item says)."""
-    for pair in pairs:
-        old, new = pair[:2]
-        count = pair[2] if len(pair) > 2 else 1
-        if text.count(old) != count:
-            raise AssertionError(f"mxfp4_one ({what}): mxfp4_mma's body changed near {old!r}")
-        text = text.replace(old, new)
-    return text
 
 
 # mxfp4_mma's body without what the one kernel declares once for both roles (threadgroup
@@ -77,9 +65,9 @@ _COMMON = (
     ("const DEVICE T* xr", "const DEVICE TX* xr"),
     ("const DEVICE T* src", "const DEVICE TX* src"),
 )
-_ROLE = _swap(mxfp4_mma.BODY, _COMMON, "both roles")
+_ROLE = swap(mxfp4_mma.BODY, _COMMON, "mxfp4_one (both roles)")
 
-GATE_UP = _swap(
+GATE_UP = swap(
     _ROLE,
     (
         ("(const DEVICE uint4*)w_a", "(const DEVICE uint4*)w1"),
@@ -93,7 +81,7 @@ GATE_UP = _swap(
         ),
         ("out[(size_t)p * NR", "h[(size_t)p * NR", 2),
     ),
-    "gate/up",
+    "mxfp4_one (gate/up)",
 )
 
 # Down waits for its pair's gate/up threadgroups between its first loads and the staging of h.
@@ -111,7 +99,7 @@ WAIT = """\
   }
   BARRIER();
 """
-DOWN = _swap(
+DOWN = swap(
     _ROLE,
     (
         ("(const DEVICE uint4*)w_a", "(const DEVICE uint4*)w2"),
@@ -122,7 +110,7 @@ DOWN = _swap(
         (mxfp4_mma.PARAMS, WAIT),
         ("out[(size_t)p * NR", "part[(size_t)p * NR", 2),
     ),
-    "down",
+    "mxfp4_one (down)",
 )
 
 # A role's names for mxfp4_mma's body (its template values there), and its pair and row

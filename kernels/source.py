@@ -490,6 +490,19 @@ def as_dtype(x: mx.array, dtype) -> mx.array:
 _CONSTANTS: dict = {}
 
 
+def swap(text: str, pairs, what: str) -> str:
+    """``text`` (a kernel body built from another's) with each (old, new) of ``pairs``
+    replaced; ``old`` must occur exactly once, or as often as a third item says, so that a
+    change to the text it comes from is an error naming ``what``, not a silent mismatch."""
+    for pair in pairs:
+        old, new = pair[:2]
+        count = pair[2] if len(pair) > 2 else 1
+        if text.count(old) != count:
+            raise AssertionError(f"{what}: the kernel text it rewrites changed near {old!r}")
+        text = text.replace(old, new)
+    return text
+
+
 def constant(values, dtype=mx.float32) -> mx.array:
     """A small constant kernel input (scalar params, dims), built once per distinct value."""
     key = (tuple(values), dtype)
