@@ -498,7 +498,7 @@ def swap(text: str, pairs, what: str) -> str:
         old, new = pair[:2]
         count = pair[2] if len(pair) > 2 else 1
         if text.count(old) != count:
-            raise AssertionError(f"{what}: the kernel text it rewrites changed near {old!r}")
+            raise AssertionError(f"{what}: the kernel changed near {old!r}")
         text = text.replace(old, new)
     return text
 
