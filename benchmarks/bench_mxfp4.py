@@ -85,11 +85,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "stacks converted once, before timing)",
     )
     p.add_argument(
-        "--even",
-        action="store_true",
-        help="also time EVEN_ROWS: mxfp4_even (the work dealt evenly over a one-wave grid)",
-    )
-    p.add_argument(
         "--read-limit",
         action="store_true",
         help="also time READ_LIMIT_ROWS: the call's weight bytes read and nothing else "
@@ -371,26 +366,6 @@ def tiled_decode():
     return fn
 
 
-# mxfp4_even's rows (--even): label, projections launched evenly, {projection: (warps,
-# groups per step, segments per unit, threadgroups per SM)} (missing: mxfp4_even.LAUNCH).
-EVEN_ROWS = [
-    ("even grid (mxfp4_even), both projections", ("gate_up", "down"), {}),
-    ("even grid, gate/up only", ("gate_up",), {}),
-    ("even grid, down only", ("down",), {}),
-    (
-        "even grid, whole units (H = 1: mxfp4_mma's bits)",
-        ("gate_up", "down"),
-        {"gate_up": (8, 8, 1, 2), "down": (8, 8, 1, 2)},
-    ),
-    ("even grid, down of 7 warps", ("gate_up", "down"), {"down": (7, 8, 2, 2)}),
-    (
-        "even grid, 4 warps, 4 per SM",
-        ("gate_up", "down"),
-        {"gate_up": (4, 8, 2, 4), "down": (4, 8, 2, 4)},
-    ),
-]
-
-
 # mxfp4_one's rows (--one) per place for its counters (mxfp4_one.COUNTS).
 ONE_ROWS = {
     "output": "one launch (mxfp4_one: gate/up, down and the sum meeting through counters in "
@@ -406,7 +381,6 @@ def decode_variants(
     fused: bool = False,
     one: bool = False,
     tiled: bool = False,
-    even: bool = False,
 ) -> dict:
     """The decode kernels at their launch shapes: tensor cores (``mxfp4_mma``, what the
     dispatcher picks on CUDA) and the LUT kernels (``mxfp4_decode``, Metal's), plus
@@ -414,8 +388,7 @@ def decode_variants(
     (``--fused``) the one-launch kernels of ``mxfp4_fused`` (gate/up, SiTU-GLU and a slice of
     down per threadgroup, then the sum: two launches a call instead of three) and (``--one``)
     ``mxfp4_one`` (gate/up, down and the sum in one grid) with each place for its counters,
-    (``--tiled``) the dispatched kernels on ``tile_experts``' layout (``tiled_decode``) and
-    (``--even``) ``EVEN_ROWS``."""
+    and (``--tiled``) the dispatched kernels on ``tile_experts``' layout (``tiled_decode``)."""
     from kimi_k3.kernels import mxfp4_decode, mxfp4_mma, mxfp4_one
 
     bounds = tuple(mxfp4_mma.MIN_BLOCKS[p] for p in ("gate_up", "down"))
@@ -449,11 +422,6 @@ def decode_variants(
         out["one launch + sum (mxfp4_fused, bulk copies)"] = mxfp4_fused.expert_glu_decode_bulk
     if tiled:
         out[default.replace("decode kernel", "decode kernel on the tiled layout")] = tiled_decode()
-    if even:
-        from kimi_k3.kernels import mxfp4_even
-
-        for label, projs, launch in EVEN_ROWS:
-            out[label] = functools.partial(mxfp4_even.expert_glu_decode, launch=launch, even=projs)
     if one:
         for counts, label in ONE_ROWS.items():
             out[label] = functools.partial(mxfp4_one.expert_glu_decode, counts=counts)
@@ -566,9 +534,7 @@ def bench_decode(args, table: Table, copy: float | None):
             inputs.append((z, w, inds, weights, BETA, CAP))
         mx.eval([a[:4] for a in inputs])
         nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs]) * per_expert
-        variants = decode_variants(
-            args.variants, args.occupancy, args.fused, args.one, args.tiled, args.even
-        )
+        variants = decode_variants(args.variants, args.occupancy, args.fused, args.one, args.tiled)
         if args.stream:
             variants.update(stream_variants())
         jobs = [

@@ -193,21 +193,6 @@ print('mxfp4_one registers (bf16 latent):', register_count(mxfp4_one.dispatched_
       MLX_ENABLE_TF32=0 run tiled_mma_tests 200 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k tiled_layout_same_bits
       run tiled_mma_bench 300 python3 -m benchmarks.bench_mxfp4 --tiled --skip-prefill --decode-tokens 1 2 8 --rounds 5 --out "$OUT/bench_tiled_mma.md"
       ncu_times tiled_mma_ncu 150 python3 -m benchmarks.bench_mxfp4 --tiled --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
-    mxfp4_even)
-      # mxfp4_even (the work dealt evenly over a one-wave grid): the device's SM count as MLX
-      # reports it, registers, CUDA tests, chains beside the dispatched decode and the read
-      # limit, then each kernel under ncu
-      run even_regs 300 python3 -c "
-import mlx.core as mx
-print('device_info:', mx.device_info())
-from benchmarks.profile_kernels import register_count
-from kimi_k3.kernels import mxfp4_even as m
-ins = m.MXFP4_EVEN.instances
-k = m.kernel_for(2, 8)
-print('mxfp4_even, 8 warps, 2 per SM: gate/up', register_count(k, ins[:1]), 'down', register_count(k, ins[3:]))"
-      MLX_ENABLE_TF32=0 run even_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k even_grid
-      run even_bench 400 python3 -m benchmarks.bench_mxfp4 --even --read-limit --skip-prefill --decode-tokens 1 2 8 --rounds 5 --out "$OUT/bench_even.md"
-      ncu_times even_ncu 200 python3 -m benchmarks.bench_mxfp4 --even --skip-prefill --decode-tokens 1 --calls 5 --rounds 1 --repeats 1 ;;
     mxfp4_gate_up_chain) run mxfp4_gate_up 200 python3 -m benchmarks.mxfp4_gate_up --rounds 7 ;;
     mxfp4_gate_up)
       # gate/up against its variants (benchmarks/mxfp4_gate_up.py: the epilogue's parameters

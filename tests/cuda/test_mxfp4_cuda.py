@@ -25,17 +25,10 @@ from test_mxfp4_kernels import (  # noqa: E402
     rel_err,
 )
 
-from benchmarks.bench_mxfp4 import EVEN_ROWS, MMA_SHAPES, OCCUPANCY_ROWS, STREAM_ROWS  # noqa: E402
+from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS, STREAM_ROWS  # noqa: E402
 from benchmarks.mxfp4_fused_sweep import BULK_LAUNCHES, DEFAULT_LAUNCHES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
-from kimi_k3.kernels import (  # noqa: E402
-    dispatch,
-    mxfp4_even,
-    mxfp4_fused,
-    mxfp4_mma,
-    mxfp4_one,
-    mxfp4_stream,
-)
+from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma, mxfp4_one, mxfp4_stream  # noqa: E402
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma  # noqa: E402
@@ -118,31 +111,6 @@ def test_mma_tiled_layout_same_bits(N):
     got = mxfp4_mma.expert_glu_decode_tiled(z, mxfp4_fused.tile_experts(w), *rest, backend="cuda")
     assert np.array_equal(np.array(got), plain)
     assert rel_err(got, want) < TOL
-
-
-@pytest.mark.parametrize("N", [1, 4])
-def test_even_grid(N):
-    """mxfp4_even at K3 size: with whole units (H = 1) the same bits as the dispatched
-    kernels; with its default segments within TOL of the oracle, and the same bits for every
-    row of bench_mxfp4 --even, for another SM count, and for a token decoded alone."""
-    args, want = case(16, *K3, N, 16, "bfloat16")
-    z, w, inds, wts, beta, cap = args
-    plain = np.array(mxfp4_mma.expert_glu_decode(*args, backend="cuda"))
-    whole = {"gate_up": (8, 8, 1, 2), "down": (8, 8, 1, 2)}
-    assert np.array_equal(
-        np.array(mxfp4_even.expert_glu_decode(*args, backend="cuda", launch=whole)), plain
-    )
-    got = np.array(mxfp4_even.expert_glu_decode(*args, backend="cuda"))
-    assert rel_err(got, want) < TOL
-    for _, projs, launch in EVEN_ROWS:
-        if launch.get("gate_up", (0, 0, 2))[2] != 1 and launch.get("down", (0, 0, 2))[2] != 1:
-            if projs == ("gate_up", "down"):
-                again = mxfp4_even.expert_glu_decode(*args, backend="cuda", launch=launch)
-                assert np.array_equal(np.array(again), got), launch
-    again = mxfp4_even.expert_glu_decode(*args, backend="cuda", sms=100)
-    assert np.array_equal(np.array(again), got)
-    alone = mxfp4_even.expert_glu_decode(z[-1:], w, inds[-1:], wts[-1:], beta, cap, backend="cuda")
-    assert np.array_equal(np.array(alone)[0], got[-1])
 
 
 @pytest.mark.parametrize("gate_up, down", OCCUPANCY_ROWS)
