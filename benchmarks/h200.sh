@@ -29,6 +29,7 @@ log="$OUT/log.txt"
 # Run from a copy of tests/ and benchmarks/ so the installed package (with kimi_k3.kernels and
 # kimi_k3.convert at their package-dir places) is imported, not the source folder kimi_k3/.
 # One copy per invocation: two invocations at once must not delete each other's.
+SRC=$(pwd)
 RUN=/tmp/kimi_k3_run.$$
 rm -rf "$RUN" && mkdir -p "$RUN" && cp -r tests benchmarks "$RUN"/ && cd "$RUN" || exit 1
 python3 -c "import kimi_k3.kernels, kimi_k3.convert" || exit 1
@@ -100,6 +101,17 @@ for step in "$@"; do
     bench_mxfp4) run bench_mxfp4 500 python3 -m benchmarks.bench_mxfp4 --out "$OUT/bench_mxfp4.md" ;;
     bench_mxfp4_decode) run bench_mxfp4_decode 400 python3 -m benchmarks.bench_mxfp4 --skip-prefill --out "$OUT/bench_mxfp4_decode.md" ;;
     bench_e2e) run bench_e2e 400 python3 benchmarks/bench_e2e.py --preset k3-layers --set vocab_size=32768 --set intermediate_size=4096 --prompt-tokens 512 --decode-tokens 16 --dtypes bfloat16 --expert-cache-gb 0.6 --out "$OUT/bench_e2e_h200.md" ;;
+    decode_split)
+      # a decode step's build (Python) against its eval wait, this project and mlx-lm on
+      # bench_e2e's checkpoint, with the builds' profile; then, where the working tree has
+      # an old/ (an older commit's tree: mkdir old && git archive <commit> | tar -x -C old), that tree's
+      # model on the same checkpoint (laid out as installed, first on PYTHONPATH)
+      run decode_split 300 python3 -m benchmarks.decode_split --preset k3-layers --set vocab_size=32768 --set intermediate_size=4096 --checkpoint /tmp/e2e_ckpt --profile 40 --out "$OUT/decode_split.md"
+      if [ -d "$SRC/old/kimi_k3" ]; then
+        rm -rf /tmp/old_site && mkdir -p /tmp/old_site && cp -r "$SRC/old/kimi_k3" /tmp/old_site/ \
+          && cp -r "$SRC/old/kernels" /tmp/old_site/kimi_k3/kernels && cp -r "$SRC/old/convert" /tmp/old_site/kimi_k3/convert
+        PYTHONPATH=/tmp/old_site:/tmp/site run decode_split_old 200 python3 -m benchmarks.decode_split --checkpoint /tmp/e2e_ckpt --no-mlx-lm --profile 40 --out "$OUT/decode_split.md"
+      fi ;;
     bench_e2e_cpu) run bench_e2e_cpu 300 python3 benchmarks/bench_e2e.py --preset small --device cpu --repeats 3 --out "$OUT/bench_e2e_cpu.md" ;;
     bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --quick --out "$OUT/bench_streaming_h200.md" ;;
     ptxas) run ptxas 200 python3 -m benchmarks.profile_kernels --ptxas ;;
