@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+import kimi_k3
 from kimi_k3.convert.synth import parse_override, write_checkpoint
 from kimi_k3.loader import load_model
 
@@ -82,8 +83,10 @@ def main(argv=None):
     overrides = dict(parse_override(s) for s in args.set)
     with tempfile.TemporaryDirectory() as tmp:
         ck = Path(args.checkpoint) if args.checkpoint else Path(tmp) / "ckpt"
+        source = f"checkpoint {ck}, read as found"
         if not (ck / "config.json").exists():
             write_checkpoint(ck, args.preset, tokenizer=False, **overrides)
+            source = f"`{args.preset}` preset" + "".join(f", {s}" for s in args.set)
         dtype = getattr(mx, args.dtype)
         prompt = mx.array(np.random.default_rng(0).integers(0, 700, (1, args.prompt_tokens)))
         runs = [("kimi_k3 (this project)", load_model(ck, dtype=dtype))]
@@ -105,11 +108,9 @@ def main(argv=None):
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(args.profile)
             report = s.getvalue()
-    import kimi_k3
-
     where = Path(kimi_k3.__file__).parent
     lines = [
-        f"### Decode steps split, `{args.preset}` preset, {args.dtype}, {mx.default_device()} "
+        f"### Decode steps split, {source}, {args.dtype}, {mx.default_device()} "
         f"({platform.machine()}, mlx {mx.__version__}, kimi_k3 from {where})",
         "",
         f"{args.prompt_tokens}-token prompt, {args.decode_tokens} greedy steps, median of "
