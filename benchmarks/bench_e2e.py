@@ -32,28 +32,45 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def prefill(model, prompt: mx.array):
+    """A new cache holding ``prompt``, run through ``model`` in one call."""
+    cache = model.make_cache()
+    mx.eval(model(prompt, cache=cache))
+    return cache
+
+
+def decode_steps(model, cache, steps: int, prof=None) -> tuple[float, float]:
+    """``steps`` greedy single-token steps after what ``cache`` holds: (build, wait) seconds
+    summed over them, build being the model call (and argmax) and wait the ``mx.eval`` after
+    it. ``prof`` (a ``cProfile.Profile``, if given) profiles the builds only."""
+    tok = mx.array([[1]])
+    build = wait = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
+        if prof:
+            prof.disable()
+        t1 = time.perf_counter()
+        mx.eval(tok)
+        build += t1 - t0
+        wait += time.perf_counter() - t1
+    return build, wait
+
+
 def measure(model, prompt: mx.array, decode: int, repeats: int) -> tuple[float, float, str]:
     """(prefill tok/s, decode tok/s, experts) of one greedy run: prompt in one call, then
     ``decode`` single-token steps. ``experts``: "resident", or the streamer's counters over
     the decode steps of one more run (hit rate, GB read per token, the reads' GB/s)."""
 
-    def prefill():
-        cache = model.make_cache()
-        mx.eval(model(prompt, cache=cache))
-        return cache
-
     def run_decode(after_prefill=None):
-        cache = prefill()
+        cache = prefill(model, prompt)
         if after_prefill:
             after_prefill()
-        tok = mx.array([[1]])
-        t = time.perf_counter()
-        for _ in range(decode):
-            tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
-            mx.eval(tok)
-        return time.perf_counter() - t
+        return sum(decode_steps(model, cache, decode))
 
-    t_pre = _time(prefill, repeats)
+    t_pre = _time(lambda: prefill(model, prompt), repeats)
     run_decode()
     t_dec = statistics.median(run_decode() for _ in range(repeats))
     return prompt.shape[1] / t_pre, decode / t_dec, decode_experts(model, run_decode, decode)

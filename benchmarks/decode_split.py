@@ -23,7 +23,6 @@ import platform
 import pstats
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,31 +30,15 @@ import numpy as np
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import kimi_k3
+from benchmarks.bench_e2e import decode_steps, prefill
 from kimi_k3.convert.synth import parse_override, write_checkpoint
 from kimi_k3.loader import load_model
 
 
 def split_steps(model, prompt: mx.array, steps: int, prof: cProfile.Profile | None = None):
     """(build, wait) seconds per step, averaged over ``steps`` greedy decode steps after a
-    prefill of ``prompt``: build is the model call (and argmax), wait the ``mx.eval`` after
-    it. ``prof`` (if given) profiles the builds only."""
-    cache = model.make_cache()
-    mx.eval(model(prompt, cache=cache))
-    tok = mx.array([[1]])
-    build = wait = 0.0
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        if prof:
-            prof.enable()
-        out = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
-        if prof:
-            prof.disable()
-        t1 = time.perf_counter()
-        mx.eval(out)
-        t2 = time.perf_counter()
-        build += t1 - t0
-        wait += t2 - t1
-        tok = out
+    prefill of ``prompt`` (``bench_e2e.decode_steps``; ``prof`` profiles the builds only)."""
+    build, wait = decode_steps(model, prefill(model, prompt), steps, prof)
     return build / steps, wait / steps
 
 
