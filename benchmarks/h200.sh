@@ -112,6 +112,18 @@ for step in "$@"; do
           && cp -r "$SRC/old/kernels" /tmp/old_site/kimi_k3/kernels && cp -r "$SRC/old/convert" /tmp/old_site/kimi_k3/convert
         PYTHONPATH=/tmp/old_site:/tmp/site run decode_split_old 200 python3 -m benchmarks.decode_split --checkpoint /tmp/e2e_ckpt --no-mlx-lm --profile 40 --out "$OUT/decode_split.md"
       fi ;;
+    chain_length)
+      # a decode call's time against the length of its chain (benchmarks/chain_length.py):
+      # slope (one more call) and intercept (one evaluation), at 1, 2 and 8 tokens; fp32
+      # matmuls without TF32 for the check against gather_qmm in fp32
+      for n in 1 2 8; do
+        MLX_ENABLE_TF32=0 run "chain_length_$n" 300 python3 -m benchmarks.chain_length --tokens $n --read-limit --tiled --rounds 5 --out "$OUT/chain_length.md"
+      done ;;
+    one_dispatch)
+      # the decode dispatch by pair count (dispatch.expert_decode_choice): mxfp4_one's CUDA
+      # tests and the dispatcher's at K3 size, then chains at 4 tokens (64 pairs)
+      MLX_ENABLE_TF32=0 run one_dispatch_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k "one_launch or dispatched_decode"
+      MLX_ENABLE_TF32=0 run chain_length_4 200 python3 -m benchmarks.chain_length --tokens 4 --read-limit --out "$OUT/chain_length.md" ;;
     bench_e2e_cpu) run bench_e2e_cpu 300 python3 benchmarks/bench_e2e.py --preset small --device cpu --repeats 3 --out "$OUT/bench_e2e_cpu.md" ;;
     bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --quick --out "$OUT/bench_streaming_h200.md" ;;
     ptxas) run ptxas 200 python3 -m benchmarks.profile_kernels --ptxas ;;

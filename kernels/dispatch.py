@@ -49,6 +49,25 @@ def kda_mix_kernel(p, x_q, conv_state, state):
 EXPERT_DECODE_MAX_PAIRS = 128
 
 
+# (token, choice) pairs up to which CUDA's decode is one launch (``mxfp4_one``: gate/up, down
+# and the ordered sum in one grid; the same bits as ``mxfp4_mma``'s three launches). H200, K3
+# dims, chains of 10 to 160 dependent calls (benchmarks/chain_length.py, session 29, two runs):
+# a call in steady state took 0.103-0.105 ms in one launch against 0.114-0.116 in three at 16
+# pairs, 0.173-0.180 against 0.185-0.194 at 32; at 128 pairs three launches were 2-3% faster.
+EXPERT_ONE_LAUNCH_MAX_PAIRS = 32
+
+
+def expert_decode_choice(pairs: int) -> str:
+    """``"one"`` (``mxfp4_one``) or ``"three"`` (``mxfp4_mma``'s launches) for CUDA's decode of
+    ``pairs`` (token, choice) pairs: one launch up to ``EXPERT_ONE_LAUNCH_MAX_PAIRS``.
+    ``KIMI_K3_EXPERT_DECODE=one`` / ``three`` forces either (another value is an error); both
+    give the same bits."""
+    from .source import env_choice
+
+    default = "one" if pairs <= EXPERT_ONE_LAUNCH_MAX_PAIRS else "three"
+    return env_choice("KIMI_K3_EXPERT_DECODE", ("one", "three"), default)
+
+
 def expert_prefill_choice() -> str:
     """``"kernel"`` or ``"reference"`` for more than ``EXPERT_DECODE_MAX_PAIRS`` pairs.
 
@@ -70,7 +89,9 @@ def expert_glu_kernel(z, w, inds):
 
     Metal or CUDA (``source.backend()``) and inputs ``mxfp4_decode.eligible`` accepts: the
     per-pair decode kernels up to ``EXPERT_DECODE_MAX_PAIRS`` pairs (on CUDA the tensor-core
-    ones of ``mxfp4_mma`` where they apply, elsewhere the LUT ones of ``mxfp4_decode``),
+    ones where they apply: ``mxfp4_one``'s one launch up to ``EXPERT_ONE_LAUNCH_MAX_PAIRS``
+    pairs (``expert_decode_choice``), then ``mxfp4_mma``'s three; elsewhere the LUT ones of
+    ``mxfp4_decode``),
     above that the grouped (prefill) kernels where ``expert_prefill_choice`` says so: on
     CUDA the tensor-core GEMM of ``mxfp4_prefill_mma`` (whose Metal rendering spells the MMA
     out in shuffles), elsewhere the LUT GEMM of ``mxfp4_prefill``.
@@ -78,7 +99,7 @@ def expert_glu_kernel(z, w, inds):
     """
     from functools import partial
 
-    from . import mxfp4_decode, mxfp4_mma, mxfp4_prefill, mxfp4_prefill_mma, source
+    from . import mxfp4_decode, mxfp4_mma, mxfp4_one, mxfp4_prefill, mxfp4_prefill_mma, source
 
     if reference_forced("experts"):
         return None
@@ -87,6 +108,9 @@ def expert_glu_kernel(z, w, inds):
         return None
     if inds.size <= EXPERT_DECODE_MAX_PAIRS:
         if backend == "cuda" and mxfp4_mma.eligible(z, w, inds):
+            one = expert_decode_choice(inds.size) == "one"
+            if one and mxfp4_one.agrees(backend, z.shape[-1], w["w1"][0].shape[-2]):
+                return partial(mxfp4_one.expert_glu_decode, backend=backend)
             return partial(mxfp4_mma.expert_glu_decode, backend=backend)
         return partial(mxfp4_decode.expert_glu_decode, backend=backend)
     if expert_prefill_choice() == "reference":

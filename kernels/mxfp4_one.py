@@ -266,6 +266,21 @@ def shape_for(backend: str, D: int, I: int) -> tuple:
     return gu[0], gu[1], gu[2], dn[2], gu[3]
 
 
+def agrees(backend: str, D: int, I: int) -> bool:
+    """Whether ``mxfp4_mma``'s dispatched settings for these dims can be one grid: the same
+    threadgroup and double buffering (``shape_for``), one launch bound and one code decode for
+    both projections (``dispatched_kernel``). The dispatcher takes the three launches where
+    they cannot (a setting changed by hand)."""
+    gu = mxfp4_mma.dispatched_shape(backend, D, True)
+    dn = mxfp4_mma.dispatched_shape(backend, I, False)
+    return (
+        gu[:2] == dn[:2]
+        and gu[3] == dn[3]
+        and len(set(mxfp4_mma.MIN_BLOCKS.values())) == 1
+        and len(set(mxfp4_mma.DECODE.values())) == 1
+    )
+
+
 def _io(counts: str) -> tuple:
     """(inputs, outputs) names and dtypes of the kernel for ``counts``."""
     if counts == "output":

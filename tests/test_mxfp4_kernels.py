@@ -759,6 +759,43 @@ def test_dispatcher(monkeypatch):
     assert dispatch.expert_glu_kernel(z, w, inds) is None
 
 
+def test_cuda_decode_launches_by_pairs(monkeypatch):
+    """On CUDA (chosen, not run) a decode of up to EXPERT_ONE_LAUNCH_MAX_PAIRS pairs is
+    mxfp4_one's one launch, a larger one mxfp4_mma's three, where mxfp4_mma applies; the
+    env var forces either; settings the one grid cannot share give three launches."""
+    from kimi_k3.kernels import mxfp4_one
+
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "cuda")
+    monkeypatch.delenv("KIMI_K3_REFERENCE", raising=False)
+    monkeypatch.delenv("KIMI_K3_EXPERT_DECODE", raising=False)
+    w = lazy_stack(8, 128, 256)
+    most = dispatch.EXPERT_ONE_LAUNCH_MAX_PAIRS
+
+    def chosen(pairs, k=2):
+        inds = mx.zeros((pairs // k, k), mx.int32)
+        fn = dispatch.expert_glu_kernel(mx.zeros((pairs // k, 128), mx.bfloat16), w, inds)
+        assert fn.keywords["backend"] == "cuda"
+        return fn.func
+
+    assert chosen(2) is chosen(most) is mxfp4_one.expert_glu_decode
+    assert (
+        chosen(most + 2)
+        is chosen(dispatch.EXPERT_DECODE_MAX_PAIRS)
+        is (mxfp4_mma.expert_glu_decode)
+    )
+    monkeypatch.setenv("KIMI_K3_EXPERT_DECODE", "three")
+    assert chosen(2) is mxfp4_mma.expert_glu_decode
+    monkeypatch.setenv("KIMI_K3_EXPERT_DECODE", "one")
+    assert chosen(most + 2) is mxfp4_one.expert_glu_decode
+    monkeypatch.setenv("KIMI_K3_EXPERT_DECODE", "1")  # not a choice: an error naming it
+    with pytest.raises(ValueError, match="KIMI_K3_EXPERT_DECODE='1'"):
+        chosen(2)
+    monkeypatch.delenv("KIMI_K3_EXPERT_DECODE")
+    monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, "down", mxfp4_mma.MIN_BLOCKS["gate_up"] + 1)
+    assert not mxfp4_one.agrees("cuda", 128, 256)
+    assert chosen(2) is mxfp4_mma.expert_glu_decode
+
+
 def lazy_stack(E: int, D: int, I: int) -> dict:
     """Zero MXFP4 stacks of these shapes, never evaluated (only their shapes are read)."""
 

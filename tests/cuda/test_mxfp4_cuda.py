@@ -82,6 +82,22 @@ def test_one_launch_gives_the_three_launches_bits(E, D, I, N, k, dtype):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.parametrize("N", [1, 2, 3])
+def test_dispatched_decode_at_k3_size(monkeypatch, N):
+    """The model's expert call (``kimi_k3.experts.expert_glu``) at K3 size: one launch at 16
+    and 32 pairs, three at 48 (``dispatch.expert_decode_choice``), the three launches' bits
+    either way, and the oracle."""
+    monkeypatch.delenv("KIMI_K3_EXPERT_DECODE", raising=False)
+    monkeypatch.delenv("KIMI_K3_REFERENCE", raising=False)
+    args, want = case(16, *K3, N, 16, "bfloat16")
+    fn = dispatch.expert_glu_kernel(*args[:3])
+    one = N * 16 <= dispatch.EXPERT_ONE_LAUNCH_MAX_PAIRS
+    assert fn.func is (mxfp4_one.expert_glu_decode if one else mxfp4_mma.expert_glu_decode)
+    got = np.array(expert_glu(*args))
+    assert np.array_equal(got, np.array(mxfp4_mma.expert_glu_decode(*args, backend="cuda")))
+    assert rel_err(mx.array(got), want) < TOL
+
+
 def test_one_launch_counts_at_k3_size():
     N, k = 4, 16
     args, _ = case(16, *K3, N, k, "bfloat16")
