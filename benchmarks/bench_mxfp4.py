@@ -348,11 +348,14 @@ OCCUPANCY_ROWS = [
 ]
 
 
-def tiled_decode():
-    """The dispatched decode kernels reading the stacks in ``mxfp4_fused.tile_experts``'
-    layout (``mxfp4_mma.tiled_layout``; a warp load is 512 contiguous bytes), each stack
-    converted once, at its first call (the timers' warm-up), not inside a timed call."""
+def tiled_decode(decode=None):
+    """``decode`` (default: the dispatched three-launch kernels, ``mxfp4_mma``'s
+    ``expert_glu_decode_tiled``) reading the stacks in ``mxfp4_fused.tile_experts``' layout (a
+    warp load is 512 contiguous bytes), each stack converted once, at its first call (the
+    timers' warm-up), not inside a timed call."""
     from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
+
+    decode = decode or mxfp4_mma.expert_glu_decode_tiled
 
     tiled = {}  # id(w): (w, its tiled copy); w is kept so that its id is not reused
 
@@ -361,7 +364,7 @@ def tiled_decode():
             t = mxfp4_fused.tile_experts(w)
             mx.eval(t)
             tiled[id(w)] = (w, t)
-        return mxfp4_mma.expert_glu_decode_tiled(z, tiled[id(w)][1], inds, weights, beta, cap)
+        return decode(z, tiled[id(w)][1], inds, weights, beta, cap)
 
     return fn
 

@@ -121,9 +121,12 @@ for step in "$@"; do
       done ;;
     one_dispatch)
       # the decode dispatch by pair count (dispatch.expert_decode_choice): mxfp4_one's CUDA
-      # tests and the dispatcher's at K3 size, then chains at 4 tokens (64 pairs)
+      # tests and the dispatcher's at K3 size, then chains at 1 and 4 tokens (16 and 64
+      # pairs), with both launches on the tiled layout
       MLX_ENABLE_TF32=0 run one_dispatch_tests 300 python3 -m pytest -q -x tests/cuda/test_mxfp4_cuda.py -k "one_launch or dispatched_decode"
-      MLX_ENABLE_TF32=0 run chain_length_4 200 python3 -m benchmarks.chain_length --tokens 4 --read-limit --out "$OUT/chain_length.md" ;;
+      for n in 1 4; do
+        MLX_ENABLE_TF32=0 run "chain_length_$n" 200 python3 -m benchmarks.chain_length --tokens $n --read-limit --tiled --out "$OUT/chain_length.md"
+      done ;;
     bench_e2e_cpu) run bench_e2e_cpu 300 python3 benchmarks/bench_e2e.py --preset small --device cpu --repeats 3 --out "$OUT/bench_e2e_cpu.md" ;;
     bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --quick --out "$OUT/bench_streaming_h200.md" ;;
     ptxas) run ptxas 200 python3 -m benchmarks.profile_kernels --ptxas ;;

@@ -409,6 +409,23 @@ def launch(kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, sh
     return (*out[:3], cnt)
 
 
+def tiled_layout(kernel: Kernel) -> Kernel:
+    """``kernel`` reading stacks in ``mxfp4_fused.tile_experts``' layout
+    (``mxfp4_mma.tiled_layout``'s rewrite, once per role), named ``<name>_tiled``: same
+    arithmetic in the same order, so the same bits (a benchmark probe: the expert store holds
+    the checkpoint's layout)."""
+    pairs = [(old, new, 2 * (more[0] if more else 1)) for old, new, *more in mxfp4_mma._TILED]
+    return kernel.variant("_tiled", body=swap(kernel.body, pairs, "mxfp4_one.tiled_layout"))
+
+
+def expert_glu_decode_tiled(z, w, inds, weights, beta, cap, backend=None, counts=None):
+    """``expert_glu_decode`` on stacks ``w`` in ``mxfp4_fused.tile_experts``' layout."""
+    backend = backend or default_backend()
+    rt, sk = shape_for(backend, z.shape[-1], w["w1"][0].shape[-2])[:2]
+    kernel = tiled_layout(dispatched_kernel(rt, sk, counts))
+    return launch(kernel, z, w, inds, weights, beta, cap, backend, counts)[0]
+
+
 def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None, counts=None):
     """``mxfp4_mma.expert_glu_decode`` in one launch (same shapes, return and bits: fp32
     [N, D]). Needs ``mxfp4_mma.eligible`` inputs. ``counts``: ``COUNTS``' choice."""

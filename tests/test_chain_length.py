@@ -20,15 +20,15 @@ def test_rows_at_toy_size(tmp_path, monkeypatch):
     rows = chain_length.main(argv + ["--out", str(out)])
     labels = [r["label"] for r in rows]
     assert labels[:2] == ["links only (cast + one trivial op a call)", "gather_qmm"]
-    assert len(labels) == 9 and sum(lb.startswith("read limit") for lb in labels) == 2
-    assert sum(lb.startswith("mxfp4_one") for lb in labels) == 3
+    assert len(labels) == 10 and sum(lb.startswith("read limit") for lb in labels) == 2
+    assert sum(lb.startswith("mxfp4_one") for lb in labels) == 4
     for r in rows:
         assert len(r["totals"]) == 2 and all(t > 0 for t in r["totals"])
         assert all(0 < s <= t for s, t in zip(r["submits"], r["totals"]))
     decodes = [r for r in rows if r["err"] is not None]
-    assert len(decodes) == 5 and all(r["err"] < 1e-5 for r in decodes)
+    assert len(decodes) == 6 and all(r["err"] < 1e-5 for r in decodes)
     text = out.read_text()
-    assert text.count("\n| ") == 10 and "L=3 per call (submit)" in text
+    assert text.count("\n| ") == 11 and "L=3 per call (submit)" in text
 
 
 def test_one_length_is_refused():

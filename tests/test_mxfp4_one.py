@@ -28,6 +28,20 @@ def test_one_launch_gives_the_three_launches_bits(E, D, I, N, k, dtype):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.parametrize("E,D,I,N,k,dtype", CASES[1:3])
+def test_one_launch_on_the_tiled_layout_gives_the_same_bits(E, D, I, N, k, dtype):
+    """``mxfp4_one.tiled_layout`` (a benchmark probe) only moves both roles' load addresses."""
+    from kimi_k3.kernels import mxfp4_fused
+
+    (z, w, *rest), _ = case(E, D, I, N, k, dtype)
+    plain = mxfp4_one.expert_glu_decode(z, w, *rest, backend="emulator")
+    wt = mxfp4_fused.tile_experts(w)
+    got = mxfp4_one.expert_glu_decode_tiled(z, wt, *rest, backend="emulator")
+    assert np.array_equal(np.array(got), np.array(plain))
+    wrong = mxfp4_one.expert_glu_decode(z, wt, *rest, backend="emulator")  # untiled reads
+    assert not np.array_equal(np.array(wrong), np.array(plain))
+
+
 def test_every_place_for_the_counters_gives_the_same_bits(monkeypatch):
     """Counters in an output, in a zero input, and chained: each call counts in the zeros the
     one before left (the first and one needing more words than CHAIN_WORDS take fresh

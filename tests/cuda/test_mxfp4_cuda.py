@@ -98,6 +98,15 @@ def test_dispatched_decode_at_k3_size(monkeypatch, N):
     assert rel_err(mx.array(got), want) < TOL
 
 
+def test_one_launch_tiled_layout_same_bits():
+    """``mxfp4_one.tiled_layout`` (chain_length --tiled) gives the one launch's bits at K3 size."""
+    (z, w, *rest), _ = case(16, *K3, 1, 16, "bfloat16")
+    plain = np.array(mxfp4_one.expert_glu_decode(z, w, *rest, backend="cuda"))
+    wt = mxfp4_fused.tile_experts(w)
+    got = mxfp4_one.expert_glu_decode_tiled(z, wt, *rest, backend="cuda")
+    assert np.array_equal(np.array(got), plain)
+
+
 def test_one_launch_counts_at_k3_size():
     N, k = 4, 16
     args, _ = case(16, *K3, N, k, "bfloat16")
