@@ -51,9 +51,10 @@ EXPERT_DECODE_MAX_PAIRS = 128
 
 # (token, choice) pairs up to which CUDA's decode is one launch (``mxfp4_one``: gate/up, down
 # and the ordered sum in one grid; the same bits as ``mxfp4_mma``'s three launches). H200, K3
-# dims, chains of 10 to 160 dependent calls (benchmarks/chain_length.py, session 29, two runs):
-# a call in steady state took 0.103-0.105 ms in one launch against 0.114-0.116 in three at 16
-# pairs, 0.173-0.180 against 0.185-0.194 at 32; at 128 pairs three launches were 2-3% faster.
+# dims, chains of 10 to 160 dependent calls (benchmarks/chain_length.py, session 29, three
+# runs): a call in steady state took 0.103-0.106 ms in one launch against 0.110-0.116 in three
+# at 16 pairs, 0.173-0.180 against 0.185-0.194 at 32; at 64 and 128 pairs three launches were
+# 1-3% faster.
 EXPERT_ONE_LAUNCH_MAX_PAIRS = 32
 
 

@@ -26,8 +26,9 @@ cannot happen with tickets; a broken count shows as NaN, not as a hang or a wron
 
 Same exactness contract and bits as ``mxfp4_mma.expert_glu_decode``. On Metal the threads of
 a spinning threadgroup hold their core while it waits; like every ``mxfp4_mma`` kernel this
-one is dispatched on CUDA only, and the emulator (one threadgroup at a time, in ticket order)
-checks its bookkeeping.
+one is dispatched on CUDA only (up to ``dispatch.EXPERT_ONE_LAUNCH_MAX_PAIRS`` pairs, where it
+was measured faster than the three launches in chains of dependent calls), and the emulator
+(one threadgroup at a time, in ticket order) checks its bookkeeping.
 """
 
 from __future__ import annotations

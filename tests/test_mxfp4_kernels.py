@@ -672,22 +672,27 @@ def test_oracle_matches_mlx_reference(E, D, I, N, k):
 
 def check_reads_cache_slots(backend: str):
     """The streamer's layout: experts at scattered slots of a larger pool, seen through a view
-    with an offset, ``inds`` remapped to slots. Same bits as the stacked experts."""
-    (z, w, inds, wts, beta, cap), _ = case(6, 64, 96, 17, 2, "float32")
-    slots = np.random.default_rng(3).permutation(10)[:6]  # expert e lives in slot slots[e]
-    pool = {}
-    for n, arrs in w.items():
-        pool[n] = []
-        for a in arrs:
-            big = mx.zeros((12, *a.shape[1:]), dtype=a.dtype)
-            big[mx.array(slots + 1)] = a
-            pool[n].append(big[1:11])
-    slot_inds = mx.array(slots)[inds]
-    fns = {"decode": expert_glu_decode, "prefill": expert_glu_prefill}
-    for name, fn in fns.items():
-        want = fn(z, w, inds, wts, beta, cap, backend=backend)
-        got = fn(z, pool, slot_inds, wts, beta, cap, backend=backend)
-        assert np.array_equal(np.array(got), np.array(want)), name
+    with an offset, ``inds`` remapped to slots. Same bits as the stacked experts, for the LUT
+    kernels and (at dims they take) the tensor-core decodes, three launches and one."""
+    from kimi_k3.kernels import mxfp4_one
+
+    lut = {"decode": expert_glu_decode, "prefill": expert_glu_prefill}
+    mma = {"mxfp4_mma": mxfp4_mma.expert_glu_decode, "mxfp4_one": mxfp4_one.expert_glu_decode}
+    for (D, I, N, dtype), fns in (((64, 96, 17, "float32"), lut), ((128, 256, 2, "bfloat16"), mma)):
+        (z, w, inds, wts, beta, cap), _ = case(6, D, I, N, 2, dtype)
+        slots = np.random.default_rng(3).permutation(10)[:6]  # expert e lives in slot slots[e]
+        pool = {}
+        for n, arrs in w.items():
+            pool[n] = []
+            for a in arrs:
+                big = mx.zeros((12, *a.shape[1:]), dtype=a.dtype)
+                big[mx.array(slots + 1)] = a
+                pool[n].append(big[1:11])
+        slot_inds = mx.array(slots)[inds]
+        for name, fn in fns.items():
+            want = fn(z, w, inds, wts, beta, cap, backend=backend)
+            got = fn(z, pool, slot_inds, wts, beta, cap, backend=backend)
+            assert np.array_equal(np.array(got), np.array(want)), name
 
 
 def test_reads_cache_slots_as_given():
