@@ -7,8 +7,10 @@ the GPU has any, and the final wait).
 ``bench_mxfp4`` reports total / L at L = 20 (its ``--calls``), which carries 1/20 of the
 intercept in every call. A decode step of K3 runs 92 MoE layers one after another, so the
 slope is the cost that a layer's experts add to a step; both are reported, side by side,
-for the dispatched decode, ``gather_qmm``, ``mxfp4_one`` and the read limits, with a chain of
-links alone (the cast and one trivial op a call) as the floor of a dependent call.
+for ``gather_qmm``, the three-launch decode (``mxfp4_mma``), the one-launch decode
+(``mxfp4_one``, each place for its counters), with ``--tiled`` both on ``tile_experts``'
+layout (probes), with ``--read-limit`` the read limits, and a chain of links alone (the cast
+and one trivial op a call) as the floor of a dependent call.
 
 Each timing also records how long ``mx.async_eval`` took to return (the host's encoding and
 submission of the chain): a chain whose submission takes as long as its whole evaluation is
@@ -220,7 +222,7 @@ def main(argv=None):
     ap.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM datasheet peak")
     ap.add_argument("--read-limit", action="store_true", help="also time the read limits")
     ap.add_argument(
-        "--tiled", action="store_true", help="also time the dispatched decode on tiled stacks"
+        "--tiled", action="store_true", help="also time both decodes on tiled stacks (probes)"
     )
     ap.add_argument("--only", nargs="+", default=None, help="time only the jobs of these labels")
     ap.add_argument("--out", default=None, help="append the markdown table here")

@@ -258,8 +258,7 @@ def template(dtype, D, I, k, rt, sk, gw1, gw2, pp=True, cs1=None, cs2=None) -> l
 def shape_for(backend: str, D: int, I: int) -> tuple:
     """(RT, SK, GW1, GW2, PP): ``mxfp4_mma``'s dispatched launch shapes, which must agree on
     the threadgroup (both roles share it)."""
-    gu = mxfp4_mma.dispatched_shape(backend, D, True)
-    dn = mxfp4_mma.dispatched_shape(backend, I, False)
+    gu, dn = _shapes(backend, D, I)
     if gu[:2] != dn[:2] or gu[3] != dn[3]:
         raise ValueError(
             f"mxfp4_one: mxfp4_mma.LAUNCH's gate/up {gu} and down {dn} differ in threadgroup"
@@ -267,19 +266,24 @@ def shape_for(backend: str, D: int, I: int) -> tuple:
     return gu[0], gu[1], gu[2], dn[2], gu[3]
 
 
-def agrees(backend: str, D: int, I: int) -> bool:
-    """Whether ``mxfp4_mma``'s dispatched settings for these dims can be one grid: the same
-    threadgroup and double buffering (``shape_for``), one launch bound and one code decode for
-    both projections (``dispatched_kernel``). The dispatcher takes the three launches where
-    they cannot (a setting changed by hand)."""
-    gu = mxfp4_mma.dispatched_shape(backend, D, True)
-    dn = mxfp4_mma.dispatched_shape(backend, I, False)
-    return (
-        gu[:2] == dn[:2]
-        and gu[3] == dn[3]
-        and len(set(mxfp4_mma.MIN_BLOCKS.values())) == 1
-        and len(set(mxfp4_mma.DECODE.values())) == 1
+def _shapes(backend: str, D: int, I: int) -> tuple:
+    """``mxfp4_mma``'s dispatched (gate/up, down) launch shapes for these dims."""
+    return mxfp4_mma.dispatched_shape(backend, D, True), mxfp4_mma.dispatched_shape(
+        backend, I, False
     )
+
+
+def agrees(backend: str, D: int, I: int) -> bool:
+    """Whether ``mxfp4_mma``'s dispatched settings for these dims can be one grid: what
+    ``shape_for`` and ``dispatched_kernel`` would otherwise refuse (threadgroups or double
+    buffering that differ between the projections, two launch bounds, two code decodes). The
+    dispatcher takes the three launches where they cannot (a setting changed by hand)."""
+    try:
+        shape_for(backend, D, I)
+        dispatched_kernel(*_shapes(backend, D, I)[0][:2])
+    except ValueError:
+        return False
+    return True
 
 
 def _io(counts: str) -> tuple:
