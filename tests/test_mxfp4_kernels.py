@@ -670,6 +670,19 @@ def test_oracle_matches_mlx_reference(E, D, I, N, k):
     assert rel_err(expert_glu_reference(*args), want) < TOL
 
 
+def slot_pool(w: dict, slots: np.ndarray, size: int) -> dict:
+    """The stacks ``w`` as the streamer holds them: expert e at slot ``slots[e]`` of a pool of
+    ``size`` slots, seen through a view one slot into a larger array (an offset view)."""
+    pool = {}
+    for n, arrs in w.items():
+        pool[n] = []
+        for a in arrs:
+            big = mx.zeros((size + 2, *a.shape[1:]), dtype=a.dtype)
+            big[mx.array(slots + 1)] = a
+            pool[n].append(big[1 : size + 1])
+    return pool
+
+
 def check_reads_cache_slots(backend: str):
     """The streamer's layout: experts at scattered slots of a larger pool, seen through a view
     with an offset, ``inds`` remapped to slots. Same bits as the stacked experts, for the LUT
@@ -681,13 +694,7 @@ def check_reads_cache_slots(backend: str):
     for (D, I, N, dtype), fns in (((64, 96, 17, "float32"), lut), ((128, 256, 2, "bfloat16"), mma)):
         (z, w, inds, wts, beta, cap), _ = case(6, D, I, N, 2, dtype)
         slots = np.random.default_rng(3).permutation(10)[:6]  # expert e lives in slot slots[e]
-        pool = {}
-        for n, arrs in w.items():
-            pool[n] = []
-            for a in arrs:
-                big = mx.zeros((12, *a.shape[1:]), dtype=a.dtype)
-                big[mx.array(slots + 1)] = a
-                pool[n].append(big[1:11])
+        pool = slot_pool(w, slots, 10)
         slot_inds = mx.array(slots)[inds]
         for name, fn in fns.items():
             want = fn(z, w, inds, wts, beta, cap, backend=backend)

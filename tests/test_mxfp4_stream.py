@@ -8,7 +8,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import broken
-from test_mxfp4_kernels import TOL, assert_broken, case, check_mma_large_and_tiny, rel_err
+from test_mxfp4_kernels import (
+    TOL,
+    assert_broken,
+    case,
+    check_mma_large_and_tiny,
+    rel_err,
+    slot_pool,
+)
 
 from kimi_k3.kernels import mxfp4_stream
 
@@ -69,13 +76,7 @@ def test_stream_reads_cache_slots_as_given():
     view with an offset): the same bits as the stacked experts."""
     (z, w, inds, wts, beta, cap), _ = case(4, 128, 256, 3, 2, "float32")
     slots = np.random.default_rng(3).permutation(8)[:4]
-    pool = {}
-    for n, arrs in w.items():
-        pool[n] = []
-        for a in arrs:
-            big = mx.zeros((10, *a.shape[1:]), dtype=a.dtype)
-            big[mx.array(slots + 1)] = a
-            pool[n].append(big[1:9])
+    pool = slot_pool(w, slots, 8)
     want = mxfp4_stream.expert_glu_decode(z, w, inds, wts, beta, cap, backend="emulator")
     got = mxfp4_stream.expert_glu_decode(
         z, pool, mx.array(slots)[inds], wts, beta, cap, backend="emulator"
