@@ -345,12 +345,13 @@ def kernel_backend() -> str:
     return backend
 
 
-def emit(text: str, out: str | None):
-    """Print a result table and, with ``--out``, write it there."""
-    print(text)
+def emit(text: str, out: str | None, append: bool = False):
+    """Print a result table and, with ``--out``, write it there (after what the file holds,
+    and a blank line, where ``append``)."""
+    print(text, flush=True)
     if out:
-        with open(out, "w") as f:
-            f.write(text)
+        with open(out, "a" if append else "w") as f:
+            f.write(text + ("\n" if append else ""))
 
 
 def main(argv=None):

@@ -188,6 +188,16 @@ def chain_link(out: mx.array, args: tuple) -> tuple:
     return (out.astype(args[0].dtype), *args[1:])
 
 
+def chain_output(fn, inputs: list, length: int, link=chain_link) -> mx.array:
+    """The last output of a chain of ``length`` calls on ``inputs`` taken in turn, each call
+    but the first on ``link(previous output, its inputs)`` (built, not evaluated)."""
+    out = None
+    for i in range(length):
+        a = inputs[i % len(inputs)]
+        out = fn(*(a if out is None else link(out, a)))
+    return out
+
+
 def time_chain(fn, inputs: list, repeats: int, link=chain_link) -> float:
     """Best seconds per call of a chain of calls, each on ``link(previous output, its
     inputs)``, so that call i + 1 cannot start before call i is done, as in a model's
@@ -198,9 +208,7 @@ def time_chain(fn, inputs: list, repeats: int, link=chain_link) -> float:
     mx.eval(fn(*inputs[0]))
     best = math.inf
     for _ in range(repeats):
-        out = None
-        for a in inputs:
-            out = fn(*(a if out is None else link(out, a)))
+        out = chain_output(fn, inputs, len(inputs), link)
         mx.synchronize()
         t0 = time.perf_counter()
         mx.eval(out)

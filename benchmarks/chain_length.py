@@ -30,10 +30,11 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.bench_kda import emit
 from benchmarks.bench_mxfp4 import (
     BETA,
     CAP,
-    chain_link,
+    chain_output,
     expert_bytes,
     random_experts,
     rel_err,
@@ -88,8 +89,7 @@ def jobs(read_limit: bool, tiled: bool = False) -> list[tuple[str, object]]:
 
 def time_chain_split(fn, inputs: list, length: int, repeats: int) -> tuple[float, float]:
     """Best (total seconds, seconds until ``mx.async_eval`` returned) of ``repeats``
-    evaluations of a chain of ``length`` calls on ``inputs`` taken in turn, each call on
-    ``chain_link`` of the one before."""
+    evaluations of ``bench_mxfp4.chain_output``'s chain of ``length`` calls."""
     mx.eval(fn(*inputs[0]))
     best = (math.inf, math.inf)
     for _ in range(repeats):
@@ -102,15 +102,6 @@ def time_chain_split(fn, inputs: list, length: int, repeats: int) -> tuple[float
         t2 = time.perf_counter()
         best = min(best, (t2 - t0, t1 - t0))
     return best
-
-
-def chain_output(fn, inputs: list, length: int) -> mx.array:
-    """The last output of a chain of ``length`` calls (as ``time_chain_split`` builds it)."""
-    out = None
-    for i in range(length):
-        a = inputs[i % len(inputs)]
-        out = fn(*(a if out is None else chain_link(out, a)))
-    return out
 
 
 def fit(lengths, totals) -> tuple[float, float]:
@@ -231,10 +222,7 @@ def main(argv=None):
         ap.error("--lengths: at least two different lengths are needed for a line")
     rows = run(args)
     text = markdown(rows, args)
-    print(text, flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit(text, args.out, append=True)
     return rows
 
 

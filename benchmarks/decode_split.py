@@ -31,6 +31,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import kimi_k3
 from benchmarks.bench_e2e import decode_steps, prefill
+from benchmarks.bench_kda import emit
 from kimi_k3.convert.synth import parse_override, write_checkpoint
 from kimi_k3.loader import load_model
 
@@ -105,13 +106,9 @@ def main(argv=None):
     for label, build, wait in rows:
         step = build + wait
         lines.append(f"| {label} | {build:.3f} | {wait:.3f} | {step:.3f} | {1e3 / step:.1f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
+    emit("\n".join(lines) + "\n", args.out, append=True)
     if report:
         print(report)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
     return rows
 
 

@@ -259,7 +259,7 @@ def shape_for(backend: str, D: int, I: int) -> tuple:
     """(RT, SK, GW1, GW2, PP): ``mxfp4_mma``'s dispatched launch shapes, which must agree on
     the threadgroup (both roles share it)."""
     gu, dn = _shapes(backend, D, I)
-    if gu[:2] != dn[:2] or gu[3] != dn[3]:
+    if not _one_grid(gu, dn):
         raise ValueError(
             f"mxfp4_one: mxfp4_mma.LAUNCH's gate/up {gu} and down {dn} differ in threadgroup"
         )
@@ -273,17 +273,21 @@ def _shapes(backend: str, D: int, I: int) -> tuple:
     )
 
 
+def _one_grid(gu: tuple, dn: tuple) -> bool:
+    """Whether the two launch shapes share a threadgroup and double buffering."""
+    return gu[:2] == dn[:2] and gu[3] == dn[3]
+
+
+def _one_setting() -> bool:
+    """Whether ``mxfp4_mma`` has one launch bound and one code decode for both projections."""
+    return len(set(mxfp4_mma.MIN_BLOCKS.values())) == 1 and len(set(mxfp4_mma.DECODE.values())) == 1
+
+
 def agrees(backend: str, D: int, I: int) -> bool:
-    """Whether ``mxfp4_mma``'s dispatched settings for these dims can be one grid: what
-    ``shape_for`` and ``dispatched_kernel`` would otherwise refuse (threadgroups or double
-    buffering that differ between the projections, two launch bounds, two code decodes). The
-    dispatcher takes the three launches where they cannot (a setting changed by hand)."""
-    try:
-        shape_for(backend, D, I)
-        dispatched_kernel(*_shapes(backend, D, I)[0][:2])
-    except ValueError:
-        return False
-    return True
+    """Whether ``mxfp4_mma``'s dispatched settings for these dims can be one grid, which
+    ``shape_for`` and ``dispatched_kernel`` otherwise refuse. The dispatcher takes the three
+    launches where they cannot (a setting changed by hand). Cheap: no kernel lookup."""
+    return _one_grid(*_shapes(backend, D, I)) and _one_setting()
 
 
 def _io(counts: str) -> tuple:
@@ -331,18 +335,17 @@ def dispatched_kernel(rt: int, sk: int, counts: str | None = None) -> Kernel:
     counts = counts or COUNTS
     if counts not in COUNTS_MODES:
         raise ValueError(f"mxfp4_one.COUNTS = {counts!r}: one of {COUNTS_MODES}")
-    bounds = set(mxfp4_mma.MIN_BLOCKS.values())
-    decodes = set(mxfp4_mma.DECODE.values())
-    if len(bounds) != 1 or len(decodes) != 1:
+    if not _one_setting():
         raise ValueError(
             f"mxfp4_one: one launch needs one bound and one decode for both projections, got "
             f"mxfp4_mma.MIN_BLOCKS {mxfp4_mma.MIN_BLOCKS}, DECODE {mxfp4_mma.DECODE}"
         )
-    (decode,) = decodes
+    (decode,) = set(mxfp4_mma.DECODE.values())
     if decode not in mxfp4_mma.DECODES:
         raise ValueError(f"mxfp4_mma.DECODE = {decode!r}: one of {mxfp4_mma.DECODES}")
     base = globals()[_BASE[counts]]
-    kernel = base.bounded(32 * rt * sk, bounds.pop())
+    (bound,) = set(mxfp4_mma.MIN_BLOCKS.values())
+    kernel = base.bounded(32 * rt * sk, bound)
     return mxfp4_mma.byte_permute_decode(kernel) if decode == "byte permute" else kernel
 
 
@@ -425,16 +428,21 @@ def tiled_layout(kernel: Kernel) -> Kernel:
 
 def expert_glu_decode_tiled(z, w, inds, weights, beta, cap, backend=None, counts=None):
     """``expert_glu_decode`` on stacks ``w`` in ``mxfp4_fused.tile_experts``' layout."""
-    backend = backend or default_backend()
-    rt, sk = shape_for(backend, z.shape[-1], w["w1"][0].shape[-2])[:2]
-    kernel = tiled_layout(dispatched_kernel(rt, sk, counts))
-    return launch(kernel, z, w, inds, weights, beta, cap, backend, counts)[0]
+    return _decode(True, z, w, inds, weights, beta, cap, backend, counts)
 
 
 def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None, counts=None):
     """``mxfp4_mma.expert_glu_decode`` in one launch (same shapes, return and bits: fp32
     [N, D]). Needs ``mxfp4_mma.eligible`` inputs. ``counts``: ``COUNTS``' choice."""
+    return _decode(False, z, w, inds, weights, beta, cap, backend, counts)
+
+
+def _decode(tiled, z, w, inds, weights, beta, cap, backend, counts):
+    """The dispatched kernel for these dims (on tiles where ``tiled``), launched at the shape
+    it was chosen for (found once)."""
     backend = backend or default_backend()
-    rt, sk = shape_for(backend, z.shape[-1], w["w1"][0].shape[-2])[:2]
-    kernel = dispatched_kernel(rt, sk, counts)
-    return launch(kernel, z, w, inds, weights, beta, cap, backend, counts)[0]
+    shape = shape_for(backend, z.shape[-1], w["w1"][0].shape[-2])
+    kernel = dispatched_kernel(shape[0], shape[1], counts)
+    if tiled:
+        kernel = tiled_layout(kernel)
+    return launch(kernel, z, w, inds, weights, beta, cap, backend, counts, shape)[0]
