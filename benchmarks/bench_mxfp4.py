@@ -97,6 +97,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "several launches, and its probe without products",
     )
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument(
+        "--no-lut", action="store_true", help="prefill: leave out the LUT kernel's rows (Metal's)"
+    )
     p.add_argument("--out", default=None, help="write the markdown table here")
     return p
 
@@ -357,10 +360,11 @@ OCCUPANCY_ROWS = [
 
 
 def tiled_decode(decode=None):
-    """``decode`` (default: the dispatched three-launch kernels, ``mxfp4_mma``'s
-    ``expert_glu_decode_tiled``) reading the stacks in ``mxfp4_fused.tile_experts``' layout (a
-    warp load is 512 contiguous bytes), each stack converted once, at its first call (the
-    timers' warm-up), not inside a timed call."""
+    """``decode`` (default: the three-launch kernels, ``mxfp4_mma``'s
+    ``expert_glu_decode_tiled``; or any function that reads ``TiledStacks`` as tiles) reading
+    the stacks in ``mxfp4_fused.tile_experts``' layout (a warp load is 512 contiguous bytes),
+    each stack converted once, at its first call (the timers' warm-up), not inside a timed
+    call."""
     from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
 
     decode = decode or mxfp4_mma.expert_glu_decode_tiled
@@ -599,7 +603,7 @@ def bench_prefill(args, table: Table):
         rows = [
             (expert_glu_prefill_mma, "tensor-core kernel", (16, 32)),
             (expert_glu_prefill, "LUT kernel", tuple(args.tiles)),
-        ]
+        ][: 1 if args.no_lut else 2]
         default = tile_tokens_for(n * args.topk, args.prefill_experts)  # both kernels' rule
         for fn, name, tiles in rows:
             for tile in sorted({default, *tiles}):
@@ -610,6 +614,12 @@ def bench_prefill(args, table: Table):
                 t = attempt(table, label, prefill_row, table, label, tiled, inputs, n, args)
                 ref = expert_glu_reference
                 compare(table, f"{label} vs gather_qmm", tiled, ref, t, t_ref, inputs)
+        # What a tiled store's prefill runs on CUDA (expert_layout): the tensor-core kernel
+        # on tiles, at its choice
+        label = f"prefill N={n}: tensor-core kernel on the tiled layout, {default} pairs/tile"
+        on_tiles = tiled_decode(functools.partial(expert_glu_prefill_mma, tile_tokens=default))
+        t = attempt(table, label, prefill_row, table, label, on_tiles, inputs, n, args)
+        compare(table, f"{label} vs gather_qmm", on_tiles, expert_glu_reference, t, t_ref, inputs)
         attempt(table, f"prefill N={n}: oracle", oracle_rows, table, n, inputs[0])
 
 

@@ -9,8 +9,8 @@ intercept in every call. A decode step of K3 runs 92 MoE layers one after anothe
 slope is the cost that a layer's experts add to a step; both are reported, side by side,
 for ``gather_qmm``, the three-launch decode (``mxfp4_mma``), the one-launch decode
 (``mxfp4_one``, each place for its counters), with ``--tiled`` both on ``tile_experts``'
-layout (probes), with ``--read-limit`` the read limits, and a chain of links alone (the cast
-and one trivial op a call) as the floor of a dependent call.
+layout (what a tiled store dispatches), with ``--read-limit`` the read limits, and a chain
+of links alone (the cast and one trivial op a call) as the floor of a dependent call.
 
 Each timing also records how long ``mx.async_eval`` took to return (the host's encoding and
 submission of the chain): a chain whose submission takes as long as its whole evaluation is
@@ -212,9 +212,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM datasheet peak")
     ap.add_argument("--read-limit", action="store_true", help="also time the read limits")
-    ap.add_argument(
-        "--tiled", action="store_true", help="also time both decodes on tiled stacks (probes)"
-    )
+    ap.add_argument("--tiled", action="store_true", help="also time both decodes on tiled stacks")
     ap.add_argument("--only", nargs="+", default=None, help="time only the jobs of these labels")
     ap.add_argument("--out", default=None, help="append the markdown table here")
     args = ap.parse_args(argv)

@@ -19,7 +19,8 @@
 # read_limit 190 s (before its 512-threads-per-SM rows; 164 s with them, session 24), stream_tests 115-120 s,
 # stream_bench 250 s, read_limit_inflight 81 s, stream_stalls 192 s (its first 12 launches),
 # mxfp4_gate_up 85 s (session 25; run as mxfp4_layout 68-132 s), mxfp4_gate_up_chain 24 s, mxfp4_mma_tests 190 s, mxfp4_fused_params 64 s, mxfp4_one 245-285 s, mxfp4_tiled_mma 181 s,
-# read_limit 200 s with its ncu pass, bench_e2e more than 200 s (cut off by the session's device time). A fresh machine's first call costs about 90 s
+# read_limit 200 s with its ncu pass, bench_e2e more than 200 s (cut off by the session's device time), tiled_runs 73-103 s,
+# tiled_store 365 s (its tests 295 s), bench_e2e 138-295 s, decode_split 69-83 s. A fresh machine's first call costs about 90 s
 # of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
@@ -127,6 +128,21 @@ for step in "$@"; do
       for n in 1 4; do
         MLX_ENABLE_TF32=0 run "chain_length_$n" 200 python3 -m benchmarks.chain_length --tokens $n --read-limit --tiled --out "$OUT/chain_length.md"
       done ;;
+    tiled_runs)
+      # the one launch on the tiled layout against it on MLX's layout and the three launches,
+      # at one token, in three processes of five rounds each (is its 60% of run 5 steady?)
+      for r in 1 2 3; do
+        MLX_ENABLE_TF32=0 run "tiled_runs_$r" 200 python3 -m benchmarks.chain_length --tokens 1 --read-limit --tiled --rounds 5 \
+          --only "mxfp4_mma (three launches)" "mxfp4_one (one launch, counters in its output (one fill))" \
+          "mxfp4_mma (three launches) on the tiled layout" "mxfp4_one (counters in its output) on the tiled layout" \
+          "read limit, one launch" --out "$OUT/tiled_runs.md"
+      done ;;
+    tiled_store)
+      # the expert store on tiles (kernels/expert_layout.py): its CUDA tests (the tiled prefill
+      # and dispatch at K3 size, the model resident and streamed), then the prefill on tiles
+      # beside MLX's layout and gather_qmm (bench_mxfp4, 896 experts, 512 and 4096 tokens)
+      MLX_ENABLE_TF32=0 run tiled_store_tests 300 python3 -m pytest -q tests/cuda/test_model_cuda.py tests/cuda/test_mxfp4_cuda.py -k "tiled or dispatched"
+      run tiled_prefill 250 python3 -m benchmarks.bench_mxfp4 --decode-tokens 1 --no-lut --out "$OUT/tiled_prefill.md" ;;
     bench_e2e_cpu) run bench_e2e_cpu 300 python3 benchmarks/bench_e2e.py --preset small --device cpu --repeats 3 --out "$OUT/bench_e2e_cpu.md" ;;
     bench_streaming) run bench_streaming 400 python3 -m benchmarks.bench_streaming --quick --out "$OUT/bench_streaming_h200.md" ;;
     ptxas) run ptxas 200 python3 -m benchmarks.profile_kernels --ptxas ;;

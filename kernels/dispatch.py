@@ -96,28 +96,44 @@ def expert_glu_kernel(z, w, inds):
     above that the grouped (prefill) kernels where ``expert_prefill_choice`` says so: on
     CUDA the tensor-core GEMM of ``mxfp4_prefill_mma`` (whose Metal rendering spells the MMA
     out in shuffles), elsewhere the LUT GEMM of ``mxfp4_prefill``.
+    Stacks in ``expert_layout``'s tiles (``TiledStacks``) are served by the tiled variants of
+    CUDA's tensor-core kernels; where none applies, None (the reference, which untiles).
     ``KIMI_K3_REFERENCE=1`` (or ``experts``) forces the reference.
     """
     from functools import partial
 
-    from . import mxfp4_decode, mxfp4_mma, mxfp4_one, mxfp4_prefill, mxfp4_prefill_mma, source
+    from . import (
+        expert_layout,
+        mxfp4_decode,
+        mxfp4_mma,
+        mxfp4_one,
+        mxfp4_prefill,
+        mxfp4_prefill_mma,
+        source,
+    )
 
     if reference_forced("experts"):
         return None
     backend = source.backend()
     if backend is None or not mxfp4_decode.eligible(z, w, inds):
         return None
+    tiled = expert_layout.is_tiled(w)
+    mma = backend == "cuda" and mxfp4_mma.eligible(z, w, inds)
+    if tiled and not mma:
+        return None
     if inds.size <= EXPERT_DECODE_MAX_PAIRS:
-        if backend == "cuda" and mxfp4_mma.eligible(z, w, inds):
+        if mma:
             one = expert_decode_choice(inds.size) == "one"
             if one and mxfp4_one.agrees(backend, z.shape[-1], w["w1"][0].shape[-2]):
-                return partial(mxfp4_one.expert_glu_decode, backend=backend)
-            return partial(mxfp4_mma.expert_glu_decode, backend=backend)
+                fn = mxfp4_one.expert_glu_decode_tiled if tiled else mxfp4_one.expert_glu_decode
+                return partial(fn, backend=backend)
+            fn = mxfp4_mma.expert_glu_decode_tiled if tiled else mxfp4_mma.expert_glu_decode
+            return partial(fn, backend=backend)
         return partial(mxfp4_decode.expert_glu_decode, backend=backend)
     if expert_prefill_choice() == "reference":
         return None
     if backend == "cuda":
-        return partial(mxfp4_prefill_mma.expert_glu_prefill_mma, backend=backend)
+        return partial(mxfp4_prefill_mma.expert_glu_prefill_mma, backend=backend, tiled=tiled)
     return partial(mxfp4_prefill.expert_glu_prefill, backend=backend)
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import expert_layout
 from .mxfp4_decode import K3
 from .mxfp4_mma import LANES, MMA_HEADER, SHARED_LIMIT, STEP_MACRO, mma_block, staging
 from .source import Instance, Kernel, constant
@@ -367,17 +368,10 @@ def sum_slices(backend: str, part, N: int):
 
 def tile_experts(w: dict) -> dict:
     """The expert stacks ``w`` (as ``expert_glu_reference`` takes them) in the tiled layout
-    the kernels read with ``tiled=True``: same shapes, each matrix's rows cut into 16-row
-    tiles and each tile into blocks of 4 scale groups, a block's 16 rows x 64 bytes of codes
-    (and 16 x 4 scale bytes) contiguous. Rows must be a multiple of 16, groups of 4."""
-    out = {}
-    for name, (q, s) in w.items():
-        E, R, W = q.shape
-        G = W // 4
-        qt = q.reshape(E, R // 16, 16, G // 4, 16).transpose(0, 1, 3, 2, 4).reshape(E, R, W)
-        st = s.reshape(E, R // 16, 16, G // 4, 4).transpose(0, 1, 3, 2, 4).reshape(E, R, G)
-        out[name] = (qt, st)
-    return out
+    the kernels read with ``tiled=True`` (``expert_layout.tile``: same shapes, each matrix's
+    rows cut into 16-row tiles and each tile into blocks of 4 scale groups, a block's 16 rows x
+    64 bytes of codes and 16 x 4 scale bytes contiguous)."""
+    return expert_layout.tile(w)
 
 
 def _launch(kernel, tmpl, sl, nw, backend, z, w, inds, weights, beta, cap):

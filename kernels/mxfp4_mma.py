@@ -130,8 +130,8 @@ def byte_permute_decode(kernel: Kernel) -> Kernel:
     return kernel.variant("_prmt", header=header)
 
 
-# mxfp4_fused.tile_experts' layout (16-row tiles of 4-group blocks, a block's 16 rows x 64
-# bytes of codes and 16 x 4 scale bytes contiguous): lane (g, tq)'s word of a block is word
+# expert_layout's tiles (16-row tiles of 4-group blocks, a block's 16 rows x 64 bytes of
+# codes and 16 x 4 scale bytes contiguous): lane (g, tq)'s word of a block is word
 # ``lane`` of it, row g + 8's is ``lane + 32``, so one warp load is 512 contiguous bytes.
 _TILED = (
     (
@@ -153,8 +153,8 @@ _TILED = (
 def tiled_layout(kernel: Kernel) -> Kernel:
     """``kernel`` (``mxfp4_mma``'s register kernel, any decode or bound) reading expert stacks
     in ``mxfp4_fused.tile_experts``' layout instead of MLX's, named ``<name>_tiled``: same
-    arithmetic in the same order, so the same bits (a benchmark probe: the expert store holds
-    MLX's layout)."""
+    arithmetic in the same order, so the same bits. Dispatched for ``expert_layout.TiledStacks``
+    (the expert store's layout where CUDA's kernels serve it)."""
     return kernel.variant("_tiled", body=swap(kernel.body, _TILED, "mxfp4_mma.tiled_layout"))
 
 
@@ -531,8 +531,11 @@ def eligible(z, w, inds) -> bool:
 
     if not mxfp4_decode.eligible(z, w, inds):
         return False
-    D = z.shape[-1]
-    I = w["w1"][0].shape[-2]
+    return eligible_dims(z.shape[-1], w["w1"][0].shape[-2])
+
+
+def eligible_dims(D: int, I: int) -> bool:
+    """``eligible``'s condition on the dims alone."""
     return D % 128 == 0 and I % 128 == 0 and 4 * max(D, I) <= 24 * 1024
 
 

@@ -420,8 +420,8 @@ def launch(kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, sh
 def tiled_layout(kernel: Kernel) -> Kernel:
     """``kernel`` reading stacks in ``mxfp4_fused.tile_experts``' layout
     (``mxfp4_mma.tiled_layout``'s rewrite, once per role), named ``<name>_tiled``: same
-    arithmetic in the same order, so the same bits (a benchmark probe: the expert store holds
-    the checkpoint's layout)."""
+    arithmetic in the same order, so the same bits. Dispatched for ``expert_layout.TiledStacks``
+    (the expert store's layout where CUDA's kernels serve it)."""
     pairs = [(old, new, 2 * (more[0] if more else 1)) for old, new, *more in mxfp4_mma._TILED]
     return kernel.variant("_tiled", body=swap(kernel.body, pairs, "mxfp4_one.tiled_layout"))
 

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import expert_layout
 from .mxfp4_decode import K3
 from .mxfp4_mma import MMA_HEADER
 from .mxfp4_prefill import grouped_glu, tile_tokens_for
-from .source import Instance, Kernel
+from .source import Instance, Kernel, swap
 from .source import backend as default_backend
 
 # Per row of x [R, KD]: its B fragments frag [R, G, 2 (m), 2 (hi, lo), 4 (tq)] (uint2 each)
@@ -232,6 +233,40 @@ MXFP4_GROUPED_MMA = Kernel(
 )
 
 
+# ``expert_layout``'s tiles: row r's scale group j at (r / 16 * (G / 4) + j / 4) * 64 +
+# (r % 16) * 4 + j % 4 (16-byte words of codes, bytes of scales); row g + 8 is 32 further.
+_TILED = (
+    (
+        "(const DEVICE uint4*)wa + ra * G;",
+        "(const DEVICE uint4*)wa + (ra / 16 * (G / 4) * 64 + ra % 16 * 4);",
+    ),
+    (
+        "(const DEVICE uint4*)wb + rb * G;",
+        "(const DEVICE uint4*)wb + (rb / 16 * (G / 4) * 64 + rb % 16 * 4);",
+    ),
+    ("sa + ra * G;", "sa + (ra / 16 * (G / 4) * 64 + ra % 16 * 4);"),
+    ("sb + rb * G;", "sb + (rb / 16 * (G / 4) * 64 + rb % 16 * 4);"),
+    (
+        "        const uint4 wa0 = qa[grp], wa8 = qa[8 * G + grp], "
+        "wb0 = qb[grp], wb8 = qb[8 * G + grp];\n"
+        "        const float sa0 = kk_e8m0_bits(ea[grp]), sa8 = kk_e8m0_bits(ea[8 * G + grp]);\n"
+        "        const float sb0 = kk_e8m0_bits(eb[grp]), sb8 = kk_e8m0_bits(eb[8 * G + grp]);\n",
+        "        const uint tg = grp / 4 * 64 + grp % 4;\n"
+        "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
+        "        const float sa0 = kk_e8m0_bits(ea[tg]), sa8 = kk_e8m0_bits(ea[32 + tg]);\n"
+        "        const float sb0 = kk_e8m0_bits(eb[tg]), sb8 = kk_e8m0_bits(eb[32 + tg]);\n",
+    ),
+)
+
+
+def tiled_layout(kernel: Kernel) -> Kernel:
+    """``kernel`` (``MXFP4_GROUPED_MMA``) reading expert stacks in ``expert_layout``'s tiles,
+    named ``<name>_tiled``: only the loads' addresses move, so the same bits."""
+    return kernel.variant(
+        "_tiled", body=swap(kernel.body, _TILED, "mxfp4_prefill_mma.tiled_layout")
+    )
+
+
 def b_fragments(x: mx.array, backend: str):
     """``mxfp4_bfrag``: x [R, KD] -> (frag [R, KD] uint32: hi and lo fp16 per element in B's
     layout, unscale [R] fp32)."""
@@ -258,10 +293,15 @@ def expert_glu_prefill_mma(
     tile_tokens: int | None = None,
     backend: str | None = None,
     launch: tuple | None = None,
+    tiled: bool | None = None,
 ):
     """``mxfp4_prefill.expert_glu_prefill`` on tensor cores (same shapes and return: fp32
-    [N, D]); ``launch`` = (warps per threadgroup, groups per chunk) overrides ``LAUNCH``."""
+    [N, D]); ``launch`` = (warps per threadgroup, groups per chunk) overrides ``LAUNCH``.
+    ``tiled`` (default: whether ``w`` is ``expert_layout.TiledStacks``): ``w`` in the tiled
+    layout."""
     backend = backend or default_backend()
+    tiled = expert_layout.is_tiled(w) if tiled is None else tiled
+    kernel = tiled_layout(MXFP4_GROUPED_MMA) if tiled else MXFP4_GROUPED_MMA
     # The LUT kernel's rule (16 pairs while an expert's expected run fits, else 32) measured
     # right for this kernel too on the H200 (K3 layer, 896 experts: 15.3 ms at 16 vs 23.4 at
     # 32 for 512 tokens; 72.1 vs 69.1 ms for 4096; docs/benchmarks.md).
@@ -273,7 +313,7 @@ def expert_glu_prefill_mma(
     def gemm(x, wa, sa, wb, sb, kd, nout, nmat, xrow, tiles, pair_w, act):
         frag, unscale = b_fragments(x, backend)
         units = nout // 16 if nmat == 2 else nout // 32
-        (out,) = MXFP4_GROUPED_MMA(
+        (out,) = kernel(
             backend,
             inputs=[frag, unscale, xrow, tiles, wa, sa, wb, sb, pair_w, act],
             output_shapes=[(inds.size, nout)],

@@ -88,7 +88,8 @@ def load(
         lazy: leave dense weights unevaluated until first use.
         return_config: also return the ``config.json`` dict.
         trust_remote_code: accepted for mlx-lm compatibility; no remote code is ever run.
-        stream_options: passed on to the expert streamer.
+        stream_options: passed on to the expert streamer; ``expert_layout=`` (``"auto"``,
+            ``"mlx"``, ``"tiled"``) to ``load_model``, for resident and streamed experts alike.
 
     Returns:
         ``(model, tokenizer)``, or ``(model, tokenizer, config)`` with ``return_config``;

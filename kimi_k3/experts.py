@@ -8,6 +8,11 @@ reads them from disk into a bounded cache, and both compute with ``expert_glu``.
 MXFP4 layout (MLX ``mode="mxfp4"``, identical bytes to compressed-tensors): per expert
 ``w1`` (gate) and ``w3`` (up) are ``weight`` uint32 [I, D/8] + ``scales`` uint8 [I, D/32];
 ``w2`` (down) is ``weight`` uint32 [D, I/8] + ``scales`` uint8 [D, I/32].
+
+Where CUDA's kernels serve the experts, the stores hold the same bytes permuted into 16-row
+tiles (``kimi_k3.kernels.expert_layout``; ``store_layout`` decides, ``KIMI_K3_EXPERT_LAYOUT``
+overrides): the stacks they hand to ``expert_glu`` are then ``TiledStacks``, which the
+dispatcher gives to the kernels' tiled variants and the reference untiles.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ def expert_glu_reference(
 
     Shapes: z: [N, D]; inds: [N, k] int; weights: [N, k]. Returns fp32 [N, D].
     """
+    if _is_tiled(w):
+        w, inds = _untiled(w, inds)
     N, k = inds.shape
     flat = inds.reshape(-1)
     order = mx.argsort(flat)
@@ -65,6 +72,47 @@ def expert_glu_reference(
     y = mx.zeros_like(y).at[order].add(y)  # back to (token, choice) order
     y = y.reshape(N, k, -1)
     return (y * weights.astype(mx.float32)[..., None]).sum(axis=1)
+
+
+def _is_tiled(w) -> bool:
+    from kimi_k3.kernels.expert_layout import is_tiled
+
+    return is_tiled(w)
+
+
+def _untiled(w, inds):
+    """Tiled stacks -> MLX's layout for the reference: the experts ``inds`` reads, copied
+    (indices renumbered), where they are fewer than the stack's; else the whole stack."""
+    from kimi_k3.kernels.expert_layout import untile, untile_pair
+
+    if inds.size >= w["w1"][0].shape[0]:
+        return untile(w), inds
+    sel = inds.reshape(-1)
+    out = {n: untile_pair(q[sel], s[sel], n) for n, (q, s) in w.items()}
+    return out, mx.arange(inds.size, dtype=mx.int32).reshape(inds.shape)
+
+
+def store_layout(choice: str | None, dim: int, hidden: int) -> str:
+    """``"tiled"`` or ``"mlx"``: the layout an expert store of latent ``dim`` and expert
+    ``hidden`` size holds. ``choice`` ``None`` reads ``KIMI_K3_EXPERT_LAYOUT`` (default
+    ``"auto"``); ``"auto"`` is tiles where CUDA's tensor-core kernels read them (the CUDA
+    backend, dims ``expert_layout.kernels_read`` accepts), else MLX's layout. Asking for
+    tiles the dims cannot have is an error; any other value too."""
+    from kimi_k3.kernels import expert_layout, source
+
+    if choice is None:
+        choice = source.env_choice("KIMI_K3_EXPERT_LAYOUT", expert_layout.LAYOUTS, "auto")
+    if choice not in expert_layout.LAYOUTS:
+        raise ValueError(f"expert_layout={choice!r}: one of {expert_layout.LAYOUTS}")
+    if choice == "auto":
+        cuda = source.backend() == "cuda"
+        return "tiled" if cuda and expert_layout.kernels_read(dim, hidden) else "mlx"
+    if choice == "tiled" and not expert_layout.supports(dim, hidden):
+        raise ValueError(
+            f"expert_layout='tiled': experts of latent size {dim} and hidden size {hidden} "
+            "cannot be tiled (both must be multiples of 128)"
+        )
+    return choice
 
 
 def expert_glu(z, w, inds, weights, beta, cap):
@@ -90,7 +138,13 @@ class _Quant(nn.Module):
 
 
 class ResidentExperts(nn.Module):
-    """All of one layer's routed experts in memory, stacked: ``w1``, ``w2``, ``w3``."""
+    """All of one layer's routed experts in memory, stacked: ``w1``, ``w2``, ``w3``.
+
+    ``set_layout("tiled")`` permutes the stacks into ``expert_layout``'s tiles, held under the
+    names ``tiled_weight`` / ``tiled_scales``, so that saving or loading the parameters by
+    their checkpoint names (``weight`` / ``scales``) fails loudly instead of reading tiles as
+    MLX's layout; ``set_layout("mlx")`` turns them back.
+    """
 
     def __init__(self, num_experts: int, dim: int, hidden: int, beta: float, cap: float):
         super().__init__()
@@ -98,9 +152,39 @@ class ResidentExperts(nn.Module):
         self.w3 = _Quant(num_experts, hidden, dim)
         self.w2 = _Quant(num_experts, dim, hidden)
         self._act = (beta, cap)
+        self._tiled = False
+
+    @property
+    def layout(self) -> str:
+        return "tiled" if self._tiled else "mlx"
+
+    def set_layout(self, layout: str):
+        """Hold the stacks in ``layout`` (``"mlx"`` or ``"tiled"``): lazy MLX ops, one copy
+        of the layer's stacks when evaluated."""
+        from kimi_k3.kernels.expert_layout import tile_pair, untile_pair
+
+        if layout not in ("mlx", "tiled"):
+            raise ValueError(f"ResidentExperts.set_layout({layout!r}): 'mlx' or 'tiled'")
+        if layout == self.layout:
+            return
+        src, dst = _NAMES[self.layout], _NAMES[layout]
+        move = tile_pair if layout == "tiled" else untile_pair
+        for n in EXPERT_TENSORS:
+            q = getattr(self, n)
+            pair = move(q[src[0]], q[src[1]], n)
+            del q[src[0]], q[src[1]]
+            q[dst[0]], q[dst[1]] = pair
+        self._tiled = layout == "tiled"
 
     def tensors(self) -> dict:
-        return {n: (getattr(self, n).weight, getattr(self, n).scales) for n in EXPERT_TENSORS}
+        from kimi_k3.kernels.expert_layout import TiledStacks
+
+        a, b = _NAMES[self.layout]
+        w = {n: (getattr(self, n)[a], getattr(self, n)[b]) for n in EXPERT_TENSORS}
+        return TiledStacks(w) if self._tiled else w
 
     def __call__(self, z: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         return expert_glu(z, self.tensors(), inds, weights, *self._act)
+
+
+_NAMES = {"mlx": ("weight", "scales"), "tiled": ("tiled_weight", "tiled_scales")}

@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
 from kimi_k3.config import ModelArgs
 from kimi_k3.expert_pack import ExpertPack
+from kimi_k3.experts import store_layout
 from kimi_k3.layouts import dequantize_f32, detect, from_mlx_lm, read_args
 from kimi_k3.model import (
     KEEP_FP32,
@@ -31,6 +32,7 @@ def load_model(
     dtype: mx.Dtype = mx.bfloat16,
     expert_cache_gb: float | None = None,
     lazy: bool = False,
+    expert_layout: str | None = None,
     **stream_options,
 ) -> Model:
     """Build Kimi K3 from a checkpoint directory.
@@ -43,6 +45,9 @@ def load_model(
         expert_cache_gb: ``None`` keeps every routed expert resident; a number streams
             experts from disk into a cache of that many GB (``kimi_k3.streaming``).
         lazy: leave dense weights unevaluated (read on first use).
+        expert_layout: how the expert store holds the stacks: ``"auto"`` (tiles where CUDA's
+            kernels read them, else MLX's layout), ``"mlx"`` or ``"tiled"``
+            (``kimi_k3.experts.store_layout``); ``None`` reads ``KIMI_K3_EXPERT_LAYOUT``.
         stream_options: passed to the expert streamer (policy, prefetch, ...).
     """
     path = Path(path)
@@ -58,11 +63,19 @@ def load_model(
         raw.update(_pack_experts(path))
     quantize_dense(model, args, raw)
     weights = sanitize_weights(args, raw)
+    layout = store_layout(expert_layout, args.routed_expert_hidden_size, args.moe_intermediate_size)
     if stream:
         from kimi_k3.streaming import attach_streamer
 
-        attach_streamer(model, path, index, expert_cache_gb, **stream_options)
+        attach_streamer(model, path, index, expert_cache_gb, expert_layout=layout, **stream_options)
     _check_and_load(model, weights, index, dtype)
+    if layout == "tiled" and not stream:
+        from kimi_k3.streaming.store import moe_blocks
+
+        for moe in moe_blocks(model).values():
+            moe.experts.set_layout("tiled")
+            if not lazy:  # one layer's copy at a time
+                mx.eval(moe.experts.parameters())
     if not lazy:
         mx.eval(model.parameters())
     return model

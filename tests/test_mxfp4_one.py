@@ -30,7 +30,8 @@ def test_one_launch_gives_the_three_launches_bits(E, D, I, N, k, dtype):
 
 @pytest.mark.parametrize("E,D,I,N,k,dtype", CASES[1:3])
 def test_one_launch_on_the_tiled_layout_gives_the_same_bits(E, D, I, N, k, dtype):
-    """``mxfp4_one.tiled_layout`` (a benchmark probe) only moves both roles' load addresses."""
+    """``mxfp4_one.tiled_layout`` (dispatched for tiled stores) only moves both roles' load
+    addresses."""
     from kimi_k3.kernels import mxfp4_fused
 
     (z, w, *rest), _ = case(E, D, I, N, k, dtype)

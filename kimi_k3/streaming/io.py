@@ -122,12 +122,15 @@ class FileTable:
 class ReadJob:
     """One expert to read into ``dest`` (tensor -> writable uint8 array); a future.
 
-    Shapes: ``dest[name]`` 1-D uint8 with the tensor's byte count.
+    Shapes: ``dest[name]`` 1-D uint8 with the tensor's byte count. ``finish(dest)``, if
+    given, runs in the reader thread once every byte is in (and checked).
     """
 
-    def __init__(self, layer: int, expert: int, extents, dest: dict, checksum: int | None):
+    def __init__(
+        self, layer: int, expert: int, extents, dest: dict, checksum: int | None, finish=None
+    ):
         self.layer, self.expert, self.extents, self.dest = layer, expert, extents, dest
-        self.checksum = checksum
+        self.checksum, self.finish = checksum, finish
         self.nbytes = sum(e.nbytes for e in extents)
         self.done = threading.Event()
         self.error: ExpertReadError | None = None
@@ -267,6 +270,8 @@ def read_job(job: ReadJob, files: FileTable, buf: _Buffer):
             f"{ext.file}: checksum mismatch for {job.what} (bytes "
             f"{ext.offset}..{ext.offset + job.nbytes}): the file is corrupted"
         )
+    if job.finish is not None:
+        job.finish(job.dest)
 
 
 def _worker(jobs: queue.PriorityQueue, files: FileTable, meter: Meter):

@@ -19,7 +19,9 @@ import mlx.nn as nn
 import numpy as np
 
 from kimi_k3.checkpoint import CheckpointIndex
-from kimi_k3.experts import EXPERT_TENSORS, expert_glu
+from kimi_k3.experts import EXPERT_TENSORS, expert_glu, store_layout
+from kimi_k3.kernels import expert_layout as tiles
+from kimi_k3.kernels.expert_layout import LAYOUTS
 from kimi_k3.streaming.cache import GB, POLICIES, SlotCache, make_policy, slots_per_layer
 from kimi_k3.streaming.io import ALIGN, PREFETCH, ExpertReadError, FileTable, ReadJob, ReadPool
 from kimi_k3.streaming.sources import SOURCES, expert_bytes, expert_layout, open_source
@@ -42,6 +44,9 @@ class StreamOptions:
     verify_checksums: check each expert-pack record's crc32 on every read.
     write_mode: ``"auto"``, ``"view"`` (write slots through a numpy view of the MLX buffer)
         or ``"mlx"`` (``pool[slot] = array``, for backends whose buffers are not host views).
+    expert_layout: how the slots hold an expert: ``"auto"``, ``"mlx"`` or ``"tiled"``
+        (``kimi_k3.experts.store_layout``: tiles where CUDA's kernels read them); a tiled
+        slot is permuted as it lands, so a hit reads it as it is.
     """
 
     policy: str = "lru"
@@ -54,6 +59,7 @@ class StreamOptions:
     verify_checksums: bool = False
     write_mode: str = "auto"
     lfu_half_life: int | None = None
+    expert_layout: str = "auto"
 
     def __post_init__(self):
         for key, ok in (
@@ -62,6 +68,7 @@ class StreamOptions:
             ("write_mode", self.write_mode in ("auto", "view", "mlx")),
             ("io_threads", self.io_threads >= 1),
             ("read_timeout", self.read_timeout > 0),
+            ("expert_layout", self.expert_layout in LAYOUTS),
         ):
             if not ok:
                 raise ValueError(f"stream option {key}={getattr(self, key)!r} is not valid")
@@ -75,7 +82,8 @@ class SlotPool:
     ``pool[slot] = ...`` (MLX donates the pool buffer, so that too updates in place).
     """
 
-    def __init__(self, layout: dict, slots: int, write_mode: str):
+    def __init__(self, layout: dict, slots: int, write_mode: str, tiled: bool = False):
+        self.tiled = tiled
         self.arrays = {
             n: mx.zeros((slots, *shape), dtype=_MX[dt]) for n, (shape, dt) in layout.items()
         }
@@ -87,9 +95,8 @@ class SlotPool:
                 "write_mode='view': this MLX backend does not expose array "
                 "memory to the host; use write_mode='mlx'"
             )
-        self.w = {
-            w: (self.arrays[f"{w}.weight"], self.arrays[f"{w}.scales"]) for w in EXPERT_TENSORS
-        }
+        w = {w: (self.arrays[f"{w}.weight"], self.arrays[f"{w}.scales"]) for w in EXPERT_TENSORS}
+        self.w = tiles.TiledStacks(w) if tiled else w
 
     @property
     def nbytes(self) -> int:
@@ -100,11 +107,30 @@ class SlotPool:
             return {n: v[slot] for n, v in self.views.items()}
         return {n: np.empty(v.nbytes // v.shape[0], np.uint8) for n, v in self.arrays.items()}
 
+    @property
+    def finish(self):
+        """What a reader thread does to a slot's bytes once read (``ReadJob.finish``): where
+        the pool is tiled and written through host views, tile them in place; else None."""
+        return self._tile_in_place if self.tiled and self.views is not None else None
+
+    def _tile_in_place(self, dest: dict):
+        for w in EXPERT_TENSORS:
+            rows = self.layout[f"{w}.weight"][0][0]
+            tiles.tile_expert_bytes(dest[f"{w}.weight"], dest[f"{w}.scales"], rows)
+
     def commit(self, slot: int, dest: dict):
+        """Make the bytes read into ``dest(slot)`` (and ``finish``ed) the slot's: nothing to
+        do in ``view`` mode; in ``mlx`` mode assign them (tiled here where the pool is)."""
         if self.views is not None:
             return
-        for n, (shape, dt) in self.layout.items():
-            self.arrays[n][slot] = mx.array(dest[n].view(dt).reshape(shape))
+        got = {
+            n: mx.array(dest[n].view(dt).reshape(shape)) for n, (shape, dt) in self.layout.items()
+        }
+        for w in EXPERT_TENSORS if self.tiled else ():
+            q, s = tiles.tile_pair(got[f"{w}.weight"][None], got[f"{w}.scales"][None], w)
+            got[f"{w}.weight"], got[f"{w}.scales"] = q[0], s[0]
+        for n, a in got.items():
+            self.arrays[n][slot] = a
 
     def settle(self):
         """Finish any computation still reading the pool before its bytes change."""
@@ -142,7 +168,9 @@ class StreamedExperts(nn.Module):
     def __init__(self, streamer: Streamer, layer: int, slots: int, act: tuple):
         super().__init__()
         self.streamer, self.layer, self.act = streamer, layer, act
-        self.pool = SlotPool(streamer.layout, slots, streamer.opts.write_mode)
+        self.pool = SlotPool(
+            streamer.layout, slots, streamer.opts.write_mode, streamer.expert_layout == "tiled"
+        )
         self.cache = SlotCache(
             slots,
             make_policy(
@@ -169,6 +197,8 @@ class Streamer:
         args,
     ):
         self.source, self.layout, self.opts = source, layout, opts
+        Dl, I = args.routed_expert_hidden_size, args.moe_intermediate_size
+        self.expert_layout = store_layout(opts.expert_layout, Dl, I)
         self.num_experts, self.top_k = args.num_experts, args.num_experts_per_token
         self.files = FileTable(source.files, opts.direct_io)
         self.io = ReadPool(self.files, opts.io_threads)
@@ -189,6 +219,7 @@ class Streamer:
             "budget_bytes": budget_bytes,
             "cache_bytes": sum(s.pool.nbytes for s in self.stores.values()),
             "expert_bytes": expert_bytes(layout),
+            "expert_layout": self.expert_layout,
             "slots_per_layer": slots,
             "layers": len(self.order),
             "source": source.kind,
@@ -269,9 +300,9 @@ class Streamer:
         jobs = []
         for e, s in zip(experts.tolist(), slots.tolist(), strict=True):
             checksum = self.source.checksum(store.layer, e) if self.opts.verify_checksums else None
-            job = ReadJob(
-                store.layer, e, self.source.extents(store.layer, e), store.pool.dest(s), checksum
-            )
+            extents = self.source.extents(store.layer, e)
+            dest = store.pool.dest(s)
+            job = ReadJob(store.layer, e, extents, dest, checksum, store.pool.finish)
             store.cache.jobs[s] = job
             jobs.append(job)
         return jobs

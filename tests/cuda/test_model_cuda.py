@@ -25,3 +25,39 @@ def test_model_with_cuda_kernels_bf16(ckpt_factory, monkeypatch):
     kl = float(mx.mean(mx.sum(mx.exp(la) * (la - lb), axis=-1)))
     assert kl < 0.05
     assert float(mx.mean(mx.argmax(a, -1) == mx.argmax(b, -1))) >= 0.75
+
+
+TILE_SHAPES = dict(KERNEL_SHAPES, moe_intermediate_size=128, routed_expert_hidden_size=128)
+
+
+def test_model_with_a_tiled_store(ckpt_factory, monkeypatch):
+    """On CUDA the expert store holds tiles by default (``expert_layout="auto"``) and gives
+    the MLX layout's logits bit for bit, resident and streamed alike (streamed with every
+    expert in the cache: with fewer slots than a chunk's experts the streamer runs the chunk
+    in groups, whose kernels (decode ones on fewer pairs) sum in another order: within 1e-5);
+    against the reference path as the test above (fp32)."""
+    import numpy as np
+    from model_kernel_check import run
+    from test_streaming import budget_gb
+
+    from kimi_k3.kernels import expert_layout
+    from kimi_k3.loader import load_model
+    from kimi_k3.streaming import get_stats
+
+    for var in ("KIMI_K3_REFERENCE", "KIMI_K3_KERNEL_BACKEND", "KIMI_K3_EXPERT_LAYOUT"):
+        monkeypatch.delenv(var, raising=False)
+    path = ckpt_factory("tiny", **TILE_SHAPES)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 700, (1, 200)))
+    tiled = load_model(path, dtype=mx.float32)
+    moe = tiled.layers[1].block_sparse_moe
+    assert moe.experts.layout == "tiled" and expert_layout.is_tiled(moe.experts.tensors())
+    out = run(tiled, prompt, 8)
+    plain = run(load_model(path, dtype=mx.float32, expert_layout="mlx"), prompt, 8)
+    assert mx.array_equal(out, plain).item()
+    for slots in (8, 3):
+        streamed = load_model(path, dtype=mx.float32, expert_cache_gb=budget_gb(path, slots))
+        got = run(streamed, prompt, 8)
+        assert get_stats(streamed)["expert_layout"] == "tiled"
+        assert mx.array_equal(got, out).item() if slots == 8 else rel_err(got, out) < 1e-5
+    out, ref, counts = compare(monkeypatch, path, "cuda", mx.float32, prompt_len=200, steps=8)
+    assert counts["experts"] > 0 and rel_err(out, ref) < 1e-4

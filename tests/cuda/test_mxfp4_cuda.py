@@ -28,7 +28,14 @@ from test_mxfp4_kernels import (  # noqa: E402
 from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS, STREAM_ROWS  # noqa: E402
 from benchmarks.mxfp4_fused_sweep import BULK_LAUNCHES, DEFAULT_LAUNCHES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
-from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma, mxfp4_one, mxfp4_stream  # noqa: E402
+from kimi_k3.kernels import (  # noqa: E402
+    dispatch,
+    expert_layout,
+    mxfp4_fused,
+    mxfp4_mma,
+    mxfp4_one,
+    mxfp4_stream,
+)
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma  # noqa: E402
@@ -425,3 +432,37 @@ def test_stream_probe_runs():
 
 def test_stream_handles_large_and_tiny_activations():
     check_mma_large_and_tiny("cuda", mxfp4_stream.expert_glu_decode)
+
+
+@pytest.mark.parametrize("tm", [16, 32])
+def test_prefill_mma_tiled_layout_same_bits(tm):
+    """The grouped GEMM on ``expert_layout``'s tiles (what a tiled store's prefill runs) gives
+    the bits it gives on MLX's layout, at K3 size."""
+    (z, w, *rest), want = case(16, *K3, 257, 4, "bfloat16")
+    plain = np.array(expert_glu_prefill_mma(z, w, *rest, tile_tokens=tm, backend="cuda"))
+    wt = expert_layout.tile(w)
+    got = expert_glu_prefill_mma(z, wt, *rest, tile_tokens=tm, backend="cuda")
+    assert np.array_equal(np.array(got), plain)
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("N", [1, 4, 64])
+def test_dispatched_on_tiled_stacks_same_bits(monkeypatch, N):
+    """``expert_glu`` on ``TiledStacks`` (one launch at 16 pairs, three at 64, the grouped
+    GEMM at 1024) gives the bits it gives on MLX's layout; the reference on tiles agrees
+    with the reference on MLX's layout."""
+    for var in ("KIMI_K3_REFERENCE", "KIMI_K3_EXPERT_DECODE", "KIMI_K3_KERNEL_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    (z, w, *rest), want = case(16, *K3, N, 16, "bfloat16")
+    wt = expert_layout.tile(w)
+    fn = dispatch.expert_glu_kernel(z, wt, rest[0])
+    assert fn.func in (
+        mxfp4_one.expert_glu_decode_tiled,
+        mxfp4_mma.expert_glu_decode_tiled,
+        expert_glu_prefill_mma,
+    )
+    got = np.array(expert_glu(z, wt, *rest))
+    assert np.array_equal(got, np.array(expert_glu(z, w, *rest)))
+    assert rel_err(mx.array(got), want) < TOL
+    ref = expert_glu_reference(z, wt, *rest)
+    assert mx.array_equal(ref, expert_glu_reference(z, w, *rest)).item()

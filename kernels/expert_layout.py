@@ -1,0 +1,105 @@
+"""The tiled layout of MXFP4 expert stacks, which the CUDA kernels read faster than MLX's.
+
+MLX's layout keeps each row's codes contiguous (``weight`` uint32 [E, R, K/8], ``scales``
+uint8 [E, R, K/32]), so a warp's load of 16 bytes per lane touches 16 rows x 64 bytes. The
+tiled layout has the same shapes and bytes, permuted within each expert: its rows cut into
+16-row tiles, each tile into blocks of 4 scale groups, a block's 16 rows x 64 bytes of codes
+(and 16 x 4 scale bytes) contiguous, so the same warp load is 512 contiguous bytes. Index of
+row r, scale group j of expert e (in 16-byte words for the codes, bytes for the scales)::
+
+    ((e * R / 16 + r / 16) * (G / 4) + j / 4) * 64 + (r % 16) * 4 + j % 4,   G = K / 32
+
+On the H200 the one-launch decode (``mxfp4_one``) took 0.0965-0.0980 ms a call on tiles
+against 0.103-0.106 ms on MLX's layout (16 of 64 experts at K3 size, four runs;
+docs/benchmarks.md), so the expert store holds tiles where CUDA's kernels serve it
+(``tiled_by_default``). A stack in this layout is a ``TiledStacks``: every consumer either
+reads tiles (``mxfp4_one``, ``mxfp4_mma``, ``mxfp4_prefill_mma``, each with its ``tiled``
+variant) or calls ``untile`` first (``expert_glu_reference``), so tiles are never read as
+MLX's layout by mistake.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+LAYOUTS = ("auto", "mlx", "tiled")
+
+
+class TiledStacks(dict):
+    """Expert stacks ``{"w1": (weight, scales), "w3": ..., "w2": ...}`` in the tiled layout
+    (a ``dict``, so code that only passes stacks along needs no change)."""
+
+
+def is_tiled(w) -> bool:
+    return isinstance(w, TiledStacks)
+
+
+def supports(dim: int, hidden: int) -> bool:
+    """Whether stacks of latent ``dim`` and expert ``hidden`` size can be tiled: rows in
+    whole 16-row tiles and scale groups in whole blocks of 4 (both multiples of 128)."""
+    return dim % 128 == 0 and hidden % 128 == 0
+
+
+def kernels_read(dim: int, hidden: int) -> bool:
+    """Whether CUDA's tensor-core kernels (``mxfp4_mma.eligible_dims``) read tiled stacks of
+    these dims: where ``expert_layout="auto"`` tiles the store on CUDA."""
+    from .mxfp4_mma import eligible_dims
+
+    return supports(dim, hidden) and eligible_dims(dim, hidden)
+
+
+def _check(name: str, q, s):
+    E, R, W = q.shape
+    if R % 16 or W % 16 or s.shape != (E, R, W // 4):
+        raise ValueError(
+            f"expert stack {name}: weight {tuple(q.shape)} and scales {tuple(s.shape)} "
+            "cannot be tiled (rows must be a multiple of 16, scale groups of 4)"
+        )
+    return E, R, W // 4
+
+
+def tile_pair(q: mx.array, s: mx.array, name: str = "stack") -> tuple:
+    """One stack (weight uint32 [E, R, W], scales uint8 [E, R, W / 4]) in the tiled layout."""
+    E, R, G = _check(name, q, s)
+    qt = q.reshape(E, R // 16, 16, G // 4, 16).transpose(0, 1, 3, 2, 4).reshape(E, R, 4 * G)
+    st = s.reshape(E, R // 16, 16, G // 4, 4).transpose(0, 1, 3, 2, 4).reshape(E, R, G)
+    return qt, st
+
+
+def untile_pair(q: mx.array, s: mx.array, name: str = "stack") -> tuple:
+    """``tile_pair``'s inverse."""
+    E, R, G = _check(name, q, s)
+    qm = q.reshape(E, R // 16, G // 4, 16, 16).transpose(0, 1, 3, 2, 4).reshape(E, R, 4 * G)
+    sm = s.reshape(E, R // 16, G // 4, 16, 4).transpose(0, 1, 3, 2, 4).reshape(E, R, G)
+    return qm, sm
+
+
+def tile(w: dict) -> TiledStacks:
+    """Stacks in MLX's layout -> ``TiledStacks`` (lazy MLX ops: one copy when evaluated)."""
+    if is_tiled(w):
+        raise ValueError("expert stacks are already tiled")
+    return TiledStacks({n: tile_pair(q, s, n) for n, (q, s) in w.items()})
+
+
+def untile(w: dict) -> dict:
+    """``TiledStacks`` -> stacks in MLX's layout; stacks already in MLX's layout unchanged."""
+    if not is_tiled(w):
+        return w
+    return {n: untile_pair(q, s, n) for n, (q, s) in w.items()}
+
+
+def tile_expert_bytes(codes: np.ndarray, scales: np.ndarray, rows: int):
+    """One expert matrix's bytes (codes uint8 [rows * K / 2], scales uint8 [rows * K / 32],
+    MLX's layout, contiguous) rewritten in place in the tiled layout (numpy: the streamer's
+    slots where the host writes them directly)."""
+    G = scales.size // rows if rows else 0
+    if rows % 16 or G % 4 or scales.size != rows * G or codes.size != 16 * rows * G:
+        raise ValueError(
+            f"expert bytes: {codes.size} code and {scales.size} scale bytes are no "
+            f"{rows}-row matrix in whole tiles"
+        )
+    cq = codes.reshape(rows // 16, 16, G // 4, 64)
+    cs = scales.reshape(rows // 16, 16, G // 4, 4)
+    codes[:] = cq.transpose(0, 2, 1, 3).reshape(-1)
+    scales[:] = cs.transpose(0, 2, 1, 3).reshape(-1)

@@ -1,0 +1,192 @@
+"""The expert store's tiled layout (``kimi_k3.kernels.expert_layout``): the permutation and its
+inverse, the tiled grouped GEMM on the emulator, the dispatcher's choices for tiled stacks,
+the reference reading them, and the whole model, resident and streamed, holding tiles."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from test_mxfp4_kernels import TOL, case, lazy_stack, rel_err
+from test_streaming import PROMPT, STEPS, budget_gb, greedy
+
+from kimi_k3.experts import ResidentExperts, expert_glu_reference, store_layout
+from kimi_k3.kernels import dispatch, expert_layout, mxfp4_mma, mxfp4_one, mxfp4_prefill_mma
+from kimi_k3.loader import load_model
+from kimi_k3.streaming import get_stats
+
+
+def same(a, b) -> bool:
+    return mx.array_equal(a, b).item()
+
+
+def test_tile_untile_and_one_expert_in_place():
+    """``untile`` inverts ``tile``; one expert's bytes tiled in place by numpy (the
+    streamer's slots) are that expert's slice of the tiled stack; the index formula of
+    ``expert_layout``'s docstring holds."""
+    (_, w, *_), _ = case(5, 256, 384, 1, 2, "float32")
+    t = expert_layout.tile(w)
+    assert expert_layout.is_tiled(t) and not expert_layout.is_tiled(w)
+    back = expert_layout.untile(t)
+    for n, (q, s) in w.items():
+        assert same(back[n][0], q) and same(back[n][1], s)
+        assert not same(t[n][0], q)  # a permutation, not the identity
+        R, G = q.shape[1], s.shape[2]
+        for e in (0, 3):
+            qb = np.array(q[e]).view(np.uint8).reshape(-1).copy()
+            sb = np.array(s[e]).reshape(-1).copy()
+            expert_layout.tile_expert_bytes(qb, sb, R)
+            assert np.array_equal(qb, np.array(t[n][0][e]).view(np.uint8).reshape(-1))
+            assert np.array_equal(sb, np.array(t[n][1][e]).reshape(-1))
+        qt = np.array(t[n][0]).reshape(-1, 4)  # 16-byte words
+        qm = np.array(q).reshape(-1, 4)
+        for e, r, j in ((0, 0, 0), (4, R - 1, G - 1), (2, 19, 6)):
+            at = ((e * R // 16 + r // 16) * (G // 4) + j // 4) * 64 + (r % 16) * 4 + j % 4
+            assert np.array_equal(qt[at], qm[(e * R + r) * G + j])
+            assert np.array(t[n][1]).reshape(-1)[at] == np.array(s).reshape(-1)[(e * R + r) * G + j]
+    assert expert_layout.untile(w) is w
+    with pytest.raises(ValueError, match="already tiled"):
+        expert_layout.tile(t)
+
+
+def test_tiling_refuses_shapes_without_whole_tiles():
+    (_, w, *_), _ = case(3, 64, 96, 1, 2, "float32")  # 2 scale groups a row of w1
+    with pytest.raises(ValueError, match="expert stack w1: weight \\(3, 96, 8\\)"):
+        expert_layout.tile(w)
+    with pytest.raises(ValueError, match="no 24-row matrix in whole tiles"):
+        expert_layout.tile_expert_bytes(np.zeros(24 * 64, np.uint8), np.zeros(24 * 4, np.uint8), 24)
+
+
+@pytest.mark.parametrize("N", [1, 9])
+def test_reference_reads_tiled_stacks(N):
+    """The reference untiles (the experts it reads, or the whole stack when the call reads
+    more pairs than it holds): the same bits as on MLX's layout."""
+    (z, w, inds, wts, beta, cap), want = case(5, 256, 384, N, 2, "float32")
+    got = expert_glu_reference(z, expert_layout.tile(w), inds, wts, beta, cap)
+    assert same(got, expert_glu_reference(z, w, inds, wts, beta, cap))
+    assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype,tm",
+    [(5, 128, 256, 9, 2, "float32", 16), (7, 256, 128, 17, 4, "bfloat16", 32)],
+)
+def test_prefill_mma_on_tiles_gives_the_same_bits(E, D, I, N, k, dtype, tm):
+    """``mxfp4_prefill_mma.tiled_layout`` (what a tiled store's prefill runs on CUDA) only
+    moves the weight and scale addresses; reading tiles as MLX's layout is wrong."""
+    (z, w, *rest), want = case(E, D, I, N, k, dtype)
+    plain = mxfp4_prefill_mma.expert_glu_prefill_mma(
+        z, w, *rest, tile_tokens=tm, backend="emulator"
+    )
+    wt = expert_layout.tile(w)
+    got = mxfp4_prefill_mma.expert_glu_prefill_mma(z, wt, *rest, tile_tokens=tm, backend="emulator")
+    assert same(got, plain) and rel_err(got, want) < TOL
+    wrong = mxfp4_prefill_mma.expert_glu_prefill_mma(
+        z, wt, *rest, tile_tokens=tm, backend="emulator", tiled=False
+    )
+    assert rel_err(wrong, want) > 0.1
+
+
+def test_dispatcher_for_tiled_stacks(monkeypatch):
+    """On CUDA (chosen, not run) tiled stacks get the kernels' tiled variants: one launch up
+    to EXPERT_ONE_LAUNCH_MAX_PAIRS pairs, three above, the tiled grouped GEMM for prefill.
+    Where no tiled kernel applies (another backend, dims mxfp4_mma does not take) the
+    dispatcher gives None: the reference, which untiles."""
+    for var in ("KIMI_K3_REFERENCE", "KIMI_K3_EXPERT_DECODE", "KIMI_K3_EXPERT_PREFILL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "cuda")
+    wt = expert_layout.tile(lazy_stack(8, 128, 256))
+
+    def chosen(pairs, k=2):
+        inds = mx.zeros((pairs // k, k), mx.int32)
+        return dispatch.expert_glu_kernel(mx.zeros((pairs // k, 128), mx.bfloat16), wt, inds)
+
+    most = dispatch.EXPERT_ONE_LAUNCH_MAX_PAIRS
+    assert chosen(2).func is chosen(most).func is mxfp4_one.expert_glu_decode_tiled
+    assert chosen(most + 2).func is mxfp4_mma.expert_glu_decode_tiled
+    fn = chosen(dispatch.EXPERT_DECODE_MAX_PAIRS + 2)
+    assert fn.func is mxfp4_prefill_mma.expert_glu_prefill_mma and fn.keywords["tiled"]
+    plain = dispatch.expert_glu_kernel(
+        mx.zeros((1, 128), mx.bfloat16), lazy_stack(8, 128, 256), mx.zeros((1, 2), mx.int32)
+    )
+    assert plain.func is mxfp4_one.expert_glu_decode
+    assert dispatch.expert_glu_kernel(mx.zeros((1, 128), mx.float64), wt, mx.zeros((1, 2))) is None
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    assert chosen(2) is None and chosen(dispatch.EXPERT_DECODE_MAX_PAIRS + 2) is None
+
+
+def test_store_layout_choice(monkeypatch):
+    monkeypatch.delenv("KIMI_K3_EXPERT_LAYOUT", raising=False)
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "cuda")
+    assert store_layout(None, 3584, 3072) == store_layout("auto", 3584, 3072) == "tiled"
+    assert store_layout("auto", 3584, 96) == "mlx"  # no whole tiles
+    assert store_layout("mlx", 3584, 3072) == "mlx"
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    assert store_layout("auto", 3584, 3072) == "mlx"  # no tiled kernels there
+    assert store_layout("tiled", 128, 128) == "tiled"
+    monkeypatch.setenv("KIMI_K3_EXPERT_LAYOUT", "tiled")
+    assert store_layout(None, 128, 128) == "tiled"
+    monkeypatch.setenv("KIMI_K3_EXPERT_LAYOUT", "tile")
+    with pytest.raises(ValueError, match="KIMI_K3_EXPERT_LAYOUT='tile'"):
+        store_layout(None, 128, 128)
+    with pytest.raises(ValueError, match="latent size 64 and hidden size 128 cannot be tiled"):
+        store_layout("tiled", 64, 128)
+    with pytest.raises(ValueError, match="expert_layout='tiles'"):
+        store_layout("tiles", 128, 128)
+
+
+def test_resident_store_set_layout():
+    """Tiles live under other parameter names (so saving or loading them by the checkpoint's
+    names fails loudly) and turn back into the same arrays."""
+    store = ResidentExperts(4, 128, 256, 4.0, 25.0)
+    (_, w, *_), _ = case(4, 128, 256, 1, 2, "float32")
+    for n, (q, s) in w.items():
+        getattr(store, n).weight, getattr(store, n).scales = q, s
+    store.set_layout("tiled")
+    assert store.layout == "tiled" and expert_layout.is_tiled(store.tensors())
+    names = sorted(k for k, _ in tree_flatten(store.parameters()))
+    assert names[:2] == ["w1.tiled_scales", "w1.tiled_weight"] and len(names) == 6
+    with pytest.raises(ValueError):
+        store.load_weights([("w1.weight", w["w1"][0])])
+    store.set_layout("mlx")
+    for n, (q, s) in store.tensors().items():
+        assert same(q, w[n][0]) and same(s, w[n][1])
+    with pytest.raises(ValueError, match="'mlx' or 'tiled'"):
+        store.set_layout("auto")
+
+
+@pytest.fixture(scope="module")
+def small(ckpt_factory):
+    return ckpt_factory("small", num_experts=64)
+
+
+@pytest.fixture(scope="module")
+def reference(small):
+    return greedy(load_model(small, dtype=mx.float32, expert_layout="mlx"), PROMPT, STEPS)
+
+
+def test_model_holding_tiles_gives_the_same_logits(small, reference):
+    """A model loaded with tiled stores (forced here; on the CPU they run the reference,
+    which untiles) gives the MLX layout's fp32 logits bit for bit."""
+    model = load_model(small, dtype=mx.float32, expert_layout="tiled")
+    names = [k for k, _ in tree_flatten(model.parameters()) if ".experts." in k]
+    assert names and all(".tiled_" in k for k in names)
+    assert same(greedy(model, PROMPT, STEPS), reference)
+
+
+@pytest.mark.parametrize("write_mode", ["view", "mlx"])
+def test_streamed_tiles_equal_resident(small, reference, write_mode):
+    """Slots tiled as they land (in the reader thread through host views, or by MLX in
+    ``mlx`` mode): the resident model's logits bit for bit."""
+    model = load_model(
+        small,
+        dtype=mx.float32,
+        expert_cache_gb=budget_gb(small, 16),
+        expert_layout="tiled",
+        write_mode=write_mode,
+    )
+    assert same(greedy(model, PROMPT, STEPS), reference)
+    stats = get_stats(model)
+    assert stats["expert_layout"] == "tiled" and stats["misses"] > 0
+    assert expert_layout.is_tiled(model.layers[1].block_sparse_moe.experts.pool.w)
