@@ -45,7 +45,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .mxfp4_decode import HEADER, K3, sum_pairs
-from .source import Instance, Kernel, constant, swap
+from .source import Instance, Kernel, constant, derived, swap
 from .source import backend as default_backend
 
 MMA_HEADER = (
@@ -125,6 +125,10 @@ def byte_permute_decode(kernel: Kernel) -> Kernel:
     by ``kk_e2m1_pair_prmt`` instead of shifts and masks per pair, named ``<name>_prmt``
     (``Kernel.variant``: made once): what ``DECODE`` picks for ``mxfp4_mma``, and the variant
     the sweeps time with ``--prmt``."""
+    return derived(kernel, "byte permute", _byte_permute)
+
+
+def _byte_permute(kernel: Kernel) -> Kernel:
     header = kernel.header.replace("kk_e2m1_pair(uint w", "kk_e2m1_pair_shift(uint w")
     header = header.replace("kk_e2m1_pair_prmt(uint w", "kk_e2m1_pair(uint w")
     return kernel.variant("_prmt", header=header)
@@ -155,6 +159,10 @@ def tiled_layout(kernel: Kernel) -> Kernel:
     in ``mxfp4_fused.tile_experts``' layout instead of MLX's, named ``<name>_tiled``: same
     arithmetic in the same order, so the same bits. Dispatched for ``expert_layout.TiledStacks``
     (the expert store's layout where CUDA's kernels serve it)."""
+    return derived(kernel, "tiled", _tiled)
+
+
+def _tiled(kernel: Kernel) -> Kernel:
     return kernel.variant("_tiled", body=swap(kernel.body, _TILED, "mxfp4_mma.tiled_layout"))
 
 

@@ -41,7 +41,7 @@ import mlx.core as mx
 from . import mxfp4_mma
 from .mxfp4_decode import K3
 from .mxfp4_mma import MMA_HEADER
-from .source import Instance, Kernel, constant, swap
+from .source import Instance, Kernel, constant, derived, swap
 from .source import backend as default_backend
 
 U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
@@ -422,8 +422,15 @@ def tiled_layout(kernel: Kernel) -> Kernel:
     (``mxfp4_mma.tiled_layout``'s rewrite, once per role), named ``<name>_tiled``: same
     arithmetic in the same order, so the same bits. Dispatched for ``expert_layout.TiledStacks``
     (the expert store's layout where CUDA's kernels serve it)."""
-    pairs = [(old, new, 2 * (more[0] if more else 1)) for old, new, *more in mxfp4_mma._TILED]
-    return kernel.variant("_tiled", body=swap(kernel.body, pairs, "mxfp4_one.tiled_layout"))
+    return derived(kernel, "tiled", _tiled)
+
+
+# mxfp4_mma's tiled rewrite, each text once in either role
+_TILED = tuple((old, new, 2 * (more[0] if more else 1)) for old, new, *more in mxfp4_mma._TILED)
+
+
+def _tiled(kernel: Kernel) -> Kernel:
+    return kernel.variant("_tiled", body=swap(kernel.body, _TILED, "mxfp4_one.tiled_layout"))
 
 
 def expert_glu_decode_tiled(z, w, inds, weights, beta, cap, backend=None, counts=None):

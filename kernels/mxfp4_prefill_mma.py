@@ -32,7 +32,7 @@ from . import expert_layout
 from .mxfp4_decode import K3
 from .mxfp4_mma import MMA_HEADER
 from .mxfp4_prefill import grouped_glu, tile_tokens_for
-from .source import Instance, Kernel, swap
+from .source import Instance, Kernel, derived, swap
 from .source import backend as default_backend
 
 # Per row of x [R, KD]: its B fragments frag [R, G, 2 (m), 2 (hi, lo), 4 (tq)] (uint2 each)
@@ -262,9 +262,12 @@ _TILED = (
 def tiled_layout(kernel: Kernel) -> Kernel:
     """``kernel`` (``MXFP4_GROUPED_MMA``) reading expert stacks in ``expert_layout``'s tiles,
     named ``<name>_tiled``: only the loads' addresses move, so the same bits."""
-    return kernel.variant(
-        "_tiled", body=swap(kernel.body, _TILED, "mxfp4_prefill_mma.tiled_layout")
-    )
+    return derived(kernel, "tiled", _tiled)
+
+
+def _tiled(kernel: Kernel) -> Kernel:
+    body = swap(kernel.body, _TILED, "mxfp4_prefill_mma.tiled_layout")
+    return kernel.variant("_tiled", body=body)
 
 
 def b_fragments(x: mx.array, backend: str):

@@ -63,13 +63,14 @@ def load_model(
         raw.update(_pack_experts(path))
     quantize_dense(model, args, raw)
     weights = sanitize_weights(args, raw)
-    layout = store_layout(expert_layout, args.routed_expert_hidden_size, args.moe_intermediate_size)
+    tiles = store_layout(expert_layout, args.routed_expert_hidden_size, args.moe_intermediate_size)
     if stream:
         from kimi_k3.streaming import attach_streamer
 
-        attach_streamer(model, path, index, expert_cache_gb, expert_layout=layout, **stream_options)
+        attach_streamer(model, path, index, expert_cache_gb, expert_layout=tiles, **stream_options)
     _check_and_load(model, weights, index, dtype)
-    if layout == "tiled" and not stream:
+    del raw, weights  # the model holds what it needs; tiles replace the stacks below
+    if tiles == "tiled" and not stream:
         from kimi_k3.streaming.store import moe_blocks
 
         for moe in moe_blocks(model).values():
