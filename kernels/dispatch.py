@@ -118,13 +118,15 @@ def expert_glu_kernel(z, w, inds):
     if backend is None or not mxfp4_decode.eligible(z, w, inds):
         return None
     tiled = expert_layout.is_tiled(w)
-    mma = backend == "cuda" and mxfp4_mma.eligible(z, w, inds)
+    D, I = z.shape[-1], w["w1"][0].shape[-2]
+    # mxfp4_mma.eligible, whose mxfp4_decode.eligible part has just passed
+    mma = backend == "cuda" and mxfp4_mma.eligible_dims(D, I)
     if tiled and not mma:
         return None
     if inds.size <= EXPERT_DECODE_MAX_PAIRS:
         if mma:
             one = expert_decode_choice(inds.size) == "one"
-            if one and mxfp4_one.agrees(backend, z.shape[-1], w["w1"][0].shape[-2]):
+            if one and mxfp4_one.agrees(backend, D, I):
                 fn = mxfp4_one.expert_glu_decode_tiled if tiled else mxfp4_one.expert_glu_decode
                 return partial(fn, backend=backend)
             fn = mxfp4_mma.expert_glu_decode_tiled if tiled else mxfp4_mma.expert_glu_decode
