@@ -1,7 +1,7 @@
 """The tiled layout of MXFP4 expert stacks, which the CUDA kernels read faster than MLX's.
 
 MLX's layout keeps each row's codes contiguous (``weight`` uint32 [E, R, K/8], ``scales``
-uint8 [E, R, K/32]), so a warp's load of 16 bytes per lane touches 16 rows x 64 bytes. The
+uint8 [E, R, K/32]), so a warp's load of 16 bytes per lane touches 8 rows x 64 bytes. The
 tiled layout has the same shapes and bytes, permuted within each expert: its rows cut into
 16-row tiles, each tile into blocks of 4 scale groups, a block's 16 rows x 64 bytes of codes
 (and 16 x 4 scale bytes) contiguous, so the same warp load is 512 contiguous bytes. Index of
@@ -9,13 +9,13 @@ row r, scale group j of expert e (in 16-byte words for the codes, bytes for the 
 
     ((e * R / 16 + r / 16) * (G / 4) + j / 4) * 64 + (r % 16) * 4 + j % 4,   G = K / 32
 
-On the H200 the one-launch decode (``mxfp4_one``) took 0.0965-0.0980 ms a call on tiles
-against 0.103-0.106 ms on MLX's layout (16 of 64 experts at K3 size, four runs;
-docs/benchmarks.md), so the expert store holds tiles where CUDA's kernels serve it
-(``tiled_by_default``). A stack in this layout is a ``TiledStacks``: every consumer either
-reads tiles (``mxfp4_one``, ``mxfp4_mma``, ``mxfp4_prefill_mma``, each with its ``tiled``
-variant) or calls ``untile`` first (``expert_glu_reference``), so tiles are never read as
-MLX's layout by mistake.
+On the H200 the one-launch decode (``mxfp4_one``) took 0.0965-0.0983 ms a call on tiles
+against 0.103-0.108 ms on MLX's layout in the same processes (16 of 64 experts at K3 size,
+seven processes; docs/benchmarks.md, session 30), so the expert store holds tiles where
+CUDA's kernels serve it (``kimi_k3.experts.store_layout``, ``kernels_read``). A stack in
+this layout is a ``TiledStacks``: every consumer either reads tiles (``mxfp4_one``,
+``mxfp4_mma``, ``mxfp4_prefill_mma``, each with its ``tiled`` variant) or calls ``untile``
+first (``expert_glu_reference``), so tiles are never read as MLX's layout by mistake.
 """
 
 from __future__ import annotations
