@@ -34,6 +34,16 @@ from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma
 BETA, CAP = 4.0, 25.0
 
 
+def k3_shape_args(ap):
+    """The one-call shape options (``--dim --hidden --experts --topk --tokens``, K3's by
+    default) of the scripts that time single expert calls (chain_length, dispatch_host)."""
+    ap.add_argument("--dim", type=int, default=3584)
+    ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=1)
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dim", type=int, default=3584, help="latent width D")

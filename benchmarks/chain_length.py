@@ -36,6 +36,7 @@ from benchmarks.bench_mxfp4 import (
     CAP,
     chain_output,
     expert_bytes,
+    k3_shape_args,
     random_experts,
     rel_err,
     routing,
@@ -199,11 +200,7 @@ def markdown(rows: list[dict], args) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dim", type=int, default=3584)
-    ap.add_argument("--hidden", type=int, default=3072)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=1)
+    k3_shape_args(ap)
     ap.add_argument("--calls", type=int, default=20, help="distinct input sets, taken in turn")
     ap.add_argument("--lengths", type=int, nargs="+", default=[10, 20, 40, 80, 160])
     ap.add_argument("--rounds", type=int, default=3)

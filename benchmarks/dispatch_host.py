@@ -21,6 +21,8 @@ import timeit
 
 import mlx.core as mx
 
+from benchmarks.bench_mxfp4 import k3_shape_args
+
 
 def zero_stacks(E: int, D: int, I: int) -> dict:
     """MXFP4 stacks of these shapes, never evaluated (only their shapes are read)."""
@@ -60,11 +62,7 @@ def tiles_known() -> bool:
 
 def main(argv=None) -> list[tuple[str, float]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dim", type=int, default=3584)
-    ap.add_argument("--hidden", type=int, default=3072)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=1)
+    k3_shape_args(ap)
     ap.add_argument("--number", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)

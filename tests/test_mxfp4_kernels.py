@@ -16,6 +16,7 @@ import pytest
 from conftest import broken
 from numpy_ref import mxfp4_decode, situ_glu
 
+from benchmarks.dispatch_host import zero_stacks as lazy_stack  # shapes only, never evaluated
 from kimi_k3.experts import expert_glu, expert_glu_reference
 from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma, mxfp4_prefill_mma
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
@@ -806,15 +807,6 @@ def test_cuda_decode_launches_by_pairs(monkeypatch):
     monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, "down", mxfp4_mma.MIN_BLOCKS["gate_up"] + 1)
     assert not mxfp4_one.agrees("cuda", 128, 256)
     assert chosen(2) is mxfp4_mma.expert_glu_decode
-
-
-def lazy_stack(E: int, D: int, I: int) -> dict:
-    """Zero MXFP4 stacks of these shapes, never evaluated (only their shapes are read)."""
-
-    def q(rows, cols):
-        return mx.zeros((E, rows, cols // 8), mx.uint32), mx.zeros((E, rows, cols // 32), mx.uint8)
-
-    return {"w1": q(I, D), "w3": q(I, D), "w2": q(D, I)}
 
 
 def test_prefill_dispatch_rules(monkeypatch):
