@@ -70,12 +70,13 @@ def load_model(
         attach_streamer(model, path, index, expert_cache_gb, expert_layout=tiles, **stream_options)
     _check_and_load(model, weights, index, dtype)
     del raw, weights  # the model holds what it needs; tiles replace the stacks below
-    if tiles == "tiled" and not stream:
+    if not stream:
         from kimi_k3.streaming.store import moe_blocks
 
         for moe in moe_blocks(model).values():
-            moe.experts.set_layout("tiled")
-            if not lazy:  # one layer's copy at a time
+            if tiles == "tiled":
+                moe.experts.set_layout("tiled")
+            if not lazy:  # one layer's stacks (and their sources) at a time
                 mx.eval(moe.experts.parameters())
     if not lazy:
         mx.eval(model.parameters())

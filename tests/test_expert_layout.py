@@ -190,3 +190,23 @@ def test_streamed_tiles_equal_resident(small, reference, write_mode):
     stats = get_stats(model)
     assert stats["expert_layout"] == "tiled" and stats["misses"] > 0
     assert expert_layout.is_tiled(model.layers[1].block_sparse_moe.experts.pool.w)
+
+
+@pytest.mark.parametrize("layout", ["mlx", "tiled"])
+def test_loading_holds_one_layer_of_expert_copies_at_most(ckpt_factory, layout):
+    """``load_model`` drops its tensor dicts and evaluates the experts one MoE layer at a
+    time, so its peak memory is the model's plus less than one layer's expert stacks, in
+    either layout (before, the dicts kept every per-expert source tensor alive beside its
+    stack: about twice the experts at the peak)."""
+    path = ckpt_factory("small", num_experts=512)
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    model = load_model(path, dtype=mx.float32, expert_layout=layout)
+    held = mx.get_active_memory() - base
+    extra = mx.get_peak_memory() - base - held
+    moe = model.layers[1].block_sparse_moe.experts
+    layer = sum(a.nbytes for _, a in tree_flatten(moe.parameters()))
+    assert held > 4 * layer  # five MoE layers of experts, and the dense weights
+    assert 0 <= extra < layer, (extra, layer)
