@@ -91,7 +91,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tiled",
         action="store_true",
-        help="also time the dispatched kernels on mxfp4_fused.tile_experts' layout (the "
+        help="also time the dispatched kernels on expert_layout's tiles (the "
         "stacks converted once, before timing)",
     )
     p.add_argument(
@@ -372,10 +372,10 @@ OCCUPANCY_ROWS = [
 def tiled_decode(decode=None):
     """``decode`` (default: the three-launch kernels, ``mxfp4_mma``'s
     ``expert_glu_decode_tiled``; or any function that reads ``TiledStacks`` as tiles) reading
-    the stacks in ``mxfp4_fused.tile_experts``' layout (a warp load is 512 contiguous bytes),
+    the stacks in ``expert_layout``'s tiles (a warp load is 512 contiguous bytes),
     each stack converted once, at its first call (the timers' warm-up), not inside a timed
     call."""
-    from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
+    from kimi_k3.kernels import expert_layout, mxfp4_mma
 
     decode = decode or mxfp4_mma.expert_glu_decode_tiled
 
@@ -383,7 +383,7 @@ def tiled_decode(decode=None):
 
     def fn(z, w, inds, weights, beta, cap):
         if id(w) not in tiled:
-            t = mxfp4_fused.tile_experts(w)
+            t = expert_layout.tile(w)
             mx.eval(t)
             tiled[id(w)] = (w, t)
         return decode(z, tiled[id(w)][1], inds, weights, beta, cap)
@@ -413,7 +413,7 @@ def decode_variants(
     (``--fused``) the one-launch kernels of ``mxfp4_fused`` (gate/up, SiTU-GLU and a slice of
     down per threadgroup, then the sum: two launches a call instead of three) and (``--one``)
     ``mxfp4_one`` (gate/up, down and the sum in one grid) with each place for its counters,
-    and (``--tiled``) the dispatched kernels on ``tile_experts``' layout (``tiled_decode``)."""
+    and (``--tiled``) the dispatched kernels on ``expert_layout``'s tiles (``tiled_decode``)."""
     from kimi_k3.kernels import mxfp4_decode, mxfp4_mma, mxfp4_one
 
     bounds = tuple(mxfp4_mma.MIN_BLOCKS[p] for p in ("gate_up", "down"))

@@ -8,8 +8,8 @@ the GPU has any, and the final wait).
 intercept in every call. A decode step of K3 runs 92 MoE layers one after another, so the
 slope is the cost that a layer's experts add to a step; both are reported, side by side,
 for ``gather_qmm``, the three-launch decode (``mxfp4_mma``), the one-launch decode
-(``mxfp4_one``, each place for its counters), with ``--tiled`` both on ``tile_experts``'
-layout (what a tiled store dispatches), with ``--read-limit`` the read limits, and a chain
+(``mxfp4_one``, each place for its counters), with ``--tiled`` both on ``expert_layout``'s
+tiles (what a tiled store dispatches), with ``--read-limit`` the read limits, and a chain
 of links alone (the cast and one trivial op a call) as the floor of a dependent call.
 
 Each timing also records how long ``mx.async_eval`` took to return (the host's encoding and

@@ -42,11 +42,12 @@ def supports(dim: int, hidden: int) -> bool:
 
 
 def kernels_read(dim: int, hidden: int) -> bool:
-    """Whether CUDA's tensor-core kernels (``mxfp4_mma.eligible_dims``) read tiled stacks of
-    these dims: where ``expert_layout="auto"`` tiles the store on CUDA."""
+    """Whether CUDA's tensor-core kernels read tiled stacks of these dims (their
+    ``mxfp4_mma.eligible_dims``, which implies ``supports``): where ``expert_layout="auto"``
+    tiles the store on CUDA."""
     from .mxfp4_mma import eligible_dims
 
-    return supports(dim, hidden) and eligible_dims(dim, hidden)
+    return eligible_dims(dim, hidden)
 
 
 def _check(name: str, q, s):
@@ -59,20 +60,24 @@ def _check(name: str, q, s):
     return E, R, W // 4
 
 
+def _permute(a, E: int, R: int, G: int, unit: int, inverse: bool = False):
+    """``a`` [E, R, G * unit] (mx or numpy: each row G scale groups of ``unit`` elements) with
+    each expert's (16-row tile, 4-group block) pairs swapped into the tiled order, or back
+    where ``inverse``."""
+    split = (E, R // 16, G // 4, 16, 4 * unit) if inverse else (E, R // 16, 16, G // 4, 4 * unit)
+    return a.reshape(split).transpose(0, 1, 3, 2, 4).reshape(E, R, G * unit)
+
+
 def tile_pair(q: mx.array, s: mx.array, name: str = "stack") -> tuple:
     """One stack (weight uint32 [E, R, W], scales uint8 [E, R, W / 4]) in the tiled layout."""
     E, R, G = _check(name, q, s)
-    qt = q.reshape(E, R // 16, 16, G // 4, 16).transpose(0, 1, 3, 2, 4).reshape(E, R, 4 * G)
-    st = s.reshape(E, R // 16, 16, G // 4, 4).transpose(0, 1, 3, 2, 4).reshape(E, R, G)
-    return qt, st
+    return _permute(q, E, R, G, 4), _permute(s, E, R, G, 1)
 
 
 def untile_pair(q: mx.array, s: mx.array, name: str = "stack") -> tuple:
     """``tile_pair``'s inverse."""
     E, R, G = _check(name, q, s)
-    qm = q.reshape(E, R // 16, G // 4, 16, 16).transpose(0, 1, 3, 2, 4).reshape(E, R, 4 * G)
-    sm = s.reshape(E, R // 16, G // 4, 16, 4).transpose(0, 1, 3, 2, 4).reshape(E, R, G)
-    return qm, sm
+    return _permute(q, E, R, G, 4, inverse=True), _permute(s, E, R, G, 1, inverse=True)
 
 
 def tile(w: dict) -> TiledStacks:
@@ -92,14 +97,12 @@ def untile(w: dict) -> dict:
 def tile_expert_bytes(codes: np.ndarray, scales: np.ndarray, rows: int):
     """One expert matrix's bytes (codes uint8 [rows * K / 2], scales uint8 [rows * K / 32],
     MLX's layout, contiguous) rewritten in place in the tiled layout (numpy: the streamer's
-    slots where the host writes them directly)."""
+    slots, as a reader thread lands them)."""
     G = scales.size // rows if rows else 0
     if rows % 16 or G % 4 or scales.size != rows * G or codes.size != 16 * rows * G:
         raise ValueError(
             f"expert bytes: {codes.size} code and {scales.size} scale bytes are no "
             f"{rows}-row matrix in whole tiles"
         )
-    cq = codes.reshape(rows // 16, 16, G // 4, 64)
-    cs = scales.reshape(rows // 16, 16, G // 4, 4)
-    codes[:] = cq.transpose(0, 2, 1, 3).reshape(-1)
-    scales[:] = cs.transpose(0, 2, 1, 3).reshape(-1)
+    codes[:] = _permute(codes, 1, rows, G, 16).reshape(-1)
+    scales[:] = _permute(scales, 1, rows, G, 1).reshape(-1)

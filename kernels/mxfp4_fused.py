@@ -28,7 +28,7 @@ latent, then each threadgroup's slice of ``h``).
 Two variants of the same two phases: ``expert_glu_decode_bulk`` brings the weights into
 per-warp rings in threadgroup memory by bulk copies (the TMA engine, ``BULK_COPY`` and the
 ``MBAR_*`` barriers), and ``tiled=True`` (both kernels) reads stacks re-laid out by
-``tile_experts`` (16-row tiles of 4-group blocks, 1 KB contiguous each).
+``expert_layout.tile`` (16-row tiles of 4-group blocks, 1 KB contiguous each).
 
 None of these is dispatched. On the H200 (docs/benchmarks.md, "MXFP4: one launch, bulk
 copies and a tiled layout") the register kernel matched or beat ``mxfp4_mma`` by up to 9% at
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import expert_layout
 from .mxfp4_decode import K3
 from .mxfp4_mma import LANES, MMA_HEADER, SHARED_LIMIT, STEP_MACRO, mma_block, staging
 from .source import Instance, Kernel, constant
@@ -140,7 +139,7 @@ BODY = (
     + """
   // A step is GW (GW2) groups of the lane's rows g, g + 8 of both tiles.
   // Plain layout (MLX's): row r's group c at r G + c (16-byte words and scale bytes alike).
-  // Tiled (TL, tile_experts): 16-row tiles of 4-group blocks, 1 KB of codes each, row r of
+  // Tiled (TL, expert_layout.tile): 16-row tiles of 4-group blocks, 1 KB of codes each, row r of
   // the tile at 64 r bytes; lane (g, tq)'s word of a block is its 16 bytes at 16 lane (scale
   // byte: lane), so a warp load is 512 contiguous bytes.
   constexpr int BS = TL ? 64 : 4;               // words from a 4-group block to the next
@@ -366,14 +365,6 @@ def sum_slices(backend: str, part, N: int):
     return y
 
 
-def tile_experts(w: dict) -> dict:
-    """The expert stacks ``w`` (as ``expert_glu_reference`` takes them) in the tiled layout
-    the kernels read with ``tiled=True`` (``expert_layout.tile``: same shapes, each matrix's
-    rows cut into 16-row tiles and each tile into blocks of 4 scale groups, a block's 16 rows x
-    64 bytes of codes and 16 x 4 scale bytes contiguous)."""
-    return expert_layout.tile(w)
-
-
 def _launch(kernel, tmpl, sl, nw, backend, z, w, inds, weights, beta, cap):
     """One fused launch (``kernel`` at template ``tmpl``, ``sl`` rows of I and ``nw`` warps
     per threadgroup): ``part [N * k * I / sl, D]`` fp32, pair-major, then slice."""
@@ -402,7 +393,7 @@ def _launch(kernel, tmpl, sl, nw, backend, z, w, inds, weights, beta, cap):
 
 def partials(z, w, inds, weights, beta, cap, backend: str | None = None, launch=None, tiled=False):
     """The fused launch alone: ``part [N * k * I / SL, D]`` fp32 (pair-major, then slice).
-    ``tiled``: ``w`` is in ``tile_experts``' layout."""
+    ``tiled``: ``w`` is in ``expert_layout``'s tiles."""
     backend = backend or default_backend()
     D, I, k = z.shape[-1], w["w1"][0].shape[-2], inds.shape[-1]
     sl, nw, gw, gw2 = shape_for(D, I, launch)
@@ -416,7 +407,7 @@ def expert_glu_decode(
 ):
     """``mxfp4_mma.expert_glu_decode`` in two launches (same shapes and return: fp32 [N, D]).
     Needs ``mxfp4_mma.eligible`` inputs (D, I multiples of 128); ``tiled``: ``w`` is in
-    ``tile_experts``' layout."""
+    ``expert_layout``'s tiles."""
     backend = backend or default_backend()
     part = partials(z, w, inds, weights, beta, cap, backend, launch, tiled)
     return sum_slices(backend, part, inds.shape[0])
@@ -447,7 +438,7 @@ BODY_BULK = (
   const DEVICE uint8_t* e1 = lane < 16 ? s1 : s3;
   const size_t row1 = ex * NI + (size_t)js * SL + 16 * warp + lane % 16;
   const size_t row2 = ex * KD + 32 * warp + lane;
-  // Tiled (TL, tile_experts): the warp's first 16-row tile of gate/up and of down.
+  // Tiled (TL, expert_layout.tile): the warp's first 16-row tile of gate/up and of down.
   const size_t tile1 = (ex * NI + (size_t)js * SL) / 16 + warp;
   const size_t tile2 = ex * KD / 16 + 2 * warp;
 #define KB_ISSUE(t)                                                                       \
@@ -611,8 +602,8 @@ MXFP4_FUSED_BULK = Kernel(
 def partials_bulk(
     z, w, inds, weights, beta, cap, backend: str | None = None, launch=None, tiled=False
 ):
-    """``partials`` through the bulk-copy kernel (``tiled``: ``w`` in ``tile_experts``'
-    layout, a stage is then four copies: two 1 KB blocks of codes, two of scales)."""
+    """``partials`` through the bulk-copy kernel (``tiled``: ``w`` in ``expert_layout``'s
+    tiles, a stage is then four copies: two 1 KB blocks of codes, two of scales)."""
     backend = backend or default_backend()
     D, I, k = z.shape[-1], w["w1"][0].shape[-2], inds.shape[-1]
     sl, nw, s = shape_for_bulk(D, I, launch, backend)

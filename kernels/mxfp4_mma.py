@@ -156,7 +156,7 @@ _TILED = (
 
 def tiled_layout(kernel: Kernel) -> Kernel:
     """``kernel`` (``mxfp4_mma``'s register kernel, any decode or bound) reading expert stacks
-    in ``mxfp4_fused.tile_experts``' layout instead of MLX's, named ``<name>_tiled``: same
+    in ``expert_layout``'s tiles instead of MLX's, named ``<name>_tiled``: same
     arithmetic in the same order, so the same bits. Dispatched for ``expert_layout.TiledStacks``
     (the expert store's layout where CUDA's kernels serve it)."""
     return derived(kernel, "tiled", _tiled)
@@ -168,7 +168,7 @@ def _tiled(kernel: Kernel) -> Kernel:
 
 def expert_glu_decode_tiled(z, w, inds, weights, beta, cap, backend: str | None = None):
     """``expert_glu_decode`` (the dispatched kernels, via ``tiled_layout``) on stacks ``w`` in
-    ``mxfp4_fused.tile_experts``' layout."""
+    ``expert_layout``'s tiles."""
 
     def kernel_for(glu, shape):
         return tiled_layout(dispatched_kernel(glu, shape))

@@ -418,7 +418,7 @@ def launch(kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, sh
 
 
 def tiled_layout(kernel: Kernel) -> Kernel:
-    """``kernel`` reading stacks in ``mxfp4_fused.tile_experts``' layout
+    """``kernel`` reading stacks in ``expert_layout``'s tiles
     (``mxfp4_mma.tiled_layout``'s rewrite, once per role), named ``<name>_tiled``: same
     arithmetic in the same order, so the same bits. Dispatched for ``expert_layout.TiledStacks``
     (the expert store's layout where CUDA's kernels serve it)."""
@@ -434,7 +434,7 @@ def _tiled(kernel: Kernel) -> Kernel:
 
 
 def expert_glu_decode_tiled(z, w, inds, weights, beta, cap, backend=None, counts=None):
-    """``expert_glu_decode`` on stacks ``w`` in ``mxfp4_fused.tile_experts``' layout."""
+    """``expert_glu_decode`` on stacks ``w`` in ``expert_layout``'s tiles."""
     return _decode(True, z, w, inds, weights, beta, cap, backend, counts)
 
 

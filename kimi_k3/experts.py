@@ -22,6 +22,8 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from kimi_k3.kernels import expert_layout
+
 GROUP = 32
 EXPERT_TENSORS = ("w1", "w2", "w3")
 
@@ -59,7 +61,7 @@ def expert_glu_reference(
 
     Shapes: z: [N, D]; inds: [N, k] int; weights: [N, k]. Returns fp32 [N, D].
     """
-    if _is_tiled(w):
+    if expert_layout.is_tiled(w):
         w, inds = _untiled(w, inds)
     N, k = inds.shape
     flat = inds.reshape(-1)
@@ -74,21 +76,13 @@ def expert_glu_reference(
     return (y * weights.astype(mx.float32)[..., None]).sum(axis=1)
 
 
-def _is_tiled(w) -> bool:
-    from kimi_k3.kernels.expert_layout import is_tiled
-
-    return is_tiled(w)
-
-
 def _untiled(w, inds):
     """Tiled stacks -> MLX's layout for the reference: the experts ``inds`` reads, copied
     (indices renumbered), where they are fewer than the stack's; else the whole stack."""
-    from kimi_k3.kernels.expert_layout import untile, untile_pair
-
     if inds.size >= w["w1"][0].shape[0]:
-        return untile(w), inds
+        return expert_layout.untile(w), inds
     sel = inds.reshape(-1)
-    out = {n: untile_pair(q[sel], s[sel], n) for n, (q, s) in w.items()}
+    out = {n: expert_layout.untile_pair(q[sel], s[sel], n) for n, (q, s) in w.items()}
     return out, mx.arange(inds.size, dtype=mx.int32).reshape(inds.shape)
 
 
@@ -98,7 +92,7 @@ def store_layout(choice: str | None, dim: int, hidden: int) -> str:
     ``"auto"``); ``"auto"`` is tiles where CUDA's tensor-core kernels read them (the CUDA
     backend, dims ``expert_layout.kernels_read`` accepts), else MLX's layout. Asking for
     tiles the dims cannot have is an error; any other value too."""
-    from kimi_k3.kernels import expert_layout, source
+    from kimi_k3.kernels import source
 
     if choice is None:
         choice = source.env_choice("KIMI_K3_EXPERT_LAYOUT", expert_layout.LAYOUTS, "auto")
@@ -161,14 +155,12 @@ class ResidentExperts(nn.Module):
     def set_layout(self, layout: str):
         """Hold the stacks in ``layout`` (``"mlx"`` or ``"tiled"``): lazy MLX ops, one copy
         of the layer's stacks when evaluated."""
-        from kimi_k3.kernels.expert_layout import tile_pair, untile_pair
-
         if layout not in ("mlx", "tiled"):
             raise ValueError(f"ResidentExperts.set_layout({layout!r}): 'mlx' or 'tiled'")
         if layout == self.layout:
             return
         src, dst = _NAMES[self.layout], _NAMES[layout]
-        move = tile_pair if layout == "tiled" else untile_pair
+        move = expert_layout.tile_pair if layout == "tiled" else expert_layout.untile_pair
         for n in EXPERT_TENSORS:
             q = getattr(self, n)
             pair = move(q[src[0]], q[src[1]], n)
@@ -177,11 +169,9 @@ class ResidentExperts(nn.Module):
         self._tiled = layout == "tiled"
 
     def tensors(self) -> dict:
-        from kimi_k3.kernels.expert_layout import TiledStacks
-
         a, b = _NAMES[self.layout]
         w = {n: (getattr(self, n)[a], getattr(self, n)[b]) for n in EXPERT_TENSORS}
-        return TiledStacks(w) if self._tiled else w
+        return expert_layout.TiledStacks(w) if self._tiled else w
 
     def __call__(self, z: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         return expert_glu(z, self.tensors(), inds, weights, *self._act)

@@ -18,7 +18,7 @@ from numpy_ref import mxfp4_decode, situ_glu
 
 from benchmarks.dispatch_host import zero_stacks as lazy_stack  # shapes only, never evaluated
 from kimi_k3.experts import expert_glu, expert_glu_reference
-from kimi_k3.kernels import dispatch, mxfp4_fused, mxfp4_mma, mxfp4_prefill_mma
+from kimi_k3.kernels import dispatch, expert_layout, mxfp4_fused, mxfp4_mma, mxfp4_prefill_mma
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
@@ -232,12 +232,10 @@ def test_mma_decode_launch_shapes(monkeypatch, launch):
 @pytest.mark.parametrize("E,D,I,N,k,dtype", [MMA_CASES[1], MMA_CASES[2]])
 def test_mma_decode_on_the_tiled_layout_gives_the_same_bits(E, D, I, N, k, dtype):
     """``mxfp4_mma.tiled_layout`` (a benchmark probe: the dispatched kernels on
-    ``tile_experts``' layout) only moves the loads' addresses."""
+    ``expert_layout``'s tiles) only moves the loads' addresses."""
     (z, w, *rest), want = case(E, D, I, N, k, dtype)
     plain = mxfp4_mma.expert_glu_decode(z, w, *rest, backend="emulator")
-    got = mxfp4_mma.expert_glu_decode_tiled(
-        z, mxfp4_fused.tile_experts(w), *rest, backend="emulator"
-    )
+    got = mxfp4_mma.expert_glu_decode_tiled(z, expert_layout.tile(w), *rest, backend="emulator")
     assert np.array_equal(np.array(got), np.array(plain))
     assert rel_err(got, want) < TOL
 
@@ -426,11 +424,11 @@ def test_fused_bulk_launches(launch):
     assert rel_err(got, want) < TOL
 
 
-def test_tile_experts_layout():
+def test_tiled_layout_index():
     """Block (tile, k) of a matrix is 1 KB of codes at 1 KB x (tile x blocks per row + k), its
     row r's four groups at 64 r bytes (scales: 64 bytes, 4 per row): the kernels' index."""
     w = {n: (mx.array(q), mx.array(sc)) for n, (q, sc) in random_experts(3, 256, 128, 0).items()}
-    t = mxfp4_fused.tile_experts(w)
+    t = expert_layout.tile(w)
     for name, (q, sc) in w.items():
         E, R, W = q.shape
         G = W // 4
@@ -449,10 +447,10 @@ def test_tile_experts_layout():
     "E,D,I,N,k,dtype", [(4, 1280, 1152, 2, 2, "bfloat16"), (5, 256, 384, 3, 2, "float32")]
 )
 def test_fused_reads_the_tiled_layout(E, D, I, N, k, dtype, fn):
-    """The same experts in ``tile_experts``' layout, read with ``tiled=True``: the oracle's
+    """The same experts in ``expert_layout``'s tiles, read with ``tiled=True``: the oracle's
     result; read as the plain layout they are wrong (so the flag is what reads them)."""
     (z, w, inds, wts, beta, cap), want = case(E, D, I, N, k, dtype)
-    wt = mxfp4_fused.tile_experts(w)
+    wt = expert_layout.tile(w)
     got = fn(z, wt, inds, wts, beta, cap, backend="emulator", tiled=True)
     assert rel_err(got, want) < TOL
     assert rel_err(fn(z, wt, inds, wts, beta, cap, backend="emulator"), want) > 0.1

@@ -32,11 +32,11 @@ def test_one_launch_gives_the_three_launches_bits(E, D, I, N, k, dtype):
 def test_one_launch_on_the_tiled_layout_gives_the_same_bits(E, D, I, N, k, dtype):
     """``mxfp4_one.tiled_layout`` (dispatched for tiled stores) only moves both roles' load
     addresses."""
-    from kimi_k3.kernels import mxfp4_fused
+    from kimi_k3.kernels import expert_layout
 
     (z, w, *rest), _ = case(E, D, I, N, k, dtype)
     plain = mxfp4_one.expert_glu_decode(z, w, *rest, backend="emulator")
-    wt = mxfp4_fused.tile_experts(w)
+    wt = expert_layout.tile(w)
     got = mxfp4_one.expert_glu_decode_tiled(z, wt, *rest, backend="emulator")
     assert np.array_equal(np.array(got), np.array(plain))
     wrong = mxfp4_one.expert_glu_decode(z, wt, *rest, backend="emulator")  # untiled reads

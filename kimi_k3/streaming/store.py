@@ -21,7 +21,6 @@ import numpy as np
 from kimi_k3.checkpoint import CheckpointIndex
 from kimi_k3.experts import EXPERT_TENSORS, expert_glu, store_layout
 from kimi_k3.kernels import expert_layout as tiles
-from kimi_k3.kernels.expert_layout import LAYOUTS
 from kimi_k3.streaming.cache import GB, POLICIES, SlotCache, make_policy, slots_per_layer
 from kimi_k3.streaming.io import ALIGN, PREFETCH, ExpertReadError, FileTable, ReadJob, ReadPool
 from kimi_k3.streaming.sources import SOURCES, expert_bytes, expert_layout, open_source
@@ -68,7 +67,7 @@ class StreamOptions:
             ("write_mode", self.write_mode in ("auto", "view", "mlx")),
             ("io_threads", self.io_threads >= 1),
             ("read_timeout", self.read_timeout > 0),
-            ("expert_layout", self.expert_layout in LAYOUTS),
+            ("expert_layout", self.expert_layout in tiles.LAYOUTS),
         ):
             if not ok:
                 raise ValueError(f"stream option {key}={getattr(self, key)!r} is not valid")
@@ -110,8 +109,9 @@ class SlotPool:
     @property
     def finish(self):
         """What a reader thread does to a slot's bytes once read (``ReadJob.finish``): where
-        the pool is tiled and written through host views, tile them in place; else None."""
-        return self._tile_in_place if self.tiled and self.views is not None else None
+        the pool is tiled, tile them in place (in ``dest(slot)``, the pool itself or the
+        scratch ``commit`` assigns); else None."""
+        return self._tile_in_place if self.tiled else None
 
     def _tile_in_place(self, dest: dict):
         for w in EXPERT_TENSORS:
@@ -119,18 +119,10 @@ class SlotPool:
             tiles.tile_expert_bytes(dest[f"{w}.weight"], dest[f"{w}.scales"], rows)
 
     def commit(self, slot: int, dest: dict):
-        """Make the bytes read into ``dest(slot)`` (and ``finish``ed) the slot's: nothing to
-        do in ``view`` mode; in ``mlx`` mode assign them (tiled here where the pool is)."""
         if self.views is not None:
             return
-        got = {
-            n: mx.array(dest[n].view(dt).reshape(shape)) for n, (shape, dt) in self.layout.items()
-        }
-        for w in EXPERT_TENSORS if self.tiled else ():
-            q, s = tiles.tile_pair(got[f"{w}.weight"][None], got[f"{w}.scales"][None], w)
-            got[f"{w}.weight"], got[f"{w}.scales"] = q[0], s[0]
-        for n, a in got.items():
-            self.arrays[n][slot] = a
+        for n, (shape, dt) in self.layout.items():
+            self.arrays[n][slot] = mx.array(dest[n].view(dt).reshape(shape))
 
     def settle(self):
         """Finish any computation still reading the pool before its bytes change."""

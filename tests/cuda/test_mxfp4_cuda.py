@@ -109,7 +109,7 @@ def test_one_launch_tiled_layout_same_bits():
     """``mxfp4_one.tiled_layout`` (chain_length --tiled) gives the one launch's bits at K3 size."""
     (z, w, *rest), _ = case(16, *K3, 1, 16, "bfloat16")
     plain = np.array(mxfp4_one.expert_glu_decode(z, w, *rest, backend="cuda"))
-    wt = mxfp4_fused.tile_experts(w)
+    wt = expert_layout.tile(w)
     got = mxfp4_one.expert_glu_decode_tiled(z, wt, *rest, backend="cuda")
     assert np.array_equal(np.array(got), plain)
 
@@ -135,12 +135,12 @@ def test_mma_launch_shapes(monkeypatch, gate_up, down):
 
 @pytest.mark.parametrize("N", [1, 4])
 def test_mma_tiled_layout_same_bits(N):
-    """The dispatched kernels reading ``tile_experts``' layout (``mxfp4_mma.tiled_layout``,
+    """The dispatched kernels reading ``expert_layout``'s tiles (``mxfp4_mma.tiled_layout``,
     bench_mxfp4 --tiled) give the same bits as on MLX's layout, at K3 size."""
     args, want = case(16, *K3, N, 16, "bfloat16")
     z, w, *rest = args
     plain = np.array(mxfp4_mma.expert_glu_decode(*args, backend="cuda"))
-    got = mxfp4_mma.expert_glu_decode_tiled(z, mxfp4_fused.tile_experts(w), *rest, backend="cuda")
+    got = mxfp4_mma.expert_glu_decode_tiled(z, expert_layout.tile(w), *rest, backend="cuda")
     assert np.array_equal(np.array(got), plain)
     assert rel_err(got, want) < TOL
 
@@ -230,10 +230,10 @@ def test_fused_bulk_launches(launch):
 
 @pytest.mark.parametrize("bulk", [False, True], ids=["regs", "bulk"])
 def test_fused_tiled_layout(bulk):
-    """Both fused kernels on ``tile_experts``' layout at K3 size (four 1 KB / 64-byte bulk
+    """Both fused kernels on ``expert_layout``'s tiles at K3 size (four 1 KB / 64-byte bulk
     copies per stage for the bulk kernel)."""
     (z, w, inds, wts, beta, cap), want = case(16, *K3, 4, 16, "bfloat16")
-    wt = mxfp4_fused.tile_experts(w)
+    wt = expert_layout.tile(w)
     fn = mxfp4_fused.expert_glu_decode_bulk if bulk else mxfp4_fused.expert_glu_decode
     got = fn(z, wt, inds, wts, beta, cap, backend="cuda", tiled=True)
     assert rel_err(got, want) < TOL
