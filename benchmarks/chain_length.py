@@ -111,9 +111,10 @@ def fit(lengths, totals) -> tuple[float, float]:
     return float(slope), float(intercept)
 
 
-def run(args) -> list[dict]:
-    """One dict per job: its label, best totals and submission times per length (seconds),
-    slope and intercept (seconds), and bytes a call."""
+def run(args, todo=None) -> list[dict]:
+    """One dict per job (``todo``'s (label, function) pairs, default ``jobs``' filtered by
+    ``--only``): its label, best totals and submission times per length (seconds), slope and
+    intercept (seconds), and bytes a call."""
     dtype = getattr(mx, args.dtype)
     w = random_experts(args.experts, args.dim, args.hidden, args.seed)
     rng = np.random.default_rng(args.seed)
@@ -125,11 +126,12 @@ def run(args) -> list[dict]:
     mx.eval([a[:4] for a in inputs])
     nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs])
     nbytes *= expert_bytes(args.dim, args.hidden)
-    todo = [
-        (label, fn)
-        for label, fn in jobs(args.read_limit, args.tiled)
-        if not args.only or label in args.only
-    ]
+    if todo is None:
+        todo = [
+            (label, fn)
+            for label, fn in jobs(args.read_limit, args.tiled)
+            if not args.only or label in args.only
+        ]
     best = {label: {n: (math.inf, math.inf) for n in args.lengths} for label, _ in todo}
     for _ in range(args.rounds):  # rounds one after another, so drifts reach every job alike
         for label, fn in todo:

@@ -137,6 +137,27 @@ for step in "$@"; do
           "mxfp4_mma (three launches) on the tiled layout" "mxfp4_one (counters in its output) on the tiled layout" \
           "read limit, one launch" --out "$OUT/tiled_runs.md"
       done ;;
+    one_sweep)
+      # mxfp4_one on tiles at launch settings other than mxfp4_mma's (benchmarks/one_sweep.py:
+      # rt,sk,gw1,gw2,pp,bound,cs1,cs2[,packed scales]), chains, one token
+      MLX_ENABLE_TF32=0 run one_sweep 560 python3 -m benchmarks.one_sweep --read-limit --rounds 5 --out "$OUT/one_sweep.md" --settings \
+        8,1,8,8,1,2,1,0 8,1,8,8,1,2,1,0,1 8,1,8,8,1,2,1,1 8,1,8,8,1,2,0,0 4,1,8,8,1,4,1,0 4,1,8,8,1,3,1,0 \
+        8,1,8,8,0,2,1,0 8,1,8,8,0,3,1,0 4,2,8,8,1,2,1,0 16,1,8,8,1,1,1,0 8,1,8,4,1,2,1,0 2,1,8,8,1,8,1,0 \
+        4,1,8,8,1,4,1,0,1 8,1,8,8,1,2,1,1,1 ;;
+    one_sweep2)
+      # the probes of one_sweep (packed scale words, both steps' loads before the staging),
+      # two processes of seven rounds
+      for r in 1 2; do
+        MLX_ENABLE_TF32=0 run "one_sweep2_$r" 280 python3 -m benchmarks.one_sweep --rounds 7 --out "$OUT/one_sweep2.md" --settings \
+          8,1,8,8,1,2,1,0,1 8,1,8,8,1,2,1,0,0,1 8,1,8,8,1,2,1,0,1,1 8,1,8,8,1,2,1,1,1,1 8,1,8,8,1,2,1,1,0,1
+      done ;;
+    one_ring)
+      # one_sweep's ring of single blocks on tiles (pp 3-5), beside the packed scale words;
+      # two processes of seven rounds
+      for r in 1 2; do
+        MLX_ENABLE_TF32=0 run "one_ring_$r" 280 python3 -m benchmarks.one_sweep --rounds 7 --out "$OUT/one_ring.md" --settings \
+          8,1,8,8,3,2,1,0 8,1,8,8,4,2,1,0 8,1,8,8,5,2,1,0 8,1,8,8,4,2,1,1 8,1,8,8,1,2,1,0,1
+      done ;;
     tiled_store)
       # the expert store on tiles (kernels/expert_layout.py): its CUDA tests (the tiled prefill
       # and dispatch at K3 size, the model resident and streamed), then the prefill on tiles

@@ -349,10 +349,12 @@ def dispatched_kernel(rt: int, sk: int, counts: str | None = None) -> Kernel:
     return mxfp4_mma.byte_permute_decode(kernel) if decode == "byte permute" else kernel
 
 
-def launch(kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, shape=None):
+def launch(
+    kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, shape=None, streams=None
+):
     """One launch of ``kernel`` (the ``_BASE`` kernel of ``counts``, default ``COUNTS``, or a
     variant): (y [N, D], h [pairs, I], part [pairs, D], the counters) at ``shape`` (default
-    ``shape_for``)."""
+    ``shape_for``); ``streams``: (CS1, CS2), default ``mxfp4_mma.STREAM_LOADS``'."""
     backend = backend or default_backend()
     counts = counts or COUNTS
     N, k = inds.shape
@@ -373,7 +375,7 @@ def launch(kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, sh
         weights.reshape(-1).astype(F32),
         constant((beta, cap)),
     ]
-    tmpl = template(z.dtype, D, I, k, rt, sk, gw1, gw2, pp)
+    tmpl = template(z.dtype, D, I, k, rt, sk, gw1, gw2, pp, *(streams or (None, None)))
     # "output": counters, h, part, y in one buffer (h from a multiple of 32 words)
     o_h = -(-ncounts // 32) * 32
     o_p = o_h + pairs * I
