@@ -139,24 +139,22 @@ for step in "$@"; do
       done ;;
     one_sweep)
       # mxfp4_one on tiles at launch settings other than mxfp4_mma's (benchmarks/one_sweep.py:
-      # rt,sk,gw1,gw2,pp,bound,cs1,cs2[,packed scales]), chains, one token
+      # rt,sk,gw1,gw2,pp,bound,cs1,cs2[,early]), chains, one token; d5ade91 also had the steps
+      # one_sweep2 and one_ring for two probes since gone (packed scale words, a ring)
       MLX_ENABLE_TF32=0 run one_sweep 560 python3 -m benchmarks.one_sweep --read-limit --rounds 5 --out "$OUT/one_sweep.md" --settings \
-        8,1,8,8,1,2,1,0 8,1,8,8,1,2,1,0,1 8,1,8,8,1,2,1,1 8,1,8,8,1,2,0,0 4,1,8,8,1,4,1,0 4,1,8,8,1,3,1,0 \
+        8,1,8,8,1,2,1,0 8,1,8,8,1,2,1,1 8,1,8,8,1,2,0,0 4,1,8,8,1,4,1,0 4,1,8,8,1,3,1,0 \
         8,1,8,8,0,2,1,0 8,1,8,8,0,3,1,0 4,2,8,8,1,2,1,0 16,1,8,8,1,1,1,0 8,1,8,4,1,2,1,0 2,1,8,8,1,8,1,0 \
-        4,1,8,8,1,4,1,0,1 8,1,8,8,1,2,1,1,1 ;;
-    one_sweep2)
-      # the probes of one_sweep (packed scale words, both steps' loads before the staging),
-      # two processes of seven rounds
-      for r in 1 2; do
-        MLX_ENABLE_TF32=0 run "one_sweep2_$r" 280 python3 -m benchmarks.one_sweep --rounds 7 --out "$OUT/one_sweep2.md" --settings \
-          8,1,8,8,1,2,1,0,1 8,1,8,8,1,2,1,0,0,1 8,1,8,8,1,2,1,0,1,1 8,1,8,8,1,2,1,1,1,1 8,1,8,8,1,2,1,1,0,1
-      done ;;
-    one_ring)
-      # one_sweep's ring of single blocks on tiles (pp 3-5), beside the packed scale words;
-      # two processes of seven rounds
-      for r in 1 2; do
-        MLX_ENABLE_TF32=0 run "one_ring_$r" 280 python3 -m benchmarks.one_sweep --rounds 7 --out "$OUT/one_ring.md" --settings \
-          8,1,8,8,3,2,1,0 8,1,8,8,4,2,1,0 8,1,8,8,5,2,1,0 8,1,8,8,4,2,1,1 8,1,8,8,1,2,1,0,1
+        8,1,8,8,1,2,1,0,1 ;;
+    scale_words)
+      # session 31: the store's tiles with a scale word per lane and step: every CUDA test that
+      # reads tiles (decode, one launch, prefill, fused on its own layout, the model), then
+      # tiled_runs' three processes
+      MLX_ENABLE_TF32=0 run scale_words_tests 330 python3 -m pytest -q tests/cuda/test_model_cuda.py tests/cuda/test_mxfp4_cuda.py -k "tiled or dispatched"
+      for r in 1 2 3; do
+        MLX_ENABLE_TF32=0 run "tiled_runs_$r" 200 python3 -m benchmarks.chain_length --tokens 1 --read-limit --tiled --rounds 5 \
+          --only "mxfp4_mma (three launches)" "mxfp4_one (one launch, counters in its output (one fill))" \
+          "mxfp4_mma (three launches) on the tiled layout" "mxfp4_one (counters in its output) on the tiled layout" \
+          "read limit, one launch" --out "$OUT/tiled_runs.md"
       done ;;
     tiled_store)
       # the expert store on tiles (kernels/expert_layout.py): its CUDA tests (the tiled prefill

@@ -23,7 +23,7 @@ datasheet peak and the device copy of the same run. Each row's output is compare
 
 ``mxfp4_fused_bulk`` rows (the same two phases, weights brought in by bulk copies) give
 (rows of I per threadgroup, warps, ring stages) in the launch column. ``--tiled`` adds the
-fused kernel reading the same experts in ``expert_layout``'s tiles (16-row tiles of 4-group
+fused kernel reading the same experts in ``mxfp4_fused.tile``'s layout (16-row tiles of 4-group
 blocks: a warp load is 512 contiguous bytes), converted once before timing.
 """
 
@@ -50,7 +50,7 @@ from benchmarks.bench_mxfp4 import (
 from benchmarks.kda_prep_probes import rewrite
 from benchmarks.profile_kernels import register_count
 from kimi_k3.experts import expert_glu_reference
-from kimi_k3.kernels import expert_layout, mxfp4_fused, mxfp4_mma
+from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
 from kimi_k3.kernels.source import Instance
 
 BETA, CAP = 4.0, 25.0
@@ -85,11 +85,11 @@ _TILED: dict = {}
 
 
 def tiled_stack(w: dict) -> dict:
-    """``expert_layout.tile(w)``, built once per stack (outside the timed batches after the
-    first)."""
+    """``mxfp4_fused.tile(w)`` (the layout its ``tiled=True`` reads), built once per stack
+    (outside the timed batches after the first)."""
     key = id(w)
     if key not in _TILED:
-        _TILED[key] = expert_layout.tile(w)
+        _TILED[key] = mxfp4_fused.tile(w)
         mx.eval(_TILED[key])
     return _TILED[key]
 
@@ -152,7 +152,7 @@ def main():
     p.add_argument("--bulk-launches", nargs="*", default=BULK_LAUNCHES, help="SL,NW,S")
     p.add_argument("--launch-only", action="store_true", help="also time the fused launch alone")
     p.add_argument(
-        "--tiled", action="store_true", help="also the fused kernel on expert_layout's tiles"
+        "--tiled", action="store_true", help="also the fused kernel on mxfp4_fused.tile's layout"
     )
     p.add_argument(
         "--decodes",

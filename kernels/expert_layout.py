@@ -4,15 +4,21 @@ MLX's layout keeps each row's codes contiguous (``weight`` uint32 [E, R, K/8], `
 uint8 [E, R, K/32]), so a warp's load of 16 bytes per lane touches 8 rows x 64 bytes. The
 tiled layout has the same shapes and bytes, permuted within each expert: its rows cut into
 16-row tiles, each tile into blocks of 4 scale groups, a block's 16 rows x 64 bytes of codes
-(and 16 x 4 scale bytes) contiguous, so the same warp load is 512 contiguous bytes. Index of
-row r, scale group j of expert e (in 16-byte words for the codes, bytes for the scales)::
+contiguous, so the same warp load is 512 contiguous bytes. A kernel lane (g, tq) (lane =
+4 g + tq) reads group tq of rows g and g + 8 of each block; its scale bytes of two blocks
+in a row (an 8-group step of the decode kernels) are one 32-bit word. Index of row r =
+16 t + 8 h + g, scale group j = 4 b + tq of expert e, G = K / 32 groups, nb = G / 4 blocks::
 
-    ((e * R / 16 + r / 16) * (G / 4) + j / 4) * 64 + (r % 16) * 4 + j % 4,   G = K / 32
+    codes (16-byte words):  ((e * R / 16 + t) * nb + b) * 64 + 32 h + 4 g + tq
+    scales (bytes):         (e * R / 16 + t) * 16 G + 128 (b / 2) + o,
+                            o = 4 (4 g + tq) + 2 (b % 2) + h   (blocks 2i, 2i + 1: a word)
+                            o = 2 (4 g + tq) + h               (the last block, where nb is odd)
 
-On the H200 the one-launch decode (``mxfp4_one``) took 0.0965-0.0983 ms a call on tiles
-against 0.103-0.108 ms on MLX's layout in the same processes (16 of 64 experts at K3 size,
-seven processes; docs/benchmarks.md, session 30), so the expert store holds tiles where
-CUDA's kernels serve it (``kimi_k3.experts.store_layout``, ``kernels_read``). A stack in
+On the H200 the one-launch decode (``mxfp4_one``) took 0.0938-0.0979 ms a call on tiles
+against 0.104-0.108 ms on MLX's layout in the same processes (16 of 64 experts at K3 size,
+six processes; docs/benchmarks.md, session 31; the scale words gained about 2% of that), so
+the expert store holds tiles where CUDA's kernels serve it (``kimi_k3.experts.store_layout``,
+``kernels_read``). A stack in
 this layout is a ``TiledStacks``: every consumer either reads tiles (``mxfp4_one``,
 ``mxfp4_mma``, ``mxfp4_prefill_mma``, each with its ``tiled`` variant) or calls ``untile``
 first (``expert_glu_reference``), so tiles are never read as MLX's layout by mistake.
@@ -63,21 +69,44 @@ def _check(name: str, q, s):
 def _permute(a, E: int, R: int, G: int, unit: int, inverse: bool = False):
     """``a`` [E, R, G * unit] (mx or numpy: each row G scale groups of ``unit`` elements) with
     each expert's (16-row tile, 4-group block) pairs swapped into the tiled order, or back
-    where ``inverse``."""
+    where ``inverse`` (the codes' order)."""
     split = (E, R // 16, G // 4, 16, 4 * unit) if inverse else (E, R // 16, 16, G // 4, 4 * unit)
     return a.reshape(split).transpose(0, 1, 3, 2, 4).reshape(E, R, G * unit)
+
+
+def _permute_scales(s, E: int, R: int, G: int, inverse: bool = False):
+    """Scale bytes ``s`` [E, R, G] (mx or numpy) in the tiled order (module docstring: per
+    16-row tile, blocks in pairs of 128 bytes, lane 4 g + tq's word holding rows g, g + 8 of
+    both blocks' group tq; an odd last block 64 bytes of halfwords), or back where ``inverse``."""
+    T, nb = R // 16, G // 4
+    pairs = nb // 2
+    cat = mx.concatenate if isinstance(s, mx.array) else np.concatenate
+    if not inverse:
+        # [E, T, h, g, block, tq] -> pairs [E, T, i, g, tq, b % 2, h], a lone block [E, T, g, tq, h]
+        a = s.reshape(E, T, 2, 8, nb, 4)
+        head = a[:, :, :, :, : 2 * pairs].reshape(E, T, 2, 8, pairs, 2, 4)
+        parts = [head.transpose(0, 1, 4, 3, 6, 5, 2).reshape(E, T, 128 * pairs)]
+        if nb % 2:
+            parts.append(a[:, :, :, :, nb - 1].transpose(0, 1, 3, 4, 2).reshape(E, T, 64))
+        return cat(parts, axis=2).reshape(E, R, G)
+    a = s.reshape(E, T, 16 * G)
+    head = a[:, :, : 128 * pairs].reshape(E, T, pairs, 8, 4, 2, 2)
+    parts = [head.transpose(0, 1, 6, 3, 2, 5, 4).reshape(E, T, 2, 8, 8 * pairs)]
+    if nb % 2:
+        parts.append(a[:, :, 128 * pairs :].reshape(E, T, 8, 4, 2).transpose(0, 1, 4, 2, 3))
+    return cat(parts, axis=4).reshape(E, R, G)
 
 
 def tile_pair(q: mx.array, s: mx.array, name: str = "stack") -> tuple:
     """One stack (weight uint32 [E, R, W], scales uint8 [E, R, W / 4]) in the tiled layout."""
     E, R, G = _check(name, q, s)
-    return _permute(q, E, R, G, 4), _permute(s, E, R, G, 1)
+    return _permute(q, E, R, G, 4), _permute_scales(s, E, R, G)
 
 
 def untile_pair(q: mx.array, s: mx.array, name: str = "stack") -> tuple:
     """``tile_pair``'s inverse."""
     E, R, G = _check(name, q, s)
-    return _permute(q, E, R, G, 4, inverse=True), _permute(s, E, R, G, 1, inverse=True)
+    return _permute(q, E, R, G, 4, inverse=True), _permute_scales(s, E, R, G, inverse=True)
 
 
 def tile(w: dict) -> TiledStacks:
@@ -105,4 +134,4 @@ def tile_expert_bytes(codes: np.ndarray, scales: np.ndarray, rows: int):
             f"{rows}-row matrix in whole tiles"
         )
     codes[:] = _permute(codes, 1, rows, G, 16).reshape(-1)
-    scales[:] = _permute(scales, 1, rows, G, 1).reshape(-1)
+    scales[:] = _permute_scales(scales, 1, rows, G).reshape(-1)

@@ -28,7 +28,9 @@ latent, then each threadgroup's slice of ``h``).
 Two variants of the same two phases: ``expert_glu_decode_bulk`` brings the weights into
 per-warp rings in threadgroup memory by bulk copies (the TMA engine, ``BULK_COPY`` and the
 ``MBAR_*`` barriers), and ``tiled=True`` (both kernels) reads stacks re-laid out by
-``expert_layout.tile`` (16-row tiles of 4-group blocks, 1 KB contiguous each).
+``tile`` below (16-row tiles of 4-group blocks, 1 KB of codes and 64 scale bytes contiguous
+each: ``expert_layout``'s tiles as they were until session 31, when the store's scale bytes
+became a word per lane and step, a layout these kernels do not read).
 
 None of these is dispatched. On the H200 (docs/benchmarks.md, "MXFP4: one launch, bulk
 copies and a tiled layout") the register kernel matched or beat ``mxfp4_mma`` by up to 9% at
@@ -139,7 +141,7 @@ BODY = (
     + """
   // A step is GW (GW2) groups of the lane's rows g, g + 8 of both tiles.
   // Plain layout (MLX's): row r's group c at r G + c (16-byte words and scale bytes alike).
-  // Tiled (TL, expert_layout.tile): 16-row tiles of 4-group blocks, 1 KB of codes each, row r of
+  // Tiled (TL, tile()): 16-row tiles of 4-group blocks, 1 KB of codes each, row r of
   // the tile at 64 r bytes; lane (g, tq)'s word of a block is its 16 bytes at 16 lane (scale
   // byte: lane), so a warp load is 512 contiguous bytes.
   constexpr int BS = TL ? 64 : 4;               // words from a 4-group block to the next
@@ -391,9 +393,22 @@ def _launch(kernel, tmpl, sl, nw, backend, z, w, inds, weights, beta, cap):
     return part
 
 
+def tile(w: dict) -> dict:
+    """Stacks in MLX's layout -> the layout ``tiled=True`` reads: the codes in
+    ``expert_layout``'s tiles, each block's 16 rows x 4 scale bytes contiguous beside them
+    (64 bytes a block, in the codes' order; lazy MLX ops)."""
+    from .expert_layout import _check, _permute
+
+    out = {}
+    for n, (q, s) in w.items():
+        E, R, G = _check(n, q, s)
+        out[n] = (_permute(q, E, R, G, 4), _permute(s, E, R, G, 1))
+    return out
+
+
 def partials(z, w, inds, weights, beta, cap, backend: str | None = None, launch=None, tiled=False):
     """The fused launch alone: ``part [N * k * I / SL, D]`` fp32 (pair-major, then slice).
-    ``tiled``: ``w`` is in ``expert_layout``'s tiles."""
+    ``tiled``: ``w`` is in ``tile``'s layout."""
     backend = backend or default_backend()
     D, I, k = z.shape[-1], w["w1"][0].shape[-2], inds.shape[-1]
     sl, nw, gw, gw2 = shape_for(D, I, launch)
@@ -407,7 +422,7 @@ def expert_glu_decode(
 ):
     """``mxfp4_mma.expert_glu_decode`` in two launches (same shapes and return: fp32 [N, D]).
     Needs ``mxfp4_mma.eligible`` inputs (D, I multiples of 128); ``tiled``: ``w`` is in
-    ``expert_layout``'s tiles."""
+    ``tile``'s layout."""
     backend = backend or default_backend()
     part = partials(z, w, inds, weights, beta, cap, backend, launch, tiled)
     return sum_slices(backend, part, inds.shape[0])
@@ -438,7 +453,7 @@ BODY_BULK = (
   const DEVICE uint8_t* e1 = lane < 16 ? s1 : s3;
   const size_t row1 = ex * NI + (size_t)js * SL + 16 * warp + lane % 16;
   const size_t row2 = ex * KD + 32 * warp + lane;
-  // Tiled (TL, expert_layout.tile): the warp's first 16-row tile of gate/up and of down.
+  // Tiled (TL, tile()): the warp's first 16-row tile of gate/up and of down.
   const size_t tile1 = (ex * NI + (size_t)js * SL) / 16 + warp;
   const size_t tile2 = ex * KD / 16 + 2 * warp;
 #define KB_ISSUE(t)                                                                       \
@@ -602,8 +617,8 @@ MXFP4_FUSED_BULK = Kernel(
 def partials_bulk(
     z, w, inds, weights, beta, cap, backend: str | None = None, launch=None, tiled=False
 ):
-    """``partials`` through the bulk-copy kernel (``tiled``: ``w`` in ``expert_layout``'s
-    tiles, a stage is then four copies: two 1 KB blocks of codes, two of scales)."""
+    """``partials`` through the bulk-copy kernel (``tiled``: ``w`` in ``tile``'s layout, a
+    stage is then four copies: two 1 KB blocks of codes, two of scales)."""
     backend = backend or default_backend()
     D, I, k = z.shape[-1], w["w1"][0].shape[-2], inds.shape[-1]
     sl, nw, s = shape_for_bulk(D, I, launch, backend)

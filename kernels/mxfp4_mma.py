@@ -135,8 +135,22 @@ def _byte_permute(kernel: Kernel) -> Kernel:
 
 
 # expert_layout's tiles (16-row tiles of 4-group blocks, a block's 16 rows x 64 bytes of
-# codes and 16 x 4 scale bytes contiguous): lane (g, tq)'s word of a block is word
-# ``lane`` of it, row g + 8's is ``lane + 32``, so one warp load is 512 contiguous bytes.
+# codes contiguous): lane (g, tq)'s word of a block is word ``lane`` of it, row g + 8's is
+# ``lane + 32``, so one warp load is 512 contiguous bytes. The lane's scale bytes of a step
+# are one load (KK_SCW): a 32-bit word at 8-group steps (NB = 2: bytes row g, row g + 8 of
+# the first block, then of the second), a 16-bit halfword at 4-group steps (KK_SOFF: where
+# a block's halfword lies, the last block alone where a row has an odd number of blocks).
+# KK_STEP takes byte 2 u + h of the word (h: row g + 8).
+_SCALE_WORDS = """\
+  static_assert(NB == 1 || NB == 2, "tiled scale words: steps of 4 or 8 groups");
+#define KK_SOFF(bb)                                                                 \\
+  (128 * ((bb) / 8) + (((G / 4) % 2 && (bb) / 4 == G / 4 - 1)                       \\
+                           ? 2 * lane                                               \\
+                           : 4 * lane + 2 * (((bb) / 4) % 2)))
+#define KK_SCW(e, bb)                                                               \\
+  (NB == 2 ? *(const DEVICE uint*)((e) - lane + KK_SOFF(bb))                       \\
+           : (uint)(*(const DEVICE uint16_t*)((e) - lane + KK_SOFF(bb))))
+#define KK_Q(q, i)"""
 _TILED = (
     (
         "  const size_t ra = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0) + g;\n"
@@ -147,9 +161,18 @@ _TILED = (
     ),
     ("ra * G + tq;", "ra;", 2),
     ("rb * G + tq;", "rb;", 2),
-    ("8 * G + (bb) + 4 * u]", "32 + 16 * (bb) + 64 * u]", 2),
+    ("#define KK_Q(q, i)", _SCALE_WORDS),
+    ("sc[4 * u] = ea[(bb) + 4 * u];", "if (u == 0) sc[0] = KK_SCW(ea, bb);  "),
+    ("sc[4 * u + 1] = ea[8 * G + (bb) + 4 * u];", "if (u == 0) sc[1] = KK_SCW(eb, bb);        "),
+    ("sc[4 * u + 2] = eb[(bb) + 4 * u];", "                                 "),
+    ("sc[4 * u + 3] = eb[8 * G + (bb) + 4 * u];", "                                         "),
+    ("  uint sx[4 * NB], sy[4 * NB];\n", "  uint sx[2], sy[2];\n"),
+    ("kk_e8m0_bits(sc[4 * u])", "kk_e8m0_bits((sc[0] >> (16 * u)) & 255u)"),
+    ("kk_e8m0_bits(sc[4 * u + 1])", "kk_e8m0_bits((sc[0] >> (16 * u + 8)) & 255u)"),
+    ("kk_e8m0_bits(sc[4 * u + 2])", "kk_e8m0_bits((sc[1] >> (16 * u)) & 255u)"),
+    ("kk_e8m0_bits(sc[4 * u + 3])", "kk_e8m0_bits((sc[1] >> (16 * u + 8)) & 255u)"),
+    ("#undef KK_Q\n", "#undef KK_Q\n#undef KK_SOFF\n#undef KK_SCW\n"),
     ("8 * G + (bb) + 4 * u)", "32 + 16 * (bb) + 64 * u)", 2),
-    ("[(bb) + 4 * u]", "[16 * (bb) + 64 * u]", 2),
     ("(bb) + 4 * u)", "16 * (bb) + 64 * u)", 2),
 )
 

@@ -233,8 +233,10 @@ MXFP4_GROUPED_MMA = Kernel(
 )
 
 
-# ``expert_layout``'s tiles: row r's scale group j at (r / 16 * (G / 4) + j / 4) * 64 +
-# (r % 16) * 4 + j % 4 (16-byte words of codes, bytes of scales); row g + 8 is 32 further.
+# ``expert_layout``'s tiles: row r's scale group j's 16-byte word of codes at
+# (r / 16 * (G / 4) + j / 4) * 64 + (r % 16) * 4 + j % 4 (row g + 8 is 32 further); its scale
+# byte in the tile's words of block pairs (``expert_layout``'s index: ts below for row g, the
+# next byte for row g + 8).
 _TILED = (
     (
         "(const DEVICE uint4*)wa + ra * G;",
@@ -244,17 +246,21 @@ _TILED = (
         "(const DEVICE uint4*)wb + rb * G;",
         "(const DEVICE uint4*)wb + (rb / 16 * (G / 4) * 64 + rb % 16 * 4);",
     ),
-    ("sa + ra * G;", "sa + (ra / 16 * (G / 4) * 64 + ra % 16 * 4);"),
-    ("sb + rb * G;", "sb + (rb / 16 * (G / 4) * 64 + rb % 16 * 4);"),
+    ("sa + ra * G;", "sa + ra / 16 * (G / 4) * 64;"),
+    ("sb + rb * G;", "sb + rb / 16 * (G / 4) * 64;"),
     (
         "        const uint4 wa0 = qa[grp], wa8 = qa[8 * G + grp], "
         "wb0 = qb[grp], wb8 = qb[8 * G + grp];\n"
         "        const float sa0 = kk_e8m0_bits(ea[grp]), sa8 = kk_e8m0_bits(ea[8 * G + grp]);\n"
         "        const float sb0 = kk_e8m0_bits(eb[grp]), sb8 = kk_e8m0_bits(eb[8 * G + grp]);\n",
         "        const uint tg = grp / 4 * 64 + grp % 4;\n"
+        "        const uint tl = 4 * g + grp % 4;\n"
+        "        const uint ts = 128 * (grp / 8) + (((G / 4) % 2 && grp / 4 == G / 4 - 1)\n"
+        "                                               ? 2 * tl\n"
+        "                                               : 4 * tl + 2 * ((grp / 4) % 2));\n"
         "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
-        "        const float sa0 = kk_e8m0_bits(ea[tg]), sa8 = kk_e8m0_bits(ea[32 + tg]);\n"
-        "        const float sb0 = kk_e8m0_bits(eb[tg]), sb8 = kk_e8m0_bits(eb[32 + tg]);\n",
+        "        const float sa0 = kk_e8m0_bits(ea[ts]), sa8 = kk_e8m0_bits(ea[ts + 1]);\n"
+        "        const float sb0 = kk_e8m0_bits(eb[ts]), sb8 = kk_e8m0_bits(eb[ts + 1]);\n",
     ),
 )
 

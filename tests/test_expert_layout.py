@@ -39,12 +39,23 @@ def test_tile_untile_and_one_expert_in_place():
             expert_layout.tile_expert_bytes(qb, sb, R)
             assert np.array_equal(qb, np.array(t[n][0][e]).view(np.uint8).reshape(-1))
             assert np.array_equal(sb, np.array(t[n][1][e]).reshape(-1))
+        # every code word and scale byte where the docstring's index says (w1, w3: 2 blocks a
+        # row, one 32-bit scale word a lane; w2: 3 blocks, the last one's halfwords)
         qt = np.array(t[n][0]).reshape(-1, 4)  # 16-byte words
         qm = np.array(q).reshape(-1, 4)
-        for e, r, j in ((0, 0, 0), (4, R - 1, G - 1), (2, 19, 6)):
-            at = ((e * R // 16 + r // 16) * (G // 4) + j // 4) * 64 + (r % 16) * 4 + j % 4
-            assert np.array_equal(qt[at], qm[(e * R + r) * G + j])
-            assert np.array(t[n][1]).reshape(-1)[at] == np.array(s).reshape(-1)[(e * R + r) * G + j]
+        st, sm = np.array(t[n][1]).reshape(-1), np.array(s).reshape(-1)
+        nb = G // 4
+        for e in range(q.shape[0]):
+            for r in range(R):
+                t16, h, g = r // 16, (r % 16) // 8, r % 8
+                for j in range(G):
+                    b, tq = j // 4, j % 4
+                    at = ((e * R // 16 + t16) * nb + b) * 64 + 32 * h + 4 * g + tq
+                    assert np.array_equal(qt[at], qm[(e * R + r) * G + j])
+                    lane = 4 * g + tq
+                    o = 2 * lane + h if nb % 2 and b == nb - 1 else 4 * lane + 2 * (b % 2) + h
+                    at = (e * R // 16 + t16) * 16 * G + 128 * (b // 2) + o
+                    assert st[at] == sm[(e * R + r) * G + j]
     assert expert_layout.untile(w) is w
     with pytest.raises(ValueError, match="already tiled"):
         expert_layout.tile(t)

@@ -424,36 +424,21 @@ def test_fused_bulk_launches(launch):
     assert rel_err(got, want) < TOL
 
 
-def test_tiled_layout_index():
-    """Block (tile, k) of a matrix is 1 KB of codes at 1 KB x (tile x blocks per row + k), its
-    row r's four groups at 64 r bytes (scales: 64 bytes, 4 per row): the kernels' index."""
-    w = {n: (mx.array(q), mx.array(sc)) for n, (q, sc) in random_experts(3, 256, 128, 0).items()}
-    t = expert_layout.tile(w)
-    for name, (q, sc) in w.items():
-        E, R, W = q.shape
-        G = W // 4
-        qt, st = (np.array(a).reshape(-1) for a in t[name])
-        qw, sw = np.array(q).reshape(-1), np.array(sc).reshape(-1)
-        for e, row, grp in [(0, 0, 0), (2, R - 1, G - 1), (1, 17, 5 % G), (1, 40 % R, 3)]:
-            blk = (e * (R // 16) + row // 16) * (G // 4) + grp // 4
-            at = blk * 64 + (row % 16) * 4 + grp % 4  # 16-byte word / scale byte
-            src = (e * R + row) * G + grp
-            assert (qt[4 * at : 4 * at + 4] == qw[4 * src : 4 * src + 4]).all()
-            assert st[at] == sw[src]
-
-
 @pytest.mark.parametrize("fn", FUSED_FNS.values(), ids=FUSED_FNS.keys())
 @pytest.mark.parametrize(
     "E,D,I,N,k,dtype", [(4, 1280, 1152, 2, 2, "bfloat16"), (5, 256, 384, 3, 2, "float32")]
 )
 def test_fused_reads_the_tiled_layout(E, D, I, N, k, dtype, fn):
-    """The same experts in ``expert_layout``'s tiles, read with ``tiled=True``: the oracle's
-    result; read as the plain layout they are wrong (so the flag is what reads them)."""
+    """The same experts in ``mxfp4_fused.tile``'s layout, read with ``tiled=True``: the
+    oracle's result; read as the plain layout they are wrong (so the flag is what reads them),
+    and so are the store's tiles (other scale positions)."""
     (z, w, inds, wts, beta, cap), want = case(E, D, I, N, k, dtype)
-    wt = expert_layout.tile(w)
+    wt = mxfp4_fused.tile(w)
     got = fn(z, wt, inds, wts, beta, cap, backend="emulator", tiled=True)
     assert rel_err(got, want) < TOL
     assert rel_err(fn(z, wt, inds, wts, beta, cap, backend="emulator"), want) > 0.1
+    store = expert_layout.tile(w)
+    assert rel_err(fn(z, store, inds, wts, beta, cap, backend="emulator", tiled=True), want) > 0.1
 
 
 def test_byte_permute_decode_is_the_same(monkeypatch):

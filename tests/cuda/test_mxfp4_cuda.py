@@ -230,10 +230,10 @@ def test_fused_bulk_launches(launch):
 
 @pytest.mark.parametrize("bulk", [False, True], ids=["regs", "bulk"])
 def test_fused_tiled_layout(bulk):
-    """Both fused kernels on ``expert_layout``'s tiles at K3 size (four 1 KB / 64-byte bulk
+    """Both fused kernels on ``mxfp4_fused.tile``'s layout at K3 size (four 1 KB / 64-byte bulk
     copies per stage for the bulk kernel)."""
     (z, w, inds, wts, beta, cap), want = case(16, *K3, 4, 16, "bfloat16")
-    wt = expert_layout.tile(w)
+    wt = mxfp4_fused.tile(w)
     fn = mxfp4_fused.expert_glu_decode_bulk if bulk else mxfp4_fused.expert_glu_decode
     got = fn(z, wt, inds, wts, beta, cap, backend="cuda", tiled=True)
     assert rel_err(got, want) < TOL
