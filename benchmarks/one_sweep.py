@@ -6,11 +6,12 @@ launch settings other than ``mxfp4_mma``'s dispatched ones, timed as chains by l
 ``mxfp4_mma``'s three-launch settings, which were swept for the three launches (sessions
 12-27), never for the one grid. Here each setting is a row: (RT row tiles, SK splits, GW1
 and GW2 groups a step, PP double buffering, the launch bound in threadgroups per SM, CS1
-and CS2 the evict-first code loads of gate/up and down, then optionally a probe: both
-steps' loads before the staging). Every row's first call is compared with the dispatched
-row's, to the bit where the setting keeps the sums' order (SK = 1), and with ``gather_qmm``
-in fp32. Commit d5ade91 also had two probes that are gone: scale bytes packed as a word per
-lane and step (what ``expert_layout``'s tiles hold since), and a ring of single blocks.
+and CS2 the evict-first code loads of gate/up and down, then optionally two probes: both
+steps' loads before the staging, a persistent grid of that many threadgroups). Every row's
+first call is compared with the dispatched row's, to the bit where the setting keeps the
+sums' order (SK = 1), and with ``gather_qmm`` in fp32. Commit d5ade91 also had two probes
+that are gone: scale bytes packed as a word per lane and step (what ``expert_layout``'s
+tiles hold since), and a ring of single blocks.
 
     python -m benchmarks.one_sweep --settings 8,1,8,8,1,2,1,0 4,1,8,8,1,4,1,0 --out one_sweep.md
 """
@@ -46,6 +47,50 @@ EARLY = (
 )
 
 
+# A probe: a persistent grid (``groups`` threadgroups, e.g. two per SM) whose threadgroups
+# loop over tickets, each asking for its next ticket when it starts on the current one (the
+# atomic's result is first used at the ticket's end, so no warp waits for it), where the
+# dispatched grid has one threadgroup per ticket, each taking its ticket before its first
+# load. No deadlock: a threadgroup's next ticket is later than its current one, so one that
+# holds a gate/up ticket it has not started is itself doing gate/up work, which waits for
+# nothing; down work waits only for gate/up tickets, all handed out before any down ticket.
+PERSISTENT = (
+    (
+        "  const uint pairs = NUM_GROUPS.x / (XG + XD);\n",
+        "  const uint pairs = (uint)glu[2];\n  SHARED uint s_next[1];\n",
+        1,
+    ),
+    (
+        "  const uint ticket = s_ticket[0];\n  if (ticket < XG * pairs) {\n",
+        "  uint ticket_ = s_ticket[0];\n"
+        "  for (;;) {\n"
+        "  const uint ticket = ticket_;\n"
+        "  if (ticket >= (XG + XD) * pairs) break;\n"
+        "  uint next_ = 0;\n"
+        "  if (tid == 0) next_ = ATOMIC_ADD(&cnt[0], 1u);\n"
+        "  if (ticket < XG * pairs) {\n",
+        1,
+    ),
+)
+PERSISTENT_END = """\
+  BARRIER();
+  if (tid == 0) s_next[0] = next_;
+  BARRIER();
+  ticket_ = s_next[0];
+  BARRIER();
+  }
+"""
+
+
+def persistent_kernel(kernel):
+    from kimi_k3.kernels.source import swap
+
+    body = swap(kernel.body, PERSISTENT, "one_sweep persistent grid")
+    if not body.rstrip().endswith("}"):
+        raise AssertionError("one_sweep persistent grid: the kernel changed at its end")
+    return kernel.variant("_persist", body=body.rstrip() + "\n" + PERSISTENT_END)
+
+
 def early_kernel(kernel):
     from kimi_k3.kernels.source import swap
 
@@ -69,13 +114,15 @@ def setting_kernel(rt, sk, bound):
 
 def setting_job(setting):
     """A decode function (``expert_glu_decode``'s signature, on tiles converted once) at
-    ``setting`` = (rt, sk, gw1, gw2, pp, bound, cs1, cs2, early loads)."""
+    ``setting`` = (rt, sk, gw1, gw2, pp, bound, cs1, cs2, early loads, persistent groups)."""
     from kimi_k3.kernels import mxfp4_one
 
-    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early = setting
+    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups = setting
     kernel = setting_kernel(rt, sk, bound)
     if early:
         kernel = early_kernel(kernel)
+    if groups:
+        kernel = persistent_kernel(kernel)
 
     def decode(z, w, inds, weights, beta, cap):
         out = mxfp4_one.launch(
@@ -88,6 +135,7 @@ def setting_job(setting):
             cap,
             shape=(rt, sk, gw1, gw2, bool(pp)),
             streams=(bool(cs1), bool(cs2)),
+            groups=groups or None,
         )
         return out[0]
 
@@ -95,19 +143,22 @@ def setting_job(setting):
 
 
 def label(setting) -> str:
-    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early = setting
+    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups = setting
     return (
         f"RT {rt}, SK {sk}, GW {gw1}/{gw2}, PP {int(bool(pp))}, {bound} per SM, "
         f"CS {int(bool(cs1))}/{int(bool(cs2))}"
         + (", both steps' loads before staging" if early else "")
+        + (f", a persistent grid of {groups} threadgroups" if groups else "")
     )
 
 
 def parse(text: str) -> tuple:
     vals = tuple(int(v) for v in text.split(","))
-    if not 8 <= len(vals) <= 9:
-        raise argparse.ArgumentTypeError(f"{text!r}: rt,sk,gw1,gw2,pp,bound,cs1,cs2[,early]")
-    return vals + (0,) * (9 - len(vals))
+    if not 8 <= len(vals) <= 10:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: rt,sk,gw1,gw2,pp,bound,cs1,cs2[,early[,persistent groups]]"
+        )
+    return vals + (0,) * (10 - len(vals))
 
 
 def main(argv=None):

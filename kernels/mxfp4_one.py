@@ -350,11 +350,25 @@ def dispatched_kernel(rt: int, sk: int, counts: str | None = None) -> Kernel:
 
 
 def launch(
-    kernel, z, w, inds, weights, beta, cap, backend=None, counts=None, shape=None, streams=None
+    kernel,
+    z,
+    w,
+    inds,
+    weights,
+    beta,
+    cap,
+    backend=None,
+    counts=None,
+    shape=None,
+    streams=None,
+    groups=None,
 ):
     """One launch of ``kernel`` (the ``_BASE`` kernel of ``counts``, default ``COUNTS``, or a
     variant): (y [N, D], h [pairs, I], part [pairs, D], the counters) at ``shape`` (default
-    ``shape_for``); ``streams``: (CS1, CS2), default ``mxfp4_mma.STREAM_LOADS``'."""
+    ``shape_for``); ``streams``: (CS1, CS2), default ``mxfp4_mma.STREAM_LOADS``'; ``groups``:
+    threadgroups in the grid (default one per ticket, as every kernel here needs; a variant
+    that loops over tickets, ``benchmarks/one_sweep.py``'s persistent probe, takes fewer and
+    reads the pair count from its third parameter)."""
     backend = backend or default_backend()
     counts = counts or COUNTS
     N, k = inds.shape
@@ -373,7 +387,7 @@ def launch(
         *w["w2"],
         inds.reshape(-1).astype(I32),
         weights.reshape(-1).astype(F32),
-        constant((beta, cap)),
+        constant((beta, cap, pairs)),
     ]
     tmpl = template(z.dtype, D, I, k, rt, sk, gw1, gw2, pp, *(streams or (None, None)))
     # "output": counters, h, part, y in one buffer (h from a multiple of 32 words)
@@ -401,7 +415,7 @@ def launch(
             inputs=inputs,
             output_shapes=shapes,
             output_dtypes=dtypes,
-            grid=(32 * rt * sk * (xg + xd) * pairs, 1, 1),
+            grid=(32 * rt * sk * (groups or (xg + xd) * pairs), 1, 1),
             threadgroup=(32 * rt * sk, 1, 1),
             template=tmpl,
             **extra,

@@ -1,0 +1,80 @@
+"""benchmarks/one_sweep.py's variants of the one-launch decode on the Metal emulator: other
+launch settings and its probes (loads before the staging, a persistent grid looping over
+tickets) compute the dispatched kernel's bits, so its H200 rows time the same work."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+from test_mxfp4_kernels import case
+
+from benchmarks import one_sweep
+from kimi_k3.kernels import expert_layout, mxfp4_one
+
+# 4 tickets of gate/up and 2-3 of down a pair; 4-group down steps (I = 768: 24 groups)
+CASES = [(6, 512, 256, 2, 3, "bfloat16"), (4, 1024, 768, 1, 4, "float32")]
+
+
+def run_setting(setting, z, wt, inds, wts, beta, cap):
+    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups = setting
+    kernel = one_sweep.setting_kernel(rt, sk, bound)
+    if early:
+        kernel = one_sweep.early_kernel(kernel)
+    if groups:
+        kernel = one_sweep.persistent_kernel(kernel)
+    return mxfp4_one.launch(
+        kernel,
+        z,
+        wt,
+        inds,
+        wts,
+        beta,
+        cap,
+        backend="emulator",
+        shape=(rt, sk, gw1, gw2, bool(pp)),
+        streams=(bool(cs1), bool(cs2)),
+        groups=groups or None,
+    )
+
+
+@pytest.mark.parametrize("E,D,I,N,k,dtype", CASES)
+def test_settings_and_probes_give_the_dispatched_bits(E, D, I, N, k, dtype):
+    (z, w, inds, wts, beta, cap), _ = case(E, D, I, N, k, dtype)
+    wt = expert_layout.tile(w)
+    want = np.array(mxfp4_one.expert_glu_decode_tiled(z, wt, inds, wts, beta, cap, "emulator"))
+    rt, sk, gw1, gw2, pp = mxfp4_one.shape_for("cuda", D, I)
+    tickets = N * k * (-(-(I // 16) // rt) + -(-(D // 32) // rt))
+    for setting in [
+        (rt, sk, gw1, gw2, pp, 2, 1, 0, 1, 0),  # both steps' loads before the staging
+        (rt, sk, gw1, gw2, pp, 2, 1, 0, 0, 1),  # one threadgroup takes every ticket
+        (rt, sk, gw1, gw2, pp, 2, 1, 1, 0, 3),
+        (4, 1, gw1, gw2, pp, 4, 1, 0, 0, 0),
+    ]:
+        y, _, _, counts = run_setting(setting, z, wt, inds, wts, beta, cap)
+        assert np.array_equal(np.array(y), want), setting
+        groups = setting[-1]
+        if groups:  # every ticket taken once, and one past the end by each threadgroup
+            assert int(np.array(counts)[0]) == tickets + groups
+
+
+def test_a_persistent_grid_that_stops_early_is_caught():
+    """A loop that ends after one ticket leaves work undone: the output differs."""
+    (z, w, inds, wts, beta, cap), _ = case(*CASES[0])
+    wt = expert_layout.tile(w)
+    want = np.array(mxfp4_one.expert_glu_decode_tiled(z, wt, inds, wts, beta, cap, "emulator"))
+    kernel = one_sweep.persistent_kernel(one_sweep.setting_kernel(8, 1, 2))
+    broken = kernel.variant("_stop", body=kernel.body.replace("  ticket_ = s_next[0];", "  break;"))
+    rt, sk, gw1, gw2, pp = mxfp4_one.shape_for("cuda", *CASES[0][1:3])
+    y = mxfp4_one.launch(
+        broken, z, wt, inds, wts, beta, cap, "emulator", shape=(rt, sk, gw1, gw2, pp), groups=2
+    )[0]
+    assert not np.array_equal(np.array(y), want)
+
+
+def test_settings_parse():
+    assert one_sweep.parse("8,1,8,8,1,2,1,0") == (8, 1, 8, 8, 1, 2, 1, 0, 0, 0)
+    assert one_sweep.parse("8,1,8,8,1,2,1,0,0,264")[-1] == 264
+    with pytest.raises(argparse.ArgumentTypeError, match="rt,sk,gw1"):
+        one_sweep.parse("8,1,8")
