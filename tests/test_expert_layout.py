@@ -14,7 +14,7 @@ from test_streaming import PROMPT, STEPS, budget_gb, greedy
 from kimi_k3.experts import ResidentExperts, expert_glu_reference, store_layout
 from kimi_k3.kernels import dispatch, expert_layout, mxfp4_mma, mxfp4_one, mxfp4_prefill_mma
 from kimi_k3.loader import load_model
-from kimi_k3.streaming import get_stats
+from kimi_k3.streaming import attach_streamer, get_stats
 
 
 def same(a, b) -> bool:
@@ -201,6 +201,19 @@ def test_streamed_tiles_equal_resident(small, reference, write_mode):
     stats = get_stats(model)
     assert stats["expert_layout"] == "tiled" and stats["misses"] > 0
     assert expert_layout.is_tiled(model.layers[1].block_sparse_moe.experts.pool.w)
+
+
+def test_attach_streamer_reads_the_layout_variable(small, reference, monkeypatch):
+    """``attach_streamer`` called directly follows ``KIMI_K3_EXPERT_LAYOUT`` as ``load_model``
+    does (it used to take ``"auto"`` whatever the variable said); an argument still wins."""
+    monkeypatch.setenv("KIMI_K3_EXPERT_LAYOUT", "tiled")
+    model = load_model(small, dtype=mx.float32, expert_layout="mlx")
+    attach_streamer(model, small, None, budget_gb(small, 16))
+    assert get_stats(model)["expert_layout"] == "tiled"
+    assert same(greedy(model, PROMPT, STEPS), reference)
+    model = load_model(small, dtype=mx.float32, expert_layout="mlx")
+    attach_streamer(model, small, None, budget_gb(small, 16), expert_layout="mlx")
+    assert get_stats(model)["expert_layout"] == "mlx"
 
 
 @pytest.mark.parametrize("layout", ["mlx", "tiled"])

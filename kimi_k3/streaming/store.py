@@ -44,8 +44,9 @@ class StreamOptions:
     write_mode: ``"auto"``, ``"view"`` (write slots through a numpy view of the MLX buffer)
         or ``"mlx"`` (``pool[slot] = array``, for backends whose buffers are not host views).
     expert_layout: how the slots hold an expert: ``"auto"``, ``"mlx"`` or ``"tiled"``
-        (``kimi_k3.experts.store_layout``: tiles where CUDA's kernels read them); a tiled
-        slot is permuted as it lands, so a hit reads it as it is.
+        (``kimi_k3.experts.store_layout``: tiles where CUDA's kernels read them), or None
+        (the default) for ``KIMI_K3_EXPERT_LAYOUT``'s choice, as ``load_model`` reads it; a
+        tiled slot is permuted as it lands, so a hit reads it as it is.
     """
 
     policy: str = "lru"
@@ -58,7 +59,7 @@ class StreamOptions:
     verify_checksums: bool = False
     write_mode: str = "auto"
     lfu_half_life: int | None = None
-    expert_layout: str = "auto"
+    expert_layout: str | None = None
 
     def __post_init__(self):
         for key, ok in (
@@ -67,7 +68,7 @@ class StreamOptions:
             ("write_mode", self.write_mode in ("auto", "view", "mlx")),
             ("io_threads", self.io_threads >= 1),
             ("read_timeout", self.read_timeout > 0),
-            ("expert_layout", self.expert_layout in tiles.LAYOUTS),
+            ("expert_layout", self.expert_layout is None or self.expert_layout in tiles.LAYOUTS),
         ):
             if not ok:
                 raise ValueError(f"stream option {key}={getattr(self, key)!r} is not valid")
