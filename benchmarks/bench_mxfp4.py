@@ -369,24 +369,34 @@ OCCUPANCY_ROWS = [
 ]
 
 
+_TILED: dict = {}  # (id(w), tile): (w, its copy); w is kept so that its id is not reused
+
+
+def tiled_copy(w: dict, tile=None) -> dict:
+    """``tile(w)`` (default ``expert_layout.tile``), evaluated, made once per stack and tiling
+    (the timers' warm-up makes it, not a timed call)."""
+    from kimi_k3.kernels import expert_layout
+
+    tile = tile or expert_layout.tile
+    key = (id(w), tile)
+    if key not in _TILED:
+        t = tile(w)
+        mx.eval(t)
+        _TILED[key] = (w, t)
+    return _TILED[key][1]
+
+
 def tiled_decode(decode=None):
     """``decode`` (default: the three-launch kernels, ``mxfp4_mma``'s
     ``expert_glu_decode_tiled``; or any function that reads ``TiledStacks`` as tiles) reading
     the stacks in ``expert_layout``'s tiles (a warp load is 512 contiguous bytes),
-    each stack converted once, at its first call (the timers' warm-up), not inside a timed
-    call."""
-    from kimi_k3.kernels import expert_layout, mxfp4_mma
+    each stack converted once (``tiled_copy``)."""
+    from kimi_k3.kernels import mxfp4_mma
 
     decode = decode or mxfp4_mma.expert_glu_decode_tiled
 
-    tiled = {}  # id(w): (w, its tiled copy); w is kept so that its id is not reused
-
     def fn(z, w, inds, weights, beta, cap):
-        if id(w) not in tiled:
-            t = expert_layout.tile(w)
-            mx.eval(t)
-            tiled[id(w)] = (w, t)
-        return decode(z, tiled[id(w)][1], inds, weights, beta, cap)
+        return decode(z, tiled_copy(w), inds, weights, beta, cap)
 
     return fn
 
