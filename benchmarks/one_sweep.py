@@ -7,7 +7,8 @@ launch settings other than ``mxfp4_mma``'s dispatched ones, timed as chains by l
 12-27), never for the one grid. Here each setting is a row: (RT row tiles, SK splits, GW1
 and GW2 groups a step, PP double buffering, the launch bound in threadgroups per SM, CS1
 and CS2 the evict-first code loads of gate/up and down, then optionally two probes: both
-steps' loads before the staging, a persistent grid of that many threadgroups). Every row's
+steps' loads before the staging, a persistent grid of that many threadgroups, and on it
+the staging kept for the next ticket). Every row's
 first call is compared with the dispatched row's, to the bit where the setting keeps the
 sums' order (SK = 1), and with ``gather_qmm`` in fp32. Commit d5ade91 also had two probes
 that are gone: scale bytes packed as a word per lane and step (what ``expert_layout``'s
@@ -91,6 +92,42 @@ def persistent_kernel(kernel):
     return kernel.variant("_persist", body=body.rstrip() + "\n" + PERSISTENT_END)
 
 
+# A probe on top of the persistent grid: a threadgroup keeps what it staged (the latent's B
+# fragments and their unscale) for its next ticket of the same role and row (gate/up: the
+# token, so at one token a threadgroup stages the latent once, not per ticket; down: the
+# pair), where the dispatched grid stages in every threadgroup.
+_STAGE_FROM = "\\\n  float m = 0.0f;\n"
+_STAGE_TO = "                     PACK_HALF2(v[3], v[7]));\n  }\n"
+
+
+def reuse_kernel(kernel):
+    """``kernel`` (a ``persistent_kernel``) skipping a staging it already holds."""
+    body = kernel.body
+    decl = "  uint ticket_ = s_ticket[0];\n"
+    if body.count(decl) != 1 or body.count(_STAGE_FROM) != 2:
+        raise AssertionError("one_sweep staging reuse: the kernel changed")
+    body = body.replace(
+        decl, decl + "  uint staged_ = 0xffffffffu;\n  float unscale_keep_ = 0.0f;\n"
+    )
+    out, at = [], 0
+    for key in ("(p / K)", "(0x80000000u | p)"):  # gate/up's staging, then down's
+        i = body.index(_STAGE_FROM, at)
+        j = body.index(_STAGE_TO, i) + len(_STAGE_TO)
+        seg = body[i:j]
+        if seg.count("  const float unscale = ") != 1:
+            raise AssertionError("one_sweep staging reuse: the staging changed")
+        seg = seg.replace("  const float unscale = ", "  unscale_keep_ = ")
+        out += [
+            body[at:i],
+            f"  if (staged_ != {key}) {{\n    staged_ = {key};\n",
+            seg,
+            "  }\n  const float unscale = unscale_keep_;\n",
+        ]
+        at = j
+    out.append(body[at:])
+    return kernel.variant("_reuse", body="".join(out))
+
+
 def early_kernel(kernel):
     from kimi_k3.kernels.source import swap
 
@@ -112,17 +149,29 @@ def setting_kernel(rt, sk, bound):
     return mxfp4_one.tiled_layout(kernel)
 
 
-def setting_job(setting):
-    """A decode function (``expert_glu_decode``'s signature, on tiles converted once) at
-    ``setting`` = (rt, sk, gw1, gw2, pp, bound, cs1, cs2, early loads, persistent groups)."""
-    from kimi_k3.kernels import mxfp4_one
-
-    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups = setting
+def setting_kernel_full(setting):
+    """The kernel ``setting_job`` launches for ``setting``."""
+    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups, reuse = setting
     kernel = setting_kernel(rt, sk, bound)
     if early:
         kernel = early_kernel(kernel)
     if groups:
         kernel = persistent_kernel(kernel)
+    if reuse:
+        if not groups:
+            raise ValueError(f"setting {setting}: staging reuse needs a persistent grid")
+        kernel = reuse_kernel(kernel)
+    return kernel
+
+
+def setting_job(setting):
+    """A decode function (``expert_glu_decode``'s signature, on tiles converted once) at
+    ``setting`` = (rt, sk, gw1, gw2, pp, bound, cs1, cs2, early loads, persistent groups,
+    staging reuse)."""
+    from kimi_k3.kernels import mxfp4_one
+
+    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups, reuse = setting
+    kernel = setting_kernel_full(setting)
 
     def decode(z, w, inds, weights, beta, cap):
         out = mxfp4_one.launch(
@@ -143,22 +192,59 @@ def setting_job(setting):
 
 
 def label(setting) -> str:
-    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups = setting
+    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups, reuse = setting
     return (
         f"RT {rt}, SK {sk}, GW {gw1}/{gw2}, PP {int(bool(pp))}, {bound} per SM, "
         f"CS {int(bool(cs1))}/{int(bool(cs2))}"
         + (", both steps' loads before staging" if early else "")
         + (f", a persistent grid of {groups} threadgroups" if groups else "")
+        + (", staging kept for the next ticket" if reuse else "")
     )
 
 
 def parse(text: str) -> tuple:
     vals = tuple(int(v) for v in text.split(","))
-    if not 8 <= len(vals) <= 10:
+    if not 8 <= len(vals) <= 11:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: rt,sk,gw1,gw2,pp,bound,cs1,cs2[,early[,persistent groups]]"
+            f"{text!r}: rt,sk,gw1,gw2,pp,bound,cs1,cs2[,early[,persistent groups[,reuse]]]"
         )
-    return vals + (0,) * (10 - len(vals))
+    return vals + (0,) * (11 - len(vals))
+
+
+def ptxas_rows(args) -> list[tuple[str, str]]:
+    """(label, ``profile_kernels.register_count``) per setting, the dispatched one first."""
+    import mlx.core as mx
+
+    from benchmarks.profile_kernels import register_count
+    from kimi_k3.kernels import mxfp4_one
+    from kimi_k3.kernels.source import Instance
+
+    rows = []
+    for setting in [None, *args.settings]:
+        if setting is None:
+            shape = mxfp4_one.shape_for("cuda", args.dim, args.hidden)
+            kernel = mxfp4_one.tiled_layout(mxfp4_one.dispatched_kernel(*shape[:2]))
+            streams, lab = (None, None), DISPATCHED
+        else:
+            shape, streams = setting[:5], setting[6:8]
+            kernel, lab = setting_kernel_full(setting), label(setting)
+        inst = kernel.instances[0]
+        tmpl = mxfp4_one.template(
+            mx.bfloat16,
+            args.dim,
+            args.hidden,
+            args.topk,
+            *shape[:4],
+            bool(shape[4]),
+            *(None if c is None else bool(c) for c in streams),
+        )
+        rows.append(
+            (lab, register_count(kernel, [Instance(inst.input_dtypes, inst.output_dtypes, tmpl)]))
+        )
+    text = "| setting | registers (spill stores, bytes) |\n|---|---|\n"
+    text += "".join(f"| {lab} | {regs} |\n" for lab, regs in rows)
+    emit(text, args.out, append=True)
+    return rows
 
 
 def main(argv=None):
@@ -174,7 +260,15 @@ def main(argv=None):
     ap.add_argument("--peak-gbps", type=float, default=4800.0)
     ap.add_argument("--read-limit", action="store_true", help="also time the one-launch read")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--ptxas",
+        action="store_true",
+        help="instead of timing, each setting's registers and spill stores (nvcc -Xptxas -v "
+        "of its K3 bf16 instance with the setting's template; needs nvcc, not a GPU)",
+    )
     args = ap.parse_args(argv)
+    if args.ptxas:
+        return ptxas_rows(args)
     from kimi_k3.kernels import mxfp4_one
 
     todo = [(f"mxfp4_one, {DISPATCHED}", tiled_decode(mxfp4_one.expert_glu_decode_tiled))]

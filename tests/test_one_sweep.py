@@ -5,6 +5,7 @@ tickets) compute the dispatched kernel's bits, so its H200 rows time the same wo
 from __future__ import annotations
 
 import argparse
+import shutil
 
 import numpy as np
 import pytest
@@ -18,12 +19,14 @@ CASES = [(6, 512, 256, 2, 3, "bfloat16"), (4, 1024, 768, 1, 4, "float32")]
 
 
 def run_setting(setting, z, wt, inds, wts, beta, cap):
-    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups = setting
+    rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups, reuse = setting
     kernel = one_sweep.setting_kernel(rt, sk, bound)
     if early:
         kernel = one_sweep.early_kernel(kernel)
     if groups:
         kernel = one_sweep.persistent_kernel(kernel)
+    if reuse:
+        kernel = one_sweep.reuse_kernel(kernel)
     return mxfp4_one.launch(
         kernel,
         z,
@@ -47,16 +50,34 @@ def test_settings_and_probes_give_the_dispatched_bits(E, D, I, N, k, dtype):
     rt, sk, gw1, gw2, pp = mxfp4_one.shape_for("cuda", D, I)
     tickets = N * k * (-(-(I // 16) // rt) + -(-(D // 32) // rt))
     for setting in [
-        (rt, sk, gw1, gw2, pp, 2, 1, 0, 1, 0),  # both steps' loads before the staging
-        (rt, sk, gw1, gw2, pp, 2, 1, 0, 0, 1),  # one threadgroup takes every ticket
-        (rt, sk, gw1, gw2, pp, 2, 1, 1, 0, 3),
-        (4, 1, gw1, gw2, pp, 4, 1, 0, 0, 0),
+        (rt, sk, gw1, gw2, pp, 2, 1, 0, 1, 0, 0),  # both steps' loads before the staging
+        (rt, sk, gw1, gw2, pp, 2, 1, 0, 0, 1, 0),  # one threadgroup takes every ticket
+        (rt, sk, gw1, gw2, pp, 2, 1, 1, 0, 3, 0),
+        (rt, sk, gw1, gw2, pp, 2, 1, 0, 0, 1, 1),  # and keeps its staging where it can
+        (rt, sk, gw1, gw2, pp, 2, 1, 0, 0, 3, 1),
+        (4, 1, gw1, gw2, pp, 4, 1, 0, 0, 0, 0),
     ]:
         y, _, _, counts = run_setting(setting, z, wt, inds, wts, beta, cap)
         assert np.array_equal(np.array(y), want), setting
-        groups = setting[-1]
+        groups = setting[-2]
         if groups:  # every ticket taken once, and one past the end by each threadgroup
             assert int(np.array(counts)[0]) == tickets + groups
+
+
+def test_a_staging_kept_for_another_token_is_caught():
+    """Two tokens: a threadgroup that kept its staging across tokens (the key made constant)
+    computes the second token from the first one's latent."""
+    (z, w, inds, wts, beta, cap), _ = case(*CASES[0])  # two tokens
+    wt = expert_layout.tile(w)
+    want = np.array(mxfp4_one.expert_glu_decode_tiled(z, wt, inds, wts, beta, cap, "emulator"))
+    kernel = one_sweep.reuse_kernel(one_sweep.persistent_kernel(one_sweep.setting_kernel(8, 1, 2)))
+    wrong = kernel.variant("_nokey", body=kernel.body.replace("staged_ = (p / K)", "staged_ = 0u"))
+    wrong = wrong.variant("_nokey2", body=wrong.body.replace("staged_ != (p / K)", "staged_ != 0u"))
+    rt, sk, gw1, gw2, pp = mxfp4_one.shape_for("cuda", *CASES[0][1:3])
+    y = mxfp4_one.launch(
+        wrong, z, wt, inds, wts, beta, cap, "emulator", shape=(rt, sk, gw1, gw2, pp), groups=1
+    )[0]
+    assert not np.array_equal(np.array(y), want)
 
 
 def test_a_persistent_grid_that_stops_early_is_caught():
@@ -74,7 +95,18 @@ def test_a_persistent_grid_that_stops_early_is_caught():
 
 
 def test_settings_parse():
-    assert one_sweep.parse("8,1,8,8,1,2,1,0") == (8, 1, 8, 8, 1, 2, 1, 0, 0, 0)
-    assert one_sweep.parse("8,1,8,8,1,2,1,0,0,264")[-1] == 264
+    assert one_sweep.parse("8,1,8,8,1,2,1,0") == (8, 1, 8, 8, 1, 2, 1, 0, 0, 0, 0)
+    assert one_sweep.parse("8,1,8,8,1,2,1,0,0,264")[-2] == 264
     with pytest.raises(argparse.ArgumentTypeError, match="rt,sk,gw1"):
         one_sweep.parse("8,1,8")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_ptxas_rows_report_each_settings_registers(tmp_path):
+    """``--ptxas``: ptxas's registers per setting, no GPU (the dispatched row first)."""
+    out = tmp_path / "regs.md"
+    rows = one_sweep.main(["--ptxas", "--settings", "8,1,8,8,1,2,1,0", "--out", str(out)])
+    setting = one_sweep.parse("8,1,8,8,1,2,1,0")
+    assert [lab for lab, _ in rows] == [one_sweep.DISPATCHED, one_sweep.label(setting)]
+    assert all(regs.startswith("128") for _, regs in rows)  # the launch bound: 2 x 256 threads
+    assert "| setting | registers" in out.read_text()
