@@ -64,34 +64,35 @@ def test_settings_and_probes_give_the_dispatched_bits(E, D, I, N, k, dtype):
             assert int(np.array(counts)[0]) == tickets + groups
 
 
-def test_a_staging_kept_for_another_token_is_caught():
-    """Two tokens: a threadgroup that kept its staging across tokens (the key made constant)
-    computes the second token from the first one's latent."""
-    (z, w, inds, wts, beta, cap), _ = case(*CASES[0])  # two tokens
-    wt = expert_layout.tile(w)
-    want = np.array(mxfp4_one.expert_glu_decode_tiled(z, wt, inds, wts, beta, cap, "emulator"))
-    kernel = one_sweep.reuse_kernel(one_sweep.persistent_kernel(one_sweep.setting_kernel(8, 1, 2)))
-    wrong = kernel.variant("_nokey", body=kernel.body.replace("staged_ = (p / K)", "staged_ = 0u"))
-    wrong = wrong.variant("_nokey2", body=wrong.body.replace("staged_ != (p / K)", "staged_ != 0u"))
-    rt, sk, gw1, gw2, pp = mxfp4_one.shape_for("cuda", *CASES[0][1:3])
-    y = mxfp4_one.launch(
-        wrong, z, wt, inds, wts, beta, cap, "emulator", shape=(rt, sk, gw1, gw2, pp), groups=1
-    )[0]
-    assert not np.array_equal(np.array(y), want)
-
-
-def test_a_persistent_grid_that_stops_early_is_caught():
-    """A loop that ends after one ticket leaves work undone: the output differs."""
+def differs_from_dispatched(kernel, groups: int) -> bool:
+    """Whether ``kernel`` (a broken probe) on ``CASES[0]`` (two tokens) with ``groups``
+    threadgroups gives other numbers than the dispatched kernel."""
     (z, w, inds, wts, beta, cap), _ = case(*CASES[0])
     wt = expert_layout.tile(w)
     want = np.array(mxfp4_one.expert_glu_decode_tiled(z, wt, inds, wts, beta, cap, "emulator"))
-    kernel = one_sweep.persistent_kernel(one_sweep.setting_kernel(8, 1, 2))
-    broken = kernel.variant("_stop", body=kernel.body.replace("  ticket_ = s_next[0];", "  break;"))
-    rt, sk, gw1, gw2, pp = mxfp4_one.shape_for("cuda", *CASES[0][1:3])
+    shape = mxfp4_one.shape_for("cuda", *CASES[0][1:3])
     y = mxfp4_one.launch(
-        broken, z, wt, inds, wts, beta, cap, "emulator", shape=(rt, sk, gw1, gw2, pp), groups=2
-    )[0]
-    assert not np.array_equal(np.array(y), want)
+        kernel, z, wt, inds, wts, beta, cap, "emulator", shape=shape, groups=groups
+    )
+    return not np.array_equal(np.array(y[0]), want)
+
+
+def test_a_staging_kept_for_another_token_is_caught():
+    """A threadgroup that kept its staging across tokens (the key made constant) computes the
+    second token from the first one's latent."""
+    kernel = one_sweep.reuse_kernel(one_sweep.persistent_kernel(one_sweep.setting_kernel(8, 1, 2)))
+    body = kernel.body.replace("staged_ = (p / K)", "staged_ = 0u")
+    body = body.replace("staged_ != (p / K)", "staged_ != 0u")
+    assert body != kernel.body
+    assert differs_from_dispatched(kernel.variant("_nokey", body=body), groups=1)
+
+
+def test_a_persistent_grid_that_stops_early_is_caught():
+    """A loop that ends after one ticket leaves work undone."""
+    kernel = one_sweep.persistent_kernel(one_sweep.setting_kernel(8, 1, 2))
+    body = kernel.body.replace("  ticket_ = s_next[0];", "  break;")
+    assert body != kernel.body
+    assert differs_from_dispatched(kernel.variant("_stop", body=body), groups=2)
 
 
 def test_settings_parse():
