@@ -146,13 +146,13 @@ for step in "$@"; do
         8,1,8,8,0,2,1,0 8,1,8,8,0,3,1,0 4,2,8,8,1,2,1,0 16,1,8,8,1,1,1,0 8,1,8,4,1,2,1,0 2,1,8,8,1,8,1,0 \
         8,1,8,8,1,2,1,0,1 ;;
     one_persist)
-      # (prepared in session 31, not yet run; its kernels spill 556-588 bytes, ptxas via
-      # one_sweep --ptxas, against the dispatched 24) one_sweep's persistent grid: 264 threadgroups
+      # (prepared in session 31, not yet run) one_sweep's persistent grid: 264 threadgroups
       # (two per SM of the H200's 132), 132, 396, each taking its next ticket while it works,
-      # beside the dispatched grid (one threadgroup per ticket); two processes of seven rounds
+      # and at 264 with its staging kept for the next ticket of the same token, beside the
+      # dispatched grid (one threadgroup per ticket); two processes of seven rounds
       for r in 1 2; do
         MLX_ENABLE_TF32=0 run "one_persist_$r" 280 python3 -m benchmarks.one_sweep --rounds 7 --out "$OUT/one_persist.md" --settings \
-          8,1,8,8,1,2,1,0,0,264 8,1,8,8,1,2,1,0,0,132 8,1,8,8,1,2,1,0,0,396 8,1,8,8,1,2,1,1,0,264
+          8,1,8,8,1,2,1,0,0,264 8,1,8,8,1,2,1,0,0,264,1 8,1,8,8,1,2,1,0,0,132 8,1,8,8,1,2,1,0,0,396 8,1,8,8,1,2,1,1,0,264
       done ;;
     scale_words)
       # session 31: the store's tiles with a scale word per lane and step: every CUDA test that

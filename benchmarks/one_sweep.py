@@ -55,41 +55,47 @@ EARLY = (
 # load. No deadlock: a threadgroup's next ticket is later than its current one, so one that
 # holds a gate/up ticket it has not started is itself doing gate/up work, which waits for
 # nothing; down work waits only for gate/up tickets, all handed out before any down ticket.
-PERSISTENT = (
-    (
-        "  const uint pairs = NUM_GROUPS.x / (XG + XD);\n",
-        "  const uint pairs = (uint)glu[2];\n  SHARED uint s_next[1];\n",
-        1,
-    ),
-    (
-        "  const uint ticket = s_ticket[0];\n  if (ticket < XG * pairs) {\n",
-        "  uint ticket_ = s_ticket[0];\n"
-        "  for (;;) {\n"
+# Each role runs in a loop of its own (a threadgroup's tickets are gate/up ones, then down
+# ones): with both roles in one loop ptxas spilled 588 bytes a thread, with one loop per role
+# as few as the dispatched kernel.
+_TICKET = "  const uint ticket = s_ticket[0];\n  if (ticket < XG * pairs) {\n"
+_ELSE = "ATOMIC_ADD(&cnt[1 + p], 1u);\n    }\n  } else {\n"
+_PAIRS = "  const uint pairs = NUM_GROUPS.x / (XG + XD);\n"
+
+
+def _loop(bound: str, role: str) -> str:
+    return (
+        f"  while (ticket_ < {bound}) {{\n"
         "  const uint ticket = ticket_;\n"
-        "  if (ticket >= (XG + XD) * pairs) break;\n"
         "  uint next_ = 0;\n"
         "  if (tid == 0) next_ = ATOMIC_ADD(&cnt[0], 1u);\n"
-        "  if (ticket < XG * pairs) {\n",
-        1,
-    ),
-)
-PERSISTENT_END = """\
-  BARRIER();
-  if (tid == 0) s_next[0] = next_;
-  BARRIER();
-  ticket_ = s_next[0];
-  BARRIER();
-  }
-"""
+        "  {\n" + role + "  }\n"
+        "  BARRIER();\n"
+        "  if (tid == 0) s_next[0] = next_;\n"
+        "  BARRIER();\n"
+        "  ticket_ = s_next[0];\n"
+        "  BARRIER();\n"
+        "  }\n"
+    )
 
 
 def persistent_kernel(kernel):
-    from kimi_k3.kernels.source import swap
-
-    body = swap(kernel.body, PERSISTENT, "one_sweep persistent grid")
-    if not body.rstrip().endswith("}"):
+    body = kernel.body.rstrip()
+    if body.count(_TICKET) != 1 or body.count(_ELSE) != 1 or body.count(_PAIRS) != 1:
+        raise AssertionError("one_sweep persistent grid: the kernel changed")
+    if not body.endswith("}"):
         raise AssertionError("one_sweep persistent grid: the kernel changed at its end")
-    return kernel.variant("_persist", body=body.rstrip() + "\n" + PERSISTENT_END)
+    head, rest = body.split(_TICKET)
+    cut = rest.index(_ELSE) + len(_ELSE) - len("  } else {\n")
+    gate_up, down = rest[:cut], rest[cut + len("  } else {\n") : -1]
+    head = head.replace(_PAIRS, "  const uint pairs = (uint)glu[2];\n  SHARED uint s_next[1];\n")
+    body = (
+        head
+        + "  uint ticket_ = s_ticket[0];\n"
+        + _loop("XG * pairs", gate_up)
+        + _loop("(XG + XD) * pairs", down)
+    )
+    return kernel.variant("_persist", body=body)
 
 
 # A probe on top of the persistent grid: a threadgroup keeps what it staged (the latent's B

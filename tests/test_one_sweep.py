@@ -88,9 +88,9 @@ def test_a_staging_kept_for_another_token_is_caught():
 
 
 def test_a_persistent_grid_that_stops_early_is_caught():
-    """A loop that ends after one ticket leaves work undone."""
+    """Threadgroups that stop after their first ticket leave work undone."""
     kernel = one_sweep.persistent_kernel(one_sweep.setting_kernel(8, 1, 2))
-    body = kernel.body.replace("  ticket_ = s_next[0];", "  break;")
+    body = kernel.body.replace("  ticket_ = s_next[0];", "  ticket_ = (XG + XD) * pairs;", 1)
     assert body != kernel.body
     assert differs_from_dispatched(kernel.variant("_stop", body=body), groups=2)
 
