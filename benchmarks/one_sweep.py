@@ -8,11 +8,12 @@ launch settings other than ``mxfp4_mma``'s dispatched ones, timed as chains by l
 and GW2 groups a step, PP double buffering, the launch bound in threadgroups per SM, CS1
 and CS2 the evict-first code loads of gate/up and down, then optionally two probes: both
 steps' loads before the staging, a persistent grid of that many threadgroups, and on it
-the staging kept for the next ticket). Every row's
-first call is compared with the dispatched row's, to the bit where the setting keeps the
-sums' order (SK = 1), and with ``gather_qmm`` in fp32. Commit d5ade91 also had two probes
-that are gone: scale bytes packed as a word per lane and step (what ``expert_layout``'s
-tiles hold since), and a ring of single blocks.
+the staging kept for the next ticket). Every row's first call is compared with the
+dispatched row's, to the bit where the setting keeps the sums' order (SK = 1), and with
+``gather_qmm`` in fp32. ``--ptxas`` reports each setting's registers and spills instead
+(nvcc, no GPU). Commit d5ade91 also had two probes that are gone: scale bytes packed as a
+word per lane and step (what ``expert_layout``'s tiles hold since), and a ring of single
+blocks.
 
     python -m benchmarks.one_sweep --settings 8,1,8,8,1,2,1,0 4,1,8,8,1,4,1,0 --out one_sweep.md
 """
@@ -57,7 +58,7 @@ EARLY = (
 # nothing; down work waits only for gate/up tickets, all handed out before any down ticket.
 # Each role runs in a loop of its own (a threadgroup's tickets are gate/up ones, then down
 # ones): with both roles in one loop ptxas spilled 588 bytes a thread, with one loop per role
-# as few as the dispatched kernel.
+# none (the dispatched kernel: 24).
 _TICKET = "  const uint ticket = s_ticket[0];\n  if (ticket < XG * pairs) {\n"
 _ELSE = "ATOMIC_ADD(&cnt[1 + p], 1u);\n    }\n  } else {\n"
 _PAIRS = "  const uint pairs = NUM_GROUPS.x / (XG + XD);\n"

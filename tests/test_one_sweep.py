@@ -20,15 +20,8 @@ CASES = [(6, 512, 256, 2, 3, "bfloat16"), (4, 1024, 768, 1, 4, "float32")]
 
 def run_setting(setting, z, wt, inds, wts, beta, cap):
     rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups, reuse = setting
-    kernel = one_sweep.setting_kernel(rt, sk, bound)
-    if early:
-        kernel = one_sweep.early_kernel(kernel)
-    if groups:
-        kernel = one_sweep.persistent_kernel(kernel)
-    if reuse:
-        kernel = one_sweep.reuse_kernel(kernel)
     return mxfp4_one.launch(
-        kernel,
+        one_sweep.setting_kernel_full(setting),
         z,
         wt,
         inds,
