@@ -200,16 +200,22 @@ def markdown(rows: list[dict], args) -> str:
     return head + "\n" + "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def chain_args(ap, rounds: int = 3):
+    """``run``'s options (the call's shape, the chains, rounds and repeats, dtype, seed, peak),
+    shared with the scripts that time their own jobs through it (``one_sweep``)."""
     k3_shape_args(ap)
     ap.add_argument("--calls", type=int, default=20, help="distinct input sets, taken in turn")
     ap.add_argument("--lengths", type=int, nargs="+", default=[10, 20, 40, 80, 160])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM datasheet peak")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    chain_args(ap)
     ap.add_argument("--read-limit", action="store_true", help="also time the read limits")
     ap.add_argument("--tiled", action="store_true", help="also time both decodes on tiled stacks")
     ap.add_argument("--only", nargs="+", default=None, help="time only the jobs of these labels")

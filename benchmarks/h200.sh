@@ -52,6 +52,16 @@ ncu_times() {
     gpu__time_duration.sum --csv --log-file "$OUT/$name.csv" "$@"
   python3 -m benchmarks.gpu_time --summarize "$OUT/$name.csv" 2>&1 | tee -a "$log"
 }
+# tiled_runs: the one launch on tiles against it on MLX's layout and the three launches, at
+# one token, in three processes of five rounds each (chain_length's slopes)
+tiled_runs() {
+  for r in 1 2 3; do
+    MLX_ENABLE_TF32=0 run "tiled_runs_$r" 200 python3 -m benchmarks.chain_length --tokens 1 --read-limit --tiled --rounds 5 \
+      --only "mxfp4_mma (three launches)" "mxfp4_one (one launch, counters in its output (one fill))" \
+      "mxfp4_mma (three launches) on the tiled layout" "mxfp4_one (counters in its output) on the tiled layout" \
+      "read limit, one launch" --out "$OUT/tiled_runs.md"
+  done
+}
 for step in "$@"; do
   case $step in
     kda_tests) MLX_ENABLE_TF32=0 run kda_tests 580 python3 -m pytest -q -x tests/cuda/test_kda_cuda.py ;;
@@ -129,14 +139,8 @@ for step in "$@"; do
         MLX_ENABLE_TF32=0 run "chain_length_$n" 200 python3 -m benchmarks.chain_length --tokens $n --read-limit --tiled --out "$OUT/chain_length.md"
       done ;;
     tiled_runs)
-      # the one launch on the tiled layout against it on MLX's layout and the three launches,
-      # at one token, in three processes of five rounds each (is its 60% of run 5 steady?)
-      for r in 1 2 3; do
-        MLX_ENABLE_TF32=0 run "tiled_runs_$r" 200 python3 -m benchmarks.chain_length --tokens 1 --read-limit --tiled --rounds 5 \
-          --only "mxfp4_mma (three launches)" "mxfp4_one (one launch, counters in its output (one fill))" \
-          "mxfp4_mma (three launches) on the tiled layout" "mxfp4_one (counters in its output) on the tiled layout" \
-          "read limit, one launch" --out "$OUT/tiled_runs.md"
-      done ;;
+      # the function above (is the one launch's 60% of session 29's run 5 steady?)
+      tiled_runs ;;
     one_sweep)
       # mxfp4_one on tiles at launch settings other than mxfp4_mma's (benchmarks/one_sweep.py:
       # rt,sk,gw1,gw2,pp,bound,cs1,cs2[,early]), chains, one token; d5ade91 also had the steps
@@ -159,12 +163,7 @@ for step in "$@"; do
       # reads tiles (decode, one launch, prefill, fused on its own layout, the model), then
       # tiled_runs' three processes
       MLX_ENABLE_TF32=0 run scale_words_tests 330 python3 -m pytest -q tests/cuda/test_model_cuda.py tests/cuda/test_mxfp4_cuda.py -k "tiled or dispatched"
-      for r in 1 2 3; do
-        MLX_ENABLE_TF32=0 run "tiled_runs_$r" 200 python3 -m benchmarks.chain_length --tokens 1 --read-limit --tiled --rounds 5 \
-          --only "mxfp4_mma (three launches)" "mxfp4_one (one launch, counters in its output (one fill))" \
-          "mxfp4_mma (three launches) on the tiled layout" "mxfp4_one (counters in its output) on the tiled layout" \
-          "read limit, one launch" --out "$OUT/tiled_runs.md"
-      done ;;
+      tiled_runs ;;
     tiled_store)
       # the expert store on tiles (kernels/expert_layout.py): its CUDA tests (the tiled prefill
       # and dispatch at K3 size, the model resident and streamed), then the prefill on tiles

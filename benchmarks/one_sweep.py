@@ -27,7 +27,7 @@ import numpy as np
 
 from benchmarks import chain_length
 from benchmarks.bench_kda import emit
-from benchmarks.bench_mxfp4 import k3_shape_args, tiled_decode
+from benchmarks.bench_mxfp4 import tiled_decode
 
 DISPATCHED = "dispatched (mxfp4_mma's settings)"
 
@@ -256,15 +256,8 @@ def ptxas_rows(args) -> list[tuple[str, str]]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    k3_shape_args(ap)
+    chain_length.chain_args(ap, rounds=5)
     ap.add_argument("--settings", type=parse, nargs="+", required=True)
-    ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[10, 20, 40, 80, 160])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--peak-gbps", type=float, default=4800.0)
     ap.add_argument("--read-limit", action="store_true", help="also time the one-launch read")
     ap.add_argument("--out", default=None)
     ap.add_argument(

@@ -63,18 +63,18 @@ def load_model(
         raw.update(_pack_experts(path))
     quantize_dense(model, args, raw)
     weights = sanitize_weights(args, raw)
-    tiles = store_layout(expert_layout, args.routed_expert_hidden_size, args.moe_intermediate_size)
+    store = store_layout(expert_layout, args.routed_expert_hidden_size, args.moe_intermediate_size)
     if stream:
         from kimi_k3.streaming import attach_streamer
 
-        attach_streamer(model, path, index, expert_cache_gb, expert_layout=tiles, **stream_options)
+        attach_streamer(model, path, index, expert_cache_gb, expert_layout=store, **stream_options)
     _check_and_load(model, weights, index, dtype)
     del raw, weights  # the model holds what it needs; tiles replace the stacks below
     if not stream:
         from kimi_k3.streaming.store import moe_blocks
 
         for moe in moe_blocks(model).values():
-            if tiles == "tiled":
+            if store == "tiled":
                 moe.experts.set_layout("tiled")
             if not lazy:  # one layer's stacks (and their sources) at a time
                 mx.eval(moe.experts.parameters())

@@ -231,8 +231,8 @@ def test_mma_decode_launch_shapes(monkeypatch, launch):
 
 @pytest.mark.parametrize("E,D,I,N,k,dtype", [MMA_CASES[1], MMA_CASES[2]])
 def test_mma_decode_on_the_tiled_layout_gives_the_same_bits(E, D, I, N, k, dtype):
-    """``mxfp4_mma.tiled_layout`` (a benchmark probe: the dispatched kernels on
-    ``expert_layout``'s tiles) only moves the loads' addresses."""
+    """``mxfp4_mma.tiled_layout`` (the dispatched kernels on ``expert_layout``'s tiles, what
+    a tiled store runs) only moves the loads' addresses."""
     (z, w, *rest), want = case(E, D, I, N, k, dtype)
     plain = mxfp4_mma.expert_glu_decode(z, w, *rest, backend="emulator")
     got = mxfp4_mma.expert_glu_decode_tiled(z, expert_layout.tile(w), *rest, backend="emulator")
