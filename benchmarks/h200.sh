@@ -158,6 +158,28 @@ for step in "$@"; do
         MLX_ENABLE_TF32=0 run "one_persist_$r" 280 python3 -m benchmarks.one_sweep --rounds 7 --out "$OUT/one_persist.md" --settings \
           8,1,8,8,1,2,1,0,0,264 8,1,8,8,1,2,1,0,0,264,1 8,1,8,8,1,2,1,0,0,132 8,1,8,8,1,2,1,0,0,396 8,1,8,8,1,2,1,1,0,264
       done ;;
+    issue5_tests)
+      # (prepared in session 32, not yet run) every CUDA test of the MXFP4 module (split over
+      # three processes: its time is mostly CPU references) and the model module beside it:
+      # the dispatched one launch since its pair count became a parameter (c6ecdd3) and the
+      # persistent grids KIMI_K3_ONE_GRID dispatches were not yet run on CUDA
+      run issue5_mxfp4_tests 560 bash benchmarks/pytest_split.sh 3 tests/cuda/test_mxfp4_cuda.py &
+      MLX_ENABLE_TF32=0 run issue5_model_tests 560 python3 -m pytest -q tests/cuda/test_model_cuda.py &
+      wait ;;
+    issue5_decode)
+      # (prepared in session 32) issue 5's decode table in one run: gather_qmm, the dispatched
+      # one launch on tiles and the read limit, beside the persistent grids (264: two
+      # threadgroups per SM of the H200's 132; the same with the staging kept; 608, a
+      # threadgroup per ticket at one token, which isolates the loop's cost from the grid's),
+      # three processes
+      for r in 1 2 3; do
+        MLX_ENABLE_TF32=0 run "issue5_decode_$r" 190 python3 -m benchmarks.one_sweep --gather-qmm --read-limit --rounds 5 --out "$OUT/issue5_decode.md" --settings \
+          8,1,8,8,1,2,1,0,0,264 8,1,8,8,1,2,1,0,0,264,1 8,1,8,8,1,2,1,0,0,608
+      done ;;
+    issue5_prefill)
+      # (prepared in session 32) issue 5's prefill table: one K3 MoE layer (896 experts) at 512
+      # and 4096 tokens, gather_qmm beside the tensor-core GEMM on MLX's layout and on tiles
+      run issue5_prefill 300 python3 -m benchmarks.bench_mxfp4 --decode-tokens 1 --no-lut --out "$OUT/issue5_prefill.md" ;;
     scale_words)
       # session 31: the store's tiles with a scale word per lane and step: every CUDA test that
       # reads tiles (decode, one launch, prefill, fused on its own layout, the model), then

@@ -8,7 +8,8 @@ launch settings other than ``mxfp4_mma``'s dispatched ones, timed as chains by l
 and GW2 groups a step, PP double buffering, the launch bound in threadgroups per SM, CS1
 and CS2 the evict-first code loads of gate/up and down, then optionally two probes: both
 steps' loads before the staging, a persistent grid of that many threadgroups, and on it
-the staging kept for the next ticket). Every row's first call is compared with the
+the staging kept for the next ticket: ``mxfp4_one.persistent``, which ``KIMI_K3_ONE_GRID``
+dispatches). Every row's first call is compared with the
 dispatched row's, to the bit where the setting keeps the sums' order (SK = 1), and with
 ``gather_qmm`` in fp32. ``--ptxas`` reports each setting's registers and spills instead
 (nvcc, no GPU). Commit d5ade91 also had two probes that are gone: scale bytes packed as a
@@ -49,92 +50,6 @@ EARLY = (
 )
 
 
-# A probe: a persistent grid (``groups`` threadgroups, e.g. two per SM) whose threadgroups
-# loop over tickets, each asking for its next ticket when it starts on the current one (the
-# atomic's result is first used at the ticket's end, so no warp waits for it), where the
-# dispatched grid has one threadgroup per ticket, each taking its ticket before its first
-# load. No deadlock: a threadgroup's next ticket is later than its current one, so one that
-# holds a gate/up ticket it has not started is itself doing gate/up work, which waits for
-# nothing; down work waits only for gate/up tickets, all handed out before any down ticket.
-# Each role runs in a loop of its own (a threadgroup's tickets are gate/up ones, then down
-# ones): with both roles in one loop ptxas spilled 588 bytes a thread, with one loop per role
-# none (the dispatched kernel: 24).
-_TICKET = "  const uint ticket = s_ticket[0];\n  if (ticket < XG * pairs) {\n"
-_ELSE = "ATOMIC_ADD(&cnt[1 + p], 1u);\n    }\n  } else {\n"
-_PAIRS = "  const uint pairs = NUM_GROUPS.x / (XG + XD);\n"
-
-
-def _loop(bound: str, role: str) -> str:
-    return (
-        f"  while (ticket_ < {bound}) {{\n"
-        "  const uint ticket = ticket_;\n"
-        "  uint next_ = 0;\n"
-        "  if (tid == 0) next_ = ATOMIC_ADD(&cnt[0], 1u);\n"
-        "  {\n" + role + "  }\n"
-        "  BARRIER();\n"
-        "  if (tid == 0) s_next[0] = next_;\n"
-        "  BARRIER();\n"
-        "  ticket_ = s_next[0];\n"
-        "  BARRIER();\n"
-        "  }\n"
-    )
-
-
-def persistent_kernel(kernel):
-    body = kernel.body.rstrip()
-    if body.count(_TICKET) != 1 or body.count(_ELSE) != 1 or body.count(_PAIRS) != 1:
-        raise AssertionError("one_sweep persistent grid: the kernel changed")
-    if not body.endswith("}"):
-        raise AssertionError("one_sweep persistent grid: the kernel changed at its end")
-    head, rest = body.split(_TICKET)
-    cut = rest.index(_ELSE) + len(_ELSE) - len("  } else {\n")
-    gate_up, down = rest[:cut], rest[cut + len("  } else {\n") : -1]
-    head = head.replace(_PAIRS, "  const uint pairs = (uint)glu[2];\n  SHARED uint s_next[1];\n")
-    body = (
-        head
-        + "  uint ticket_ = s_ticket[0];\n"
-        + _loop("XG * pairs", gate_up)
-        + _loop("(XG + XD) * pairs", down)
-    )
-    return kernel.variant("_persist", body=body)
-
-
-# A probe on top of the persistent grid: a threadgroup keeps what it staged (the latent's B
-# fragments and their unscale) for its next ticket of the same role and row (gate/up: the
-# token, so at one token a threadgroup stages the latent once, not per ticket; down: the
-# pair), where the dispatched grid stages in every threadgroup.
-_STAGE_FROM = "\\\n  float m = 0.0f;\n"
-_STAGE_TO = "                     PACK_HALF2(v[3], v[7]));\n  }\n"
-
-
-def reuse_kernel(kernel):
-    """``kernel`` (a ``persistent_kernel``) skipping a staging it already holds."""
-    body = kernel.body
-    decl = "  uint ticket_ = s_ticket[0];\n"
-    if body.count(decl) != 1 or body.count(_STAGE_FROM) != 2:
-        raise AssertionError("one_sweep staging reuse: the kernel changed")
-    body = body.replace(
-        decl, decl + "  uint staged_ = 0xffffffffu;\n  float unscale_keep_ = 0.0f;\n"
-    )
-    out, at = [], 0
-    for key in ("(p / K)", "(0x80000000u | p)"):  # gate/up's staging, then down's
-        i = body.index(_STAGE_FROM, at)
-        j = body.index(_STAGE_TO, i) + len(_STAGE_TO)
-        seg = body[i:j]
-        if seg.count("  const float unscale = ") != 1:
-            raise AssertionError("one_sweep staging reuse: the staging changed")
-        seg = seg.replace("  const float unscale = ", "  unscale_keep_ = ")
-        out += [
-            body[at:i],
-            f"  if (staged_ != {key}) {{\n    staged_ = {key};\n",
-            seg,
-            "  }\n  const float unscale = unscale_keep_;\n",
-        ]
-        at = j
-    out.append(body[at:])
-    return kernel.variant("_reuse", body="".join(out))
-
-
 def early_kernel(kernel):
     from kimi_k3.kernels.source import swap
 
@@ -158,16 +73,16 @@ def setting_kernel(rt, sk, bound):
 
 def setting_kernel_full(setting):
     """The kernel ``setting_job`` launches for ``setting``."""
+    from kimi_k3.kernels import mxfp4_one
+
     rt, sk, gw1, gw2, pp, bound, cs1, cs2, early, groups, reuse = setting
     kernel = setting_kernel(rt, sk, bound)
     if early:
         kernel = early_kernel(kernel)
+    if reuse and not groups:
+        raise ValueError(f"setting {setting}: staging reuse needs a persistent grid")
     if groups:
-        kernel = persistent_kernel(kernel)
-    if reuse:
-        if not groups:
-            raise ValueError(f"setting {setting}: staging reuse needs a persistent grid")
-        kernel = reuse_kernel(kernel)
+        kernel = mxfp4_one.persistent(kernel, bool(reuse))
     return kernel
 
 
@@ -259,6 +174,7 @@ def main(argv=None):
     chain_length.chain_args(ap, rounds=5)
     ap.add_argument("--settings", type=parse, nargs="+", required=True)
     ap.add_argument("--read-limit", action="store_true", help="also time the one-launch read")
+    ap.add_argument("--gather-qmm", action="store_true", help="also time MLX's gather_qmm")
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--ptxas",
@@ -273,6 +189,10 @@ def main(argv=None):
 
     todo = [(f"mxfp4_one, {DISPATCHED}", tiled_decode(mxfp4_one.expert_glu_decode_tiled))]
     todo += [(f"mxfp4_one, {label(s)}", setting_job(s)) for s in args.settings]
+    if args.gather_qmm:
+        from kimi_k3.experts import expert_glu_reference
+
+        todo.insert(0, ("gather_qmm", expert_glu_reference))
     if args.read_limit:
         from benchmarks.read_limit import read_call
 
@@ -290,7 +210,7 @@ def main(argv=None):
         for lab, fn in todo
         if lab.startswith("mxfp4_one")
     }
-    ref = outs[todo[0][0]]
+    ref = outs[f"mxfp4_one, {DISPATCHED}"]
     text = chain_length.markdown(rows, args)
     text += "\nMax |difference| from the dispatched row's output (0: the same bits):\n\n"
     for lab, o in outs.items():

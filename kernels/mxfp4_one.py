@@ -24,6 +24,14 @@ through counters in device memory (``counts``, an output filled with zeros):
 A wait that has not ended after ``SPIN_LIMIT`` reads gives up and makes its rows NaN (it
 cannot happen with tickets; a broken count shows as NaN, not as a hang or a wrong number).
 
+**A persistent grid** (``persistent``; dispatched where ``GRID`` or ``KIMI_K3_ONE_GRID`` asks
+for one, not by default): fewer threadgroups than tickets, each looping over tickets and
+asking for its next one as it starts the current one, so only its first ticket's atomic is
+waited for; optionally keeping its staged activations for its next ticket of the same token
+(gate/up) or pair (down). Same bits. Not yet timed on the H200 (``h200.sh issue5_decode``);
+on the development machine's ptxas its tiled variant spills nothing, where the ticket grid
+spills 24 bytes a thread outside its loops.
+
 Same exactness contract and bits as ``mxfp4_mma.expert_glu_decode``. On Metal the threads of
 a spinning threadgroup hold their core while it waits; like every ``mxfp4_mma`` kernel this
 one is dispatched on CUDA only (up to ``dispatch.EXPERT_ONE_LAUNCH_MAX_PAIRS`` pairs, where it
@@ -34,6 +42,7 @@ was measured faster than the three launches in chains of dependent calls), and t
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import mlx.core as mx
@@ -362,13 +371,15 @@ def launch(
     shape=None,
     streams=None,
     groups=None,
+    y_only=False,
 ):
     """One launch of ``kernel`` (the ``_BASE`` kernel of ``counts``, default ``COUNTS``, or a
     variant): (y [N, D], h [pairs, I], part [pairs, D], the counters) at ``shape`` (default
     ``shape_for``); ``streams``: (CS1, CS2), default ``mxfp4_mma.STREAM_LOADS``'; ``groups``:
-    threadgroups in the grid (default one per ticket, as every kernel here needs; a variant
-    that loops over tickets, ``benchmarks/one_sweep.py``'s persistent probe, takes fewer and
-    reads the pair count from its third parameter)."""
+    threadgroups in the grid, at most one per ticket (default one per ticket, as every kernel
+    here but ``persistent``'s needs; those loop over tickets, so take fewer, and read the
+    pair count from its third parameter). ``y_only``: return y alone (the dispatch path,
+    which saves building three views a call)."""
     backend = backend or default_backend()
     counts = counts or COUNTS
     N, k = inds.shape
@@ -415,7 +426,7 @@ def launch(
             inputs=inputs,
             output_shapes=shapes,
             output_dtypes=dtypes,
-            grid=(32 * rt * sk * (groups or (xg + xd) * pairs), 1, 1),
+            grid=(32 * rt * sk * min(groups or (xg + xd) * pairs, (xg + xd) * pairs), 1, 1),
             threadgroup=(32 * rt * sk, 1, 1),
             template=tmpl,
             **extra,
@@ -424,13 +435,15 @@ def launch(
             _CHAIN[backend] = out[-1]
     if counts == "output":
         (buf,) = out
+        if y_only:
+            return buf[o_y:].reshape(N, D)
         return (
             buf[o_y:].reshape(N, D),
             buf[o_h:o_p].reshape(pairs, I),
             buf[o_p:o_y].reshape(pairs, D),
             buf[:ncounts].view(U32),
         )
-    return (*out[:3], cnt)
+    return out[0] if y_only else (*out[:3], cnt)
 
 
 def tiled_layout(kernel: Kernel) -> Kernel:
@@ -461,11 +474,137 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
 
 
 def _decode(tiled, z, w, inds, weights, beta, cap, backend, counts):
-    """The dispatched kernel for these dims (on tiles where ``tiled``), launched at the shape
-    it was chosen for (found once)."""
+    """The dispatched kernel for these dims (on tiles where ``tiled``, on ``grid``'s grid),
+    launched at the shape it was chosen for (found once)."""
     backend = backend or default_backend()
     shape = shape_for(backend, z.shape[-1], w["w1"][0].shape[-2])
     kernel = dispatched_kernel(shape[0], shape[1], counts)
     if tiled:
         kernel = tiled_layout(kernel)
-    return launch(kernel, z, w, inds, weights, beta, cap, backend, counts, shape)[0]
+    groups, keep = grid()
+    if groups:
+        kernel = persistent(kernel, keep)
+    return launch(
+        kernel, z, w, inds, weights, beta, cap, backend, counts, shape, groups=groups, y_only=True
+    )
+
+
+# The dispatched grid: None, a threadgroup per ticket (as timed in sessions 26-31); or
+# (threadgroups, keep) for ``persistent``'s grid of that many threadgroups looping over the
+# tickets, keeping their staging where ``keep``. ``KIMI_K3_ONE_GRID`` overrides it per call.
+GRID: tuple[int, bool] | None = None
+
+
+def grid() -> tuple[int | None, bool]:
+    """(threadgroups, keep): ``GRID``, or ``KIMI_K3_ONE_GRID`` where set: ``tickets`` (a
+    threadgroup per ticket), ``N`` (a persistent grid of N threadgroups) or ``N,keep`` (the
+    same keeping the staging); another value is an error naming the variable."""
+    text = os.environ.get("KIMI_K3_ONE_GRID", "")
+    if not text:
+        return GRID if GRID else (None, False)
+    if text == "tickets":
+        return None, False
+    n, *keep = text.split(",")
+    if not n.isdigit() or int(n) < 1 or keep not in ([], ["keep"]):
+        raise ValueError(
+            f"KIMI_K3_ONE_GRID={text!r}: expected tickets, N or N,keep (N threadgroups, N >= 1), "
+            "or unset"
+        )
+    return int(n), bool(keep)
+
+
+# A persistent grid: ``groups`` threadgroups (two per SM, say) loop over the tickets, each
+# asking for its next ticket when it starts on the current one (the atomic's result is
+# first used at the ticket's end, so no warp waits for it), where the dispatched grid has a
+# threadgroup per ticket, each taking its ticket before its first load. No deadlock: a
+# threadgroup's next ticket is later than its current one, so one that holds a gate/up
+# ticket it has not started is itself doing gate/up work, which waits for nothing; down
+# work waits only for gate/up tickets, all handed out before any down ticket. Each role
+# runs in a loop of its own (a threadgroup's tickets are gate/up ones, then down ones):
+# with both roles in one loop ptxas spilled 588 bytes a thread, with a loop per role none.
+_TICKET = "  const uint ticket = s_ticket[0];\n  if (ticket < XG * pairs) {\n"
+_ELSE = "ATOMIC_ADD(&cnt[1 + p], 1u);\n    }\n  } else {\n"
+_PAIRS = "  const uint pairs = NUM_GROUPS.x / (XG + XD);\n"
+
+
+def _loop(bound: str, role: str) -> str:
+    return (
+        f"  while (ticket_ < {bound}) {{\n"
+        "  const uint ticket = ticket_;\n"
+        "  uint next_ = 0;\n"
+        "  if (tid == 0) next_ = ATOMIC_ADD(&cnt[0], 1u);\n"
+        "  {\n" + role + "  }\n"
+        "  BARRIER();\n"
+        "  if (tid == 0) s_next[0] = next_;\n"
+        "  BARRIER();\n"
+        "  ticket_ = s_next[0];\n"
+        "  BARRIER();\n"
+        "  }\n"
+    )
+
+
+def persistent(kernel: Kernel, keep: bool = False) -> Kernel:
+    """``kernel`` (``dispatched_kernel``'s for counters in an output or an input, or its tiled
+    variant) on a grid of fewer threadgroups than tickets, each looping over tickets (launch
+    it with ``launch(groups=...)``; the pair count comes from its third parameter); with
+    ``keep``, a threadgroup skips a staging it already holds (gate/up: the token's latent,
+    so at one token it stages once; down: the pair's ``h``). Named ``<name>_persist`` (and
+    ``_reuse``): the same arithmetic in the same order, so the same bits."""
+    made = derived(kernel, "persistent", _persistent)
+    return derived(made, "reuse", _reuse) if keep else made
+
+
+def _persistent(kernel: Kernel) -> Kernel:
+    body = kernel.body.rstrip()
+    if body.count(_TICKET) != 1 or body.count(_ELSE) != 1 or body.count(_PAIRS) != 1:
+        raise ValueError(
+            f"mxfp4_one.persistent: {kernel.name} is not the one launch with counters in an "
+            "output or an input (the chained counters' zeroing sits where the grid loops)"
+        )
+    if not body.endswith("}"):
+        raise AssertionError("mxfp4_one.persistent: the kernel changed at its end")
+    head, rest = body.split(_TICKET)
+    cut = rest.index(_ELSE) + len(_ELSE) - len("  } else {\n")
+    gate_up, down = rest[:cut], rest[cut + len("  } else {\n") : -1]
+    head = head.replace(_PAIRS, "  const uint pairs = (uint)glu[2];\n  SHARED uint s_next[1];\n")
+    body = (
+        head
+        + "  uint ticket_ = s_ticket[0];\n"
+        + _loop("XG * pairs", gate_up)
+        + _loop("(XG + XD) * pairs", down)
+    )
+    return kernel.variant("_persist", body=body)
+
+
+# Staging kept: a threadgroup keeps what it staged (the activations' B fragments and their
+# unscale) for its next ticket of the same role and row, keyed by the token (gate/up) or
+# the pair (down, its top bit set so the keys never meet).
+_STAGE_FROM = "\\\n  float m = 0.0f;\n"
+_STAGE_TO = "                     PACK_HALF2(v[3], v[7]));\n  }\n"
+
+
+def _reuse(kernel: Kernel) -> Kernel:
+    body = kernel.body
+    decl = "  uint ticket_ = s_ticket[0];\n"
+    if body.count(decl) != 1 or body.count(_STAGE_FROM) != 2:
+        raise AssertionError("mxfp4_one.persistent(keep=True): the kernel changed")
+    body = body.replace(
+        decl, decl + "  uint staged_ = 0xffffffffu;\n  float unscale_keep_ = 0.0f;\n"
+    )
+    out, at = [], 0
+    for key in ("(p / K)", "(0x80000000u | p)"):  # gate/up's staging, then down's
+        i = body.index(_STAGE_FROM, at)
+        j = body.index(_STAGE_TO, i) + len(_STAGE_TO)
+        seg = body[i:j]
+        if seg.count("  const float unscale = ") != 1:
+            raise AssertionError("mxfp4_one.persistent(keep=True): the staging changed")
+        seg = seg.replace("  const float unscale = ", "  unscale_keep_ = ")
+        out += [
+            body[at:i],
+            f"  if (staged_ != {key}) {{\n    staged_ = {key};\n",
+            seg,
+            "  }\n  const float unscale = unscale_keep_;\n",
+        ]
+        at = j
+    out.append(body[at:])
+    return kernel.variant("_reuse", body="".join(out))

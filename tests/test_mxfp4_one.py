@@ -110,3 +110,56 @@ def test_both_projections_must_share_the_threadgroup(monkeypatch):
     monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, "down", 1)
     with pytest.raises(ValueError, match="MIN_BLOCKS"):
         mxfp4_one.dispatched_kernel(8, 1)
+
+
+@pytest.mark.parametrize("grid", ["1", "3", "3,keep", "tickets"])
+def test_a_persistent_grid_dispatched_gives_the_same_bits(monkeypatch, grid):
+    """``KIMI_K3_ONE_GRID``: ``mxfp4_one.persistent``'s grid (threadgroups looping over the
+    tickets, with or without their staging kept) gives the bits of a threadgroup per ticket,
+    in MLX's layout and in tiles, and takes every ticket once."""
+    from kimi_k3.kernels import expert_layout
+
+    (z, w, *rest), _ = case(*CASES[1])
+    monkeypatch.delenv("KIMI_K3_ONE_GRID", raising=False)
+    want = np.array(mxfp4_one.expert_glu_decode(z, w, *rest, backend="emulator"))
+    wt = expert_layout.tile(w)
+    monkeypatch.setenv("KIMI_K3_ONE_GRID", grid)
+    assert np.array_equal(np.array(mxfp4_one.expert_glu_decode(z, w, *rest, "emulator")), want)
+    got = mxfp4_one.expert_glu_decode_tiled(z, wt, *rest, backend="emulator")
+    assert np.array_equal(np.array(got), want)
+    groups, keep = mxfp4_one.grid()
+    if groups:
+        rt, sk = mxfp4_one.shape_for("emulator", *CASES[1][1:3])[:2]
+        kernel = mxfp4_one.persistent(mxfp4_one.dispatched_kernel(rt, sk), keep)
+        counts = mxfp4_one.launch(kernel, z, w, *rest, backend="emulator", groups=groups)[3]
+        N, k = rest[0].shape
+        I, D = CASES[1][2], CASES[1][1]
+        tickets = N * k * (-(-(I // 16) // rt) + -(-(D // 32) // rt))
+        # each ticket taken once, and one past the end by each threadgroup
+        assert int(np.array(counts)[0]) == tickets + min(groups, tickets)
+
+
+def test_the_module_grid_setting_is_dispatched(monkeypatch):
+    """``mxfp4_one.GRID`` (no variable set) picks the persistent kernel; the variable wins."""
+    monkeypatch.delenv("KIMI_K3_ONE_GRID", raising=False)
+    monkeypatch.setattr(mxfp4_one, "GRID", (2, True))
+    assert mxfp4_one.grid() == (2, True)
+    monkeypatch.setenv("KIMI_K3_ONE_GRID", "tickets")
+    assert mxfp4_one.grid() == (None, False)
+    monkeypatch.setenv("KIMI_K3_ONE_GRID", "264")
+    assert mxfp4_one.grid() == (264, False)
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "two", "3,kept", "3,", ",keep"])
+def test_a_bad_one_grid_variable_is_an_error_naming_it(monkeypatch, bad):
+    monkeypatch.setenv("KIMI_K3_ONE_GRID", bad)
+    with pytest.raises(ValueError, match="KIMI_K3_ONE_GRID"):
+        mxfp4_one.grid()
+
+
+def test_a_persistent_grid_refuses_chained_counters():
+    """The chained counters' zeroing sits where the grid would loop: a clear error, not a
+    kernel that zeroes the next call's counters per ticket."""
+    rt, sk = mxfp4_one.shape_for("emulator", *CASES[1][1:3])[:2]
+    with pytest.raises(ValueError, match="chained"):
+        mxfp4_one.persistent(mxfp4_one.dispatched_kernel(rt, sk, "chained"))

@@ -73,7 +73,7 @@ def differs_from_dispatched(kernel, groups: int) -> bool:
 def test_a_staging_kept_for_another_token_is_caught():
     """A threadgroup that kept its staging across tokens (the key made constant) computes the
     second token from the first one's latent."""
-    kernel = one_sweep.reuse_kernel(one_sweep.persistent_kernel(one_sweep.setting_kernel(8, 1, 2)))
+    kernel = mxfp4_one.persistent(one_sweep.setting_kernel(8, 1, 2), keep=True)
     body = kernel.body.replace("staged_ = (p / K)", "staged_ = 0u")
     body = body.replace("staged_ != (p / K)", "staged_ != 0u")
     assert body != kernel.body
@@ -82,7 +82,7 @@ def test_a_staging_kept_for_another_token_is_caught():
 
 def test_a_persistent_grid_that_stops_early_is_caught():
     """Threadgroups that stop after their first ticket leave work undone."""
-    kernel = one_sweep.persistent_kernel(one_sweep.setting_kernel(8, 1, 2))
+    kernel = mxfp4_one.persistent(one_sweep.setting_kernel(8, 1, 2))
     body = kernel.body.replace("  ticket_ = s_next[0];", "  ticket_ = (XG + XD) * pairs;", 1)
     assert body != kernel.body
     assert differs_from_dispatched(kernel.variant("_stop", body=body), groups=2)
@@ -104,3 +104,21 @@ def test_ptxas_rows_report_each_settings_registers(tmp_path):
     assert [lab for lab, _ in rows] == [one_sweep.DISPATCHED, one_sweep.label(setting)]
     assert all(regs.startswith("128") for _, regs in rows)  # the launch bound: 2 x 256 threads
     assert "| setting | registers" in out.read_text()
+
+
+def test_timed_rows_at_toy_size(tmp_path, monkeypatch):
+    """The timing mode (what ``h200.sh issue5_decode`` runs) at toy size on the emulator:
+    gather_qmm first, the dispatched row, each setting, the read limit; every setting's
+    first call with the dispatched row's bits."""
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    out = tmp_path / "sweep.md"
+    argv = ["--dim", "256", "--hidden", "256", "--experts", "8", "--topk", "2", "--calls", "2"]
+    argv += ["--lengths", "1", "2", "--rounds", "1", "--repeats", "1", "--gather-qmm"]
+    argv += ["--read-limit", "--settings", "8,1,8,8,1,2,1,0,0,2", "8,1,8,8,1,2,1,0,0,2,1"]
+    rows = one_sweep.main(argv + ["--out", str(out)])
+    labels = [r["label"] for r in rows]
+    assert labels[0] == "gather_qmm" and labels[1] == f"mxfp4_one, {one_sweep.DISPATCHED}"
+    assert labels[-1] == "read limit, one launch" and len(labels) == 5
+    assert all(r["err"] < 1e-5 for r in rows if r["label"].startswith("mxfp4_one"))
+    text = out.read_text()
+    assert text.count(": 0.000e+00\n") == 3  # the dispatched row and both grids: same bits

@@ -114,6 +114,25 @@ def test_one_launch_tiled_layout_same_bits():
     assert np.array_equal(np.array(got), plain)
 
 
+@pytest.mark.parametrize("N", [1, 2])
+def test_persistent_grid_same_bits_at_k3_size(monkeypatch, N):
+    """``KIMI_K3_ONE_GRID``'s persistent grids (two and one per SM of the H200's 132, a
+    threadgroup per ticket's worth, and with the staging kept) give a threadgroup per
+    ticket's bits at K3 size, on tiles and MLX's layout, at each of three launches."""
+    (z, w, *rest), want = case(16, *K3, N, 16, "bfloat16")
+    monkeypatch.delenv("KIMI_K3_ONE_GRID", raising=False)
+    plain = np.array(mxfp4_one.expert_glu_decode(z, w, *rest, backend="cuda"))
+    wt = expert_layout.tile(w)
+    for grid in ("264", "132", "608", "264,keep"):
+        monkeypatch.setenv("KIMI_K3_ONE_GRID", grid)
+        for _ in range(3):
+            got = mxfp4_one.expert_glu_decode_tiled(z, wt, *rest, backend="cuda")
+            assert np.array_equal(np.array(got), plain), grid
+        got = mxfp4_one.expert_glu_decode(z, w, *rest, backend="cuda")
+        assert np.array_equal(np.array(got), plain), grid
+    assert rel_err(got, want) < TOL
+
+
 def test_one_launch_counts_at_k3_size():
     N, k = 4, 16
     args, _ = case(16, *K3, N, k, "bfloat16")
