@@ -139,6 +139,15 @@ def expert_glu_kernel(z, w, inds):
     return partial(mxfp4_prefill.expert_glu_prefill, backend=backend)
 
 
+def expert_sum_in_order(inds) -> bool:
+    """Whether ``expert_glu_kernel(z, w, inds)``'s kernel, where it gives one, adds up a
+    token's k weighted pairs in order from zero (the decode kernels' last step, or
+    ``mxfp4_one``'s), rather than by MLX's sum over the choice axis (the grouped prefill
+    kernels and the reference). ``Streamer._grouped``, which runs a chunk's pairs in groups,
+    adds them up the same way, so that its output has the bits of one call."""
+    return inds.size <= EXPERT_DECODE_MAX_PAIRS
+
+
 def with_reference_vjp(kernel_fn, reference_fn, primals: list):
     """``kernel_fn(*primals)`` forward, with the gradient of ``reference_fn(*primals)``.
 

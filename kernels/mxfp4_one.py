@@ -47,7 +47,7 @@ import threading
 
 import mlx.core as mx
 
-from . import mxfp4_mma
+from . import mxfp4_mma, source
 from .mxfp4_decode import K3
 from .mxfp4_mma import MMA_HEADER
 from .source import Instance, Kernel, constant, derived, swap
@@ -489,28 +489,49 @@ def _decode(tiled, z, w, inds, weights, beta, cap, backend, counts):
     )
 
 
-# The dispatched grid: None, a threadgroup per ticket (as timed in sessions 26-31); or
-# (threadgroups, keep) for ``persistent``'s grid of that many threadgroups looping over the
-# tickets, keeping their staging where ``keep``. ``KIMI_K3_ONE_GRID`` overrides it per call.
-GRID: tuple[int, bool] | None = None
+# The dispatched grid, as ``KIMI_K3_ONE_GRID`` spells it (which overrides it per call):
+# ``tickets``, a threadgroup per ticket (as timed in sessions 26-31); ``N``, ``persistent``'s
+# grid of N threadgroups looping over the tickets; ``N/sm``, N per SM of the device
+# (``source.sm_count``; the ticket grid where that is unknown); ``,keep`` after either keeps
+# a threadgroup's staging for its next ticket.
+GRID = "tickets"
 
 
 def grid() -> tuple[int | None, bool]:
-    """(threadgroups, keep): ``GRID``, or ``KIMI_K3_ONE_GRID`` where set: ``tickets`` (a
-    threadgroup per ticket), ``N`` (a persistent grid of N threadgroups) or ``N,keep`` (the
-    same keeping the staging); another value is an error naming the variable."""
+    """(threadgroups, keep) of ``KIMI_K3_ONE_GRID``, or of ``GRID`` where it is unset: None
+    for a threadgroup per ticket. A value not spelt as ``GRID``'s comment says is an error
+    naming the variable (or ``mxfp4_one.GRID``)."""
     text = os.environ.get("KIMI_K3_ONE_GRID", "")
-    if not text:
-        return GRID if GRID else (None, False)
-    if text == "tickets":
-        return None, False
-    n, *keep = text.split(",")
-    if not n.isdigit() or int(n) < 1 or keep not in ([], ["keep"]):
+    where = "KIMI_K3_ONE_GRID" if text else "mxfp4_one.GRID"
+    text = text or GRID
+    hit = _GRIDS.get(text)
+    if hit is None:
+        hit = _GRIDS[text] = _parse_grid(text, where)
+    groups, per_sm, keep = hit
+    if per_sm:
+        sms = source.sm_count()
+        return (groups * sms if sms else None), keep
+    return groups, keep
+
+
+_GRIDS: dict = {}
+
+
+def _parse_grid(text: str, where: str) -> tuple[int | None, bool, bool]:
+    """(N, per SM, keep) of a grid's spelling."""
+    head, *keep = text.split(",")
+    n, slash, unit = head.partition("/")
+    per_sm = slash and unit == "sm"
+    if keep not in ([], ["keep"]) or (slash and not per_sm):
+        n = ""
+    if head == "tickets" and not keep:
+        return None, False, False
+    if not n.isdigit() or int(n) < 1:
         raise ValueError(
-            f"KIMI_K3_ONE_GRID={text!r}: expected tickets, N or N,keep (N threadgroups, N >= 1), "
-            "or unset"
+            f"{where}={text!r}: expected tickets, N, N/sm, N,keep or N/sm,keep (N >= 1 "
+            "threadgroups, or per SM)" + (", or unset" if where.startswith("KIMI") else "")
         )
-    return int(n), bool(keep)
+    return int(n), bool(per_sm), bool(keep)
 
 
 # A persistent grid: ``groups`` threadgroups (two per SM, say) loop over the tickets, each

@@ -1,9 +1,12 @@
 """The whole model with its kernels (Metal source, run by the CPU emulator) equals the model
-on the pure-MLX reference: prefill in uneven chunks, then decode."""
+on the pure-MLX reference: prefill in uneven chunks, then decode; streamed experts give the
+resident model's bits on the kernels too."""
 
 import mlx.core as mx
+import numpy as np
+import pytest
 from conftest import rel_err
-from model_kernel_check import KERNEL_SHAPES, compare
+from model_kernel_check import KERNEL_SHAPES, compare, run
 
 
 def test_model_with_metal_kernels_matches_reference(ckpt_factory, monkeypatch):
@@ -12,3 +15,26 @@ def test_model_with_metal_kernels_matches_reference(ckpt_factory, monkeypatch):
     assert counts["kda"] > 0 and counts["experts"] > 0
     assert rel_err(out, ref) < 1e-4
     assert mx.array_equal(mx.argmax(out, -1), mx.argmax(ref, -1))
+
+
+@pytest.mark.parametrize("prompt_len", [40, 200], ids=["decode-kernel-chunks", "gemm-chunks"])
+def test_streamed_in_groups_gives_the_resident_bits_on_the_kernels(
+    ckpt_factory, monkeypatch, prompt_len
+):
+    """Experts streamed into fewer slots than a chunk's experts (the chunk runs in groups,
+    ``Streamer._grouped``) give the resident model's logits bit for bit on the kernels, at
+    top-4 (a sum of four in another order differs): chunks of 26-108 pairs (decode kernels)
+    and of 264-536 (the grouped GEMM, whose groups of few pairs must not take the decode
+    kernels)."""
+    from test_streaming import budget_gb
+
+    from kimi_k3.loader import load_model
+
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    monkeypatch.delenv("KIMI_K3_REFERENCE", raising=False)
+    path = ckpt_factory("tiny", num_experts_per_token=4, **KERNEL_SHAPES)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 700, (1, prompt_len)))
+    want = run(load_model(path, dtype=mx.float32), prompt, 2)
+    for slots in (4, 5):
+        model = load_model(path, dtype=mx.float32, expert_cache_gb=budget_gb(path, slots))
+        assert mx.array_equal(run(model, prompt, 2), want).item(), slots

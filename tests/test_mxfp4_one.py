@@ -112,13 +112,14 @@ def test_both_projections_must_share_the_threadgroup(monkeypatch):
         mxfp4_one.dispatched_kernel(8, 1)
 
 
-@pytest.mark.parametrize("grid", ["1", "3", "3,keep", "tickets"])
+@pytest.mark.parametrize("grid", ["1", "3", "3,keep", "tickets", "1/sm"])
 def test_a_persistent_grid_dispatched_gives_the_same_bits(monkeypatch, grid):
     """``KIMI_K3_ONE_GRID``: ``mxfp4_one.persistent``'s grid (threadgroups looping over the
     tickets, with or without their staging kept) gives the bits of a threadgroup per ticket,
     in MLX's layout and in tiles, and takes every ticket once."""
-    from kimi_k3.kernels import expert_layout
+    from kimi_k3.kernels import expert_layout, source
 
+    monkeypatch.setattr(source, "sm_count", lambda: 2)  # "1/sm": two threadgroups
     (z, w, *rest), _ = case(*CASES[1])
     monkeypatch.delenv("KIMI_K3_ONE_GRID", raising=False)
     want = np.array(mxfp4_one.expert_glu_decode(z, w, *rest, backend="emulator"))
@@ -139,21 +140,46 @@ def test_a_persistent_grid_dispatched_gives_the_same_bits(monkeypatch, grid):
         assert int(np.array(counts)[0]) == tickets + min(groups, tickets)
 
 
-def test_the_module_grid_setting_is_dispatched(monkeypatch):
-    """``mxfp4_one.GRID`` (no variable set) picks the persistent kernel; the variable wins."""
+def test_the_module_grid_setting_and_the_variable(monkeypatch):
+    """``mxfp4_one.GRID`` where the variable is unset, else the variable; ``N/sm`` counts
+    the device's SMs (``source.sm_count``), the ticket grid where that is unknown."""
+    from kimi_k3.kernels import source
+
     monkeypatch.delenv("KIMI_K3_ONE_GRID", raising=False)
-    monkeypatch.setattr(mxfp4_one, "GRID", (2, True))
+    assert mxfp4_one.grid() == (None, False)  # the default: a threadgroup per ticket
+    monkeypatch.setattr(mxfp4_one, "GRID", "2,keep")
     assert mxfp4_one.grid() == (2, True)
     monkeypatch.setenv("KIMI_K3_ONE_GRID", "tickets")
     assert mxfp4_one.grid() == (None, False)
     monkeypatch.setenv("KIMI_K3_ONE_GRID", "264")
     assert mxfp4_one.grid() == (264, False)
+    monkeypatch.setattr(source, "sm_count", lambda: 132)
+    monkeypatch.setenv("KIMI_K3_ONE_GRID", "2/sm,keep")
+    assert mxfp4_one.grid() == (264, True)
+    monkeypatch.setattr(source, "sm_count", lambda: None)
+    assert mxfp4_one.grid() == (None, True)
 
 
-@pytest.mark.parametrize("bad", ["0", "-3", "two", "3,kept", "3,", ",keep"])
+def test_the_sm_count_comes_from_the_driver_where_there_is_one():
+    from kimi_k3.kernels import source
+
+    n = source.sm_count()
+    assert (n is None) if not mx.cuda.is_available() else n > 0
+
+
+@pytest.mark.parametrize(
+    "bad", ["0", "-3", "two", "3,kept", "3,", ",keep", "2/gpu", "/sm", "tickets,keep"]
+)
 def test_a_bad_one_grid_variable_is_an_error_naming_it(monkeypatch, bad):
     monkeypatch.setenv("KIMI_K3_ONE_GRID", bad)
     with pytest.raises(ValueError, match="KIMI_K3_ONE_GRID"):
+        mxfp4_one.grid()
+
+
+def test_a_bad_module_grid_setting_is_an_error_naming_it(monkeypatch):
+    monkeypatch.delenv("KIMI_K3_ONE_GRID", raising=False)
+    monkeypatch.setattr(mxfp4_one, "GRID", "264,kept")
+    with pytest.raises(ValueError, match="mxfp4_one.GRID"):
         mxfp4_one.grid()
 
 

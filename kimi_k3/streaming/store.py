@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from kimi_k3.checkpoint import CheckpointIndex
-from kimi_k3.experts import EXPERT_TENSORS, expert_glu, store_layout
+from kimi_k3.experts import EXPERT_TENSORS, expert_glu, expert_glu_reference, store_layout
 from kimi_k3.kernels import expert_layout as tiles
 from kimi_k3.streaming.cache import GB, POLICIES, SlotCache, make_policy, slots_per_layer
 from kimi_k3.streaming.io import ALIGN, PREFETCH, ExpertReadError, FileTable, ReadJob, ReadPool
@@ -380,9 +380,19 @@ class Streamer:
     def _grouped(self, store, z, ids, uniq, weights, ahead) -> mx.array:
         """A chunk needing more experts than the layer has slots: groups of at most
         ``slots`` experts (resident ones first), each evaluated before the next overwrites
-        slots. Per-(token, choice) outputs are summed exactly as ``expert_glu`` does."""
+        slots. Each group runs on the kernel that one call of the whole chunk would take
+        (``dispatch.expert_glu_kernel`` on the chunk's pairs, else the reference), with
+        weights of one applied after (every kernel scales a pair's output by its weight in
+        one multiply), and the pairs are added up as that call adds them
+        (``dispatch.expert_sum_in_order``): the bits of one call, as with every expert in
+        the cache."""
+        from kimi_k3.kernels import dispatch
+
         N, k = ids.shape
         flat = ids.reshape(-1)
+        call = dispatch.expert_glu_kernel(z, store.pool.w, mx.array(ids.astype(np.int32)))
+        in_order = call is not None and dispatch.expert_sum_in_order(ids)
+        call = call or expert_glu_reference
         resident = store.cache.lookup(uniq) >= 0
         order = np.concatenate([uniq[resident], uniq[~resident]])
         Y = mx.zeros((N * k, z.shape[-1]), mx.float32)
@@ -391,7 +401,7 @@ class Streamer:
             slots = self._fetch(store, group, ahead if i == 0 else None)
             rows = np.flatnonzero(np.isin(flat, group))
             sl = slots[np.searchsorted(group, flat[rows])].astype(np.int32)[:, None]
-            out = expert_glu(
+            out = call(
                 z[mx.array(rows // k)],
                 store.pool.w,
                 mx.array(sl),
@@ -400,7 +410,13 @@ class Streamer:
             )
             Y = Y.at[mx.array(rows)].add(out)
             mx.eval(Y)
-        return (Y.reshape(N, k, -1) * weights.astype(mx.float32)[..., None]).sum(axis=1)
+        parts = Y.reshape(N, k, -1) * weights.astype(mx.float32)[..., None]
+        if not in_order:
+            return parts.sum(axis=1)
+        y = mx.zeros((N, z.shape[-1]), mx.float32)
+        for j in range(k):
+            y = y + parts[:, j]
+        return y
 
     def snapshot(self) -> dict:
         """The counters (``StreamStats.snapshot``) and whether reads bypass the page cache."""

@@ -33,9 +33,10 @@ TILE_SHAPES = dict(KERNEL_SHAPES, moe_intermediate_size=128, routed_expert_hidde
 def test_model_with_a_tiled_store(ckpt_factory, monkeypatch):
     """On CUDA the expert store holds tiles by default (``expert_layout="auto"``) and gives
     the MLX layout's logits bit for bit, resident and streamed alike (streamed with every
-    expert in the cache: with fewer slots than a chunk's experts the streamer runs the chunk
-    in groups, whose kernels (decode ones on fewer pairs) sum in another order: within 1e-5);
-    against the reference path as the test above (fp32)."""
+    expert in the cache, and with fewer slots than a chunk's experts, where the streamer runs
+    the chunk in groups on the chunk's kernel: within 1e-5 until session 32, when the
+    groups of few pairs took the decode kernels); against the reference path as the test
+    above (fp32)."""
     import numpy as np
     from model_kernel_check import run
     from test_streaming import budget_gb
@@ -58,6 +59,6 @@ def test_model_with_a_tiled_store(ckpt_factory, monkeypatch):
         streamed = load_model(path, dtype=mx.float32, expert_cache_gb=budget_gb(path, slots))
         got = run(streamed, prompt, 8)
         assert get_stats(streamed)["expert_layout"] == "tiled"
-        assert mx.array_equal(got, out).item() if slots == 8 else rel_err(got, out) < 1e-5
+        assert mx.array_equal(got, out).item(), slots
     out, ref, counts = compare(monkeypatch, path, "cuda", mx.float32, prompt_len=200, steps=8)
     assert counts["experts"] > 0 and rel_err(out, ref) < 1e-4
