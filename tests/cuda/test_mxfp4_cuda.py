@@ -467,6 +467,17 @@ def test_prefill_mma_tiled_layout_same_bits(tm):
     assert rel_err(got, want) < TOL
 
 
+def test_prefill_mma_pairs_do_not_depend_on_the_call():
+    """A pair's output from the tensor-core GEMM is the same bits at either tile size and
+    with other pairs beside it (what ``Streamer._grouped`` relies on), at K3 size."""
+    (z, w, inds, wts, beta, cap), _ = case(16, *K3, 257, 4, "bfloat16")
+    whole = np.array(expert_glu_prefill_mma(z, w, inds, wts, beta, cap, 16, backend="cuda"))
+    wide = expert_glu_prefill_mma(z, w, inds, wts, beta, cap, 32, backend="cuda")
+    assert np.array_equal(np.array(wide), whole)
+    part = expert_glu_prefill_mma(z[40:90], w, inds[40:90], wts[40:90], beta, cap, 16, "cuda")
+    assert np.array_equal(np.array(part), whole[40:90])
+
+
 @pytest.mark.parametrize("N", [1, 4, 64])
 def test_dispatched_on_tiled_stacks_same_bits(monkeypatch, N):
     """``expert_glu`` on ``TiledStacks`` (one launch at 16 pairs, three at 64, the grouped
