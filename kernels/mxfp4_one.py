@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 
 import mlx.core as mx
@@ -519,19 +520,15 @@ _GRIDS: dict = {}
 
 def _parse_grid(text: str, where: str) -> tuple[int | None, bool, bool]:
     """(N, per SM, keep) of a grid's spelling."""
-    head, *keep = text.split(",")
-    n, slash, unit = head.partition("/")
-    per_sm = slash and unit == "sm"
-    if keep not in ([], ["keep"]) or (slash and not per_sm):
-        n = ""
-    if head == "tickets" and not keep:
+    if text == "tickets":
         return None, False, False
-    if not n.isdigit() or int(n) < 1:
+    m = re.fullmatch(r"([1-9][0-9]*)(/sm)?(,keep)?", text)
+    if m is None:
         raise ValueError(
             f"{where}={text!r}: expected tickets, N, N/sm, N,keep or N/sm,keep (N >= 1 "
             "threadgroups, or per SM)" + (", or unset" if where.startswith("KIMI") else "")
         )
-    return int(n), bool(per_sm), bool(keep)
+    return int(m[1]), bool(m[2]), bool(m[3])
 
 
 # A persistent grid: ``groups`` threadgroups (two per SM, say) loop over the tickets, each
