@@ -42,6 +42,7 @@ was measured faster than the three launches in chains of dependent calls), and t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import threading
@@ -504,20 +505,14 @@ def grid() -> tuple[int | None, bool]:
     naming the variable (or ``mxfp4_one.GRID``)."""
     text = os.environ.get("KIMI_K3_ONE_GRID", "")
     where = "KIMI_K3_ONE_GRID" if text else "mxfp4_one.GRID"
-    text = text or GRID
-    hit = _GRIDS.get(text)
-    if hit is None:
-        hit = _GRIDS[text] = _parse_grid(text, where)
-    groups, per_sm, keep = hit
+    groups, per_sm, keep = _parse_grid(text or GRID, where)
     if per_sm:
         sms = source.sm_count()
         return (groups * sms if sms else None), keep
     return groups, keep
 
 
-_GRIDS: dict = {}
-
-
+@functools.lru_cache(maxsize=16)
 def _parse_grid(text: str, where: str) -> tuple[int | None, bool, bool]:
     """(N, per SM, keep) of a grid's spelling."""
     if text == "tickets":

@@ -13,6 +13,7 @@ the backend's kernel object lazily (``mx.fast.metal_kernel`` raises on Linux).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -557,19 +558,11 @@ def backend() -> str | None:
     return None
 
 
+@functools.cache
 def sm_count() -> int | None:
     """The number of streaming multiprocessors of CUDA device 0, from the driver
     (``cuDeviceGetAttribute``; MLX does not report it), or None where there is no driver or
     device. Asked once per process."""
-    if "sm_count" not in _DEVICE:
-        _DEVICE["sm_count"] = _driver_sm_count()
-    return _DEVICE["sm_count"]
-
-
-_DEVICE: dict = {}
-
-
-def _driver_sm_count() -> int | None:
     import ctypes
 
     try:
