@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from kimi_k3.experts import expert_glu_reference
+from kimi_k3.kernels import mxfp4_prefill_mma
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, tile_tokens_for
 from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma
@@ -64,7 +65,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--calls", type=int, default=20, help="calls per timed batch")
     p.add_argument("--repeats", type=int, default=5, help="timed batches (best is reported)")
     p.add_argument(
-        "--rounds", type=int, default=3, help="decode: rounds, each timing every kernel once"
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds, each timing every kernel once (decode and prefill)",
     )
     p.add_argument(
         "--timing",
@@ -297,12 +301,6 @@ def decode_row(table, label, times: list, nbytes, args, copy):
     of_peak = f"{100 * gbps / args.peak_gbps:.0f}% of peak, {of_copy}"
     rounds = "rounds (ms): " + ", ".join(f"{x * 1e3:.3f}" for x in times)
     table.add(label, f"{t * 1e3:.3f} ms", f"{gbps:.0f} GB/s", of_peak, rounds)
-    return t
-
-
-def prefill_row(table, label, fn, inputs, tokens, args):
-    t = time_batch(fn, inputs, args.repeats)
-    table.add(label, f"{t * 1e3:.2f} ms", f"{tokens / t:.0f} tok/s", "", "")
     return t
 
 
@@ -552,6 +550,21 @@ def read_limit_jobs() -> list:
     ]
 
 
+def with_attr(module, name: str, value, fn):
+    """``fn`` with ``module.name`` set to ``value`` while it builds its graph (the kernel
+    choice happens then, not at evaluation)."""
+
+    def run(*a):
+        saved = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn(*a)
+        finally:
+            setattr(module, name, saved)
+
+    return run
+
+
 def with_tile(tile, fn=expert_glu_prefill):
     return lambda *a: fn(*a, tile_tokens=tile)
 
@@ -606,6 +619,11 @@ def bench_decode(args, table: Table, copy: float | None):
 
 
 def bench_prefill(args, table: Table):
+    """One layer's prefill at each ``--prefill-tokens``: ``gather_qmm`` (sorted), the
+    tensor-core GEMM at both tile sizes (its choice marked), the LUT kernel (Metal's) unless
+    ``--no-lut``, and the tensor-core GEMM on ``expert_layout``'s tiles (what a tiled store
+    runs on CUDA), timed in ``--rounds`` interleaved rounds (``time_rounds``) so that a drift
+    of the clocks reaches every row alike; a row's time is its best round."""
     dtype = getattr(mx, args.dtype)
     w = random_experts(args.prefill_experts, args.dim, args.hidden, args.seed + 1)
     rng = np.random.default_rng(args.seed + 1)
@@ -614,32 +632,39 @@ def bench_prefill(args, table: Table):
         z = mx.random.normal((n, args.dim)).astype(dtype)
         mx.eval(z, inds, weights)
         inputs = [(z, w, inds, weights, BETA, CAP)] * max(1, args.calls // 10)
-        label = f"prefill N={n}: gather_qmm (sorted)"
-        t_ref = attempt(
-            table, label, prefill_row, table, label, expert_glu_reference, inputs, n, args
-        )
-        # The dispatched kernel (the tensor-core GEMM on CUDA) at both tile sizes, its choice
-        # marked; then the LUT kernel (Metal's) at its choice and the --tiles sizes.
-        rows = [
+        default = tile_tokens_for(n * args.topk, args.prefill_experts)  # both kernels' rule
+        jobs = [(f"prefill N={n}: gather_qmm (sorted)", expert_glu_reference)]
+        kernels = [
             (expert_glu_prefill_mma, "tensor-core kernel", (16, 32)),
             (expert_glu_prefill, "LUT kernel", tuple(args.tiles)),
         ][: 1 if args.no_lut else 2]
-        default = tile_tokens_for(n * args.topk, args.prefill_experts)  # both kernels' rule
-        for fn, name, tiles in rows:
+        for fn, name, tiles in kernels:
             for tile in sorted({default, *tiles}):
-                label = f"prefill N={n}: {name}, {tile} pairs/tile" + (
-                    " (its choice)" if tile == default else ""
-                )
-                tiled = with_tile(tile, fn)
-                t = attempt(table, label, prefill_row, table, label, tiled, inputs, n, args)
-                ref = expert_glu_reference
-                compare(table, f"{label} vs gather_qmm", tiled, ref, t, t_ref, inputs)
-        # What a tiled store's prefill runs on CUDA (expert_layout): the tensor-core kernel
-        # on tiles, at its choice
-        label = f"prefill N={n}: tensor-core kernel on the tiled layout, {default} pairs/tile"
+                mark = " (its choice)" if tile == default else ""
+                label = f"prefill N={n}: {name}, {tile} pairs/tile{mark}"
+                jobs.append((label, with_tile(tile, fn)))
         on_tiles = tiled_decode(functools.partial(expert_glu_prefill_mma, tile_tokens=default))
-        t = attempt(table, label, prefill_row, table, label, on_tiles, inputs, n, args)
-        compare(table, f"{label} vs gather_qmm", on_tiles, expert_glu_reference, t, t_ref, inputs)
+        label = f"prefill N={n}: tensor-core kernel on the tiled layout, {default} pairs/tile"
+        jobs.append((label, on_tiles))
+        # the other ways of loading the tiles' scale bytes (mxfp4_prefill_mma.SCALES)
+        for scales in mxfp4_prefill_mma.SCALES:
+            if scales != mxfp4_prefill_mma.scales_for(default):
+                fn = with_attr(mxfp4_prefill_mma, "TILED_SCALES", scales, on_tiles)
+                jobs.append((f"{label}, scales loaded as {scales}", fn))
+        times, failed = time_rounds([fn for _, fn in jobs], inputs, args.rounds, args.repeats)
+        t_ref = None
+        for j, ((label, fn), ts) in enumerate(zip(jobs, times)):
+            if j in failed:
+                table.add(label, "FAILED", failed[j], "", "")
+                continue
+            t = min(ts)
+            rounds = "rounds (ms): " + ", ".join(f"{x * 1e3:.2f}" for x in ts)
+            table.add(label, f"{t * 1e3:.2f} ms", f"{n / t:.0f} tok/s", "", rounds)
+            if j == 0:
+                t_ref = t
+            else:
+                ref = expert_glu_reference
+                compare(table, f"{label} vs gather_qmm", fn, ref, t, t_ref, inputs)
         attempt(table, f"prefill N={n}: oracle", oracle_rows, table, n, inputs[0])
 
 

@@ -166,6 +166,13 @@ for step in "$@"; do
       run issue5_mxfp4_tests 560 bash benchmarks/pytest_split.sh 3 tests/cuda/test_mxfp4_cuda.py &
       MLX_ENABLE_TF32=0 run issue5_model_tests 560 python3 -m pytest -q tests/cuda/test_model_cuda.py &
       wait ;;
+    prefill_scales)
+      # session 34: the tiled prefill's scale loads (mxfp4_prefill_mma.SCALES): their CUDA
+      # tests at K3 size, then issue5_prefill's two processes with a row for each
+      MLX_ENABLE_TF32=0 run prefill_scales_tests 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_mxfp4_cuda.py -k "prefill_mma_tiled or dispatched_on_tiled"
+      for r in 1 2; do
+        run "prefill_scales_$r" 200 python3 -m benchmarks.bench_mxfp4 --decode-tokens 1 --no-lut --rounds 3 --out "$OUT/prefill_scales_$r.md"
+      done ;;
     issue5_decode)
       # (prepared in session 32) issue 5's decode table in one run: gather_qmm, the dispatched
       # one launch on tiles and the read limit, beside the persistent grids (264: two
@@ -177,9 +184,12 @@ for step in "$@"; do
           8,1,8,8,1,2,1,0,0,264 8,1,8,8,1,2,1,0,0,264,1 8,1,8,8,1,2,1,0,0,608
       done ;;
     issue5_prefill)
-      # (prepared in session 32) issue 5's prefill table: one K3 MoE layer (896 experts) at 512
-      # and 4096 tokens, gather_qmm beside the tensor-core GEMM on MLX's layout and on tiles
-      run issue5_prefill 300 python3 -m benchmarks.bench_mxfp4 --decode-tokens 1 --no-lut --out "$OUT/issue5_prefill.md" ;;
+      # issue 5's prefill table: one K3 MoE layer (896 experts) at 512 and 4096 tokens,
+      # gather_qmm beside the tensor-core GEMM on MLX's layout and on tiles, in interleaved
+      # rounds (session 34), two processes
+      for r in 1 2; do
+        run "issue5_prefill_$r" 280 python3 -m benchmarks.bench_mxfp4 --decode-tokens 1 --no-lut --rounds 3 --out "$OUT/issue5_prefill_$r.md"
+      done ;;
     scale_words)
       # session 31: the store's tiles with a scale word per lane and step: every CUDA test that
       # reads tiles (decode, one launch, prefill, fused on its own layout, the model), then

@@ -26,6 +26,8 @@ slow): the emulator checks the fragment bookkeeping, and these kernels are meant
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from . import expert_layout
@@ -234,9 +236,14 @@ MXFP4_GROUPED_MMA = Kernel(
 
 
 # ``expert_layout``'s tiles: row r's scale group j's 16-byte word of codes at
-# (r / 16 * (G / 4) + j / 4) * 64 + (r % 16) * 4 + j % 4 (row g + 8 is 32 further); its scale
-# byte in the tile's words of block pairs (``expert_layout``'s index: ts below for row g, the
-# next byte for row g + 8).
+# (r / 16 * (G / 4) + j / 4) * 64 + (r % 16) * 4 + j % 4 (row g + 8 is 32 further). Its scale
+# bytes: lane (g, tq)'s rows g and g + 8 of a pair of blocks (8 groups) are the 16 bytes at
+# 128 (j / 8) + 16 g of the tile's scales (byte 4 (j % 4) + 2 ((j / 4) % 2) + h, h = 1 for
+# row g + 8; ``expert_layout``'s index), the 8 bytes at 128 (j / 8) + 8 g of a lone last
+# block (byte 2 (j % 4) + h). ``scales="words"``: each lane loads them once per 8 groups and
+# takes its bytes from registers; ``"halves"``: rows g and g + 8 of a group as one 16-bit
+# load; ``"bytes"``: a byte load per row and group, as the kernel on MLX's layout does (what
+# session 31's tiles dispatched).
 _TILED = (
     (
         "(const DEVICE uint4*)wa + ra * G;",
@@ -248,32 +255,99 @@ _TILED = (
     ),
     ("sa + ra * G;", "sa + ra / 16 * (G / 4) * 64;"),
     ("sb + rb * G;", "sb + rb / 16 * (G / 4) * 64;"),
+)
+_LOADS = (
+    "        const uint4 wa0 = qa[grp], wa8 = qa[8 * G + grp], "
+    "wb0 = qb[grp], wb8 = qb[8 * G + grp];\n"
+    "        const float sa0 = kk_e8m0_bits(ea[grp]), sa8 = kk_e8m0_bits(ea[8 * G + grp]);\n"
+    "        const float sb0 = kk_e8m0_bits(eb[grp]), sb8 = kk_e8m0_bits(eb[8 * G + grp]);\n"
+)
+_TILED_BYTES = (
+    _LOADS,
+    "        const uint tg = grp / 4 * 64 + grp % 4;\n"
+    "        const uint tl = 4 * g + grp % 4;\n"
+    "        const uint ts = 128 * (grp / 8) + (((G / 4) % 2 && grp / 4 == G / 4 - 1)\n"
+    "                                               ? 2 * tl\n"
+    "                                               : 4 * tl + 2 * ((grp / 4) % 2));\n"
+    "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
+    "        const float sa0 = kk_e8m0_bits(ea[ts]), sa8 = kk_e8m0_bits(ea[ts + 1]);\n"
+    "        const float sb0 = kk_e8m0_bits(eb[ts]), sb8 = kk_e8m0_bits(eb[ts + 1]);\n",
+)
+_TILED_WORDS = (
     (
-        "        const uint4 wa0 = qa[grp], wa8 = qa[8 * G + grp], "
-        "wb0 = qb[grp], wb8 = qb[8 * G + grp];\n"
-        "        const float sa0 = kk_e8m0_bits(ea[grp]), sa8 = kk_e8m0_bits(ea[8 * G + grp]);\n"
-        "        const float sb0 = kk_e8m0_bits(eb[grp]), sb8 = kk_e8m0_bits(eb[8 * G + grp]);\n",
+        "  const uint wsel = tq / 2;",
+        "  const uint wsel = tq / 2;\n"
+        "  uint4 swa = UINT4(0u, 0u, 0u, 0u), swb = swa;        // scale bytes of 8 groups",
+    ),
+    (
+        _LOADS,
         "        const uint tg = grp / 4 * 64 + grp % 4;\n"
-        "        const uint tl = 4 * g + grp % 4;\n"
-        "        const uint ts = 128 * (grp / 8) + (((G / 4) % 2 && grp / 4 == G / 4 - 1)\n"
-        "                                               ? 2 * tl\n"
-        "                                               : 4 * tl + 2 * ((grp / 4) % 2));\n"
+        "        const bool lone = (G / 4) % 2 && grp / 4 == G / 4 - 1;\n"
+        "        if (grp % 8 == 0) {                         // the groups run in order\n"
+        "          const uint so = 128 * (grp / 8) + (lone ? 8 : 16) * g;\n"
+        "          if (lone) {\n"
+        "            const uint2 xa = *(const DEVICE uint2*)(ea + so);\n"
+        "            const uint2 xb = *(const DEVICE uint2*)(eb + so);\n"
+        "            swa = UINT4(xa.x, xa.y, 0u, 0u);\n"
+        "            swb = UINT4(xb.x, xb.y, 0u, 0u);\n"
+        "          } else {\n"
+        "            swa = *(const DEVICE uint4*)(ea + so);\n"
+        "            swb = *(const DEVICE uint4*)(eb + so);\n"
+        "          }\n"
+        "        }\n"
+        "        const uint sk = lone ? 2 * (grp % 4) : 4 * (grp % 4) + 2 * ((grp / 4) % 2);\n"
+        "        const uint sh = 8 * (sk % 4);\n"
+        "        const uint xs = kk_word(swa, sk / 4), ys = kk_word(swb, sk / 4);\n"
         "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
-        "        const float sa0 = kk_e8m0_bits(ea[ts]), sa8 = kk_e8m0_bits(ea[ts + 1]);\n"
-        "        const float sb0 = kk_e8m0_bits(eb[ts]), sb8 = kk_e8m0_bits(eb[ts + 1]);\n",
+        "        const float sa0 = kk_e8m0_bits((xs >> sh) & 255u);\n"
+        "        const float sa8 = kk_e8m0_bits((xs >> (sh + 8)) & 255u);\n"
+        "        const float sb0 = kk_e8m0_bits((ys >> sh) & 255u);\n"
+        "        const float sb8 = kk_e8m0_bits((ys >> (sh + 8)) & 255u);\n",
     ),
 )
+_TILED_HALVES = (
+    _LOADS,
+    "        const uint tg = grp / 4 * 64 + grp % 4;\n"
+    "        const uint tl = 4 * g + grp % 4;\n"
+    "        const uint ts = 128 * (grp / 8) + (((G / 4) % 2 && grp / 4 == G / 4 - 1)\n"
+    "                                               ? 2 * tl\n"
+    "                                               : 4 * tl + 2 * ((grp / 4) % 2));\n"
+    "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
+    "        const uint xs = *(const DEVICE uint16_t*)(ea + ts);\n"
+    "        const uint ys = *(const DEVICE uint16_t*)(eb + ts);\n"
+    "        const float sa0 = kk_e8m0_bits(xs & 255u), sa8 = kk_e8m0_bits(xs >> 8);\n"
+    "        const float sb0 = kk_e8m0_bits(ys & 255u), sb8 = kk_e8m0_bits(ys >> 8);\n",
+)
+SCALES = {"bytes": (_TILED_BYTES,), "halves": (_TILED_HALVES,), "words": _TILED_WORDS}
+# The scale loads a tiled stack's prefill takes, by pairs a tile (or one for all as a str).
+# H200, one K3 layer of 896 experts, two processes of three interleaved rounds (session 34,
+# docs/benchmarks.md): at 16 pairs (512 tokens) halves 14.23-14.34 ms, bytes 14.95-15.04,
+# words 15.49-15.52 (MLX's layout 14.80-14.92); at 32 (4096 tokens) words 72.72, halves
+# 78.57-78.64, bytes 78.77-78.78 (MLX's layout 69.19-69.28). Words need 129 registers at 32
+# pairs (ptxas; 126 for bytes), yet win there.
+TILED_SCALES: dict | str = {16: "halves", 32: "words"}
 
 
-def tiled_layout(kernel: Kernel) -> Kernel:
+def scales_for(tm: int) -> str:
+    """``TILED_SCALES``' choice for tiles of ``tm`` pairs."""
+    return TILED_SCALES if isinstance(TILED_SCALES, str) else TILED_SCALES[tm]
+
+
+def tiled_layout(kernel: Kernel, scales: str = "words") -> Kernel:
     """``kernel`` (``MXFP4_GROUPED_MMA``) reading expert stacks in ``expert_layout``'s tiles,
-    named ``<name>_tiled``: only the loads' addresses move, so the same bits."""
-    return derived(kernel, "tiled", _tiled)
+    named ``<name>_tiled`` (``scales``: ``SCALES``' way of loading the scale bytes; other than
+    ``"words"``, named ``<name>_tiled_<scales>``): only the loads move, so the same bits."""
+    if scales not in SCALES:
+        raise ValueError(
+            f"mxfp4_prefill_mma.tiled_layout: scales={scales!r} (takes {list(SCALES)})"
+        )
+    return derived(kernel, f"tiled_{scales}", functools.partial(_tiled, scales=scales))
 
 
-def _tiled(kernel: Kernel) -> Kernel:
-    body = swap(kernel.body, _TILED, "mxfp4_prefill_mma.tiled_layout")
-    return kernel.variant("_tiled", body=body)
+def _tiled(kernel: Kernel, scales: str) -> Kernel:
+    body = swap(kernel.body, _TILED + SCALES[scales], "mxfp4_prefill_mma.tiled_layout")
+    suffix = "_tiled" if scales == "words" else f"_tiled_{scales}"
+    return kernel.variant(suffix, body=body)
 
 
 def b_fragments(x: mx.array, backend: str):
@@ -310,7 +384,6 @@ def expert_glu_prefill_mma(
     layout."""
     backend = backend or default_backend()
     tiled = expert_layout.is_tiled(w) if tiled is None else tiled
-    kernel = tiled_layout(MXFP4_GROUPED_MMA) if tiled else MXFP4_GROUPED_MMA
     # The LUT kernel's rule (16 pairs while an expert's expected run fits, else 32) measured
     # right for this kernel too on the H200 (K3 layer, 896 experts: 15.3 ms at 16 vs 23.4 at
     # 32 for 512 tokens; 72.1 vs 69.1 ms for 4096; docs/benchmarks.md).
@@ -318,6 +391,7 @@ def expert_glu_prefill_mma(
     if tm not in LAUNCH:
         raise ValueError(f"mxfp4_grouped_mma: tile_tokens={tm} (takes {sorted(LAUNCH)})")
     rt, kc = launch or LAUNCH[tm]
+    kernel = tiled_layout(MXFP4_GROUPED_MMA, scales_for(tm)) if tiled else MXFP4_GROUPED_MMA
 
     def gemm(x, wa, sa, wb, sb, kd, nout, nmat, xrow, tiles, pair_w, act):
         frag, unscale = b_fragments(x, backend)

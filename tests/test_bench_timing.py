@@ -5,7 +5,15 @@ import mlx.core as mx
 import pytest
 
 from benchmarks import gpu_time
-from benchmarks.bench_mxfp4 import chain_link, time_chain, time_rounds
+from benchmarks.bench_mxfp4 import (
+    Table,
+    bench_prefill,
+    chain_link,
+    setup_arg_parser,
+    time_chain,
+    time_rounds,
+)
+from kimi_k3.kernels import mxfp4_prefill_mma
 
 
 def test_time_chain_feeds_each_call_the_one_befores_output():
@@ -33,6 +41,38 @@ def test_time_rounds_takes_the_timer_and_reports_failures():
     times, failed = time_rounds([lambda z, w: z + w, bad], inputs, 2, 1, timer=time_chain)
     assert len(times[0]) == 2 and all(t > 0 for t in times[0])
     assert times[1] == [] and failed == {1: "no kernel"}
+
+
+def test_bench_prefill_times_every_row_in_each_round(monkeypatch):
+    """The prefill table's rows (gather_qmm, the tensor-core GEMM at both tile sizes, the
+    same on tiles with each way of loading their scales) each get one time per round, and
+    every kernel row agrees with gather_qmm (the emulator runs the kernels at small
+    widths)."""
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    args = setup_arg_parser().parse_args(
+        "--dim 128 --hidden 128 --topk 2 --prefill-experts 6 --prefill-tokens 5 --calls 10 "
+        "--repeats 1 --rounds 2 --no-lut --dtype float32".split()
+    )
+    table = Table()
+    bench_prefill(args, table)
+    rows = {r[0]: r for r in table.rows}
+    timed = [
+        "prefill N=5: gather_qmm (sorted)",
+        "prefill N=5: tensor-core kernel, 16 pairs/tile (its choice)",
+        "prefill N=5: tensor-core kernel, 32 pairs/tile",
+    ]
+    on_tiles = "prefill N=5: tensor-core kernel on the tiled layout, 16 pairs/tile"
+    timed += [on_tiles] + [
+        f"{on_tiles}, scales loaded as {s}"
+        for s in mxfp4_prefill_mma.SCALES
+        if s != mxfp4_prefill_mma.scales_for(16)
+    ]
+    for label in timed:
+        assert rows[label][1].endswith(" ms"), rows[label]
+        assert len(rows[label][4].removeprefix("rounds (ms): ").split(", ")) == 2
+    for label in timed[1:]:
+        err = float(rows[f"{label} vs gather_qmm"][4].removeprefix("rel err "))
+        assert err < 1e-5
 
 
 def test_split_batch_gives_build_and_eval():

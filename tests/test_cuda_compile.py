@@ -158,7 +158,8 @@ def test_sass_of_the_decode_loop():
 
 def tiled_variants():
     """The kernels a tiled store dispatches (derived from module-level ones, so not in
-    ``KERNELS``): the one launch, the three-launch projections and the grouped prefill GEMM;
+    ``KERNELS``): the one launch, the three-launch projections and the grouped prefill GEMM
+    (each way of loading its scales);
     and the one launch's persistent grids (``KIMI_K3_ONE_GRID``), on tiles and MLX's layout."""
     from kimi_k3.kernels import mxfp4_mma, mxfp4_one, mxfp4_prefill_mma
 
@@ -169,7 +170,10 @@ def tiled_variants():
         mxfp4_one.tiled_layout(mxfp4_one.dispatched_kernel(rt, sk)),
         mxfp4_mma.tiled_layout(gate_up),
         mxfp4_mma.tiled_layout(down),  # the same kernel as gate/up's while their bounds agree
-        mxfp4_prefill_mma.tiled_layout(mxfp4_prefill_mma.MXFP4_GROUPED_MMA),
+    ]
+    kernels += [
+        mxfp4_prefill_mma.tiled_layout(mxfp4_prefill_mma.MXFP4_GROUPED_MMA, scales)
+        for scales in mxfp4_prefill_mma.SCALES
     ]
     one = mxfp4_one.dispatched_kernel(rt, sk)
     for base in (one, mxfp4_one.tiled_layout(one)):

@@ -79,13 +79,21 @@ def test_reference_reads_tiled_stacks(N):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.parametrize("scales", [None, *mxfp4_prefill_mma.SCALES])  # None: as dispatched
 @pytest.mark.parametrize(
     "E,D,I,N,k,dtype,tm",
-    [(5, 128, 256, 9, 2, "float32", 16), (7, 256, 128, 17, 4, "bfloat16", 32)],
+    [
+        (5, 128, 256, 9, 2, "float32", 16),
+        (7, 256, 128, 17, 4, "bfloat16", 32),
+        (3, 384, 128, 5, 2, "float32", 16),  # 3 blocks a row of w1: a pair, then a lone one
+    ],
 )
-def test_prefill_mma_on_tiles_gives_the_same_bits(E, D, I, N, k, dtype, tm):
-    """``mxfp4_prefill_mma.tiled_layout`` (what a tiled store's prefill runs on CUDA) only
-    moves the weight and scale addresses; reading tiles as MLX's layout is wrong."""
+def test_prefill_mma_on_tiles_gives_the_same_bits(monkeypatch, E, D, I, N, k, dtype, tm, scales):
+    """``mxfp4_prefill_mma.tiled_layout`` (what a tiled store's prefill runs on CUDA), each
+    way of loading the scale bytes, only moves the weight and scale addresses; reading tiles
+    as MLX's layout is wrong."""
+    if scales:
+        monkeypatch.setattr(mxfp4_prefill_mma, "TILED_SCALES", scales)
     (z, w, *rest), want = case(E, D, I, N, k, dtype)
     plain = mxfp4_prefill_mma.expert_glu_prefill_mma(
         z, w, *rest, tile_tokens=tm, backend="emulator"
@@ -97,6 +105,21 @@ def test_prefill_mma_on_tiles_gives_the_same_bits(E, D, I, N, k, dtype, tm):
         z, wt, *rest, tile_tokens=tm, backend="emulator", tiled=False
     )
     assert rel_err(wrong, want) > 0.1
+
+
+def test_prefill_scale_loads_by_tile_size(monkeypatch):
+    """Each tile size the grouped GEMM launches has a way of loading a tiled stack's scales
+    (``TILED_SCALES``, a dict by size or one str for all); an unknown way is refused by
+    name, and a variant's kernel is named by its way."""
+    for tm in mxfp4_prefill_mma.LAUNCH:
+        assert mxfp4_prefill_mma.scales_for(tm) in mxfp4_prefill_mma.SCALES
+    monkeypatch.setattr(mxfp4_prefill_mma, "TILED_SCALES", "bytes")
+    assert mxfp4_prefill_mma.scales_for(32) == "bytes"
+    base = mxfp4_prefill_mma.MXFP4_GROUPED_MMA
+    assert mxfp4_prefill_mma.tiled_layout(base).name == f"{base.name}_tiled"
+    assert mxfp4_prefill_mma.tiled_layout(base, "halves").name == f"{base.name}_tiled_halves"
+    with pytest.raises(ValueError, match="scales='nibbles'"):
+        mxfp4_prefill_mma.tiled_layout(base, "nibbles")
 
 
 def test_dispatcher_for_tiled_stacks(monkeypatch):

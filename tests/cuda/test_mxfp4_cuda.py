@@ -34,6 +34,7 @@ from kimi_k3.kernels import (  # noqa: E402
     mxfp4_fused,
     mxfp4_mma,
     mxfp4_one,
+    mxfp4_prefill_mma,
     mxfp4_stream,
     source,
 )
@@ -455,10 +456,14 @@ def test_stream_handles_large_and_tiny_activations():
     check_mma_large_and_tiny("cuda", mxfp4_stream.expert_glu_decode)
 
 
+@pytest.mark.parametrize("scales", [None, *mxfp4_prefill_mma.SCALES])  # None: as dispatched
 @pytest.mark.parametrize("tm", [16, 32])
-def test_prefill_mma_tiled_layout_same_bits(tm):
-    """The grouped GEMM on ``expert_layout``'s tiles (what a tiled store's prefill runs) gives
-    the bits it gives on MLX's layout, at K3 size."""
+def test_prefill_mma_tiled_layout_same_bits(monkeypatch, tm, scales):
+    """The grouped GEMM on ``expert_layout``'s tiles (what a tiled store's prefill runs),
+    each way of loading the scale bytes, gives the bits it gives on MLX's layout, at K3
+    size."""
+    if scales:
+        monkeypatch.setattr(mxfp4_prefill_mma, "TILED_SCALES", scales)
     (z, w, *rest), want = case(16, *K3, 257, 4, "bfloat16")
     plain = np.array(expert_glu_prefill_mma(z, w, *rest, tile_tokens=tm, backend="cuda"))
     wt = expert_layout.tile(w)
