@@ -550,9 +550,9 @@ def read_limit_jobs() -> list:
     ]
 
 
-def with_attr(module, name: str, value, fn):
-    """``fn`` with ``module.name`` set to ``value`` while it builds its graph (the kernel
-    choice happens then, not at evaluation)."""
+def with_attr(fn, module, name: str, value):
+    """``fn`` run with ``module.name`` set to ``value`` (restored after): while it builds its
+    graph, which is when a kernel is chosen."""
 
     def run(*a):
         saved = getattr(module, name)
@@ -649,7 +649,7 @@ def bench_prefill(args, table: Table):
         # the other ways of loading the tiles' scale bytes (mxfp4_prefill_mma.SCALES)
         for scales in mxfp4_prefill_mma.SCALES:
             if scales != mxfp4_prefill_mma.scales_for(default):
-                fn = with_attr(mxfp4_prefill_mma, "TILED_SCALES", scales, on_tiles)
+                fn = with_attr(on_tiles, mxfp4_prefill_mma, "TILED_SCALES", scales)
                 jobs.append((f"{label}, scales loaded as {scales}", fn))
         times, failed = time_rounds([fn for _, fn in jobs], inputs, args.rounds, args.repeats)
         t_ref = None

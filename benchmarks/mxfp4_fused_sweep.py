@@ -46,6 +46,7 @@ from benchmarks.bench_mxfp4 import (
     time_batch,
     time_chain,
     time_rounds,
+    with_attr,
     with_setting,
 )
 from benchmarks.kda_prep_probes import rewrite
@@ -95,20 +96,6 @@ def decode_job(decode, launch, tiled: bool = False):
     def run(z, w, inds, wts, beta, cap):
         wt = tiled_stack(w) if tiled else w
         return decode(z, wt, inds, wts, beta, cap, launch=launch, tiled=tiled)
-
-    return run
-
-
-def with_attr(fn, module, name: str, value):
-    """``fn`` run with ``module.name`` set to ``value`` (restored after)."""
-
-    def run(*a):
-        saved = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            return fn(*a)
-        finally:
-            setattr(module, name, saved)
 
     return run
 

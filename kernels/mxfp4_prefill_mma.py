@@ -262,15 +262,18 @@ _LOADS = (
     "        const float sa0 = kk_e8m0_bits(ea[grp]), sa8 = kk_e8m0_bits(ea[8 * G + grp]);\n"
     "        const float sb0 = kk_e8m0_bits(eb[grp]), sb8 = kk_e8m0_bits(eb[8 * G + grp]);\n"
 )
-_TILED_BYTES = (
-    _LOADS,
+# A group's code words and its scale bytes' offset ts (row g; row g + 8 at ts + 1) in tiles
+_TILED_AT = (
     "        const uint tg = grp / 4 * 64 + grp % 4;\n"
     "        const uint tl = 4 * g + grp % 4;\n"
     "        const uint ts = 128 * (grp / 8) + (((G / 4) % 2 && grp / 4 == G / 4 - 1)\n"
     "                                               ? 2 * tl\n"
     "                                               : 4 * tl + 2 * ((grp / 4) % 2));\n"
     "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
-    "        const float sa0 = kk_e8m0_bits(ea[ts]), sa8 = kk_e8m0_bits(ea[ts + 1]);\n"
+)
+_TILED_BYTES = (
+    _LOADS,
+    _TILED_AT + "        const float sa0 = kk_e8m0_bits(ea[ts]), sa8 = kk_e8m0_bits(ea[ts + 1]);\n"
     "        const float sb0 = kk_e8m0_bits(eb[ts]), sb8 = kk_e8m0_bits(eb[ts + 1]);\n",
 )
 _TILED_WORDS = (
@@ -307,13 +310,7 @@ _TILED_WORDS = (
 )
 _TILED_HALVES = (
     _LOADS,
-    "        const uint tg = grp / 4 * 64 + grp % 4;\n"
-    "        const uint tl = 4 * g + grp % 4;\n"
-    "        const uint ts = 128 * (grp / 8) + (((G / 4) % 2 && grp / 4 == G / 4 - 1)\n"
-    "                                               ? 2 * tl\n"
-    "                                               : 4 * tl + 2 * ((grp / 4) % 2));\n"
-    "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
-    "        const uint xs = *(const DEVICE uint16_t*)(ea + ts);\n"
+    _TILED_AT + "        const uint xs = *(const DEVICE uint16_t*)(ea + ts);\n"
     "        const uint ys = *(const DEVICE uint16_t*)(eb + ts);\n"
     "        const float sa0 = kk_e8m0_bits(xs & 255u), sa8 = kk_e8m0_bits(xs >> 8);\n"
     "        const float sb0 = kk_e8m0_bits(ys & 255u), sb8 = kk_e8m0_bits(ys >> 8);\n",
