@@ -20,7 +20,9 @@
 # stream_bench 250 s, read_limit_inflight 81 s, stream_stalls 192 s (its first 12 launches),
 # mxfp4_gate_up 85 s (session 25; run as mxfp4_layout 68-132 s), mxfp4_gate_up_chain 24 s, mxfp4_mma_tests 190 s, mxfp4_fused_params 64 s, mxfp4_one 245-285 s, mxfp4_tiled_mma 181 s,
 # read_limit 200 s with its ncu pass, bench_e2e more than 200 s (cut off by the session's device time), tiled_runs 73-103 s,
-# tiled_store 365 s (its tests 295 s), bench_e2e 138-295 s, decode_split 69-83 s. A fresh machine's first call costs about 90 s
+# tiled_store 365 s (its tests 295 s), bench_e2e 138-295 s, decode_split 69-83 s, issue5_decode 56 s, issue5_tests 422 s,
+# issue5_prefill 198 + 68 s (two processes, the first building every kernel), prefill_scales 159 + 82 s after its tests
+# (more than 150 s; the tiled prefill's 6 alone: 55 s in three processes). A fresh machine's first call costs about 90 s
 # of device time before the command runs.
 #   bash benchmarks/h200.sh kda_tests mxfp4_tests bench_kda bench_mxfp4 bench_e2e
 set -u
@@ -169,7 +171,7 @@ for step in "$@"; do
     prefill_scales)
       # session 34: the tiled prefill's scale loads (mxfp4_prefill_mma.SCALES): their CUDA
       # tests at K3 size, then issue5_prefill's two processes with a row for each
-      MLX_ENABLE_TF32=0 run prefill_scales_tests 150 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_mxfp4_cuda.py -k "prefill_mma_tiled or dispatched_on_tiled"
+      run prefill_scales_tests 200 bash benchmarks/pytest_split.sh 3 tests/cuda/test_mxfp4_cuda.py -k "prefill_mma_tiled or dispatched_on_tiled"
       for r in 1 2; do
         run "prefill_scales_$r" 200 python3 -m benchmarks.bench_mxfp4 --decode-tokens 1 --no-lut --rounds 3 --out "$OUT/prefill_scales_$r.md"
       done ;;
