@@ -54,6 +54,13 @@ ncu_times() {
     gpu__time_duration.sum --csv --log-file "$OUT/$name.csv" "$@"
   python3 -m benchmarks.gpu_time --summarize "$OUT/$name.csv" 2>&1 | tee -a "$log"
 }
+# prefill_runs NAME LIMIT: bench_mxfp4's prefill table (one K3 layer, 512 and 4096 tokens, three
+# interleaved rounds) in two processes, written to $OUT/NAME_1.md and NAME_2.md
+prefill_runs() {
+  for r in 1 2; do
+    run "$1_$r" "$2" python3 -m benchmarks.bench_mxfp4 --decode-tokens 1 --no-lut --rounds 3 --out "$OUT/$1_$r.md"
+  done
+}
 # tiled_runs: the one launch on tiles against it on MLX's layout and the three launches, at
 # one token, in three processes of five rounds each (chain_length's slopes)
 tiled_runs() {
@@ -172,9 +179,7 @@ for step in "$@"; do
       # session 34: the tiled prefill's scale loads (mxfp4_prefill_mma.SCALES): their CUDA
       # tests at K3 size, then issue5_prefill's two processes with a row for each
       run prefill_scales_tests 200 bash benchmarks/pytest_split.sh 3 tests/cuda/test_mxfp4_cuda.py -k "prefill_mma_tiled or dispatched_on_tiled"
-      for r in 1 2; do
-        run "prefill_scales_$r" 200 python3 -m benchmarks.bench_mxfp4 --decode-tokens 1 --no-lut --rounds 3 --out "$OUT/prefill_scales_$r.md"
-      done ;;
+      prefill_runs prefill_scales 200 ;;
     issue5_decode)
       # (prepared in session 32) issue 5's decode table in one run: gather_qmm, the dispatched
       # one launch on tiles and the read limit, beside the persistent grids (264: two
@@ -189,9 +194,7 @@ for step in "$@"; do
       # issue 5's prefill table: one K3 MoE layer (896 experts) at 512 and 4096 tokens,
       # gather_qmm beside the tensor-core GEMM on MLX's layout and on tiles, in interleaved
       # rounds (session 34), two processes
-      for r in 1 2; do
-        run "issue5_prefill_$r" 280 python3 -m benchmarks.bench_mxfp4 --decode-tokens 1 --no-lut --rounds 3 --out "$OUT/issue5_prefill_$r.md"
-      done ;;
+      prefill_runs issue5_prefill 280 ;;
     scale_words)
       # session 31: the store's tiles with a scale word per lane and step: every CUDA test that
       # reads tiles (decode, one launch, prefill, fused on its own layout, the model), then

@@ -262,19 +262,30 @@ _LOADS = (
     "        const float sa0 = kk_e8m0_bits(ea[grp]), sa8 = kk_e8m0_bits(ea[8 * G + grp]);\n"
     "        const float sb0 = kk_e8m0_bits(eb[grp]), sb8 = kk_e8m0_bits(eb[8 * G + grp]);\n"
 )
-# A group's code words and its scale bytes' offset ts (row g; row g + 8 at ts + 1) in tiles
-_TILED_AT = (
-    "        const uint tg = grp / 4 * 64 + grp % 4;\n"
+# A group's code words in tiles (tg), and its scale bytes' offset (ts: row g; row g + 8 at
+# ts + 1), the lines the three ways of loading the scales share
+_TG = "        const uint tg = grp / 4 * 64 + grp % 4;\n"
+_TS = (
     "        const uint tl = 4 * g + grp % 4;\n"
     "        const uint ts = 128 * (grp / 8) + (((G / 4) % 2 && grp / 4 == G / 4 - 1)\n"
     "                                               ? 2 * tl\n"
     "                                               : 4 * tl + 2 * ((grp / 4) % 2));\n"
-    "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
 )
+_CODES = "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
 _TILED_BYTES = (
     _LOADS,
-    _TILED_AT + "        const float sa0 = kk_e8m0_bits(ea[ts]), sa8 = kk_e8m0_bits(ea[ts + 1]);\n"
+    _TG
+    + _TS
+    + _CODES
+    + "        const float sa0 = kk_e8m0_bits(ea[ts]), sa8 = kk_e8m0_bits(ea[ts + 1]);\n"
     "        const float sb0 = kk_e8m0_bits(eb[ts]), sb8 = kk_e8m0_bits(eb[ts + 1]);\n",
+)
+_TILED_HALVES = (
+    _LOADS,
+    _TG + _TS + _CODES + "        const uint xs = *(const DEVICE uint16_t*)(ea + ts);\n"
+    "        const uint ys = *(const DEVICE uint16_t*)(eb + ts);\n"
+    "        const float sa0 = kk_e8m0_bits(xs & 255u), sa8 = kk_e8m0_bits(xs >> 8);\n"
+    "        const float sb0 = kk_e8m0_bits(ys & 255u), sb8 = kk_e8m0_bits(ys >> 8);\n",
 )
 _TILED_WORDS = (
     (
@@ -284,8 +295,7 @@ _TILED_WORDS = (
     ),
     (
         _LOADS,
-        "        const uint tg = grp / 4 * 64 + grp % 4;\n"
-        "        const bool lone = (G / 4) % 2 && grp / 4 == G / 4 - 1;\n"
+        _TG + "        const bool lone = (G / 4) % 2 && grp / 4 == G / 4 - 1;\n"
         "        if (grp % 8 == 0) {                         // the groups run in order\n"
         "          const uint so = 128 * (grp / 8) + (lone ? 8 : 16) * g;\n"
         "          if (lone) {\n"
@@ -301,19 +311,12 @@ _TILED_WORDS = (
         "        const uint sk = lone ? 2 * (grp % 4) : 4 * (grp % 4) + 2 * ((grp / 4) % 2);\n"
         "        const uint sh = 8 * (sk % 4);\n"
         "        const uint xs = kk_word(swa, sk / 4), ys = kk_word(swb, sk / 4);\n"
-        "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
-        "        const float sa0 = kk_e8m0_bits((xs >> sh) & 255u);\n"
+        + _CODES
+        + "        const float sa0 = kk_e8m0_bits((xs >> sh) & 255u);\n"
         "        const float sa8 = kk_e8m0_bits((xs >> (sh + 8)) & 255u);\n"
         "        const float sb0 = kk_e8m0_bits((ys >> sh) & 255u);\n"
         "        const float sb8 = kk_e8m0_bits((ys >> (sh + 8)) & 255u);\n",
     ),
-)
-_TILED_HALVES = (
-    _LOADS,
-    _TILED_AT + "        const uint xs = *(const DEVICE uint16_t*)(ea + ts);\n"
-    "        const uint ys = *(const DEVICE uint16_t*)(eb + ts);\n"
-    "        const float sa0 = kk_e8m0_bits(xs & 255u), sa8 = kk_e8m0_bits(xs >> 8);\n"
-    "        const float sb0 = kk_e8m0_bits(ys & 255u), sb8 = kk_e8m0_bits(ys >> 8);\n",
 )
 SCALES = {"bytes": (_TILED_BYTES,), "halves": (_TILED_HALVES,), "words": _TILED_WORDS}
 # The scale loads a tiled stack's prefill takes, by pairs a tile (or one for all as a str).
@@ -334,17 +337,22 @@ def tiled_layout(kernel: Kernel, scales: str = "words") -> Kernel:
     """``kernel`` (``MXFP4_GROUPED_MMA``) reading expert stacks in ``expert_layout``'s tiles,
     named ``<name>_tiled`` (``scales``: ``SCALES``' way of loading the scale bytes; other than
     ``"words"``, named ``<name>_tiled_<scales>``): only the loads move, so the same bits."""
-    if scales not in SCALES:
+    made = _TILED_MAKERS.get(scales)
+    if made is None:
         raise ValueError(
             f"mxfp4_prefill_mma.tiled_layout: scales={scales!r} (takes {list(SCALES)})"
         )
-    return derived(kernel, f"tiled_{scales}", functools.partial(_tiled, scales=scales))
+    return derived(kernel, *made)
 
 
 def _tiled(kernel: Kernel, scales: str) -> Kernel:
     body = swap(kernel.body, _TILED + SCALES[scales], "mxfp4_prefill_mma.tiled_layout")
     suffix = "_tiled" if scales == "words" else f"_tiled_{scales}"
     return kernel.variant(suffix, body=body)
+
+
+# ``derived``'s tag and maker per way, made once (the dispatch path looks one up per call)
+_TILED_MAKERS = {s: (f"tiled_{s}", functools.partial(_tiled, scales=s)) for s in SCALES}
 
 
 def b_fragments(x: mx.array, backend: str):
