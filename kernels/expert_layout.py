@@ -16,7 +16,7 @@ in a row (an 8-group step of the decode kernels) are one 32-bit word. Index of r
 
 On the H200 the one-launch decode (``mxfp4_one``) took 0.0938-0.0979 ms a call on tiles
 against 0.104-0.108 ms on MLX's layout in the same processes (16 of 64 experts at K3 size,
-six processes; docs/benchmarks.md, session 31; the scale words gained about 2% of that), so
+six processes; docs/benchmarks.md; the scale words gained about 2% of that), so
 the expert store holds tiles where CUDA's kernels serve it (``kimi_k3.experts.store_layout``,
 ``kernels_read``). A stack in
 this layout is a ``TiledStacks``: every consumer either reads tiles (``mxfp4_one``,

@@ -895,13 +895,12 @@ def _f32(x: mx.array) -> mx.array:
     return as_dtype(x, mx.float32)
 
 
-def chunk_prep(backend: str, q, k, v, g, beta, kernel=None):
-    """``kda_chunk_prep`` (or ``kernel``, a variant with its inputs and outputs: the
-    benchmarks' probes): (Aqk, W, U, Qd, Kd, decay) of every chunk. Shapes as ``kda_chunk``."""
+def chunk_prep(backend: str, q, k, v, g, beta):
+    """``kda_chunk_prep``: (Aqk, W, U, Qd, Kd, decay) of every chunk. Shapes as ``kda_chunk``."""
     B, T, H, K = k.shape
     N = -(-T // CHUNK)
     mat = (B, H, N, CHUNK, K)
-    return (kernel or KDA_CHUNK_PREP)(
+    return KDA_CHUNK_PREP(
         backend,
         inputs=[*(_f32(x) for x in (q, k, v, g, beta)), constant([T, N], mx.int32)],
         output_shapes=[(B, H, N, CHUNK, CHUNK), mat, mat, mat, mat, (B, H, N, K)],
@@ -965,9 +964,8 @@ def kda_chunk(backend: str, q, k, v, g, beta, state, precision: str = "fp32"):
     return chunk_state(backend, chunk_prep(backend, q, k, v, g, beta), state, T, precision)
 
 
-def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state, kernel=None):
-    """``kda_pre`` (or ``kernel``, a variant of it: the benchmarks' probes): (q, k, v, g
-    [B, T, H, K] fp32, beta [B, T, H] fp32, new conv_state)."""
+def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state):
+    """``kda_pre``: (q, k, v, g [B, T, H, K] fp32, beta [B, T, H] fp32, new conv_state)."""
     B, T, P = x_q.shape
     H, K = p["heads"], p["head_dim"]
     W = p["q_conv"].shape[-1]
@@ -978,7 +976,7 @@ def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state, kerne
     acts = [as_dtype(x, dt) for x in (x_q, x_k, x_v, g_raw, b_logits, conv_state)]
     weights = [_f32(p[n]) for n in ("q_conv", "k_conv", "v_conv", "A_log", "dt_bias")]
     shape = (B, T, H, K)
-    return (kernel or KDA_PRE)(
+    return KDA_PRE(
         backend,
         inputs=[*acts, *weights, constant([float(p["lower_bound"])]), constant([T], mx.int32)],
         output_shapes=[shape, shape, shape, shape, (B, T, H), (B, W - 1, 3 * P)],
@@ -989,12 +987,11 @@ def pre(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, conv_state, kerne
     )
 
 
-def post(backend: str, p: dict, o, gate, kernel=None):
-    """``kda_post`` (or ``kernel``, a variant: the benchmarks' probes): RMSNorm(o) o_norm
-    sigmoid(gate), [B, T, H*K] in gate's dtype."""
+def post(backend: str, p: dict, o, gate):
+    """``kda_post``: RMSNorm(o) o_norm sigmoid(gate), [B, T, H*K] in gate's dtype."""
     B, T, H, K = o.shape
     rows = B * T * H
-    (y,) = (kernel or KDA_POST)(
+    (y,) = KDA_POST(
         backend,
         inputs=[
             o,

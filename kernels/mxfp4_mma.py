@@ -105,7 +105,7 @@ def mma_block(frag: str, scales: tuple, words: str = "", indent: str = "    ") -
     return "".join(f"{indent}{line} \\\n" for line in lines)
 
 
-# A step of the register kernels (mxfp4_mma, mxfp4_fused): NBL 4-group blocks whose code
+# A step of the register kernels (mxfp4_mma, mxfp4_one): NBL 4-group blocks whose code
 # words and scale bytes are in the registers q and sc, against the B fragments frag from group
 # bb on.
 STEP_MACRO = (
@@ -123,8 +123,7 @@ STEP_MACRO = (
 def byte_permute_decode(kernel: Kernel) -> Kernel:
     """``kernel`` (any kernel built on ``MMA_HEADER``, bounded or not) with its codes decoded
     by ``kk_e2m1_pair_prmt`` instead of shifts and masks per pair, named ``<name>_prmt``
-    (``Kernel.variant``: made once): what ``DECODE`` picks for ``mxfp4_mma``, and the variant
-    the sweeps time with ``--prmt``."""
+    (``Kernel.variant``: made once): what ``DECODE`` picks for ``mxfp4_mma``."""
     return derived(kernel, "byte permute", _byte_permute)
 
 
@@ -288,9 +287,9 @@ STAGING = "  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;\n" + stagi
 
 # The epilogue's parameters (SiTU-GLU's beta and cap, or the pair's routing weight) go to
 # threadgroup memory s_par before the staging's barrier. Read from global memory in the
-# epilogue instead (until session 25), gate/up streamed at 47% of DRAM peak where the same
-# main loop ending in a plain product reached 67%, and a decode call took 121-124 instead of
-# 110-112 us as a chain on the H200 (benchmarks/mxfp4_gate_up.py, docs/benchmarks.md).
+# epilogue instead, gate/up streamed at 47% of DRAM peak where the same main loop ending in a
+# plain product reached 67%, and a decode call took 121-124 instead of 110-112 us as a chain
+# on the H200 (docs/kernels.md, "Tried, not kept").
 PARAMS = """\
   if (tid == 0) {
     s_par[0] = params[GLU ? 0 : p];
@@ -421,7 +420,7 @@ U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 LAUNCH = {"gate_up": (8, 1, 8, True), "down": (8, 1, 8, True)}
 # Code words loaded as read once (CS; LOAD_STREAM, CUDA's ld.global.cs) per projection: on
 # the H200 gate/up took 71.9 instead of 83.8 us with them, down 49.2 instead of 47.0
-# (benchmarks/mxfp4_sweep.py --hints, docs/benchmarks.md).
+# (docs/kernels.md).
 STREAM_LOADS = {"gate_up": True, "down": False}
 
 
@@ -430,8 +429,8 @@ STREAM_LOADS = {"gate_up": True, "down": False}
 # registers and runs alone on an SM; a bound of 2 caps it at 128 so two fit.
 MIN_BLOCKS = {"gate_up": 2, "down": 2}
 # How the codes become fp16 per projection: "byte permute" (kk_e2m1_pair_prmt,
-# byte_permute_decode) or "shift" (kk_e2m1_pair). H200, `mxfp4_sweep --prmt --min-blocks 2
-# --rounds 5` (docs/benchmarks.md), both bounded to 2 per SM: gate/up at one token 76.1-85.5
+# byte_permute_decode) or "shift" (kk_e2m1_pair). H200, both bounded to 2 per SM
+# (docs/kernels.md): gate/up at one token 76.1-85.5
 # us with byte permutes (128 registers, no spill) against 83.6-89.4 with shifts (spill 16
 # bytes), faster in every round; down 55.5-57.7 against 53.4-59.8 at one token (a tie; it
 # spills 60 bytes against 20) and 228.6-247.8 against 241.7-273.9 at eight tokens.
@@ -440,7 +439,7 @@ DECODES = ("shift", "byte permute")
 
 
 def _proj(glu: bool) -> str:
-    """The projection's key in ``LAUNCH``, ``STREAM_LOADS``, ``MIN_BLOCKS``, ``LAUNCH_AC``."""
+    """The projection's key in ``LAUNCH``, ``STREAM_LOADS``, ``MIN_BLOCKS``."""
     return "gate_up" if glu else "down"
 
 
@@ -568,178 +567,3 @@ def eligible(z, w, inds) -> bool:
 def eligible_dims(D: int, I: int) -> bool:
     """``eligible``'s condition on the dims alone."""
     return D % 128 == 0 and I % 128 == 0 and 4 * max(D, I) <= 24 * 1024
-
-
-# The same product with the code words and scale bytes brought into threadgroup memory by
-# asynchronous copies: each warp has a ring of S stages (its 32 rows x GW groups: 16 bytes of
-# codes and one scale byte per row and group), filled S - 1 steps ahead; a warp instruction
-# copies 4 rows x 128 contiguous bytes (GW = 8) instead of loading 8 rows x 64 bytes into
-# registers, and no registers hold loads in flight.
-BODY_AC = (
-    "\n"
-    + CONSTANTS
-    + """\
-  constexpr int CH = 32 * GW;                                // code chunks (16 bytes) per stage
-  constexpr int SC = 8 * GW;                                 // scale words per stage
-  constexpr uint SW = GW >= 8 ? 4u : 0u;                     // odd rows swap their chunk halves
-  SHARED uint4 frag[G * 8];
-  SHARED uint4 ring[NW * S * CH];
-  SHARED uint sring[NW * S * SC];
-  SHARED float red[SK * RT * 32];
-  SHARED float s_max[NW];
-  SHARED float s_par[2];
-  const uint tid = THREAD_INDEX;
-  const uint lane = LANE;
-  const uint warp = SIMDGROUP;
-  const uint p = GROUP_POS.y;
-
-  // Lane (g, tq) takes group tq of each 4-group block, rows g and g + 8 of both tiles; the
-  // MMA's output columns 2 tq, 2 tq + 1 (hi, lo) collect that group alone (B is zero outside
-  // a column's group), so each lane scales its own groups' results.
-"""
-    + ROLES
-    + """\
-  // The warp's 32 rows: tile A's 16 (rows 0-15), then tile B's (16-31).
-  const size_t r0 = (size_t)inds[p] * NR + (GLU ? 16 : 32) * (active ? unit : 0);
-  const DEVICE uint4* qa = (const DEVICE uint4*)w_a + r0 * G;
-  const DEVICE uint4* qb = (const DEVICE uint4*)w_b + (GLU ? r0 : r0 + 16) * G;
-  const DEVICE uint* ea = (const DEVICE uint*)(s_a + r0 * G);
-  const DEVICE uint* eb = (const DEVICE uint*)(s_b + (GLU ? r0 : r0 + 16) * G);
-  const uint b0 = sk * GB;
-  const uint b1 = b0 + GB < G ? b0 + GB : G;
-  const int steps = active && b0 < b1 ? int(b1 - b0) / GW : 0;  // the whole warp agrees
-  const uint cbase = warp * (S * CH);
-  const uint sbase = warp * (S * SC);
-  // Step s into ring slot st (steps are whole: G and the split are multiples of GW). A copy
-  // pass covers 32 / GW rows: lane l takes row l / GW, group l % GW of the step (passes
-  // 0 .. 16 GW / 32 - 1 tile A, the rest tile B). Row r's chunk j lands at j ^ SW for odd r,
-  // so a quarter-warp's reads below hit every bank. Scale word c = 32 i + lane is row
-  // c / (GW / 4), groups 4 (c % (GW / 4)) + 0..3.
-  constexpr int RP = 32 / GW;                                // rows per copy pass
-  const uint lr = lane / GW, lc = lane % GW;
-  const uint lcs = lc ^ (lr & 1u ? SW : 0u);                 // RP is even: row parity = lr's
-  const uint srow = lane / (GW / 4), swd = lane % (GW / 4);  // first scale copy's row, word
-#define KK_COPY(s, st)                                                                   \\
-  {                                                                                      \\
-    const uint bb = b0 + uint(s) * GW;                                                   \\
-    const DEVICE uint4* pa = qa + lr * G + bb + lc;                                      \\
-    const DEVICE uint4* pb = qb + lr * G + bb + lc;                                      \\
-    const uint dst = cbase + (st) * CH + lr * GW + lcs;                                  \\
-    _Pragma("unroll") for (int i = 0; i < GW; ++i) {                                     \\
-      const DEVICE uint4* src = i * RP < 16 ? pa + i * RP * G : pb + (i * RP - 16) * G;  \\
-      ASYNC_COPY16(ring[dst + 32 * i], src, true);                                       \\
-    }                                                                                    \\
-    _Pragma("unroll") for (int i = 0; i < GW / 4; ++i) {                                 \\
-      const uint row = srow + i * (32 / (GW / 4));                                       \\
-      const DEVICE uint* src = row < 16 ? ea + row * (G / 4) : eb + (row - 16) * (G / 4); \\
-      ASYNC_COPY4(sring[sbase + (st) * SC + row * (GW / 4) + swd], src + bb / 4 + swd, true); \\
-    }                                                                                    \\
-  }
-  // The first S - 1 steps go out before the activations are staged.
-  _Pragma("unroll") for (int s = 0; s < S - 1; ++s) {
-    if (s < steps) KK_COPY(s, s);
-    ASYNC_COMMIT();
-  }
-
-"""
-    + PARAMS
-    + STAGING
-    + """  BARRIER();
-
-  float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;  // A row g, g+8; B row g, g+8
-  const uint sw = g & 1u ? SW : 0u;               // rows g, g + 8, 16 + g, 24 + g alike
-  for (int s = 0; s < steps; ++s) {
-    // Step s has landed (at most S - 2 later groups in flight) and every lane is done with
-    // the slot it refills (read in step s - 1).
-    ASYNC_WAIT(S - 2);
-    SIMD_BARRIER();
-    if (s + S - 1 < steps) KK_COPY(s + S - 1, (s + S - 1) % S);
-    ASYNC_COMMIT();
-    const uint st = uint(s) % S;
-    const uint bb = b0 + uint(s) * GW;
-    // A block's eight MMAs per tile: word pq of the lane's group gives the k-pairs (codes
-    // j, j + 4) j = 0, 1 of one MMA and j = 2, 3 of the next; then each row's result (its
-    // group's hi and lo columns) times the group's scale.
-    _Pragma("unroll") for (int u = 0; u < NB; ++u) {
-      const uint cc = cbase + st * CH + ((4u * u + tq) ^ sw);
-      const uint4 wa0 = ring[cc + g * GW], wa8 = ring[cc + (g + 8) * GW];
-      const uint4 wb0 = ring[cc + (16 + g) * GW], wb8 = ring[cc + (24 + g) * GW];
-      const uint sb = sbase + st * SC + u;
-      const uint sh = 8 * tq;
-      const uint ea0 = (sring[sb + g * (GW / 4)] >> sh) & 255u;
-      const uint ea8 = (sring[sb + (g + 8) * (GW / 4)] >> sh) & 255u;
-      const uint eb0 = (sring[sb + (16 + g) * (GW / 4)] >> sh) & 255u;
-      const uint eb8 = (sring[sb + (24 + g) * (GW / 4)] >> sh) & 255u;
-"""
-    + mma_block(
-        "frag[(bb / 4 + u) * 32 + pq * 8 + g]",
-        ("ea0", "ea8", "eb0", "eb8"),
-        "",
-        "      ",
-    )
-    + """    }
-  }
-#undef KK_COPY
-"""
-)
-
-_EPILOGUE_AT = BODY.index("  // A row's groups are spread over its four lanes (tq): add them up.")
-BODY_AC += BODY[_EPILOGUE_AT:]
-
-# Warps per threadgroup as row tiles (RT) x splits of a row's groups (SK), scale groups per
-# step (GW: 4 or 8) and ring stages (S, 2-5).
-LAUNCH_AC = {"gate_up": (2, 1, 8, 3), "down": (2, 1, 8, 3)}
-SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024, "emulator": 32 * 1024}
-
-
-def template_ac(dtype, KD, NR, K, glu, rt, sk, gw, s):
-    return template(dtype, KD, NR, K, glu, rt, sk, gw)[:-2] + [("S", s)]
-
-
-def shared_bytes_ac(KD, rt, sk, gw, s) -> int:
-    """Threadgroup memory of one launch: fragments, rings, partial sums, maxima and the
-    epilogue's two parameters."""
-    nw = rt * sk
-    return KD * 4 + nw * s * (32 * gw * 16 + 32 * gw) + sk * rt * 32 * 4 + nw * 4 + 8
-
-
-def fit_ac(backend, KD, shape):
-    """``shape`` (rt, sk, gw, s), made smaller where its threadgroup memory exceeds the
-    backend's (fewer row tiles, then fewer stages, then 4-group steps)."""
-    rt, sk, gw, s = shape
-    limit = SHARED_LIMIT.get(backend, 32 * 1024)
-    while shared_bytes_ac(KD, rt, sk, gw, s) > limit:
-        if rt > 1:
-            rt //= 2
-        elif s > 2:
-            s -= 1
-        elif gw > 4:
-            gw = 4
-        elif sk > 1:
-            sk //= 2
-        else:
-            raise ValueError(f"mxfp4_mma_ac: KD={KD} leaves no room for a ring")
-    return rt, sk, gw, s
-
-
-MXFP4_MMA_AC = Kernel(
-    "mxfp4_mma_ac",
-    INPUTS,
-    ["out"],
-    BODY_AC,
-    header=MMA_HEADER,
-    instances=_instances(template_ac, LAUNCH_AC),
-)
-
-
-def expert_glu_decode_ac(z, w, inds, weights, beta, cap, backend: str | None = None):
-    """``expert_glu_decode`` through the asynchronous-copy kernel (its ring cut to the
-    backend's threadgroup memory by ``fit_ac``)."""
-
-    def shape_for(backend, KD, glu):
-        return fit_ac(backend, KD, _whole_steps(KD, LAUNCH_AC[_proj(glu)]))
-
-    def kernel_for(glu, shape):
-        return MXFP4_MMA_AC
-
-    return _decode(kernel_for, template_ac, shape_for, backend, z, w, inds, weights, beta, cap)

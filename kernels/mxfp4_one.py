@@ -24,14 +24,6 @@ through counters in device memory (``counts``, an output filled with zeros):
 A wait that has not ended after ``SPIN_LIMIT`` reads gives up and makes its rows NaN (it
 cannot happen with tickets; a broken count shows as NaN, not as a hang or a wrong number).
 
-**A persistent grid** (``persistent``; dispatched where ``GRID`` or ``KIMI_K3_ONE_GRID`` asks
-for one, not by default): fewer threadgroups than tickets, each looping over tickets and
-asking for its next one as it starts the current one, so only its first ticket's atomic is
-waited for; optionally keeping its staged activations for its next ticket of the same token
-(gate/up) or pair (down). Same bits. Not yet timed on the H200 (``h200.sh issue5_decode``);
-on the development machine's ptxas its tiled variant spills nothing, where the ticket grid
-spills 24 bytes a thread outside its loops.
-
 Same exactness contract and bits as ``mxfp4_mma.expert_glu_decode``. On Metal the threads of
 a spinning threadgroup hold their core while it waits; like every ``mxfp4_mma`` kernel this
 one is dispatched on CUDA only (up to ``dispatch.EXPERT_ONE_LAUNCH_MAX_PAIRS`` pairs, where it
@@ -41,15 +33,9 @@ was measured faster than the three launches in chains of dependent calls), and t
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-import re
-import threading
-
 import mlx.core as mx
 
-from . import mxfp4_mma, source
+from . import mxfp4_mma
 from .mxfp4_decode import K3
 from .mxfp4_mma import MMA_HEADER
 from .source import Instance, Kernel, constant, derived, swap
@@ -205,46 +191,17 @@ BODY = (
 )
 
 INPUTS = ["z", "w1", "s1", "w3", "s3", "w2", "s2", "inds", "wts", "glu"]
-OUTPUTS = ["y", "h", "part"]
-# Where the counters come from (COUNTS):
-# - "output": one output holding the counters, h, part and y (in that order, each from a
-#   multiple of 32 words), which MLX fills with zeros (init_value fills every output, so
-#   one output is one fill); y is a view of it;
-# - "input": a zero array made per call (one fill) that the kernel counts in, in place
-#   (nothing else holds it);
-# - "chained": the zero array left by the previous call of this kernel (its fifth output,
-#   CHAIN_WORDS words that ticket 0's threadgroup zeroes), so no fill at all. Each such array
-#   is handed to exactly one later call, which therefore runs after the call that made it:
-#   the calls of one process form one chain (a dependency between calls that were
-#   independent, never a shared counter). A first call, or one needing more words, takes a
-#   fresh zero array.
-# "input" and "chained" write into an input, which MLX does not expect: under mx.compile
-# two calls' zero arrays may be merged into one, and a chained array made inside a compiled
-# function would leak out of it. Only "output" is safe there.
-COUNTS = "output"
-COUNTS_MODES = ("output", "input", "chained")
-CHAIN_WORDS = 4096
-_POINTERS = {
-    "output": """\
+# One output holds the counters, h, part and y (in that order, each from a multiple of 32
+# words), which MLX fills with zeros (init_value fills every output, so one output is one
+# fill); y is a view of it. Counters in an output, not an input, keep the kernel safe under
+# mx.compile (which may merge two calls' zero inputs into one).
+POINTERS = """\
   const uint nc_ = (1 + pairs + (pairs / K) * XD + 31) / 32 * 32;
   DEVICE uint* cnt = (DEVICE uint*)buf;
   DEVICE float* h = buf + nc_;
   DEVICE float* part = h + (size_t)pairs * NI;
   DEVICE float* y = part + (size_t)pairs * D;
-""",
-    "input": "  DEVICE uint* cnt = (DEVICE uint*)counts;\n",
-    "chained": "  DEVICE uint* cnt = (DEVICE uint*)counts;\n",
-}
-# The chained mode's zeroing of the next call's counters.
-_ZEROING = (
-    "  const uint ticket = s_ticket[0];\n",
-    "  const uint ticket = s_ticket[0];\n"
-    "  if (ticket == 0) {\n"
-    "    for (uint i = tid; i < (uint)NZ; i += RT * SK * 32) zeros[i] = 0u;\n"
-    "  }\n",
-)
-_CHAIN: dict = {}  # backend: the zero array the next chained call counts in
-_CHAIN_LOCK = threading.Lock()
+"""
 
 
 def template(dtype, D, I, k, rt, sk, gw1, gw2, pp=True, cs1=None, cs2=None) -> list:
@@ -301,51 +258,31 @@ def agrees(backend: str, D: int, I: int) -> bool:
     return _one_grid(*_shapes(backend, D, I)) and _one_setting()
 
 
-def _io(counts: str) -> tuple:
-    """(inputs, outputs) names and dtypes of the kernel for ``counts``."""
-    if counts == "output":
-        return INPUTS, ["buf"], [], [F32]
-    outs = OUTPUTS + (["zeros"] if counts == "chained" else [])
-    dts = [F32, F32, F32] + ([U32] if counts == "chained" else [])
-    return INPUTS + ["counts"], outs, [U32], dts
-
-
-def _instances(counts: str) -> list:
+def _instances() -> list:
     rt, sk, gw1, gw2, pp = shape_for("cuda", K3["D"], K3["I"])
-    _, _, extra_in, out_dts = _io(counts)
-    nz = [("NZ", CHAIN_WORDS)] if counts == "chained" else []
     return [
         Instance(
-            [dt, U32, U8, U32, U8, U32, U8, I32, F32, F32] + extra_in,
-            out_dts,
-            template(dt, K3["D"], K3["I"], K3["K"], rt, sk, gw1, gw2, pp) + nz,
+            [dt, U32, U8, U32, U8, U32, U8, I32, F32, F32],
+            [F32],
+            template(dt, K3["D"], K3["I"], K3["K"], rt, sk, gw1, gw2, pp),
         )
         for dt in (mx.bfloat16, mx.float16, mx.float32)
     ]
 
 
-def _kernel(counts: str) -> Kernel:
-    ins, outs, _, _ = _io(counts)
-    name = "mxfp4_one" + {"output": "", "input": "_cin", "chained": "_chain"}[counts]
-    body = BODY.replace(*_ZEROING) if counts == "chained" else BODY
-    assert counts != "chained" or body != BODY
-    body = body.replace("//@POINTERS\n", _POINTERS[counts])
-    return Kernel(name, ins, outs, body, header=MMA_HEADER, instances=_instances(counts))
+MXFP4_ONE = Kernel(
+    "mxfp4_one",
+    INPUTS,
+    ["buf"],
+    BODY.replace("//@POINTERS\n", POINTERS),
+    header=MMA_HEADER,
+    instances=_instances(),
+)
 
 
-MXFP4_ONE = _kernel("output")
-MXFP4_ONE_CIN = _kernel("input")
-MXFP4_ONE_CHAIN = _kernel("chained")
-# Looked up by name at dispatch, so that a test's replacement of one is what runs.
-_BASE = {"output": "MXFP4_ONE", "input": "MXFP4_ONE_CIN", "chained": "MXFP4_ONE_CHAIN"}
-
-
-def dispatched_kernel(rt: int, sk: int, counts: str | None = None) -> Kernel:
-    """The kernel for ``counts`` (default ``COUNTS``) at ``mxfp4_mma``'s launch bound and code
-    decode (both roles must agree)."""
-    counts = counts or COUNTS
-    if counts not in COUNTS_MODES:
-        raise ValueError(f"mxfp4_one.COUNTS = {counts!r}: one of {COUNTS_MODES}")
+def dispatched_kernel(rt: int, sk: int) -> Kernel:
+    """The kernel at ``mxfp4_mma``'s launch bound and code decode (both roles must agree).
+    Looks ``MXFP4_ONE`` up at each call, so that a test's replacement of it is what runs."""
     if not _one_setting():
         raise ValueError(
             f"mxfp4_one: one launch needs one bound and one decode for both projections, got "
@@ -354,36 +291,19 @@ def dispatched_kernel(rt: int, sk: int, counts: str | None = None) -> Kernel:
     (decode,) = set(mxfp4_mma.DECODE.values())
     if decode not in mxfp4_mma.DECODES:
         raise ValueError(f"mxfp4_mma.DECODE = {decode!r}: one of {mxfp4_mma.DECODES}")
-    base = globals()[_BASE[counts]]
     (bound,) = set(mxfp4_mma.MIN_BLOCKS.values())
-    kernel = base.bounded(32 * rt * sk, bound)
+    kernel = MXFP4_ONE.bounded(32 * rt * sk, bound)
     return mxfp4_mma.byte_permute_decode(kernel) if decode == "byte permute" else kernel
 
 
 def launch(
-    kernel,
-    z,
-    w,
-    inds,
-    weights,
-    beta,
-    cap,
-    backend=None,
-    counts=None,
-    shape=None,
-    streams=None,
-    groups=None,
-    y_only=False,
+    kernel, z, w, inds, weights, beta, cap, backend=None, shape=None, streams=None, y_only=False
 ):
-    """One launch of ``kernel`` (the ``_BASE`` kernel of ``counts``, default ``COUNTS``, or a
-    variant): (y [N, D], h [pairs, I], part [pairs, D], the counters) at ``shape`` (default
-    ``shape_for``); ``streams``: (CS1, CS2), default ``mxfp4_mma.STREAM_LOADS``'; ``groups``:
-    threadgroups in the grid, at most one per ticket (default one per ticket, as every kernel
-    here but ``persistent``'s needs; those loop over tickets, so take fewer, and read the
-    pair count from its third parameter). ``y_only``: return y alone (the dispatch path,
-    which saves building three views a call)."""
+    """One launch of ``kernel`` (``MXFP4_ONE`` or a variant): (y [N, D], h [pairs, I],
+    part [pairs, D], the counters) at ``shape`` (default ``shape_for``); ``streams``: (CS1,
+    CS2), default ``mxfp4_mma.STREAM_LOADS``'. ``y_only``: y alone (the dispatch path, which
+    saves building three views a call)."""
     backend = backend or default_backend()
-    counts = counts or COUNTS
     N, k = inds.shape
     D = z.shape[-1]
     I = w["w1"][0].shape[-2]
@@ -391,8 +311,6 @@ def launch(
     pairs = N * k
     xg, xd = -(-(I // 16) // rt), -(-(D // 32) // rt)
     ncounts = 1 + pairs + N * xd
-    if counts == "chained" and ncounts > CHAIN_WORDS:
-        counts, kernel = "input", dispatched_kernel(rt, sk, "input")
     inputs = [
         z,
         *w["w1"],
@@ -402,50 +320,28 @@ def launch(
         weights.reshape(-1).astype(F32),
         constant((beta, cap, pairs)),
     ]
-    tmpl = template(z.dtype, D, I, k, rt, sk, gw1, gw2, pp, *(streams or (None, None)))
-    # "output": counters, h, part, y in one buffer (h from a multiple of 32 words)
+    # counters, h, part, y in one buffer (h from a multiple of 32 words)
     o_h = -(-ncounts // 32) * 32
     o_p = o_h + pairs * I
     o_y = o_p + pairs * D
-    extra, cnt = {}, None
-    with _CHAIN_LOCK if counts == "chained" else contextlib.nullcontext():
-        if counts == "output":
-            shapes, dtypes = [(o_y + N * D,)], [F32]
-            extra["init_value"] = 0
-        else:
-            shapes, dtypes = [(N, D), (pairs, I), (pairs, D)], [F32, F32, F32]
-            if counts == "chained":
-                cnt = _CHAIN.pop(backend, None)
-                shapes.append((CHAIN_WORDS,))
-                dtypes.append(U32)
-                tmpl = tmpl + [("NZ", CHAIN_WORDS)]
-            if cnt is None:
-                # Metal passes inputs of fewer than 8 elements in its constant address space
-                cnt = mx.zeros((CHAIN_WORDS if counts == "chained" else max(ncounts, 8),), U32)
-            inputs.append(cnt)
-        out = kernel(
-            backend,
-            inputs=inputs,
-            output_shapes=shapes,
-            output_dtypes=dtypes,
-            grid=(32 * rt * sk * min(groups or (xg + xd) * pairs, (xg + xd) * pairs), 1, 1),
-            threadgroup=(32 * rt * sk, 1, 1),
-            template=tmpl,
-            **extra,
-        )
-        if counts == "chained":
-            _CHAIN[backend] = out[-1]
-    if counts == "output":
-        (buf,) = out
-        if y_only:
-            return buf[o_y:].reshape(N, D)
-        return (
-            buf[o_y:].reshape(N, D),
-            buf[o_h:o_p].reshape(pairs, I),
-            buf[o_p:o_y].reshape(pairs, D),
-            buf[:ncounts].view(U32),
-        )
-    return out[0] if y_only else (*out[:3], cnt)
+    (buf,) = kernel(
+        backend,
+        inputs=inputs,
+        output_shapes=[(o_y + N * D,)],
+        output_dtypes=[F32],
+        grid=(32 * rt * sk * (xg + xd) * pairs, 1, 1),
+        threadgroup=(32 * rt * sk, 1, 1),
+        template=template(z.dtype, D, I, k, rt, sk, gw1, gw2, pp, *(streams or (None, None))),
+        init_value=0,
+    )
+    if y_only:
+        return buf[o_y:].reshape(N, D)
+    return (
+        buf[o_y:].reshape(N, D),
+        buf[o_h:o_p].reshape(pairs, I),
+        buf[o_p:o_y].reshape(pairs, D),
+        buf[:ncounts].view(U32),
+    )
 
 
 def tiled_layout(kernel: Kernel) -> Kernel:
@@ -464,160 +360,23 @@ def _tiled(kernel: Kernel) -> Kernel:
     return kernel.variant("_tiled", body=swap(kernel.body, _TILED, "mxfp4_one.tiled_layout"))
 
 
-def expert_glu_decode_tiled(z, w, inds, weights, beta, cap, backend=None, counts=None):
+def expert_glu_decode_tiled(z, w, inds, weights, beta, cap, backend=None):
     """``expert_glu_decode`` on stacks ``w`` in ``expert_layout``'s tiles."""
-    return _decode(True, z, w, inds, weights, beta, cap, backend, counts)
+    return _decode(True, z, w, inds, weights, beta, cap, backend)
 
 
-def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None, counts=None):
+def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None):
     """``mxfp4_mma.expert_glu_decode`` in one launch (same shapes, return and bits: fp32
-    [N, D]). Needs ``mxfp4_mma.eligible`` inputs. ``counts``: ``COUNTS``' choice."""
-    return _decode(False, z, w, inds, weights, beta, cap, backend, counts)
+    [N, D]). Needs ``mxfp4_mma.eligible`` inputs."""
+    return _decode(False, z, w, inds, weights, beta, cap, backend)
 
 
-def _decode(tiled, z, w, inds, weights, beta, cap, backend, counts):
-    """The dispatched kernel for these dims (on tiles where ``tiled``, on ``grid``'s grid),
-    launched at the shape it was chosen for (found once)."""
+def _decode(tiled, z, w, inds, weights, beta, cap, backend):
+    """The dispatched kernel for these dims (on tiles where ``tiled``), launched at the shape
+    it was chosen for."""
     backend = backend or default_backend()
     shape = shape_for(backend, z.shape[-1], w["w1"][0].shape[-2])
-    kernel = dispatched_kernel(shape[0], shape[1], counts)
+    kernel = dispatched_kernel(shape[0], shape[1])
     if tiled:
         kernel = tiled_layout(kernel)
-    groups, keep = grid()
-    if groups:
-        kernel = persistent(kernel, keep)
-    return launch(
-        kernel, z, w, inds, weights, beta, cap, backend, counts, shape, groups=groups, y_only=True
-    )
-
-
-# The dispatched grid, as ``KIMI_K3_ONE_GRID`` spells it (which overrides it per call):
-# ``tickets``, a threadgroup per ticket (as timed in sessions 26-31); ``N``, ``persistent``'s
-# grid of N threadgroups looping over the tickets; ``N/sm``, N per SM of the device
-# (``source.sm_count``; the ticket grid where that is unknown); ``,keep`` after either keeps
-# a threadgroup's staging for its next ticket.
-GRID = "tickets"
-
-
-def grid() -> tuple[int | None, bool]:
-    """(threadgroups, keep) of ``KIMI_K3_ONE_GRID``, or of ``GRID`` where it is unset: None
-    for a threadgroup per ticket. A value not spelt as ``GRID``'s comment says is an error
-    naming the variable (or ``mxfp4_one.GRID``)."""
-    text = os.environ.get("KIMI_K3_ONE_GRID", "")
-    where = "KIMI_K3_ONE_GRID" if text else "mxfp4_one.GRID"
-    groups, per_sm, keep = _parse_grid(text or GRID, where)
-    if per_sm:
-        sms = source.sm_count()
-        return (groups * sms if sms else None), keep
-    return groups, keep
-
-
-@functools.lru_cache(maxsize=16)
-def _parse_grid(text: str, where: str) -> tuple[int | None, bool, bool]:
-    """(N, per SM, keep) of a grid's spelling."""
-    if text == "tickets":
-        return None, False, False
-    m = re.fullmatch(r"([1-9][0-9]*)(/sm)?(,keep)?", text)
-    if m is None:
-        raise ValueError(
-            f"{where}={text!r}: expected tickets, N, N/sm, N,keep or N/sm,keep (N >= 1 "
-            "threadgroups, or per SM)" + (", or unset" if where.startswith("KIMI") else "")
-        )
-    return int(m[1]), bool(m[2]), bool(m[3])
-
-
-# A persistent grid: ``groups`` threadgroups (two per SM, say) loop over the tickets, each
-# asking for its next ticket when it starts on the current one (the atomic's result is
-# first used at the ticket's end, so no warp waits for it), where the dispatched grid has a
-# threadgroup per ticket, each taking its ticket before its first load. No deadlock: a
-# threadgroup's next ticket is later than its current one, so one that holds a gate/up
-# ticket it has not started is itself doing gate/up work, which waits for nothing; down
-# work waits only for gate/up tickets, all handed out before any down ticket. Each role
-# runs in a loop of its own (a threadgroup's tickets are gate/up ones, then down ones):
-# with both roles in one loop ptxas spilled 588 bytes a thread, with a loop per role none.
-_TICKET = "  const uint ticket = s_ticket[0];\n  if (ticket < XG * pairs) {\n"
-_ELSE = "ATOMIC_ADD(&cnt[1 + p], 1u);\n    }\n  } else {\n"
-_PAIRS = "  const uint pairs = NUM_GROUPS.x / (XG + XD);\n"
-
-
-def _loop(bound: str, role: str) -> str:
-    return (
-        f"  while (ticket_ < {bound}) {{\n"
-        "  const uint ticket = ticket_;\n"
-        "  uint next_ = 0;\n"
-        "  if (tid == 0) next_ = ATOMIC_ADD(&cnt[0], 1u);\n"
-        "  {\n" + role + "  }\n"
-        "  BARRIER();\n"
-        "  if (tid == 0) s_next[0] = next_;\n"
-        "  BARRIER();\n"
-        "  ticket_ = s_next[0];\n"
-        "  BARRIER();\n"
-        "  }\n"
-    )
-
-
-def persistent(kernel: Kernel, keep: bool = False) -> Kernel:
-    """``kernel`` (``dispatched_kernel``'s for counters in an output or an input, or its tiled
-    variant) on a grid of fewer threadgroups than tickets, each looping over tickets (launch
-    it with ``launch(groups=...)``; the pair count comes from its third parameter); with
-    ``keep``, a threadgroup skips a staging it already holds (gate/up: the token's latent,
-    so at one token it stages once; down: the pair's ``h``). Named ``<name>_persist`` (and
-    ``_reuse``): the same arithmetic in the same order, so the same bits."""
-    made = derived(kernel, "persistent", _persistent)
-    return derived(made, "reuse", _reuse) if keep else made
-
-
-def _persistent(kernel: Kernel) -> Kernel:
-    body = kernel.body.rstrip()
-    if body.count(_TICKET) != 1 or body.count(_ELSE) != 1 or body.count(_PAIRS) != 1:
-        raise ValueError(
-            f"mxfp4_one.persistent: {kernel.name} is not the one launch with counters in an "
-            "output or an input (the chained counters' zeroing sits where the grid loops)"
-        )
-    if not body.endswith("}"):
-        raise AssertionError("mxfp4_one.persistent: the kernel changed at its end")
-    head, rest = body.split(_TICKET)
-    cut = rest.index(_ELSE) + len(_ELSE) - len("  } else {\n")
-    gate_up, down = rest[:cut], rest[cut + len("  } else {\n") : -1]
-    head = head.replace(_PAIRS, "  const uint pairs = (uint)glu[2];\n  SHARED uint s_next[1];\n")
-    body = (
-        head
-        + "  uint ticket_ = s_ticket[0];\n"
-        + _loop("XG * pairs", gate_up)
-        + _loop("(XG + XD) * pairs", down)
-    )
-    return kernel.variant("_persist", body=body)
-
-
-# Staging kept: a threadgroup keeps what it staged (the activations' B fragments and their
-# unscale) for its next ticket of the same role and row, keyed by the token (gate/up) or
-# the pair (down, its top bit set so the keys never meet).
-_STAGE_FROM = "\\\n  float m = 0.0f;\n"
-_STAGE_TO = "                     PACK_HALF2(v[3], v[7]));\n  }\n"
-
-
-def _reuse(kernel: Kernel) -> Kernel:
-    body = kernel.body
-    decl = "  uint ticket_ = s_ticket[0];\n"
-    if body.count(decl) != 1 or body.count(_STAGE_FROM) != 2:
-        raise AssertionError("mxfp4_one.persistent(keep=True): the kernel changed")
-    body = body.replace(
-        decl, decl + "  uint staged_ = 0xffffffffu;\n  float unscale_keep_ = 0.0f;\n"
-    )
-    out, at = [], 0
-    for key in ("(p / K)", "(0x80000000u | p)"):  # gate/up's staging, then down's
-        i = body.index(_STAGE_FROM, at)
-        j = body.index(_STAGE_TO, i) + len(_STAGE_TO)
-        seg = body[i:j]
-        if seg.count("  const float unscale = ") != 1:
-            raise AssertionError("mxfp4_one.persistent(keep=True): the staging changed")
-        seg = seg.replace("  const float unscale = ", "  unscale_keep_ = ")
-        out += [
-            body[at:i],
-            f"  if (staged_ != {key}) {{\n    staged_ = {key};\n",
-            seg,
-            "  }\n  const float unscale = unscale_keep_;\n",
-        ]
-        at = j
-    out.append(body[at:])
-    return kernel.variant("_reuse", body="".join(out))
+    return launch(kernel, z, w, inds, weights, beta, cap, backend, shape, y_only=True)

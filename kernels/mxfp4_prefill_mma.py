@@ -242,8 +242,7 @@ MXFP4_GROUPED_MMA = Kernel(
 # row g + 8; ``expert_layout``'s index), the 8 bytes at 128 (j / 8) + 8 g of a lone last
 # block (byte 2 (j % 4) + h). ``scales="words"``: each lane loads them once per 8 groups and
 # takes its bytes from registers; ``"halves"``: rows g and g + 8 of a group as one 16-bit
-# load; ``"bytes"``: a byte load per row and group, as the kernel on MLX's layout does (what
-# session 31's tiles dispatched).
+# load.
 _TILED = (
     (
         "(const DEVICE uint4*)wa + ra * G;",
@@ -263,7 +262,7 @@ _LOADS = (
     "        const float sb0 = kk_e8m0_bits(eb[grp]), sb8 = kk_e8m0_bits(eb[8 * G + grp]);\n"
 )
 # A group's code words in tiles (tg), and its scale bytes' offset (ts: row g; row g + 8 at
-# ts + 1), the lines the three ways of loading the scales share
+# ts + 1), the lines both ways of loading the scales share
 _TG = "        const uint tg = grp / 4 * 64 + grp % 4;\n"
 _TS = (
     "        const uint tl = 4 * g + grp % 4;\n"
@@ -272,14 +271,6 @@ _TS = (
     "                                               : 4 * tl + 2 * ((grp / 4) % 2));\n"
 )
 _CODES = "        const uint4 wa0 = qa[tg], wa8 = qa[32 + tg], wb0 = qb[tg], wb8 = qb[32 + tg];\n"
-_TILED_BYTES = (
-    _LOADS,
-    _TG
-    + _TS
-    + _CODES
-    + "        const float sa0 = kk_e8m0_bits(ea[ts]), sa8 = kk_e8m0_bits(ea[ts + 1]);\n"
-    "        const float sb0 = kk_e8m0_bits(eb[ts]), sb8 = kk_e8m0_bits(eb[ts + 1]);\n",
-)
 _TILED_HALVES = (
     _LOADS,
     _TG + _TS + _CODES + "        const uint xs = *(const DEVICE uint16_t*)(ea + ts);\n"
@@ -318,13 +309,12 @@ _TILED_WORDS = (
         "        const float sb8 = kk_e8m0_bits((ys >> (sh + 8)) & 255u);\n",
     ),
 )
-SCALES = {"bytes": (_TILED_BYTES,), "halves": (_TILED_HALVES,), "words": _TILED_WORDS}
+SCALES = {"halves": (_TILED_HALVES,), "words": _TILED_WORDS}
 # The scale loads a tiled stack's prefill takes, by pairs a tile (or one for all as a str).
-# H200, one K3 layer of 896 experts, two processes of three interleaved rounds (session 34,
-# docs/benchmarks.md): at 16 pairs (512 tokens) halves 14.23-14.34 ms, bytes 14.95-15.04,
-# words 15.49-15.52 (MLX's layout 14.80-14.92); at 32 (4096 tokens) words 72.72, halves
-# 78.57-78.64, bytes 78.77-78.78 (MLX's layout 69.19-69.28). Words need 129 registers at 32
-# pairs (ptxas; 126 for bytes), yet win there.
+# H200, one K3 layer of 896 experts, two processes of three interleaved rounds
+# (docs/kernels.md): at 16 pairs (512 tokens) halves 14.23-14.34 ms, words 15.49-15.52
+# (MLX's layout 14.80-14.92); at 32 (4096 tokens) words 72.72, halves 78.57-78.64 (MLX's
+# layout 69.19-69.28). Words need 129 registers at 32 pairs (ptxas), yet win there.
 TILED_SCALES: dict | str = {16: "halves", 32: "words"}
 
 

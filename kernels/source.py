@@ -558,28 +558,6 @@ def backend() -> str | None:
     return None
 
 
-@functools.cache
-def sm_count() -> int | None:
-    """The number of streaming multiprocessors of CUDA device 0, from the driver
-    (``cuDeviceGetAttribute``; MLX does not report it), or None where there is no driver or
-    device. Asked once per process."""
-    import ctypes
-
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    dev, n = ctypes.c_int(), ctypes.c_int()
-    multiprocessor_count = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-    if (
-        cuda.cuInit(0) != 0
-        or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0
-        or cuda.cuDeviceGetAttribute(ctypes.byref(n), multiprocessor_count, dev) != 0
-    ):
-        return None
-    return n.value if n.value > 0 else None
-
-
 @dataclass
 class Instance:
     """One way a kernel is launched: the dtypes of its inputs and outputs, its template."""

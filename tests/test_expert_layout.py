@@ -113,8 +113,8 @@ def test_prefill_scale_loads_by_tile_size(monkeypatch):
     name, and a variant's kernel is named by its way."""
     for tm in mxfp4_prefill_mma.LAUNCH:
         assert mxfp4_prefill_mma.scales_for(tm) in mxfp4_prefill_mma.SCALES
-    monkeypatch.setattr(mxfp4_prefill_mma, "TILED_SCALES", "bytes")
-    assert mxfp4_prefill_mma.scales_for(32) == "bytes"
+    monkeypatch.setattr(mxfp4_prefill_mma, "TILED_SCALES", "halves")
+    assert mxfp4_prefill_mma.scales_for(32) == "halves"
     base = mxfp4_prefill_mma.MXFP4_GROUPED_MMA
     assert mxfp4_prefill_mma.tiled_layout(base).name == f"{base.name}_tiled"
     assert mxfp4_prefill_mma.tiled_layout(base, "halves").name == f"{base.name}_tiled_halves"

@@ -101,33 +101,3 @@ def test_mma_tf32_layout():
     from test_kda_kernels import check_mma_tf32_layout
 
     check_mma_tf32_layout("cuda")
-
-
-@pytest.mark.parametrize("T", [65, 1000])
-@pytest.mark.parametrize("name", ["before async copy"])
-def test_prep_variants_match_the_kernel(name, T):
-    """benchmarks/kda_prep_probes.py's variants of kda_chunk_prep give its outputs on the GPU
-    too (to 1e-5 relative: they add in another order)."""
-    from test_kda_prep_probes import inputs
-
-    from benchmarks import kda_prep_probes
-
-    args = inputs(T=T, H=96, K=128)
-    full = kda_prefill.chunk_prep("cuda", *args)
-    var = kda_prefill.chunk_prep("cuda", *args, kernel=kda_prep_probes.variant(name))
-    mx.eval(full, var)
-    for a, b in zip(full, var):
-        assert rel_err(b, a) < 1e-5
-
-
-def test_post_variant_matches_the_kernel():
-    """benchmarks/kda_prep_probes.py's kda_post with its gate loads back in the output loop:
-    same output."""
-    from benchmarks import kda_prep_probes
-
-    p = layer(96, 128)
-    mx.random.seed(6)
-    o = mx.random.normal((1, 300, 96, 128))
-    gate = mx.random.normal((1, 300, 96 * 128)).astype(mx.bfloat16)
-    new = kda_prefill.post("cuda", p, o, gate, kernel=kda_prep_probes.post_before())
-    assert mx.array_equal(new, kda_prefill.post("cuda", p, o, gate))

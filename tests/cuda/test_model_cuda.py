@@ -34,9 +34,8 @@ def test_model_with_a_tiled_store(ckpt_factory, monkeypatch):
     """On CUDA the expert store holds tiles by default (``expert_layout="auto"``) and gives
     the MLX layout's logits bit for bit, resident and streamed alike (streamed with every
     expert in the cache, and with fewer slots than a chunk's experts, where the streamer runs
-    the chunk in groups on the chunk's kernel: within 1e-5 until session 32, when the
-    groups of few pairs took the decode kernels); against the reference path as the test
-    above (fp32)."""
+    the chunk in groups on the kernel one call of the whole chunk takes, so bit for bit
+    too); against the reference path as the test above (fp32)."""
     import numpy as np
     from model_kernel_check import run
     from test_streaming import budget_gb

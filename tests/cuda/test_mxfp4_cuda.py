@@ -13,7 +13,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from test_mxfp4_kernels import (  # noqa: E402
-    AC_SHAPES,
     DECODE_CASES,
     MMA_CASES,
     PREFILL_CASES,
@@ -25,18 +24,13 @@ from test_mxfp4_kernels import (  # noqa: E402
     rel_err,
 )
 
-from benchmarks.bench_mxfp4 import MMA_SHAPES, OCCUPANCY_ROWS, STREAM_ROWS  # noqa: E402
-from benchmarks.mxfp4_fused_sweep import BULK_LAUNCHES, DEFAULT_LAUNCHES  # noqa: E402
 from kimi_k3.experts import expert_glu, expert_glu_reference  # noqa: E402
 from kimi_k3.kernels import (  # noqa: E402
     dispatch,
     expert_layout,
-    mxfp4_fused,
     mxfp4_mma,
     mxfp4_one,
     mxfp4_prefill_mma,
-    mxfp4_stream,
-    source,
 )
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode  # noqa: E402
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill  # noqa: E402
@@ -78,16 +72,15 @@ def test_mma_decode_matches_oracle(E, D, I, N, k, dtype):
     + [(16, *K3, 1, 16, "bfloat16"), (16, *K3, 2, 16, "bfloat16"), (16, *K3, 8, 16, "float32")],
 )
 def test_one_launch_gives_the_three_launches_bits(E, D, I, N, k, dtype):
-    """mxfp4_one (gate/up, down and the sum in one grid, meeting through counters), with its
-    counters in an output and in a zero input: the three-launch decode's bits at every one
-    of five launches each (a race would show as a difference in some), and the oracle."""
+    """mxfp4_one (gate/up, down and the sum in one grid, meeting through counters): the
+    three-launch decode's bits at every one of five launches (a race would show as a
+    difference in some), and the oracle."""
     args, want = case(E, D, I, N, k, dtype)
     three = np.array(mxfp4_mma.expert_glu_decode(*args, backend="cuda"))
-    for counts in mxfp4_one.COUNTS_MODES:
-        for _ in range(5):
-            got = mxfp4_one.expert_glu_decode(*args, backend="cuda", counts=counts)
-            assert got.dtype == mx.float32 and got.shape == (N, D)
-            assert np.array_equal(np.array(got), three), counts
+    for _ in range(5):
+        got = mxfp4_one.expert_glu_decode(*args, backend="cuda")
+        assert got.dtype == mx.float32 and got.shape == (N, D)
+        assert np.array_equal(np.array(got), three)
     assert rel_err(got, want) < TOL
 
 
@@ -108,32 +101,12 @@ def test_dispatched_decode_at_k3_size(monkeypatch, N):
 
 
 def test_one_launch_tiled_layout_same_bits():
-    """``mxfp4_one.tiled_layout`` (chain_length --tiled) gives the one launch's bits at K3 size."""
+    """``mxfp4_one.tiled_layout`` (what a tiled store dispatches) gives the one launch's bits at K3 size."""
     (z, w, *rest), _ = case(16, *K3, 1, 16, "bfloat16")
     plain = np.array(mxfp4_one.expert_glu_decode(z, w, *rest, backend="cuda"))
     wt = expert_layout.tile(w)
     got = mxfp4_one.expert_glu_decode_tiled(z, wt, *rest, backend="cuda")
     assert np.array_equal(np.array(got), plain)
-
-
-@pytest.mark.parametrize("N", [1, 2])
-def test_persistent_grid_same_bits_at_k3_size(monkeypatch, N):
-    """``KIMI_K3_ONE_GRID``'s persistent grids (two and one per SM of the H200's 132, a
-    threadgroup per ticket's worth, and with the staging kept) give a threadgroup per
-    ticket's bits at K3 size, on tiles and MLX's layout, at each of three launches."""
-    (z, w, *rest), want = case(16, *K3, N, 16, "bfloat16")
-    monkeypatch.delenv("KIMI_K3_ONE_GRID", raising=False)
-    plain = np.array(mxfp4_one.expert_glu_decode(z, w, *rest, backend="cuda"))
-    wt = expert_layout.tile(w)
-    assert source.sm_count() > 0
-    for grid in ("264", "132", "608", "264,keep", "2/sm"):
-        monkeypatch.setenv("KIMI_K3_ONE_GRID", grid)
-        for _ in range(3):
-            got = mxfp4_one.expert_glu_decode_tiled(z, wt, *rest, backend="cuda")
-            assert np.array_equal(np.array(got), plain), grid
-        got = mxfp4_one.expert_glu_decode(z, w, *rest, backend="cuda")
-        assert np.array_equal(np.array(got), plain), grid
-    assert rel_err(got, want) < TOL
 
 
 def test_one_launch_counts_at_k3_size():
@@ -146,36 +119,16 @@ def test_one_launch_counts_at_k3_size():
     assert np.array(counts).tolist() == want
 
 
-@pytest.mark.parametrize("gate_up, down", MMA_SHAPES)
-def test_mma_launch_shapes(monkeypatch, gate_up, down):
-    """Every launch shape the benchmark times, at K3 size (so any of them may be the default)."""
-    monkeypatch.setitem(mxfp4_mma.LAUNCH, "gate_up", gate_up)
-    monkeypatch.setitem(mxfp4_mma.LAUNCH, "down", down)
-    args, want = case(16, *K3, 4, 16, "bfloat16")
-    assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="cuda"), want) < TOL
-
-
 @pytest.mark.parametrize("N", [1, 4])
 def test_mma_tiled_layout_same_bits(N):
-    """The dispatched kernels reading ``expert_layout``'s tiles (``mxfp4_mma.tiled_layout``,
-    bench_mxfp4 --tiled) give the same bits as on MLX's layout, at K3 size."""
+    """The dispatched kernels reading ``expert_layout``'s tiles (``mxfp4_mma.tiled_layout``)
+    give the same bits as on MLX's layout, at K3 size."""
     args, want = case(16, *K3, N, 16, "bfloat16")
     z, w, *rest = args
     plain = np.array(mxfp4_mma.expert_glu_decode(*args, backend="cuda"))
     got = mxfp4_mma.expert_glu_decode_tiled(z, expert_layout.tile(w), *rest, backend="cuda")
     assert np.array_equal(np.array(got), plain)
     assert rel_err(got, want) < TOL
-
-
-@pytest.mark.parametrize("gate_up, down", OCCUPANCY_ROWS)
-def test_mma_occupancy_launches(monkeypatch, gate_up, down):
-    """The launches that keep all of gate/up's threadgroups resident (bench_mxfp4
-    --occupancy: 3 or 6 per SM, 72-80 registers), with the dispatcher's decode, at K3 size."""
-    for proj, (shape, blocks) in (("gate_up", gate_up), ("down", down)):
-        monkeypatch.setitem(mxfp4_mma.LAUNCH, proj, shape)
-        monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, proj, blocks)
-    args, want = case(16, *K3, 4, 16, "bfloat16")
-    assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="cuda"), want) < TOL
 
 
 @pytest.mark.parametrize("blocks", [{"gate_up": 2, "down": 2}, {"gate_up": 1, "down": 2}])
@@ -208,63 +161,6 @@ def test_byte_permute_decode_with_launch_bounds(monkeypatch, bound):
     assert mx.array_equal(got, plain).item()
 
 
-FUSED_FNS = {"regs": mxfp4_fused.expert_glu_decode, "bulk": mxfp4_fused.expert_glu_decode_bulk}
-
-
-@pytest.mark.parametrize("fn", FUSED_FNS.values(), ids=FUSED_FNS.keys())
-@pytest.mark.parametrize(
-    "E,D,I,N,k,dtype", MMA_CASES + [(16, *K3, 4, 16, "bfloat16"), (16, *K3, 8, 16, "float32")]
-)
-def test_fused_decode_matches_oracle(E, D, I, N, k, dtype, fn):
-    """The one-launch decodes (mxfp4_fused: gate/up, SiTU-GLU, a slice of down; with register
-    loads, and with bulk copies through the TMA engine and mbarriers) and their sum."""
-    args, want = case(E, D, I, N, k, dtype)
-    got = fn(*args, backend="cuda")
-    assert got.dtype == mx.float32 and got.shape == (N, D)
-    assert rel_err(got, want) < TOL
-
-
-@pytest.mark.parametrize("launch", DEFAULT_LAUNCHES)
-@pytest.mark.parametrize("bound", [1, 2])
-def test_fused_launches_and_bounds(monkeypatch, launch, bound):
-    """Every launch and bound the sweep times, at K3 size; results do not depend on the
-    bound (same code, other registers) and repeat to the last bit (no atomics)."""
-    lc = tuple(int(v) for v in launch.split(","))
-    args, want = case(16, *K3, 4, 16, "bfloat16")
-    monkeypatch.setattr(mxfp4_fused, "MIN_BLOCKS", 1)
-    plain = mxfp4_fused.expert_glu_decode(*args, backend="cuda", launch=lc)
-    monkeypatch.setattr(mxfp4_fused, "MIN_BLOCKS", bound)
-    got = mxfp4_fused.expert_glu_decode(*args, backend="cuda", launch=lc)
-    again = mxfp4_fused.expert_glu_decode(*args, backend="cuda", launch=lc)
-    assert rel_err(got, want) < TOL
-    assert mx.array_equal(got, plain).item() and mx.array_equal(got, again).item()
-
-
-@pytest.mark.parametrize("launch", BULK_LAUNCHES)
-def test_fused_bulk_launches(launch):
-    """Every bulk launch the sweep times, at K3 size, repeating to the last bit."""
-    lc = tuple(int(v) for v in launch.split(","))
-    args, want = case(16, *K3, 4, 16, "bfloat16")
-    got = mxfp4_fused.expert_glu_decode_bulk(*args, backend="cuda", launch=lc)
-    again = mxfp4_fused.expert_glu_decode_bulk(*args, backend="cuda", launch=lc)
-    assert rel_err(got, want) < TOL and mx.array_equal(got, again).item()
-
-
-@pytest.mark.parametrize("bulk", [False, True], ids=["regs", "bulk"])
-def test_fused_tiled_layout(bulk):
-    """Both fused kernels on ``mxfp4_fused.tile``'s layout at K3 size (four 1 KB / 64-byte bulk
-    copies per stage for the bulk kernel)."""
-    (z, w, inds, wts, beta, cap), want = case(16, *K3, 4, 16, "bfloat16")
-    wt = mxfp4_fused.tile(w)
-    fn = mxfp4_fused.expert_glu_decode_bulk if bulk else mxfp4_fused.expert_glu_decode
-    got = fn(z, wt, inds, wts, beta, cap, backend="cuda", tiled=True)
-    assert rel_err(got, want) < TOL
-
-
-def test_fused_decode_handles_large_and_tiny_activations():
-    check_mma_large_and_tiny("cuda", mxfp4_fused.expert_glu_decode)
-
-
 def test_prefill_mma_past_65535_pairs():
     """4096 tokens x 16: the down projection's 65536 rows of B fragments (the launch that
     failed with cuGraphAddKernelNode's invalid argument while they ran along y)."""
@@ -276,30 +172,6 @@ def test_prefill_mma_past_65535_pairs():
 
 def test_mma_decode_handles_large_and_tiny_activations():
     check_mma_large_and_tiny("cuda")
-
-
-@pytest.mark.parametrize(
-    "E,D,I,N,k,dtype", MMA_CASES + [(16, *K3, 4, 16, "bfloat16"), (16, *K3, 8, 16, "float32")]
-)
-def test_ac_decode_matches_oracle(E, D, I, N, k, dtype):
-    """The asynchronous-copy kernel (mxfp4_mma_ac) at its CUDA launch shapes."""
-    args, want = case(E, D, I, N, k, dtype)
-    got = mxfp4_mma.expert_glu_decode_ac(*args, backend="cuda")
-    assert got.dtype == mx.float32 and got.shape == (N, D)
-    assert rel_err(got, want) < TOL
-
-
-@pytest.mark.parametrize("shape", AC_SHAPES + [(1, 1, 8, 5), (4, 1, 4, 3), (1, 2, 8, 3)])
-def test_ac_launch_shapes(monkeypatch, shape):
-    """Launch shapes the sweep times, at K3 size (cut to 48 KB by fit_ac where needed)."""
-    monkeypatch.setitem(mxfp4_mma.LAUNCH_AC, "gate_up", shape)
-    monkeypatch.setitem(mxfp4_mma.LAUNCH_AC, "down", shape)
-    args, want = case(16, *K3, 4, 16, "bfloat16")
-    assert rel_err(mxfp4_mma.expert_glu_decode_ac(*args, backend="cuda"), want) < TOL
-
-
-def test_ac_decode_handles_large_and_tiny_activations():
-    check_mma_large_and_tiny("cuda", mxfp4_mma.expert_glu_decode_ac)
 
 
 @pytest.mark.parametrize(
@@ -357,8 +229,7 @@ def test_decode_and_prefill_agree_with_gather_qmm():
     decoders = (
         expert_glu_decode,
         mxfp4_mma.expert_glu_decode,
-        mxfp4_mma.expert_glu_decode_ac,
-        mxfp4_fused.expert_glu_decode,
+        mxfp4_one.expert_glu_decode,
     )
     for fn in (*decoders, expert_glu_prefill, expert_glu_prefill_mma):
         got = fn(*args, backend="cuda")
@@ -373,8 +244,8 @@ def test_reads_cache_slots_as_given():
 @pytest.fixture(scope="module")
 def k3_layer():
     """One K3 layer's stack: 896 experts at K3 dims (about 16 GB), built on the GPU. Past
-    2^31 4-bit elements per matrix, where bench_mxfp4 saw kernel and gather_qmm disagree."""
-    from benchmarks.mxfp4_diag import random_experts
+    2^31 4-bit elements per matrix, where MLX's gather_qmm and the kernels disagree."""
+    from benchmarks.bench_mxfp4 import random_experts
 
     w = random_experts(896, *K3, seed=0)
     yield w
@@ -387,9 +258,9 @@ def test_k3_layer_scale_against_dense_oracle(k3_layer, monkeypatch, lo):
     """Tokens routed to experts lo..lo+15 of 896 (byte offsets past 2^31 and 2^32 for the
     higher bands): the decode kernel, the prefill kernel and the dispatcher's choice
     against an fp32 dense oracle (mx.dequantize, no matmul)."""
-    from benchmarks.mxfp4_diag import BETA as B
-    from benchmarks.mxfp4_diag import CAP as C
-    from benchmarks.mxfp4_diag import oracle
+    from benchmarks.bench_mxfp4 import BETA as B
+    from benchmarks.bench_mxfp4 import CAP as C
+    from benchmarks.bench_mxfp4 import oracle
 
     monkeypatch.delenv("KIMI_K3_REFERENCE", raising=False)
     monkeypatch.delenv("KIMI_K3_KERNEL_BACKEND", raising=False)
@@ -403,57 +274,13 @@ def test_k3_layer_scale_against_dense_oracle(k3_layer, monkeypatch, lo):
     assert rel_err(got, want[:1]) < 1e-5
     got = mxfp4_mma.expert_glu_decode(z[:4], w, inds[:4], wts[:4], B, C, backend="cuda")
     assert rel_err(got, want[:4]) < 1e-5
-    got = mxfp4_mma.expert_glu_decode_ac(z[:4], w, inds[:4], wts[:4], B, C, backend="cuda")
-    assert rel_err(got, want[:4]) < 1e-5
+    got = mxfp4_one.expert_glu_decode(z[:1], w, inds[:1], wts[:1], B, C, backend="cuda")
+    assert rel_err(got, want[:1]) < 1e-5
     assert dispatch.expert_glu_kernel(z[:4], w, inds[:4]).func is mxfp4_mma.expert_glu_decode
     assert rel_err(expert_glu_prefill(z, w, inds, wts, B, C, backend="cuda"), want) < 1e-5
     got = expert_glu_prefill_mma(z, w, inds, wts, B, C, backend="cuda")
     assert rel_err(got, want) < 1e-5
     assert rel_err(expert_glu(z, w, inds, wts, B, C), want) < 1e-5  # N*k > 128: prefill path
-
-
-# The streamed-ring decode (kernels/mxfp4_stream.py): its ring is dynamic shared memory over
-# 48 KB here, which the emulator cannot run at K3's size.
-STREAM_CUDA_CASES = [c for c in MMA_CASES if c[1:3] != K3] + [
-    (16, *K3, 1, 16, "bfloat16"),
-    (16, *K3, 4, 16, "bfloat16"),
-    (16, *K3, 8, 16, "float32"),
-]
-
-
-@pytest.mark.parametrize("E,D,I,N,k,dtype", STREAM_CUDA_CASES)
-def test_stream_decode_matches_oracle(E, D, I, N, k, dtype):
-    args, want = case(E, D, I, N, k, dtype)
-    got = mxfp4_stream.expert_glu_decode(*args, backend="cuda")
-    assert got.dtype == mx.float32 and got.shape == (N, D)
-    assert rel_err(got, want) < TOL
-
-
-@pytest.mark.parametrize("label", sorted(STREAM_ROWS))
-def test_stream_launches(label):
-    """Every launch bench_mxfp4 --stream times, at K3's size; the grid and the ring's depth
-    do not change a bit."""
-    gu, dn = STREAM_ROWS[label]
-    args, want = case(16, *K3, 2, 16, "bfloat16")
-    got = mxfp4_stream.expert_glu_decode(*args, backend="cuda", launch={"gate_up": gu, "down": dn})
-    assert rel_err(got, want) < TOL
-    other = mxfp4_stream.expert_glu_decode(
-        *args,
-        backend="cuda",
-        launch={"gate_up": (gu[0], 2, gu[2]), "down": (dn[0], 2, dn[2])},
-        ctas=37,
-    )
-    assert np.array_equal(np.array(got), np.array(other))
-
-
-def test_stream_probe_runs():
-    args, _ = case(16, *K3, 1, 16, "bfloat16")
-    got = mxfp4_stream.expert_glu_decode(*args, backend="cuda", math=False)
-    assert got.shape == (1, K3[0])
-
-
-def test_stream_handles_large_and_tiny_activations():
-    check_mma_large_and_tiny("cuda", mxfp4_stream.expert_glu_decode)
 
 
 @pytest.mark.parametrize("scales", [None, *mxfp4_prefill_mma.SCALES])  # None: as dispatched
