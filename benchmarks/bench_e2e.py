@@ -1,12 +1,19 @@
 """End-to-end prefill and decode tokens/s: kimi_k3 vs mlx-lm's kimi_k3, same weights, one run.
 
-python benchmarks/bench_e2e.py --preset small --out docs/bench_e2e.md
+A synthetic checkpoint (``kimi_k3.convert.synth``, ``--preset`` with ``--set`` overrides) is
+loaded by both implementations in each dtype; each runs a prompt in one call, then greedy
+single-token decode steps. Prefill is the median of ``--repeats`` runs, decode the median
+of as many runs' decode steps. With ``--expert-cache-gb`` this project also runs with its
+experts streamed from disk into a cache of that size, and the row gives the cache's
+counters over one run's decode steps.
+
+    python -m benchmarks.bench_e2e --preset small --out bench_e2e.md
+    python -m benchmarks.bench_e2e --quick        # float32, 8 + 2 tokens, one run: seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import tempfile
@@ -17,19 +24,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+from benchmarks import timing
 from kimi_k3.convert.synth import parse_override, write_checkpoint
 from kimi_k3.loader import load_model
 from kimi_k3.streaming import get_stats, reset_stats
-
-
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def prefill(model, prompt: mx.array):
@@ -39,24 +37,14 @@ def prefill(model, prompt: mx.array):
     return cache
 
 
-def decode_steps(model, cache, steps: int, prof=None) -> tuple[float, float]:
-    """``steps`` greedy single-token steps after what ``cache`` holds: (build, wait) seconds
-    summed over them, build being the model call (and argmax) and wait the ``mx.eval`` after
-    it. ``prof`` (a ``cProfile.Profile``, if given) profiles the builds only."""
+def decode_steps(model, cache, steps: int) -> float:
+    """Seconds of ``steps`` greedy single-token steps after what ``cache`` holds."""
     tok = mx.array([[1]])
-    build = wait = 0.0
+    t0 = time.perf_counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
-        if prof:
-            prof.enable()
         tok = mx.argmax(model(tok, cache=cache)[:, -1], axis=-1)[:, None]
-        if prof:
-            prof.disable()
-        t1 = time.perf_counter()
         mx.eval(tok)
-        build += t1 - t0
-        wait += time.perf_counter() - t1
-    return build, wait
+    return time.perf_counter() - t0
 
 
 def measure(model, prompt: mx.array, decode: int, repeats: int) -> tuple[float, float, str]:
@@ -68,9 +56,9 @@ def measure(model, prompt: mx.array, decode: int, repeats: int) -> tuple[float, 
         cache = prefill(model, prompt)
         if after_prefill:
             after_prefill()
-        return sum(decode_steps(model, cache, decode))
+        return decode_steps(model, cache, decode)
 
-    t_pre = _time(lambda: prefill(model, prompt), repeats)
+    t_pre = timing.median_time(lambda: prefill(model, prompt), repeats, warmup=1, budget_s=None)
     run_decode()
     t_dec = statistics.median(run_decode() for _ in range(repeats))
     return prompt.shape[1] / t_pre, decode / t_dec, decode_experts(model, run_decode, decode)
@@ -87,7 +75,7 @@ def decode_experts(model, run_decode, decode: int) -> str:
     return f"{rate}, {st['bytes_read'] / decode / 1e6:.2f} MB read per token{gbps}"
 
 
-def main(argv=None):
+def setup_arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -108,8 +96,15 @@ def main(argv=None):
         help="also time this project with experts streamed into a cache this big",
     )
     ap.add_argument("--device", choices=["default", "cpu", "gpu"], default="default")
+    ap.add_argument("--quick", action="store_true", help="float32, 8 + 2 tokens, one run")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    if args.quick:
+        args.prompt_tokens, args.decode_tokens, args.repeats, args.dtypes = 8, 2, 1, "float32"
     if args.device != "default":
         mx.set_default_device(getattr(mx, args.device))
     overrides = dict(parse_override(s) for s in args.set)
@@ -136,11 +131,11 @@ def main(argv=None):
                 except Exception as e:  # one failing comparator is a row, not a crash
                     rows.append((name, label, f"failed: {type(e).__name__}: {e}", "", ""))
             del ours, ref, runs
-    device = f"{mx.default_device()} ({platform.machine()}, mlx {mx.__version__})"
+    command = " ".join(sys.argv[1:] if argv is None else argv)
     lines = [
-        f"### End-to-end, synthetic `{args.preset}` preset, {device}",
+        f"### End-to-end, synthetic `{args.preset}` preset; {timing.environment()}",
         "",
-        f"Command: `python {' '.join([sys.argv[0]] + (argv or sys.argv[1:]))}`",
+        f"Command: `python -m benchmarks.bench_e2e {command}`",
         f"Prompt {args.prompt_tokens} tokens in one call; {args.decode_tokens} greedy decode "
         f"steps; median of {args.repeats}. Streamed rows: the expert cache's counters over the "
         "decode steps of one more run.",
@@ -150,9 +145,8 @@ def main(argv=None):
     ]
     lines += [f"| {d} | {label} | {p} | {t} | {x} |" for d, label, p, t, x in rows]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    timing.emit(text, args.out)
+    return text
 
 
 if __name__ == "__main__":

@@ -1,78 +1,59 @@
-"""KDA kernels at Kimi K3's shape (96 heads x 128) against the alternatives, one run on a GPU.
+"""KDA kernels at Kimi K3's shape (96 heads x 128) against fla and MLX's alternatives.
 
-Decode (one token, one layer): our single-launch kernel (the whole mixer: conv window, SiLU,
-L2 norms, gates, state update and readout, output RMSNorm and gate) against the time the fp32
-state takes to read and write at the memory bandwidth, ``mx.fast.gated_delta_update``
-(scalar gate, recurrence only), mlx-lm's ``gated_delta_update`` (per-channel gate, recurrence
-only) and the pure-MLX reference mixer, each measured two ways: a single call evaluated and
-synchronized on its own (which includes MLX's per-eval launch and sync latency), and chained:
-``CHAIN`` independent layers (each with its own state, conv window and inputs) built into one
-graph and evaluated once, the time divided by ``CHAIN``; that is what one KDA layer costs in a
-model's decode step (93 layers in one graph, one eval). Prefill (T = 1024, 8192): our chunk
-kernels (the recurrence; every state-pass variant), our whole mixer and each kernel alone,
-against fla's Triton ``chunk_kda`` (torch on the same GPU, bf16 q/k/v as fla is usually run,
-fp32 gate) and the pure-MLX chunked reference. Every
-comparator runs in its own try/except: a failure is a row that says so.
+Decode (one token, one layer): the single-launch kernel (``kda_decode``: the whole mixer:
+conv window, SiLU, L2 norms, gates, state update and readout, output RMSNorm and gate)
+against the time the fp32 state takes to read and write at the memory bandwidth,
+``mx.fast.gated_delta_update`` (scalar gate, recurrence only), mlx-lm's
+``gated_delta_update`` (per-channel gate, recurrence only) and the pure-MLX reference mixer,
+each measured two ways: a single call evaluated and synchronized on its own (MLX's per-eval
+launch and sync latency included), and chained: ``--chain`` independent layers (each with
+its own state, conv window and inputs) built into one graph and evaluated once, the time
+divided by the layers; that is what one KDA layer costs in a model's decode step.
 
-    python -m benchmarks.bench_kda --out bench_kda.md
+Prefill (``--lengths``): the chunk kernels (the recurrence, fp32 and tf32 state pass) and the
+whole mixer (``kda_prefill``), against fla's Triton ``chunk_kda`` (torch on the same GPU; bf16
+q/k/v as fla is usually run, and fp32), the pure-MLX chunked reference and, unless
+``--skip-slow``, ``mx.fast.gated_delta_update``. The fla rows need torch with CUDA and fla
+installed; the kernel rows need a kernel backend (Metal, CUDA, or the emulator with
+``KIMI_K3_KERNEL_BACKEND=emulator``). Every comparator runs in its own try/except: a failure
+is a row that says so. Times are medians (``timing.median_time``).
+
+    python -m benchmarks.bench_kda --out bench_kda.md                       # on the GPU
+    KIMI_K3_KERNEL_BACKEND=emulator python -m benchmarks.bench_kda --quick  # CPU, seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import importlib.util
 import traceback
 
 import mlx.core as mx
 
+from benchmarks import timing
 from kimi_k3.kda import kda_chunked, kda_mix_reference, l2norm
 from kimi_k3.kernels import kda_decode, kda_prefill, source
 
-H, K, W = 96, 128, 4
-STATE_MMA_SWEEP = (2, 4, 8)  # kda_chunk_state_mma launch shapes timed beside the default
+W = 4  # conv window
+QUICK = dict(heads=2, head_dim=64, lengths=[64], chain=2, repeats=1, skip_slow=True)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--heads", type=int, default=96)
+    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--repeats", type=int, default=20, help="timed runs (median)")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200 HBM3e)")
-    parser.add_argument("--chain", type=int, default=CHAIN, help="layers in the chained decode")
+    parser.add_argument("--chain", type=int, default=64, help="layers in the chained decode")
     parser.add_argument("--skip-slow", action="store_true", help="skip comparators over 1 s")
     parser.add_argument("--no-decode", action="store_true", help="prefill sections only")
-    parser.add_argument(
-        "--cases", nargs="+", help="prefill rows to time: those whose name contains one of these"
-    )
+    parser.add_argument("--quick", action="store_true", help="two small heads, T = 64")
+    parser.add_argument("--out", help="write the markdown table here")
     return parser
 
 
-def median_time(run, repeats: int) -> float:
-    """Median seconds of ``run()`` after two warm-ups; fewer repeats when a run is slow."""
-    for _ in range(2):
-        run()
-    first = time.perf_counter()
-    run()
-    once = time.perf_counter() - first
-    n = max(1, min(repeats, int(2.0 / max(once, 1e-6))))
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def mlx_run(fn):
-    def run():
-        mx.eval(fn())
-        mx.synchronize()
-
-    return run
-
-
-def layer():
+def layer(H: int, K: int) -> dict:
     P = H * K
     return dict(
         q_conv=mx.random.normal((P, 1, W)) * 0.5,
@@ -88,7 +69,8 @@ def layer():
     )
 
 
-def mixer_inputs(T: int, dtype=mx.bfloat16):
+def mixer_inputs(H: int, K: int, T: int, dtype=mx.bfloat16) -> tuple:
+    """(x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state) of one sequence."""
     P = H * K
     xs = [mx.random.normal((1, T, P)).astype(dtype) for _ in range(4)]
     conv = mx.random.normal((1, W - 1, 3 * P)).astype(dtype)
@@ -102,7 +84,8 @@ def mixer_inputs(T: int, dtype=mx.bfloat16):
     )
 
 
-def recurrence_inputs(T: int):
+def recurrence_inputs(H: int, K: int, T: int) -> tuple:
+    """(q, k, v, g, beta, state) of the recurrence alone: q and k normalised, g < 0."""
     q = l2norm(mx.random.normal((1, T, H, K))) * K**-0.5
     k = l2norm(mx.random.normal((1, T, H, K)))
     v = mx.random.normal((1, T, H, K))
@@ -113,13 +96,10 @@ def recurrence_inputs(T: int):
     return q, k, v, g, beta, state
 
 
-CHAIN = 64  # independent layers per graph in the chained decode measurement
-
-
-def decode_layer():
+def decode_layer(H: int, K: int) -> tuple:
     """One layer's decode inputs for every comparator: (p, mixer inputs, recurrence inputs)."""
-    p, x = layer(), mixer_inputs(1)
-    q, k, v, g, beta, state = recurrence_inputs(1)
+    p, x = layer(H, K), mixer_inputs(H, K, 1)
+    q, k, v, g, beta, state = recurrence_inputs(H, K, 1)
     rec = dict(
         q=q,
         k=k,
@@ -133,12 +113,13 @@ def decode_layer():
     return p, x, rec
 
 
-def decode_fns(backend):
-    """name -> fn(p, x, rec) running one layer's decode step; every comparator."""
+def decode_fns(backend) -> list:
+    """(name, fn(p, x, rec)) running one layer's decode step, for every comparator."""
 
     def mlx_lm_path(p, x, r):
         from mlx_lm.models.gated_delta import gated_delta_update
 
+        H, K = p["heads"], p["head_dim"]
         return gated_delta_update(
             r["q"],
             r["k"],
@@ -156,45 +137,30 @@ def decode_fns(backend):
             r["q"], r["k"], r["v"], r["gamma"], r["beta"], r["state_vk"]
         )
 
-    return [
-        (
-            "ours: kda_decode (whole mixer, 1 launch)",
-            lambda p, x, r: kda_decode.kda_decode(backend, p, *x),
-        ),
+    def ours(p, x, r):
+        return kda_decode.kda_decode(backend, p, *x)
+
+    return ([("ours: kda_decode (whole mixer, 1 launch)", ours)] if backend else []) + [
         ("mx.fast.gated_delta_update (scalar gate)", fast_gdu),
         ("mlx-lm gated_delta_update (vector gate)", mlx_lm_path),
         ("pure-MLX reference mixer", lambda p, x, r: kda_mix_reference(p, *x)),
     ]
 
 
-def decode_cases(backend, bandwidth):
-    """Single call: one layer, evaluated and synchronized on its own."""
-    p, x, rec = decode_layer()
-    limit = 2 * x[-1].nbytes / bandwidth
-    cases = [(name, mlx_run(lambda fn=fn: fn(p, x, rec))) for name, fn in decode_fns(backend)]
-    return cases[:1] + [("state read + write at bandwidth", limit)] + cases[1:]
+def decode_cases(backend, args, chain: int) -> list:
+    """One layer evaluated on its own (``chain`` 1), or ``chain`` independent layers in one
+    graph, evaluated once (time per layer); the state's read + write at the bandwidth second."""
+    layers = [decode_layer(args.heads, args.head_dim) for _ in range(chain)]
+    cases = [
+        (name, timing.mlx_run(lambda fn=fn: [fn(*lay) for lay in layers]), 1.0 / chain)
+        for name, fn in decode_fns(backend)
+    ]
+    bound = 2 * layers[0][1][-1].nbytes / args.bandwidth
+    return cases[:1] + [("state read + write at bandwidth", bound)] + cases[1:]
 
 
-def chained_run(fn, layers):
-    """One graph of ``len(layers)`` independent decode steps, evaluated once; the run's time
-    divided by the number of layers is the per-layer cost."""
-
-    def run():
-        mx.eval([fn(*lay) for lay in layers])
-        mx.synchronize()
-
-    return run
-
-
-def chained_decode_cases(backend, bandwidth, L=CHAIN):
-    """Chained: L independent layers (own state, conv window and inputs) in one graph."""
-    layers = [decode_layer() for _ in range(L)]
-    limit = 2 * layers[0][1][-1].nbytes / bandwidth
-    cases = [(name, chained_run(fn, layers), 1.0 / L) for name, fn in decode_fns(backend)]
-    return cases[:1] + [("state read + write at bandwidth", limit)] + cases[1:]
-
-
-def fla_run(T: int, bf16: bool = True):
+def fla_run(H: int, K: int, T: int, bf16: bool = True):
+    """fla's ``chunk_kda`` on random inputs of this shape, one call and a CUDA sync."""
     import torch
     from fla.ops.kda import chunk_kda
 
@@ -216,174 +182,110 @@ def fla_run(T: int, bf16: bool = True):
     return run
 
 
-def state_pass(backend, kind: str, fn, warps: int | None = None):
-    """``fn`` built with ``kda_prefill.STATE_PASS[backend]`` set to ``kind`` (fma or mma) and,
-    where given, ``kda_prefill.STATE_MMA_WARPS`` to ``warps``."""
+def fla_available() -> bool:
+    if importlib.util.find_spec("fla") is None or importlib.util.find_spec("torch") is None:
+        return False
+    import torch
 
-    def call():
-        old = kda_prefill.STATE_PASS.get(backend), kda_prefill.STATE_MMA_WARPS
-        kda_prefill.STATE_PASS[backend] = kind
-        kda_prefill.STATE_MMA_WARPS = warps or old[1]
-        try:
-            return fn()
-        finally:
-            kda_prefill.STATE_PASS[backend], kda_prefill.STATE_MMA_WARPS = old
-
-    return call
+    return torch.cuda.is_available()
 
 
-def prefill_cases(backend, T: int, skip_slow: bool, only=None):
-    p, x = layer(), mixer_inputs(T)
-    r = recurrence_inputs(T)
+def prefill_cases(backend, args, T: int) -> list:
+    H, K = args.heads, args.head_dim
+    p, x = layer(H, K), mixer_inputs(H, K, T)
+    r = recurrence_inputs(H, K, T)
     mx.eval(p, x)
-    # Inputs of the state pass and kda_post alone, evaluated beforehand.
-    prep = kda_prefill.chunk_prep(backend, *r[:5])
-    o = mx.random.normal((1, T, H, K))
-    mx.eval(prep, o)
-
-    def state_only(precision="fp32"):
-        return kda_prefill.chunk_state(backend, prep, r[5], T, precision)
-
-    cases = [
-        ("ours: chunk kernels (recurrence)", mlx_run(lambda: kda_prefill.kda_chunk(backend, *r))),
-        (
-            "ours: chunk kernels (recurrence, tf32 state pass: bf16 models)",
-            mlx_run(lambda: kda_prefill.kda_chunk(backend, *r, precision="tf32")),
-        ),
-        (
-            "ours: kda_prefill (whole mixer, bf16: tf32 state pass)",
-            mlx_run(lambda: kda_prefill.kda_prefill(backend, p, *x)),
-        ),
-        (
-            "ours, alone: kda_pre (conv, norms, gates)",
-            mlx_run(lambda: kda_prefill.pre(backend, p, *x[:5], x[6])),
-        ),
-        ("ours, alone: kda_chunk_prep", mlx_run(lambda: kda_prefill.chunk_prep(backend, *r[:5]))),
-        (
-            f"ours, alone: state pass ({kda_prefill.STATE_PASS.get(backend)})",
-            mlx_run(state_only),
-        ),
-        (
-            "ours, alone: state pass (mma, tf32)",
-            mlx_run(state_pass(backend, "mma", lambda: state_only("tf32"))),
-        ),
-        *[
+    cases = []
+    if backend:
+        cases += [
             (
-                f"ours, alone: state pass ({kind})",
-                mlx_run(state_pass(backend, kind, state_only)),
-            )
-            for kind in ("fma", "mma")
-            if kind != kda_prefill.STATE_PASS.get(backend)
-        ],
-        *[
+                "ours: chunk kernels (recurrence, fp32 state pass)",
+                timing.mlx_run(lambda: kda_prefill.kda_chunk(backend, *r)),
+            ),
             (
-                f"ours, alone: state pass (mma, {w} simdgroups per threadgroup)",
-                mlx_run(state_pass(backend, "mma", state_only, w)),
-            )
-            for w in STATE_MMA_SWEEP
-            if w != kda_prefill.STATE_MMA_WARPS
-        ],
-        (
-            "ours, alone: kda_post (RMSNorm x gate)",
-            mlx_run(lambda: kda_prefill.post(backend, p, o, x[5])),
-        ),
-        ("fla chunk_kda (Triton, bf16 q/k/v)", lambda: fla_run(T)),
-        ("fla chunk_kda (Triton, fp32)", lambda: fla_run(T, bf16=False)),
-        ("pure-MLX kda_chunked (recurrence)", mlx_run(lambda: kda_chunked(*r))),
-    ]
-    if not skip_slow:
+                "ours: chunk kernels (recurrence, tf32 state pass: bf16 models)",
+                timing.mlx_run(lambda: kda_prefill.kda_chunk(backend, *r, precision="tf32")),
+            ),
+            (
+                "ours: kda_prefill (whole mixer, bf16)",
+                timing.mlx_run(lambda: kda_prefill.kda_prefill(backend, p, *x)),
+            ),
+        ]
+    if fla_available():
+        cases += [
+            ("fla chunk_kda (Triton, bf16 q/k/v)", fla_run(H, K, T)),
+            ("fla chunk_kda (Triton, fp32)", fla_run(H, K, T, bf16=False)),
+        ]
+    else:
+        cases.append(("fla chunk_kda", "needs fla and torch with CUDA"))
+    cases.append(("pure-MLX kda_chunked (recurrence)", timing.mlx_run(lambda: kda_chunked(*r))))
+    if not args.skip_slow:
         gamma = mx.exp(r[3].mean(-1))
         state_vk = r[5].swapaxes(-1, -2)
         cases.append(
             (
                 "mx.fast.gated_delta_update (scalar gate)",
-                mlx_run(lambda: mx.fast.gated_delta_update(*r[:3], gamma, r[4], state_vk)),
+                timing.mlx_run(lambda: mx.fast.gated_delta_update(*r[:3], gamma, r[4], state_vk)),
             )
         )
-    if only:
-        cases = [c for c in cases if any(s in c[0] for s in only)]
     return cases
 
 
-def measure(cases, repeats):
-    """[(name, microseconds or None, note)] with each comparator isolated."""
+def measure(cases, repeats: int) -> list:
+    """[(name, microseconds or None, note)], each comparator isolated. A case is (name, run
+    [, scale]); a float run is a bound, a string a reason it was not run."""
     rows = []
     for case in cases:
         name, run, scale = case if len(case) == 3 else (*case, 1.0)
         if isinstance(run, float):
             rows.append((name, run * 1e6, "bound, not measured"))
-            continue
-        try:
-            if name.startswith("fla"):
-                run = run()
-            rows.append((name, median_time(run, repeats) * scale * 1e6, ""))
-        except Exception as e:  # a comparator failing is a result, not a crash
-            traceback.print_exc()
-            rows.append((name, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+        elif isinstance(run, str):
+            rows.append((name, None, f"not run: {run}"))
+        else:
+            try:
+                rows.append((name, timing.median_time(run, repeats) * scale * 1e6, ""))
+            except Exception as e:  # noqa: BLE001 - a comparator failing is a row, not a crash
+                traceback.print_exc()
+                note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                rows.append((name, None, note))
     return rows
 
 
 def table(sections) -> str:
-    lines = [
-        "| case | implementation | time (us) | time / ours | note |",
-        "|---|---|---:|---:|---|",
-    ]
-    for case, rows in sections:
-        ours = rows[0][1]
-        for name, us, note in rows:
-            t = f"{us:,.1f}" if us is not None else "-"
-            ratio = f"{us / ours:.2f}x" if us and ours and name != rows[0][0] else ""
-            lines.append(f"| {case} | {name} | {t} | {ratio} | {note} |")
-    return "\n".join(lines) + "\n"
-
-
-def kernel_backend() -> str:
-    """``source.backend()``, or exit: these benchmarks need Metal or CUDA."""
-    backend = source.backend()
-    if backend is None:
-        raise SystemExit("no kernel backend here (needs Metal or CUDA)")
-    return backend
-
-
-def emit(text: str, out: str | None, append: bool = False):
-    """Print a result table and, with ``--out``, write it there (after what the file holds,
-    and a blank line, where ``append``)."""
-    print(text, flush=True)
-    if out:
-        with open(out, "a" if append else "w") as f:
-            f.write(text + ("\n" if append else ""))
+    """One markdown table; each section's times also as a ratio to its first row."""
+    rows = []
+    for case, section in sections:
+        first = section[0] if section[0][1] else None
+        for name, us, note in section:
+            t = f"{us:,.2f}" if us is not None else "-"
+            ratio = f"{us / first[1]:.2f}x" if us and first and first[0] != name else ""
+            rows.append((case, name, t, ratio, note))
+    header = ("case", "implementation", "time (us)", "vs first row", "note")
+    return timing.markdown_table(header, rows)
 
 
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    backend = kernel_backend()
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    backend = source.backend()
     mx.random.seed(0)
     sections = []
     if not args.no_decode:
-        sections += [
-            (
-                "decode, 1 token, single call (eval + sync per layer)",
-                measure(decode_cases(backend, args.bandwidth), args.repeats),
-            ),
-            (
-                f"decode, 1 token, chained ({args.chain} layers, one eval; per layer)",
-                measure(chained_decode_cases(backend, args.bandwidth, args.chain), args.repeats),
-            ),
-        ]
+        single = decode_cases(backend, args, 1)
+        sections.append(("decode, 1 token, single call", measure(single, args.repeats)))
+        chained = decode_cases(backend, args, args.chain)
+        label = f"decode, 1 token, chained ({args.chain} layers, one eval; per layer)"
+        sections.append((label, measure(chained, args.repeats)))
     for T in args.lengths:
-        sections.append(
-            (
-                f"prefill T={T}",
-                measure(prefill_cases(backend, T, args.skip_slow, args.cases), args.repeats),
-            )
-        )
-    try:
-        device = mx.device_info().get("device_name", "")
-    except Exception:
-        device = str(mx.default_device())
-    text = f"KDA at {H} heads x {K}, backend {backend}, {device}, MLX {mx.__version__}\n\n"
-    text += table(sections)
-    emit(text, args.out)
+        sections.append((f"prefill T={T}", measure(prefill_cases(backend, args, T), args.repeats)))
+    text = (
+        f"## KDA at {args.heads} heads x {args.head_dim}, kernel backend {backend}; "
+        f"{timing.environment()}\n\n" + table(sections)
+    )
+    timing.emit(text, args.out)
+    return text
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ stored (``mx.quantized_matmul``) beside dequantized on the call, side by side in
 The model's choice: as stored in decode, dequantized once per call in prefill.
 
     python -m benchmarks.bench_mla --out bench_mla.md
+    python -m benchmarks.bench_mla --quick          # one dtype, 16 tokens, one run: seconds
 
 Runs on MLX's default device (the CPU here, Metal or CUDA where MLX has them). The rest of
 the layer (its other projections and the attention) is the same in both and not timed.
@@ -17,7 +18,7 @@ import argparse
 import mlx.core as mx
 import mlx.nn as nn
 
-from benchmarks.bench_kda import emit, median_time, mlx_run
+from benchmarks import timing
 from kimi_k3.attention import GatedMLA
 from kimi_k3.config import ModelArgs
 
@@ -78,19 +79,26 @@ def cases(m: GatedMLA, dtype, prefill: int):
     ]
 
 
-def main(argv=None):
+def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prefill", type=int, default=128, help="tokens of the prefill rows")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="float32, 16 tokens, one run")
     parser.add_argument("--out", help="write the markdown table here")
-    a = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    a = setup_arg_parser().parse_args(argv)
+    if a.quick:
+        a.prefill, a.dtypes, a.repeats = 16, ["float32"], 1
     mx.random.seed(0)
     lines = [
         f"kv_b_proj products, K3 MLA shape (96 heads, rank 512, 12.6M weights), {a.bits}-bit "
-        f"affine (group {a.group_size}), device {mx.default_device()}, MLX {mx.__version__}",
+        f"affine (group {a.group_size}); {timing.environment()}",
         "",
         "| dtype | case | kv_b_proj | time (us) | / the model's |",
         "|---|---|---|---:|---:|",
@@ -100,11 +108,13 @@ def main(argv=None):
         m = layer(dtype, a.bits, a.group_size)
         first = {}
         for case, impl, fn in cases(m, dtype, a.prefill):
-            us = median_time(mlx_run(fn), a.repeats) * 1e6
+            us = timing.median_time(timing.mlx_run(fn), a.repeats) * 1e6
             ratio = f"{us / first[case]:.2f}x" if case in first else ""
             first.setdefault(case, us)
             lines.append(f"| {name} | {case} | {impl} | {us:,.1f} | {ratio} |")
-    emit("\n".join(lines) + "\n", a.out)
+    text = "\n".join(lines) + "\n"
+    timing.emit(text, a.out)
+    return text
 
 
 if __name__ == "__main__":

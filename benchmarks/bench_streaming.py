@@ -2,16 +2,17 @@
 decode tokens/s against cache size (LRU vs LFU), prefetch and overlap on and off, and a
 projection for the full K3.
 
-    python benchmarks/bench_streaming.py --out bench_streaming.md --plot docs/streaming_cache.png
+    python -m benchmarks.bench_streaming --out bench_streaming.md --plot docs/streaming_cache.png
+    python -m benchmarks.bench_streaming --quick --work /tmp/bs_quick   # small sizes: seconds
 
-About 20 minutes on a 2-core VM; ``--quick`` (one repetition, fewer points) takes a few.
-
-Writes two synthetic checkpoints under ``--work`` (kept for reruns): ``k3-experts``, two MoE
-layers of 64 experts at K3's exact expert size (17,547,264 bytes; 2.25 GB of experts), for
-the read tests; ``sweep``, five MoE layers with K3's routing shape (896 experts, top-16)
-and experts scaled down 42x (0.42 MB), for the cache tests. The page cache
-is dropped before every disk run when the process may (root on Linux); direct reads
-bypass it anyway.
+About 20 minutes on a 2-core VM. Writes two synthetic checkpoints under ``--work`` (kept for
+reruns): ``k3-experts``, two MoE layers of 64 experts at K3's exact expert size (17,547,264
+bytes; 2.25 GB of experts), for the read tests; ``sweep``, five MoE layers with K3's routing
+shape (896 experts, top-16) and experts scaled down 42x (0.42 MB), for the cache tests.
+``--quick`` runs every section once on small experts (64 of 256 x 256 for the reads, 64 of
+64 x 64 for the cache), two thread counts and two cache sizes: a smoke run, not a
+measurement. The page cache is dropped before every disk run when the process may (root on
+Linux); direct reads bypass it anyway.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import gc
 import json
 import mmap
 import os
-import platform
 import shutil
 import sys
 import threading
@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
+from benchmarks import timing
 from kimi_k3.config import ModelArgs
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.loader import load_model
@@ -54,6 +55,8 @@ SWEEP = dict(
     moe_intermediate_size=512,
 )
 SWEEP_SLOTS = (16, 32, 64, 128, 224)  # 1/56 of the experts (the top-k floor) .. 1/4
+QUICK_READS = dict(K3_EXPERTS, routed_expert_hidden_size=256, moe_intermediate_size=256)
+QUICK_SWEEP = dict(SWEEP, num_experts=64, routed_expert_hidden_size=64, moe_intermediate_size=64)
 K3_TOKEN_GB = 92 * 16 * 17_547_264 / 1e9  # routed-expert bytes one decoded token touches
 K3_EXPERTS_GB = 92 * 896 * 17_547_264 / 1e9
 
@@ -186,8 +189,8 @@ def _slot_writes(layout: dict, src: np.ndarray, slots: int, mode: str) -> dict:
 
 
 def mlx_path(slots: int = 16) -> list[dict]:
-    """Cost of putting one K3 expert (17.5 MB) into a cache slot, per write mode, and how
-    much MLX peak memory grows beyond the pool while doing it."""
+    """Cost of putting one K3 expert (17.5 MB) into each of ``slots`` cache slots, per write
+    mode, and how much MLX peak memory grows beyond the pool while doing it."""
     layout = expert_layout(
         SimpleNamespace(routed_expert_hidden_size=3584, moe_intermediate_size=3072)
     )
@@ -329,34 +332,28 @@ def plot(curves: dict, resident: float, E: int, out: Path):
     fig.savefig(out, dpi=110)
 
 
-def read_section(big: Path, reps: int) -> tuple[list[str], float]:
+def read_section(big: Path, reps: int, threads=(1, 4, 16, 32)) -> tuple[list[str], float]:
+    """Raw reads of the checkpoint's files and expert reads through the streamer at each
+    thread count (the efficiency is the run at 16 threads, or the most below that)."""
     files = sorted(big.glob("*.safetensors"))
-    runs = [
-        ("raw sequential (1 thread, 16 MiB direct reads)", lambda: raw_read(files, 1)),
-        ("raw parallel (16 threads, 16 MiB direct reads)", lambda: raw_read(files, 16)),
-    ]
-    runs += [
-        (
-            f"experts, all, {t} threads, direct",
-            lambda t=t: expert_read(big, "all", t, True)["busy_gbps"],
-        )
-        for t in (1, 4, 16, 32)
-    ]
-    runs += [
-        (
-            "experts, all, 16 threads, buffered",
-            lambda: expert_read(big, "all", 16, False)["busy_gbps"],
-        ),
-        (
-            "experts, decode (16 per layer call), 16 threads, direct",
-            lambda: expert_read(big, "decode", 16, True)["busy_gbps"],
-        ),
-    ]
-    samples = {name: [] for name, _ in runs}
-    for _ in range(reps):  # interleaved, so drift on a shared disk hits every run alike
-        for name, fn in runs:
-            samples[name].append(fn())
-    raw = float(np.median(samples[runs[0][0]]))
+    many = max(t for t in threads if t <= 16)
+    runs = {
+        "raw sequential (1 thread, 16 MiB direct reads)": lambda: raw_read(files, 1),
+        f"raw parallel ({many} threads, 16 MiB direct reads)": lambda: raw_read(files, many),
+    }
+
+    def busy(pattern: str, t: int, direct: bool = True):
+        return lambda: expert_read(big, pattern, t, direct)["busy_gbps"]
+
+    for t in threads:
+        runs[f"experts, all, {t} threads, direct"] = busy("all", t)
+    runs[f"experts, all, {many} threads, buffered"] = busy("all", many, False)
+    runs[f"experts, decode (16 per layer call), {many} threads, direct"] = busy("decode", many)
+    # interleaved, so drift on a shared disk hits every run alike
+    samples, failed = timing.interleaved(runs, reps)
+    if failed:
+        raise RuntimeError(f"read runs failed: {failed}")
+    raw = float(np.median(samples[next(iter(runs))]))
     rows = [
         {
             "run": name,
@@ -366,11 +363,14 @@ def read_section(big: Path, reps: int) -> tuple[list[str], float]:
         }
         for name, v in samples.items()
     ]
-    eff = rows[4]["eff"]
+    eff = next(r["eff"] for r in rows if r["run"] == f"experts, all, {many} threads, direct")
+    args = ModelArgs.from_path(big)
+    one = expert_bytes(expert_layout(args))
+    total = one * args.num_experts * (args.num_hidden_layers - args.first_k_dense_replace)
     text = [
-        "## Expert reads against the raw drive (K3-size experts: 17.5 MB, one read each)",
+        f"## Expert reads against the raw drive (experts of {one / 1e6:.2f} MB, one read each)",
         "",
-        f"2.25 GB of experts in two shards; median of {reps} interleaved runs, page "
+        f"{total / 1e9:.2f} GB of experts; median of {reps} interleaved runs, page "
         "cache dropped before each. Expert GB/s = bytes / wall time with any read in "
         "flight, reads straight into the cache slots (no compute).",
         "",
@@ -388,10 +388,11 @@ def read_section(big: Path, reps: int) -> tuple[list[str], float]:
     return text, eff
 
 
-def mlx_section() -> list[str]:
-    rows = mlx_path()
+def mlx_section(slots: int = 16) -> list[str]:
+    rows = mlx_path(slots)
     return [
-        "## Into MLX: one K3 expert (17.5 MB) into a cache slot (16 slots, 0.28 GB pool)",
+        f"## Into MLX: one K3 expert (17.5 MB) into a cache slot ({slots} slots, "
+        f"{slots * 17.5e-3:.2f} GB pool)",
         "",
         "From a page-aligned buffer (where a direct read lands) into the slot the "
         "kernels read. `view`: numpy view of the MLX buffer, the one copy (what the "
@@ -414,7 +415,8 @@ def mlx_section() -> list[str]:
 
 
 def cache_section(sweep: Path, args) -> tuple[list[str], dict, float]:
-    E = SWEEP["num_experts"]
+    E = args.sweep["num_experts"]
+    mb = expert_bytes(expert_layout(ModelArgs.from_path(sweep))) / 1e6
     run = lambda slots, **o: repeated(  # noqa: E731
         lambda: decode_run(sweep, slots, args.prompt, args.tokens, **o), args.reps, "tok_s"
     )
@@ -426,7 +428,7 @@ def cache_section(sweep: Path, args) -> tuple[list[str], dict, float]:
         f"## Hit rate and decode tokens/s against cache size (experts "
         f"{E // max(args.slots)}x to {E // min(args.slots)}x the budget)",
         "",
-        f"Five MoE layers x {E} experts of 0.42 MB (top-16), fp32, {args.tokens} decode "
+        f"Five MoE layers x {E} experts of {mb:.2g} MB (top-16), fp32, {args.tokens} decode "
         f"steps after a {args.prompt}-token prefill, random input tokens; tokens/s median "
         f"of {args.reps}. All experts resident: {resident:.1f} tokens/s. Routing skew of "
         f"this random-weight model: the top 1/16 of each layer's experts take "
@@ -449,12 +451,13 @@ def cache_section(sweep: Path, args) -> tuple[list[str], dict, float]:
         ),
         "",
     ]
+    slots = args.switch_slots
     switches = [
-        run(64, **o)
+        run(slots, **o)
         for o in ({}, {"prefetch": True}, {"overlap": True}, {"prefetch": True, "overlap": True})
     ]
     text += [
-        "## Prefetch and overlap (64 slots per layer = 1/14 of the experts, LRU)",
+        f"## Prefetch and overlap ({slots} slots per layer = 1/{E // slots} of the experts, LRU)",
         "",
         table(
             switches,
@@ -475,8 +478,8 @@ def cache_section(sweep: Path, args) -> tuple[list[str], dict, float]:
     return text, curves, resident
 
 
-def projection_section(eff: float, curve: list[dict]) -> list[str]:
-    rows = projection(eff, curve, SWEEP["num_experts"])
+def projection_section(eff: float, curve: list[dict], E: int) -> list[str]:
+    rows = projection(eff, curve, E)
     return [
         "## Projection: full K3 decode ceiling from the measured read efficiency",
         "",
@@ -504,7 +507,7 @@ def projection_section(eff: float, curve: list[dict]) -> list[str]:
     ]
 
 
-def main(argv=None):
+def setup_arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/kimi_k3_bench_streaming"))
     ap.add_argument("--out", type=Path, help="write the markdown tables here")
@@ -512,36 +515,38 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per cache run")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (medians reported)")
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help="one repetition, 32 decode steps, three cache sizes (a few minutes)",
-    )
-    args = ap.parse_args(argv)
+    ap.add_argument("--quick", action="store_true", help="small experts, every section once")
+    return ap
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    reads, args.sweep, args.slots, args.switch_slots = K3_EXPERTS, SWEEP, SWEEP_SLOTS, 64
+    threads, pool = (1, 4, 16, 32), 16
     if args.quick:
-        args.reps, args.tokens, args.slots = 1, 32, SWEEP_SLOTS[::2]
-    else:
-        args.slots = SWEEP_SLOTS
+        reads, args.sweep, args.slots, args.switch_slots = QUICK_READS, QUICK_SWEEP, (16, 32), 32
+        args.reps, args.prompt, args.tokens, threads, pool = 1, 8, 4, (1, 2), 2
     args.work.mkdir(parents=True, exist_ok=True)
-    big = checkpoint(args.work, "k3-experts", K3_EXPERTS)
-    sweep = checkpoint(args.work, "sweep", SWEEP)
+    big = checkpoint(args.work, "k3-experts-quick" if args.quick else "k3-experts", reads)
+    sweep = checkpoint(args.work, "sweep-quick" if args.quick else "sweep", args.sweep)
+    command = " ".join(sys.argv[1:] if argv is None else argv)
     out = [
-        f"Command: `python {' '.join(sys.argv)}`",
+        f"Command: `python -m benchmarks.bench_streaming {command}`",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}, "
-        f"a shared VM disk; MLX {mx.__version__}; page cache dropped between runs: "
-        f"{drop_caches()}.",
+        f"Machine: {os.cpu_count()} cores, a shared VM disk; {timing.environment()}; page "
+        f"cache dropped between runs: {drop_caches()}.",
         "",
     ]
-    reads, eff = read_section(big, args.reps)
+    read_text, eff = read_section(big, args.reps, threads)
     cache, curves, resident = cache_section(sweep, args)
-    out += reads + mlx_section() + cache + projection_section(min(eff, 1.0), curves["lru"])
+    E = args.sweep["num_experts"]
+    out += read_text + mlx_section(pool) + cache
+    out += projection_section(min(eff, 1.0), curves["lru"], E)
     text = "\n".join(out)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    timing.emit(text + "\n", args.out)
     if args.plot:
-        plot(curves, resident, SWEEP["num_experts"], args.plot)
+        plot(curves, resident, E, args.plot)
+    return text
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """What ``kimi_k3.trace`` costs: tokens/s never imported, imported, after a trace exited, and
 inside a trace.
 
-    python benchmarks/bench_trace.py --preset small --out bench_trace.md
+    python -m benchmarks.bench_trace --preset small --out bench_trace.md
+    python -m benchmarks.bench_trace --quick      # tiny preset, one process per state: seconds
 
 Each state runs in its own Python process (an import cannot be undone); the states take
 turns, ``--rounds`` times. The table gives wall-clock tokens/s (the best run) and tokens
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,6 +23,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from benchmarks import timing
 
 STATES = {
     "never": "kimi_k3.trace never imported",
@@ -87,6 +89,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per process")
     parser.add_argument("--rounds", type=int, default=3, help="processes per state")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny preset, 16 + 4 tokens, one run per state"
+    )
     parser.add_argument("--out", help="also write the table here")
     parser.add_argument("--child", nargs=2, metavar=("STATE", "PATH"), help=argparse.SUPPRESS)
     return parser
@@ -96,6 +101,9 @@ def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     if args.child:
         return child(*args.child, args.prompt_tokens, args.decode_tokens, args.repeats)
+    if args.quick:
+        args.preset, args.prompt_tokens, args.decode_tokens = "tiny", 16, 4
+        args.repeats, args.rounds = 1, 1
     from kimi_k3.convert.synth import write_checkpoint
 
     results: dict[str, list[dict]] = {s: [] for s in STATES}
@@ -106,7 +114,8 @@ def main(argv=None):
             for state in order:  # a different state goes first each round
                 cmd = [
                     sys.executable,
-                    __file__,
+                    "-m",
+                    "benchmarks.bench_trace",
                     "--child",
                     state,
                     path,
@@ -120,10 +129,9 @@ def main(argv=None):
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                 results[state].append(json.loads(out.splitlines()[-1]))
     runs = {s: {k: [x for r in rs for x in r[k]] for k in rs[0]} for s, rs in results.items()}
-    device = f"{mx.default_device()} ({platform.machine()}, mlx {mx.__version__})"
-    command = "python benchmarks/bench_trace.py " + " ".join(argv or sys.argv[1:])
+    command = "python -m benchmarks.bench_trace " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [
-        f"### Tracing cost, synthetic `{args.preset}` preset, float32, {device}",
+        f"### Tracing cost, synthetic `{args.preset}` preset, float32; {timing.environment()}",
         "",
         f"Command: `{command}`",
         f"Prompt {args.prompt_tokens} tokens in one call, then {args.decode_tokens} greedy "
@@ -144,9 +152,8 @@ def main(argv=None):
             cells += [f"{max(r[k]):.1f}", f"{cpu:.1f}", f"{cpu / base[f'{k}_cpu']:.3f}"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    timing.emit(text, args.out)
+    return text
 
 
 if __name__ == "__main__":

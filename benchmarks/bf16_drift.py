@@ -9,6 +9,7 @@ in a lump, so compare means over many checkpoints and prompts.
 
     python -m benchmarks.bf16_drift --out bf16_drift.md
     python -m benchmarks.bf16_drift --modules
+    python -m benchmarks.bf16_drift --quick       # one tiny checkpoint, one prompt: seconds
 
 ``--modules`` compares block by block instead: each layer's token mixer and feed-forward
 block, fed the same random bf16 input, against this project's fp32 block on that input
@@ -29,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+from benchmarks import timing
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.loader import load_model
 
@@ -93,7 +95,7 @@ def module_errors(path: Path, inputs: int, tokens: int) -> dict:
     return out
 
 
-def modules_table(args) -> str:
+def modules_table(args, command: str) -> str:
     every: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets:
@@ -102,9 +104,8 @@ def modules_table(args) -> str:
                 for kind, rows in module_errors(path, args.prompts, args.tokens).items():
                     every.setdefault(kind, []).extend(rows)
     lines = [
-        f"Command: `python -m benchmarks.bf16_drift {' '.join(sys.argv[1:])}` "
-        f"({args.prompts} random inputs "
-        f"of {args.tokens} tokens per layer and checkpoint; MLX {mx.__version__})",
+        f"Command: `python -m benchmarks.bf16_drift {command}` ({args.prompts} random inputs "
+        f"of {args.tokens} tokens per layer and checkpoint; {timing.environment()})",
         "",
         "| block | bf16 error, kimi_k3 | bf16 error, mlx-lm | kimi_k3, conv outputs in fp32 | n |",
         "|---|---:|---:|---:|---:|",
@@ -118,7 +119,7 @@ def modules_table(args) -> str:
     return "\n".join(lines)
 
 
-def main():
+def setup_arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=["tiny", "tiny-b"])
     ap.add_argument("--seeds", type=int, default=3, help="checkpoints per preset")
@@ -126,13 +127,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=32, help="tokens per prompt")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--modules", action="store_true", help="block-by-block errors instead")
-    args = ap.parse_args()
-    if args.modules:
-        text = modules_table(args)
-        print(text)
-        if args.out:
-            args.out.write_text(text + "\n")
-        return
+    ap.add_argument("--quick", action="store_true", help="one tiny checkpoint, one prompt")
+    return ap
+
+
+def drift_table(args, command: str) -> str:
     prompts = [
         mx.array(np.random.default_rng(i).integers(0, 700, (1, args.tokens)))
         for i in range(args.prompts)
@@ -147,24 +146,28 @@ def main():
                     every[name] += vals
                 rows.append((preset, seed, d))
     lines = [
-        f"Command: `python -m benchmarks.bf16_drift {' '.join(sys.argv[1:])}` "
-        f"({args.prompts} prompts of "
-        f"{args.tokens} tokens per checkpoint; MLX {mx.__version__}, {mx.default_device()})",
+        f"Command: `python -m benchmarks.bf16_drift {command}` ({args.prompts} prompts of "
+        f"{args.tokens} tokens per checkpoint; {timing.environment()})",
         "",
         "| preset | seed | KL kimi_k3 | KL mlx-lm | top-1 kimi_k3 | top-1 mlx-lm |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for preset, seed, d in rows:
-        k = [np.mean([v[0] for v in d[n]]) for n in ("kimi_k3", "mlx-lm")]
-        t = [np.mean([v[1] for v in d[n]]) for n in ("kimi_k3", "mlx-lm")]
+    for preset, seed, d in rows + [("all", "", every)]:
+        d = {n: d[n] for n in ("kimi_k3", "mlx-lm")}
+        k = [np.mean([v[0] for v in vals]) for vals in d.values()]
+        t = [np.mean([v[1] for v in vals]) for vals in d.values()]
         lines.append(f"| {preset} | {seed} | {k[0]:.4f} | {k[1]:.4f} | {t[0]:.3f} | {t[1]:.3f} |")
-    k = [np.mean([v[0] for v in every[n]]) for n in ("kimi_k3", "mlx-lm")]
-    t = [np.mean([v[1] for v in every[n]]) for n in ("kimi_k3", "mlx-lm")]
-    lines.append(f"| all | | {k[0]:.4f} | {k[1]:.4f} | {t[0]:.3f} | {t[1]:.3f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    if args.quick:
+        args.presets, args.seeds, args.prompts, args.tokens = ["tiny"], 1, 1, 8
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    text = modules_table(args, command) if args.modules else drift_table(args, command)
+    timing.emit(text + "\n", args.out)
+    return text
 
 
 if __name__ == "__main__":

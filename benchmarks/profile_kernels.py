@@ -1,18 +1,21 @@
-"""Launch every kernel of this project once per round at K3's shapes, for a profiler.
+"""Launch every kernel the dispatchers select once per round, for a profiler; or compile them.
 
-Meant to run under NVIDIA's ``ncu`` on the H200 (``benchmarks/h200.sh profile``), which then
-reports each kernel's GPU time, registers and DRAM bytes:
+Meant to run under NVIDIA's ``ncu`` on the GPU (``benchmarks/h200.sh profile``), which then
+reports each kernel's GPU time, registers and DRAM bytes (K3's shapes; the MXFP4 kernels on
+the layout the expert store holds there, tiles on CUDA):
 
     ncu --metrics gpu__time_duration.sum,dram__bytes.sum,launch__registers_per_thread \\
         python -m benchmarks.profile_kernels
+    python -m benchmarks.profile_kernels --only mxfp4_one,mxfp4_mma   # some kernels only
+    KIMI_K3_KERNEL_BACKEND=emulator python -m benchmarks.profile_kernels --quick  # CPU smoke
 
 With ``--ptxas`` it instead compiles every kernel's CUDA rendering with ``nvcc -Xptxas -v``
 and prints registers, stack frame and spills per kernel (no GPU needed, only nvcc).
 
-With ``--sass`` it disassembles the MXFP4 decode kernels' sm_90 code (nvcc, then NVIDIA's
-``nvdisasm``: on PATH, or from the ``nvidia-cuda-nvdisasm`` wheel) and counts the
-instructions of each one's main loop (first to last tensor-core instruction), per decode
-(shifts or byte permutes) and launch bound: a static cost per MMA, no GPU needed.
+With ``--sass`` it disassembles the dispatched MXFP4 decode kernels' sm_90 code (nvcc, then
+NVIDIA's ``nvdisasm``: on PATH, or from the ``nvidia-cuda-nvdisasm`` wheel) and counts the
+instructions of each one's main loop (first to last tensor-core instruction): a static cost
+per MMA, no GPU needed.
 """
 
 from __future__ import annotations
@@ -103,30 +106,20 @@ def loop_mix(sass: str) -> tuple[int, collections.Counter]:
 
 
 def static_cost_instances():
-    """(label, kernel, instance) for the decode kernels' sm_90 static costs: mxfp4_mma's two
-    projections and mxfp4_fused at K3 size, bf16 latents, shift and byte-permute decode,
-    without and with a bound of two threadgroups per SM."""
-    from kimi_k3.kernels import mxfp4_fused, mxfp4_mma
+    """(label, kernel, instance) of the dispatched decode kernels on tiles at K3's size, bf16
+    latents: ``mxfp4_mma``'s two projections (the three-launch decode) and ``mxfp4_one``."""
+    from kimi_k3.kernels import mxfp4_mma, mxfp4_one
 
     gate_up, _, _, down = mxfp4_mma.MXFP4_MMA.instances
-    mma_threads = {p: 32 * rt * sk for p, (rt, sk, *_) in mxfp4_mma.LAUNCH.items()}
-    base = [  # the instances are the kernels' own (their modules' LAUNCH)
-        ("mxfp4_mma gate/up", mxfp4_mma.MXFP4_MMA, gate_up, mma_threads["gate_up"]),
-        ("mxfp4_mma down", mxfp4_mma.MXFP4_MMA, down, mma_threads["down"]),
-        (
-            "mxfp4_fused",
-            mxfp4_fused.MXFP4_FUSED,
-            mxfp4_fused.MXFP4_FUSED.instances[0],
-            32 * mxfp4_fused.LAUNCH[1],
-        ),
-    ]
     out = []
-    for label, kernel, inst, threads in base:
-        for decode in ("shift", "byte permute"):
-            for blocks in (1, 2):
-                k = kernel.bounded(threads, blocks)
-                k = mxfp4_mma.byte_permute_decode(k) if decode == "byte permute" else k
-                out.append((f"{label}, {decode}, {blocks} per SM", k, inst))
+    for label, glu, inst in (("mxfp4_mma gate/up", True, gate_up), ("mxfp4_mma down", False, down)):
+        shape = mxfp4_mma.dispatched_shape("cuda", dict(inst.template)["KD"], glu)
+        kernel = mxfp4_mma.tiled_layout(mxfp4_mma.dispatched_kernel(glu, shape))
+        out.append((label, kernel, inst))
+    inst = mxfp4_one.MXFP4_ONE.instances[0]
+    t = dict(inst.template)
+    one = mxfp4_one.tiled_layout(mxfp4_one.dispatched_kernel(t["RT"], t["SK"]))
+    out.append(("mxfp4_one", one, inst))
     return out
 
 
@@ -135,8 +128,8 @@ def sass_report():
     if tool is None or shutil.which("nvcc") is None:
         raise SystemExit("--sass needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
     print(
-        "| kernel, decode, bound | registers | spill stores (bytes) | loop instructions | "
-        "MMAs | per MMA | most frequent |"
+        "| kernel | registers | spill stores (bytes) | loop instructions | MMAs | per MMA | "
+        "most frequent |"
     )
     print("|---|---:|---:|---:|---:|---:|---|")
     for label, kernel, inst in static_cost_instances():
@@ -163,68 +156,92 @@ def ptxas_report():
             print(kernel.name, "FAILED", err[-2000:])
 
 
-def run_kernels(rounds: int, only: str | None = None):
+# (D, I, decode experts, prefill experts, top-k, prefill tokens, KDA heads, head dim, T)
+K3 = (3584, 3072, 32, 96, 16, 512, 96, 128, 1024)
+QUICK = (128, 128, 8, 8, 4, 40, 2, 64, 64)
+
+
+def kernel_runs(dims=K3) -> dict:
+    """name -> a call of that kernel on random inputs (built, not evaluated); every kernel
+    the dispatchers select on this backend's path. The MXFP4 kernels on the expert store's
+    layout; the CUDA-only ones are left out elsewhere, Metal's LUT ones on CUDA too."""
     from benchmarks.bench_kda import decode_layer, layer, mixer_inputs
-    from benchmarks.bench_mxfp4 import BETA, CAP, random_experts, routing
+    from benchmarks.bench_mxfp4 import BETA, CAP, random_experts, routing, store
     from kimi_k3.kernels import (
         kda_decode,
         kda_prefill,
         mxfp4_decode,
         mxfp4_mma,
+        mxfp4_one,
         mxfp4_prefill,
         mxfp4_prefill_mma,
         source,
     )
+    from kimi_k3.kernels.expert_layout import is_tiled
 
+    D, I, E1, EP, k, T, H, K, TK = dims
     backend = source.backend()
-    p, x, _ = decode_layer()
-    pl = layer()
-    xs = mixer_inputs(1024)
-    w = random_experts(32, 3584, 3072, 0)
+    if backend is None:
+        raise SystemExit("no kernel backend here: Metal, CUDA or KIMI_K3_KERNEL_BACKEND=emulator")
+    p, x, _ = decode_layer(H, K)
+    pl, xs = layer(H, K), mixer_inputs(H, K, TK)
     rng = np.random.default_rng(0)
-    inds1, wts1 = routing(1, 32, 16, rng)
-    z1 = mx.random.normal((1, 3584)).astype(mx.bfloat16)
-    w896 = random_experts(96, 3584, 3072, 1)
-    indsP, wtsP = routing(512, 96, 16, rng)
-    zP = mx.random.normal((512, 3584)).astype(mx.bfloat16)
+    w1, wP = (store(random_experts(e, D, I, s), D, I) for s, e in enumerate((E1, EP)))
+    inds1, wts1 = routing(1, E1, k, rng)
+    indsP, wtsP = routing(T, EP, k, rng)
+    z1 = mx.random.normal((1, D)).astype(mx.bfloat16)
+    zP = mx.random.normal((T, D)).astype(mx.bfloat16)
     mx.eval(xs, z1, zP, inds1, wts1, indsP, wtsP)
+    one, prefill = (z1, w1, inds1, wts1, BETA, CAP), (zP, wP, indsP, wtsP, BETA, CAP)
+    tiled = is_tiled(w1)
     runs = {
         "kda_decode": lambda: kda_decode.kda_decode(backend, p, *x),
         "kda_prefill": lambda: kda_prefill.kda_prefill(backend, pl, *xs),
-        "mxfp4_decode": lambda: mxfp4_decode.expert_glu_decode(
-            z1, w, inds1, wts1, BETA, CAP, backend
-        ),
-        "mxfp4_mma": lambda: mxfp4_mma.expert_glu_decode(z1, w, inds1, wts1, BETA, CAP, backend),
-        "mxfp4_mma_ac": lambda: mxfp4_mma.expert_glu_decode_ac(
-            z1, w, inds1, wts1, BETA, CAP, backend
-        ),
-        "mxfp4_prefill": lambda: mxfp4_prefill.expert_glu_prefill(
-            zP, w896, indsP, wtsP, BETA, CAP, backend=backend
-        ),
+        "mxfp4_mma": lambda: (
+            mxfp4_mma.expert_glu_decode_tiled if tiled else mxfp4_mma.expert_glu_decode
+        )(*one, backend=backend),
+        "mxfp4_one": lambda: (
+            mxfp4_one.expert_glu_decode_tiled if tiled else mxfp4_one.expert_glu_decode
+        )(*one, backend=backend),
         "mxfp4_prefill_mma": lambda: mxfp4_prefill_mma.expert_glu_prefill_mma(
-            zP, w896, indsP, wtsP, BETA, CAP, backend=backend
+            *prefill, backend=backend, tiled=tiled
         ),
     }
+    if backend != "cuda":
+        runs["mxfp4_decode"] = lambda: mxfp4_decode.expert_glu_decode(*one, backend=backend)
+        runs["mxfp4_prefill"] = lambda: mxfp4_prefill.expert_glu_prefill(*prefill, backend=backend)
+    return runs
+
+
+def run_kernels(rounds: int, only: str | None = None, dims=K3) -> list[str]:
+    """Every kernel of ``kernel_runs`` (or those named in ``only``, comma-separated) launched
+    and evaluated once per round; returns the names run."""
+    runs = kernel_runs(dims)
+    names = [n for n in runs if only is None or n in only.split(",")]
     for _ in range(rounds):
-        for name, fn in runs.items():
-            if only is None or name in only.split(","):
-                mx.eval(fn())
+        for name in names:
+            mx.eval(runs[name]())
         mx.synchronize()
+    return names
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ptxas", action="store_true")
     parser.add_argument("--sass", action="store_true", help="decode kernels' loop costs")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--only", help="comma-separated subset of the kernel groups to run")
-    args = parser.parse_args()
+    parser.add_argument("--only", help="comma-separated subset of the kernels to run")
+    parser.add_argument("--quick", action="store_true", help="small shapes, one round")
+    args = parser.parse_args(argv)
     if args.ptxas:
         ptxas_report()
     elif args.sass:
         sass_report()
     else:
-        run_kernels(args.rounds, args.only)
+        dims = QUICK if args.quick else K3
+        names = run_kernels(1 if args.quick else args.rounds, args.only, dims)
+        print("launched:", ", ".join(names))
+        return names
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ python3 -m pytest -q --co "$@" | grep "::" >"$dir/ids"
 echo "$(wc -l <"$dir/ids") tests in $n parts"
 split -n "r/$n" "$dir/ids" "$dir/part_"
 for f in "$dir"/part_*; do
-  # one id per line (ids may hold spaces: parametrize values such as "before async copy")
+  # one id per line (ids may hold spaces: parametrize values with spaces in them)
   (mapfile -t ids <"$f"
    MLX_ENABLE_TF32=0 python3 -m pytest -q -p no:cacheprovider "${ids[@]}" >"$f.log" 2>&1
    echo "rc=$?" >>"$f.log") &

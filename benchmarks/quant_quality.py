@@ -1,7 +1,8 @@
 """Quality of the converter's dense quantization: KL divergence and top-1 agreement of the
 next-token distributions against the unconverted checkpoint.
 
-    python benchmarks/quant_quality.py --out quant_quality.md
+    python -m benchmarks.quant_quality --out quant_quality.md
+    python -m benchmarks.quant_quality --quick    # tiny preset, 2 x 16 tokens: seconds
 
 A synthetic checkpoint (preset ``small`` by default) is converted at each dense width with
 ``kimi_k3.convert.convert``; every model runs in fp32 so only the weights differ. Routed
@@ -25,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from benchmarks import timing
 from kimi_k3.convert.convert import Settings, convert
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.loader import load_model
@@ -152,20 +154,21 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=[1e-4, 1e-3],
         help="relative RMS of the Gaussian yardstick rows",
     )
+    parser.add_argument("--quick", action="store_true", help="tiny preset, 2 x 16 tokens")
     parser.add_argument("--out", help="write the table (and the command) to this file")
     return parser
 
 
 def main(argv=None):
     a = setup_arg_parser().parse_args(argv)
+    if a.quick:
+        a.preset, a.seqs, a.length, a.noise = "tiny", 2, 16, [1e-3]
     rows, entropy = run(a.preset, a.seqs, a.length, a.seed, tuple(a.noise))
     text = table(rows, entropy, a.preset, a.seqs, a.length)
-    print(text)
-    if a.out:
-        cmd = "python benchmarks/quant_quality.py " + " ".join(
-            sys.argv[1:] if argv is None else argv
-        )
-        Path(a.out).write_text(f"{text}\n\nReproduce: `{cmd.strip()}`\n")
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    text += f"\n\n{timing.environment()}; `python -m benchmarks.quant_quality {command}`\n"
+    timing.emit(text, a.out)
+    return text
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""benchmarks/bench_e2e.py on the CPU at toy size: every row measured, streamed rows with the
+"""benchmarks/bench_e2e.py's quick mode on the CPU: every row measured, streamed rows with the
 expert cache's counters over their decode steps."""
 
 import re
@@ -8,9 +8,8 @@ from benchmarks import bench_e2e
 
 def test_bench_e2e_rows(tmp_path):
     out = tmp_path / "e2e.md"
-    argv = ["--preset", "small", "--device", "cpu", "--prompt-tokens", "8"]
-    argv += ["--decode-tokens", "2", "--repeats", "1", "--dtypes", "float32"]
-    bench_e2e.main(argv + ["--expert-cache-gb", "0.001", "--out", str(out)])
+    argv = ["--quick", "--device", "cpu", "--expert-cache-gb", "0.001", "--out", str(out)]
+    bench_e2e.main(argv)
     rows = [r.split("|")[1:-1] for r in out.read_text().splitlines() if r.startswith("| float32")]
     assert [r[1].strip() for r in rows] == [
         "kimi_k3 (this project)",

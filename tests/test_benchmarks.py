@@ -1,0 +1,239 @@
+"""Every benchmark's quick mode on the CPU (kernel benchmarks through the Metal emulator), and
+the shared timing helpers: the rows each table must have, numbers finite and positive where
+they are times, correctness columns within tolerance. No time is asserted."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from benchmarks import (
+    bench_kda,
+    bench_mla,
+    bench_mxfp4,
+    bench_streaming,
+    bench_trace,
+    bf16_drift,
+    profile_kernels,
+    quant_quality,
+    timing,
+)
+
+
+def tables(text: str) -> list[list[dict]]:
+    """Every markdown table in ``text``: a list of rows, each {header cell: cell}."""
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("|") and lines[i + 1].startswith("|---"):
+            header = [c.strip() for c in line.strip("|").split("|")]
+            rows = []
+            for row in lines[i + 2 :]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(header, (c.strip() for c in row.strip("|").split("|")))))
+            out.append(rows)
+    return out
+
+
+def number(cell: str) -> float:
+    return float(cell.replace(",", "").rstrip("x%"))
+
+
+def test_chain_feeds_each_call_the_one_befores_output():
+    """Call i + 1 runs on chain_link(output of call i, its inputs): five calls that add one
+    to a zero latent end at five (independent calls would end at one)."""
+    outs = []
+
+    def fn(z, w):
+        outs.append(z.astype(mx.float32) + w)
+        return outs[-1]
+
+    inputs = [(mx.zeros((1, 4), dtype=mx.bfloat16), mx.array(1.0))] * 5
+    assert timing.chain_total(fn, inputs, 5, repeats=2) > 0
+    assert outs[-1].tolist() == [[5.0] * 4]
+    assert timing.chain_link(outs[-1], inputs[0])[0].dtype == mx.bfloat16
+
+
+def test_fit_line_and_chain_slope():
+    assert timing.fit_line([10, 20, 40], [1.5, 2.5, 4.5]) == pytest.approx((0.1, 0.5))
+    slope, intercept = timing.chain_slope(lambda z: z + 1, [(mx.zeros(4),)], [2, 6], 1)
+    assert math.isfinite(slope) and math.isfinite(intercept)
+    with pytest.raises(ValueError, match="at least two different lengths"):
+        timing.chain_slope(lambda z: z, [(mx.zeros(4),)], [3, 3], 1)
+
+
+def test_interleaved_rounds_and_failures():
+    calls = []
+
+    def bad():
+        calls.append("bad")
+        raise RuntimeError("no\n  kernel")
+
+    good = lambda: calls.append("good") or 1.0  # noqa: E731
+    results, failed = timing.interleaved({"good": good, "bad": bad}, 3)
+    assert calls == ["good", "bad", "good", "good"]  # a failed job is not called again
+    assert results == {"good": [1.0, 1.0, 1.0], "bad": []}
+    assert failed == {"bad": "RuntimeError: no kernel"}
+
+
+def test_median_time_stops_at_its_budget():
+    runs = []
+    t = timing.median_time(lambda: runs.append(1), repeats=4, warmup=1)
+    assert t >= 0 and len(runs) == 5
+    runs.clear()
+    timing.median_time(lambda: runs.append(1), repeats=100, warmup=0, budget_s=0.0)
+    assert len(runs) == 1
+
+
+def test_markdown_table_and_environment(tmp_path):
+    text = timing.markdown_table(("a", "b"), [(1, "x")])
+    assert tables(text) == [[{"a": "1", "b": "x"}]]
+    assert mx.__version__ in timing.environment()
+    out = tmp_path / "t.md"
+    timing.emit("one", out)
+    timing.emit("two", out, append=True)
+    assert out.read_text() == "onetwo\n"
+
+
+def test_oracle_agrees_with_gather_qmm_in_fp32():
+    w = bench_mxfp4.random_experts(6, 64, 96, seed=2)
+    inds, weights = bench_mxfp4.routing(3, 6, 2, np.random.default_rng(0))
+    z = mx.random.normal((3, 64), key=mx.random.key(1))
+    want = bench_mxfp4.oracle(z, w, inds, weights)
+    got = bench_mxfp4.fp32_reference(z, w, inds, weights, bench_mxfp4.BETA, bench_mxfp4.CAP)
+    assert bench_mxfp4.rel_err(got, want) < 1e-5
+
+
+def test_bench_mxfp4_quick(monkeypatch, tmp_path):
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    out = tmp_path / "mxfp4.md"
+    text = bench_mxfp4.main(["--quick", "--out", str(out)])
+    assert out.read_text() == text
+    decode, prefill = tables(text)
+    jobs = [r["job"] for r in decode]
+    assert jobs == [
+        "MLX gather_qmm",
+        "dispatched: mxfp4_decode.expert_glu_decode, on MLX's layout",
+        "read limit (reads the same bytes, one launch)",
+    ]
+    for r in decode:
+        assert math.isfinite(number(r["ms per call (slope)"]))
+        assert math.isfinite(number(r["intercept (ms)"]))
+    assert number(decode[1]["rel err vs gather_qmm fp32"]) < 1e-5
+    assert [r["job"] for r in prefill] == [
+        "MLX gather_qmm (sorted)",
+        "dispatched: mxfp4_prefill.expert_glu_prefill, on MLX's layout",
+    ]
+    for r in prefill:
+        assert number(r["ms"]) > 0 and number(r["tok/s"]) > 0
+    assert number(prefill[0]["rel err vs fp32 oracle"]) < 0.05  # bf16 latent in gather_qmm
+    assert number(prefill[1]["rel err vs fp32 oracle"]) < 1e-5  # the kernel computes in fp32
+
+
+@pytest.mark.parametrize("backend", ["emulator", "none"])
+def test_bench_kda_quick(monkeypatch, backend):
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", backend)
+    (rows,) = tables(bench_kda.main(["--quick"]))
+    by_case = {}
+    for r in rows:
+        by_case.setdefault(r["case"], {})[r["implementation"]] = r
+    assert list(by_case) == [
+        "decode, 1 token, single call",
+        "decode, 1 token, chained (2 layers, one eval; per layer)",
+        "prefill T=64",
+    ]
+    decode = ["mx.fast.gated_delta_update (scalar gate)", "mlx-lm gated_delta_update (vector gate)"]
+    decode += ["pure-MLX reference mixer", "state read + write at bandwidth"]
+    prefill = ["pure-MLX kda_chunked (recurrence)"]
+    if backend == "emulator":
+        decode.append("ours: kda_decode (whole mixer, 1 launch)")
+        prefill += [
+            "ours: chunk kernels (recurrence, fp32 state pass)",
+            "ours: chunk kernels (recurrence, tf32 state pass: bf16 models)",
+            "ours: kda_prefill (whole mixer, bf16)",
+        ]
+    for case, names in zip(by_case, (decode, decode, prefill)):
+        fla = {"fla chunk_kda"} if "prefill" in case else set()
+        assert set(by_case[case]) == set(names) | fla
+        for name in names:
+            assert number(by_case[case][name]["time (us)"]) > 0, (case, name)
+            assert not by_case[case][name]["note"].startswith("failed")
+    assert by_case["prefill T=64"]["fla chunk_kda"]["note"].startswith("not run")
+
+
+def test_bench_mla_quick():
+    (rows,) = tables(bench_mla.main(["--quick"]))
+    assert [(r["case"], r["kv_b_proj"]) for r in rows] == [
+        ("decode, 1 token", "as stored (the model)"),
+        ("decode, 1 token", "dequantized per call"),
+        ("prefill, 16 tokens", "dequantized per call (the model)"),
+        ("prefill, 16 tokens", "as stored"),
+    ]
+    assert all(number(r["time (us)"]) > 0 for r in rows)
+
+
+def test_bench_trace_quick():
+    (rows,) = tables(bench_trace.main(["--quick"]))
+    assert [r["state"] for r in rows] == list(bench_trace.STATES.values())
+    assert all(number(v) > 0 for r in rows for k, v in r.items() if k != "state")
+    assert rows[0]["vs never (CPU)"] == "1.000"
+
+
+def test_quant_quality_quick():
+    (rows,) = tables(quant_quality.main(["--quick"]))
+    by = {r["weights"]: r for r in rows}
+    assert list(by) == [
+        "dense 16-bit",
+        "dense 8-bit, group 64",
+        "dense 4-bit, group 64",
+        "dense 4-bit, group 32",
+        "Gaussian noise (yardstick)",
+    ]
+    assert number(by["dense 16-bit"]["mean KL (nats/token)"]) == 0
+    assert by["dense 16-bit"]["top-1 agreement"] == "100.0%"
+    err = [number(by[k]["weight rel. RMS error"]) for k in list(by)[1:3]]
+    kl = [number(by[k]["mean KL (nats/token)"]) for k in list(by)[1:3]]
+    assert 0 < err[0] < err[1] and 0 < kl[0] < kl[1]  # 8 bits closer than 4
+    assert number(by["Gaussian noise (yardstick)"]["weight rel. RMS error"]) == 0.001
+
+
+@pytest.mark.parametrize("modules", [False, True])
+def test_bf16_drift_quick(modules):
+    (rows,) = tables(bf16_drift.main(["--quick"] + (["--modules"] if modules else [])))
+    if modules:
+        assert {r["block"] for r in rows} == {"KDA mixer", "MLA", "MoE", "dense MLP"}
+        for r in rows:
+            for k in ("bf16 error, kimi_k3", "bf16 error, mlx-lm"):
+                assert 0 < number(r[k]) < 0.1, r
+        return
+    assert [(r["preset"], r["seed"]) for r in rows] == [("tiny", "0"), ("all", "")]
+    for r in rows:
+        assert 0 <= number(r["KL kimi_k3"]) < 0.1 and 0 <= number(r["KL mlx-lm"]) < 0.1
+        assert 0 <= number(r["top-1 kimi_k3"]) <= 1 and 0 <= number(r["top-1 mlx-lm"]) <= 1
+
+
+def test_bench_streaming_quick(tmp_path):
+    text = bench_streaming.main(["--quick", "--work", str(tmp_path)])
+    reads, into_mlx, cache, switches, projection = tables(text)
+    assert len(reads) == 6 and all(number(r["GB/s (median)"]) > 0 for r in reads)
+    assert [r["write mode"] for r in into_mlx] == ["view", "mlx"]
+    assert all(r["bytes verified"] == "True" for r in into_mlx)
+    lru = {number(r["slots / layer"]): number(r["hit rate"]) for r in cache if r["policy"] == "lru"}
+    assert list(lru) == [16, 32] and 0 <= lru[16] <= lru[32] <= 1  # LRU: more slots, more hits
+    assert all(number(r["tokens/s"]) > 0 for r in cache + switches)
+    assert [r["Mac RAM (GB)"] for r in projection] == ["128", "256", "512"]
+
+
+def test_profile_kernels_quick(monkeypatch):
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
+    names = profile_kernels.main(["--quick"])
+    assert set(names) == {
+        "kda_decode",
+        "kda_prefill",
+        "mxfp4_mma",
+        "mxfp4_one",
+        "mxfp4_prefill_mma",
+        "mxfp4_decode",
+        "mxfp4_prefill",
+    }
