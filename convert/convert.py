@@ -5,12 +5,13 @@
 OUT gets the dense weights (MLX affine-quantized, or bf16 with ``--dense-bits 16``) in
 safetensors shards under this module tree's names, the routed experts copied bit-exactly
 into an expert pack (``kimi_k3.expert_pack``), ``config.json`` with MLX's ``quantization``
-entry, the tokenizer files, and ``kimi_k3_manifest.json`` (versions, settings, sha256 per
-file), written last. Memory stays bounded by one chunk of one tensor (``--chunk-mb``) plus
-one expert record per worker, whatever the checkpoint's size. Every output file is written
-under a temporary name and renamed when complete; a rerun after an interruption skips the
-files already complete (``.kimi_k3_convert_state.json`` records them with their checksums).
-docs/converter.md describes the layout and the guarantees.
+entry, the tokenizer files (never code), ``kimi_k3_checksums.json`` (crc32 per dense tensor,
+checked at load: ``kimi_k3.checksums``) and ``kimi_k3_manifest.json`` (versions, settings,
+sha256 per file), written last. Memory stays bounded by one chunk of one tensor
+(``--chunk-mb``) plus one expert record per worker, whatever the checkpoint's size. Every
+output file is written under a temporary name and renamed when complete; a rerun after an
+interruption skips the files already complete (``.kimi_k3_convert_state.json`` records
+them with their checksums). docs/converter.md describes the layout and the guarantees.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from kimi_k3 import checksums
 from kimi_k3 import expert_pack as ep
 from kimi_k3.checkpoint import (
     DTYPE_SIZE,
+    NON_TEXT_PREFIXES,
     NP_DTYPE,
     CheckpointError,
     CheckpointIndex,
@@ -49,7 +52,7 @@ from kimi_k3.checkpoint import (
 )
 from kimi_k3.config import ConfigError, ModelArgs
 from kimi_k3.layouts import detect
-from kimi_k3.model import NON_TEXT_PREFIXES, Model, sanitize_weights
+from kimi_k3.model import Model, sanitize_weights
 
 MANIFEST = "kimi_k3_manifest.json"
 STATE = ".kimi_k3_convert_state.json"
@@ -62,8 +65,10 @@ _EXPERT = re.compile(
 )
 _MX = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 _ST = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint32: "U32"}
-_NOT_COPIED = ("config.json", "model.safetensors.index.json", MANIFEST)
-_COPIED = (".json", ".model", ".py", ".jinja")
+# Copied from the source as they are: the tokenizer, its config and the chat template; never
+# code (``*.py``) or this project's own files (rewritten for the output, or not its own).
+_NOT_COPIED = ("config.json", "model.safetensors.index.json", MANIFEST, checksums.NAME)
+_COPIED = (".json", ".model", ".tiktoken", ".jinja")
 
 
 class ConvertError(CheckpointError):
@@ -447,16 +452,21 @@ class _Run:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * ((-len(raw)) % 8)
         sha, size = hashlib.sha256(), 0
+        sizes = [(name, h["data_offsets"][1] - h["data_offsets"][0]) for name, h in header.items()]
+        crcs = checksums.TensorHasher(sizes, skip=8 + len(raw))
         with self._atomic(rel) as f:
             for data, consumed in self._shard_bytes(raw, items):
                 f.write(data)
                 sha.update(data)
+                crcs.update(data)
                 size += len(data)
                 if consumed:
                     progress.update(consumed)
         if size != 8 + len(raw) + offset:
             raise AssertionError(f"{rel}: wrote {size} bytes, planned {8 + len(raw) + offset}")
-        self._mark_done(rel, {"bytes": size, "sha256": sha.hexdigest()})
+        self._mark_done(
+            rel, {"bytes": size, "sha256": sha.hexdigest(), "tensor_crc32": crcs.result()}
+        )
 
     def _shard_bytes(self, header: bytes, items: list[DenseItem]):
         yield struct.pack("<Q", len(header)) + header, 0
@@ -511,6 +521,7 @@ class _Run:
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1),
         )
         self._pack_index()
+        self._checksums()
         config = json.loads((hf_path / "config.json").read_text())
         if self.plan.quantization:
             config["quantization"] = self.plan.quantization
@@ -545,6 +556,17 @@ class _Run:
         (self.out / STATE).unlink(missing_ok=True)
         return manifest
 
+    def _checksums(self):
+        """The dense shards' per-tensor crc32 (``kimi_k3.checksums``), computed as written.
+        No mtimes (the output stays the same bytes run after run): the first load reads the
+        shards once, checks them against these, and records their mtimes."""
+        files = {
+            rel: {"bytes": d["bytes"], "mtime_ns": None, "tensors": d["tensor_crc32"]}
+            for rel, d in self.state["done"].items()
+            if rel in self.plan.shard_names
+        }
+        checksums.write_manifest(self.out / checksums.NAME, checksums.Checksums(files))
+
     def _pack_index(self):
         records, sizes = {}, []
         files = zip(self.plan.pack_names, self.plan.pack_files, strict=True)
@@ -571,11 +593,15 @@ def _to_bytes(a: mx.array) -> bytes:
 
 
 def _aux_files(hf_path: Path) -> list[Path]:
-    """Tokenizer and other small files copied as they are (not the shards or the index)."""
+    """The tokenizer, its configs and the chat template, copied as they are (never code,
+    the shards or the index)."""
     return sorted(
         f
         for f in hf_path.iterdir()
-        if f.is_file() and f.suffix in _COPIED and f.name not in _NOT_COPIED
+        if f.is_file()
+        and f.suffix in _COPIED
+        and f.name not in _NOT_COPIED
+        and not f.name.startswith(".")
     )
 
 

@@ -15,8 +15,8 @@ import ctypes
 import hashlib
 import os
 import re
+import stat
 import subprocess
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -101,11 +101,29 @@ ATTRIBUTE_VALUES = {
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept: ``$KIMI_K3_EMULATOR_CACHE`` or the temp dir."""
-    default = Path(tempfile.gettempdir()) / "kimi_k3_metal_emulator"
-    path = Path(os.environ.get("KIMI_K3_EMULATOR_CACHE", default))
-    path.mkdir(parents=True, exist_ok=True)
+    """Where compiled kernels are kept: ``$KIMI_K3_EMULATOR_CACHE``, else ``metal_emulator``
+    in the user's cache (``kimi_k3.cache_dir()``), created with mode 0700. A library found
+    there is loaded into this process, so the directory must be private (``check_private``)."""
+    from kimi_k3 import cache_dir as user_cache
+
+    path = Path(os.environ.get("KIMI_K3_EMULATOR_CACHE") or user_cache() / "metal_emulator")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(path, directory=True)
     return path
+
+
+def check_private(path: Path, directory: bool = False) -> None:
+    """Raise unless ``path`` is this user's own (a directory or a regular file, no symlink)
+    and no one else may write to it."""
+    st = os.lstat(path)
+    kind = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
+    if not kind or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(
+            f"[metal_emulator] {path}: compiled kernels are loaded from here, so it must be "
+            f"this user's own {'directory' if directory else 'file'}, writable by no one else "
+            f"(owner {st.st_uid}, mode {stat.filemode(st.st_mode)}); set "
+            "KIMI_K3_EMULATOR_CACHE to a private directory"
+        )
 
 
 def template_text(template) -> str:
@@ -269,6 +287,7 @@ def _compile(unit: str) -> ctypes.CDLL:
         if res.returncode != 0:
             raise RuntimeError(f"[metal_emulator] compile failed ({cpp}):\n{res.stderr[-6000:]}")
         os.replace(tmp, lib)
+    check_private(lib)
     dll = ctypes.CDLL(str(lib))
     dll.kk_launch.restype = ctypes.c_int
     return dll

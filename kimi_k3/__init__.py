@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
-__all__ = ["load", "load_model", "Model", "ModelArgs", "trace", "check_checkpoint"]
+__all__ = ["load", "load_model", "Model", "ModelArgs", "trace", "check_checkpoint", "cache_dir"]
 
 # Name -> module for the lazily imported public API (PEP 562).
 _LAZY = {
@@ -35,26 +35,30 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kimi_k3' has no attribute {name!r}")
 
 
+def cache_dir() -> Path:
+    """``$KIMI_K3_CACHE``, else ``$XDG_CACHE_HOME/kimi_k3``, else ``~/.cache/kimi_k3``."""
+    if env := os.environ.get("KIMI_K3_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kimi_k3"
+
+
 def check_checkpoint(path: str | Path) -> dict:
     """The ``config.json`` of a Kimi K3 checkpoint directory, or a clear error.
 
     Raises ``FileNotFoundError`` (no such directory, no config.json) or ``ConfigError``
-    (not JSON, or another model family) naming the path.
+    (not UTF-8 JSON, not an object, or another model family) naming the path.
+    ``load_model`` and ``load`` start with it.
     """
-    from kimi_k3.config import ConfigError
+    from kimi_k3.config import ConfigError, read_config_json
 
     path = Path(path).expanduser()
     if not path.is_dir():
         what = "not a directory" if path.exists() else "no such model directory"
         raise FileNotFoundError(f"{path}: {what}")
     file = path / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no config.json (not a model directory?)")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
-    kind = config.get("model_type") if isinstance(config, dict) else None
+    config = read_config_json(path)
+    kind = config.get("model_type")
     if kind != "kimi_k3":
         raise ConfigError(
             f"{file}: model_type is {kind!r}, not 'kimi_k3': this is not a Kimi K3 checkpoint"
@@ -71,6 +75,7 @@ def load(
     lazy: bool = False,
     return_config: bool = False,
     trust_remote_code: bool = False,
+    verify_checksums: bool = True,
     **stream_options,
 ):
     """Load a Kimi K3 checkpoint and its tokenizer, like ``mlx_lm.load``.
@@ -88,6 +93,8 @@ def load(
         lazy: leave dense weights unevaluated until first use.
         return_config: also return the ``config.json`` dict.
         trust_remote_code: accepted for mlx-lm compatibility; no remote code is ever run.
+        verify_checksums: check every tensor and streamed expert read from disk against its
+            recorded crc32 (``kimi_k3.checksums``, recorded at the first load); False skips.
         stream_options: passed on to the expert streamer; ``expert_layout=`` (``"auto"``,
             ``"mlx"``, ``"tiled"``) to ``load_model``, for resident and streamed experts alike.
 
@@ -108,6 +115,7 @@ def load(
         dtype=dtype or mx.bfloat16,
         expert_cache_gb=expert_cache_gb,
         lazy=lazy,
+        verify_checksums=verify_checksums,
         **stream_options,
     )
     for key, value in overrides.items():

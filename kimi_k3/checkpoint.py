@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,10 +43,41 @@ NP_DTYPE = {
     "I64": np.int64,
 }
 MAX_HEADER = 100 * 1024 * 1024
+MAX_JSON_DEPTH = 64  # far below the recursion limit json's parser would hit
+# What each kind of tensor may hold. Float weights are one 16-bit float type per checkpoint
+# (F16 and BF16 bits differ, so a relabelled tensor must not pass) or F32.
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+# Tensors of the published checkpoint that are not the text model (dropped on load).
+NON_TEXT_PREFIXES = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
+_PUBLISHED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight_(?:packed|scale)$")
+_DEPTH = np.zeros(256, np.int8)
+_DEPTH[[ord("["), ord("{")]], _DEPTH[[ord("]"), ord("}")]] = 1, -1
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read as it claims to be."""
+
+
+def load_json(raw: bytes | str) -> object:
+    """Parse JSON (UTF-8) refusing what no checkpoint file holds: nesting deeper than
+    ``MAX_JSON_DEPTH`` (so the parser's recursion limit is never reached) and repeated keys.
+    Raises ``ValueError`` with the reason; callers add the file name."""
+    text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    brackets = np.frombuffer(_JSON_STRING.sub("", text).encode(), np.uint8)
+    depth = int(np.cumsum(_DEPTH[brackets], dtype=np.int64).max(initial=0))
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {dup!r} appears more than once")
+    return out
 
 
 @dataclass(frozen=True)
@@ -63,7 +95,9 @@ class TensorInfo:
 
 
 def read_header(file: Path) -> dict[str, TensorInfo]:
-    """Parse and validate one safetensors file's header against the file's real size."""
+    """Parse and validate one safetensors file's header as strictly as the format: a bounded
+    length, unique names, known dtypes, and data offsets that tile the data exactly (sorted,
+    back to back, no overlap, ending at the end of the file)."""
     file = Path(file)
     try:
         size = file.stat().st_size
@@ -79,33 +113,42 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{file}: shard file is missing") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{file}: a directory, not a safetensors file") from None
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = load_json(raw)
+    except ValueError as e:
         raise CheckpointError(f"{file}: corrupted safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: corrupted safetensors header (not a JSON object)")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(f"{file}: __metadata__ must map names to strings, got {meta!r:.80}")
     base = 8 + n
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        out[name] = _tensor_info(file, name, meta, base, size)
+    out = {name: _tensor_info(file, name, m, base, size) for name, m in header.items()}
+    _check_tiling(file, sorted(out.values(), key=lambda t: (t.start, t.end)), base, size)
     return out
 
 
 def _tensor_info(file, name, meta, base, size) -> TensorInfo:
-    try:
-        dtype, shape, (a, b) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
-        ok = all(type(d) is int and d >= 0 for d in shape) and type(a) is int and type(b) is int
-    except (KeyError, TypeError, ValueError):
-        ok = False
+    ok = isinstance(meta, dict)
+    if ok:
+        dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+        ok = (
+            isinstance(dtype, str)
+            and isinstance(shape, list)
+            and all(type(d) is int and d >= 0 for d in shape)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(x) is int and x >= 0 for x in offsets)
+        )
     if not ok:
-        raise CheckpointError(f"{file}: tensor {name}: malformed header entry {meta!r}")
+        raise CheckpointError(f"{file}: tensor {name}: malformed header entry {meta!r:.200}")
+    (a, b), shape = offsets, tuple(shape)
     if dtype not in DTYPE_SIZE:
         raise CheckpointError(f"{file}: tensor {name}: unknown dtype {dtype!r}")
     want = math.prod(shape) * DTYPE_SIZE[dtype]
-    if b - a != want or a < 0:
+    if b - a != want:
         raise CheckpointError(
             f"{file}: tensor {name}: data_offsets {a}..{b} do not fit "
             f"{dtype}{list(shape)} ({want} bytes)"
@@ -117,18 +160,109 @@ def _tensor_info(file, name, meta, base, size) -> TensorInfo:
     return TensorInfo(name, file, dtype, shape, base + a, base + b)
 
 
+def _check_tiling(file: Path, tensors: list[TensorInfo], base: int, size: int):
+    """The tensors' byte ranges, in offset order, must cover the data back to back."""
+    pos, prev = base, None
+    for t in tensors:
+        if t.start < pos:
+            raise CheckpointError(
+                f"{file}: tensor {t.name}: data_offsets {t.start - base}..{t.end - base} "
+                f"overlap tensor {prev.name} (ends at {pos - base})"
+            )
+        if t.start > pos:
+            raise CheckpointError(
+                f"{file}: tensor {t.name}: data_offsets start at {t.start - base}, leaving "
+                f"bytes {pos - base}..{t.start - base} that no tensor holds"
+            )
+        pos, prev = t.end, t
+    if pos != size:
+        raise CheckpointError(
+            f"{file}: the tensors end at byte {pos} but the file has {size} bytes "
+            "(trailing data no tensor holds)"
+        )
+
+
+def tensor_role(name: str, names) -> tuple[tuple, str]:
+    """``(allowed dtypes, what the tensor is)`` for tensor ``name`` of a checkpoint whose
+    tensor names are ``names``: MXFP4 expert bytes are U8, MLX-quantized weights U32 (their
+    scales U8 or float), everything else a float weight."""
+    if _PUBLISHED_EXPERT.search(name):
+        return ("U8",), "a packed MXFP4 expert tensor"
+    stem, _, kind = name.rpartition(".")
+    if kind == "weight" and f"{stem}.scales" in names:
+        return ("U32",), "a quantized weight"
+    if kind == "scales" and f"{stem}.weight" in names:
+        return ("U8", *FLOAT_DTYPES), "quantization scales"
+    return FLOAT_DTYPES, "a float weight"
+
+
+def check_roles(tensors: dict[str, TensorInfo]):
+    """Every tensor's dtype is one its role allows, and the 16-bit float weights share one
+    dtype (the majority's), so a relabelled tensor is refused, naming its file."""
+    halves = {}
+    for name, t in tensors.items():
+        if name.startswith(NON_TEXT_PREFIXES):
+            continue
+        allowed, what = tensor_role(name, tensors)
+        if t.dtype not in allowed:
+            raise CheckpointError(
+                f"{t.file}: tensor {name} is {t.dtype}, but {what} is {' or '.join(allowed)}"
+            )
+        if t.dtype in ("BF16", "F16"):
+            halves.setdefault(t.dtype, []).append(t)
+    if len(halves) > 1:
+        major = max(halves, key=lambda d: (len(halves[d]), d))
+        t = next(t for d, ts in halves.items() if d != major for t in ts)
+        raise CheckpointError(
+            f"{t.file}: tensor {t.name} is {t.dtype}, but the checkpoint's other 16-bit "
+            f"float weights are {major} ({len(halves[major])} tensors)"
+        )
+
+
+def read_index(path: Path) -> dict[str, str] | None:
+    """The ``weight_map`` of ``path/model.safetensors.index.json`` (None without an index),
+    checked: tensor names to plain ``*.safetensors`` file names in ``path``."""
+    file = Path(path) / "model.safetensors.index.json"
+    if not file.exists():
+        return None
+    try:
+        doc = load_json(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: not a valid shard index ({e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(
+            f"{file}: weight_map must be a non-empty object of tensor name to shard file, "
+            f"got {weight_map!r:.80}"
+        )
+    for name, fname in weight_map.items():
+        if not _plain_shard_name(fname):
+            raise CheckpointError(
+                f"{file}: weight_map[{name!r}] = {fname!r:.80} is not a *.safetensors file "
+                "name in the checkpoint directory"
+            )
+    return weight_map
+
+
+def _plain_shard_name(fname) -> bool:
+    return (
+        isinstance(fname, str)
+        and fname.endswith(".safetensors")
+        and fname == os.path.basename(fname)
+        and "\\" not in fname
+        and not fname.startswith(".")
+        and "\0" not in fname
+    )
+
+
 class CheckpointIndex:
     """Every tensor of a checkpoint directory: ``model.safetensors.index.json`` + shards, or a
     single ``model.safetensors``. Headers are validated on open; data is not read."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        index = self.path / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid shard index ({e})") from None
+        weight_map = read_index(self.path)
+        if weight_map is not None:
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
@@ -136,17 +270,30 @@ class CheckpointIndex:
                 raise CheckpointError(
                     f"{self.path}: no model.safetensors.index.json and no *.safetensors files"
                 )
-            weight_map = None
         self.tensors: dict[str, TensorInfo] = {}
         for fname in files:
-            self.tensors.update(read_header(self.path / fname))
-        if weight_map is not None:
-            for name, fname in weight_map.items():
-                info = self.tensors.get(name)
-                if info is None or info.file.name != fname:
+            for name, info in read_header(self.path / fname).items():
+                if name in self.tensors:
                     raise CheckpointError(
-                        f"{self.path / fname}: tensor {name} is in the index but not in that shard"
+                        f"{info.file}: tensor {name} is also in {self.tensors[name].file.name}"
                     )
+                self.tensors[name] = info
+        if weight_map is not None:
+            self._check_index(weight_map)
+        check_roles(self.tensors)
+
+    def _check_index(self, weight_map: dict):
+        for name, fname in weight_map.items():
+            info = self.tensors.get(name)
+            if info is None or info.file.name != fname:
+                raise CheckpointError(
+                    f"{self.path / fname}: tensor {name} is in the index but not in that shard"
+                )
+        for name, info in self.tensors.items():
+            if name not in weight_map:
+                raise CheckpointError(
+                    f"{info.file}: tensor {name} is not in model.safetensors.index.json"
+                )
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

@@ -2,10 +2,54 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kimi_k3.checkpoint import load_json
+
+INT_MAX = 2**31 - 1  # MLX shapes are int32
+# Config values by kind: what each must be (checked before anything uses them).
+POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "attn_res_block_size",
+    "moe_layer_freq",
+    "num_experts",
+    "num_experts_per_token",
+    "num_shared_experts",
+    "moe_intermediate_size",
+    "routed_expert_hidden_size",
+    "num_expert_group",
+    "topk_group",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "max_position_embeddings",
+)
+COUNTS = ("first_k_dense_replace", "num_nextn_predict_layers")
+POSITIVE_FLOATS = (
+    "rms_norm_eps",
+    "activation_situ_beta",
+    "activation_situ_linear_beta",
+    "routed_scaling_factor",
+)
+BOOLS = (
+    "latent_moe_use_norm",
+    "moe_renormalize",
+    "mla_use_nope",
+    "mla_use_output_gate",
+    "tie_word_embeddings",
+)
+STRINGS = ("hidden_act", "moe_router_activation_func", "topk_method")
 
 
 class ConfigError(ValueError):
@@ -65,6 +109,10 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, config: dict) -> ModelArgs:
         """Build from a ``config.json`` dict: the text model is ``text_config`` if present."""
+        if not isinstance(config, dict):
+            raise ConfigError(f"the config must be a JSON object, got {type(config).__name__}")
+        if not isinstance(config.get("text_config", {}), dict):
+            raise ConfigError(f"text_config must be an object, got {config['text_config']!r:.60}")
         text = dict(config.get("text_config") or config)
         for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
             if key in config and key not in text:
@@ -77,9 +125,13 @@ class ModelArgs:
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelArgs:
-        return cls.from_dict(read_config_json(path))
+        """From ``path/config.json``; every error names that file and the key."""
+        config = read_config_json(path)
+        with naming(Path(path) / "config.json"):
+            return cls.from_dict(config)
 
     def __post_init__(self):
+        self._check_values()
         _require(self, "hidden_act", self.hidden_act == "situ", "only 'situ' is implemented")
         _require(
             self,
@@ -113,12 +165,44 @@ class ModelArgs:
             self.num_nextn_predict_layers == 0,
             "no multi-token-prediction head is implemented",
         )
+        _require(self, "mla_use_output_gate", self.mla_use_output_gate, "K3's MLA output is gated")
         if self.num_experts_per_token > self.num_experts:
             raise ConfigError(
                 f"num_experts_per_token={self.num_experts_per_token} exceeds "
                 f"num_experts={self.num_experts}"
             )
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            raise ConfigError(
+                f"first_k_dense_replace={self.first_k_dense_replace} exceeds "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
+        for key in ("moe_intermediate_size", "routed_expert_hidden_size"):
+            _check(key, getattr(self, key), getattr(self, key) % 32 == 0, "MXFP4 groups are 32")
         self._read_linear_attn_config()
+
+    def _check_values(self):
+        """Type, range and finiteness of every value, before any is used."""
+        for key in POSITIVE_INTS:
+            _check(key, getattr(self, key), _is_int(getattr(self, key), 1), "a positive integer")
+        for key in COUNTS:
+            _check(key, getattr(self, key), _is_int(getattr(self, key), 0), "an integer >= 0")
+        for key in POSITIVE_FLOATS:
+            v = getattr(self, key)
+            _check(key, v, _is_real(v) and v > 0, "a finite number > 0")
+        for key in BOOLS:
+            _check(key, getattr(self, key), isinstance(getattr(self, key), bool), "true or false")
+        for key in STRINGS:
+            _check(key, getattr(self, key), isinstance(getattr(self, key), str), "a string")
+        for key in ("bos_token_id", "pad_token_id"):
+            v = getattr(self, key)
+            _check(key, v, v is None or _is_int(v, 0), "a token id (integer >= 0) or null")
+        eos = self.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos]
+        _check("eos_token_id", eos, ids and all(_is_int(i, 0) for i in ids), "token id(s)")
+        q = self.quantization
+        _check("quantization", q, q is None or isinstance(q, dict), "an object or null")
+        cfg = self.linear_attn_config
+        _check("linear_attn_config", cfg, isinstance(cfg, dict), "an object")
 
     def _read_linear_attn_config(self):
         cfg = self.linear_attn_config
@@ -134,6 +218,18 @@ class ModelArgs:
                 "linear_attn_config.gate_lower_bound=None: only the "
                 "lower-bounded KDA gate is implemented"
             )
+        for key, value in (
+            ("num_heads", self.kda_heads),
+            ("head_dim", self.kda_head_dim),
+            ("short_conv_kernel_size", self.conv_size),
+        ):
+            _check(f"linear_attn_config.{key}", value, _is_int(value, 1), "a positive integer")
+        lb = self.gate_lower_bound
+        _check("linear_attn_config.gate_lower_bound", lb, _is_real(lb) and lb < 0, "finite, < 0")
+        for key in ("kda_layers", "full_attn_layers"):
+            v = cfg[key]
+            ok = isinstance(v, list) and all(_is_int(i, 1) for i in v)
+            _check(f"linear_attn_config.{key}", v, ok, "a list of 1-based layer numbers")
         if cfg.get("use_full_rank_gate", True) is not True:
             raise ConfigError(
                 "linear_attn_config.use_full_rank_gate="
@@ -178,14 +274,40 @@ class ModelArgs:
 
 
 def read_config_json(path: str | Path) -> dict:
-    """The ``config.json`` of a checkpoint directory, with errors that name the file."""
+    """The ``config.json`` of a checkpoint directory (a JSON object), with errors that name
+    the file: ``FileNotFoundError`` without one, else ``ConfigError``."""
     file = Path(path) / "config.json"
     try:
-        return json.loads(file.read_text())
-    except FileNotFoundError:
+        config = load_json(file.read_bytes())
+    except (FileNotFoundError, IsADirectoryError):
         raise FileNotFoundError(f"{file}: no config.json (not a model directory?)") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{file}: not a JSON object (got {type(config).__name__})")
+    return config
+
+
+@contextlib.contextmanager
+def naming(file: Path):
+    """Prefix a ``ConfigError`` raised inside with ``file``."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError(f"{file}: {e}") from None
+
+
+def _is_int(v, low: int) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and low <= v <= INT_MAX
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check(key: str, value, ok, want: str):
+    if not ok:
+        raise ConfigError(f"config value {key}={value!r:.60} is not valid: must be {want}")
 
 
 def _require(args, key, ok, why):
@@ -197,6 +319,12 @@ def _check_quantization(qc: dict | None):
     """Accept the published compressed-tensors MXFP4 entry; reject any other format."""
     if not qc:
         return
+    _check("quantization_config", qc, isinstance(qc, dict), "an object")
+    groups = qc.get("config_groups") or {}
+    ok = isinstance(groups, dict) and all(
+        isinstance(g, dict) and isinstance(g.get("weights", {}), dict) for g in groups.values()
+    )
+    _check("quantization_config.config_groups", groups, ok, "an object of groups")
     method = qc.get("quant_method")
     if method != "compressed-tensors":
         raise ConfigError(

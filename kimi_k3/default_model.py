@@ -50,9 +50,9 @@ def version() -> str:
 
 
 def default_dir() -> Path:
-    """``<cache>/default-<version>``, the cache being ``kimi_k3.tokenizer.cache_dir()``
+    """``<cache>/default-<version>``, the cache being ``kimi_k3.cache_dir()``
     (``$KIMI_K3_CACHE``, else ``$XDG_CACHE_HOME/kimi_k3``, else ``~/.cache/kimi_k3``)."""
-    from kimi_k3.tokenizer import cache_dir
+    from kimi_k3 import cache_dir
 
     return cache_dir() / f"default-{version()}"
 

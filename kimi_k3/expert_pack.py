@@ -330,12 +330,13 @@ class ExpertPack:
             self._check(layer, expert, data)
         return self.decode(layer, data)
 
-    def read_layer(self, layer: int) -> dict[str, np.ndarray]:
-        """All experts of one layer stacked: name -> [E, ...] (what ``ResidentExperts`` holds)."""
+    def read_layer(self, layer: int, verify: bool = False) -> dict[str, np.ndarray]:
+        """All experts of one layer stacked: name -> [E, ...] (what ``ResidentExperts`` holds);
+        ``verify`` checks each record's crc32."""
         lay, n = self.layout(layer), self.num_experts(layer)
         out = {k: np.empty([n, *t["shape"]], _NP[t["dtype"]]) for k, t in lay.items()}
         for e in range(n):
-            for k, a in self.read(layer, e).items():
+            for k, a in self.read(layer, e, verify).items():
                 out[k][e] = a
         return out
 

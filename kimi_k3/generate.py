@@ -95,6 +95,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "else a cache sized from free memory; the demo model caches 25%% of "
         "its experts)",
     )
+    add_verify_argument(p)
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument(
         "--max-context",
@@ -111,6 +112,17 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_verify_argument(p: argparse.ArgumentParser):
+    p.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="check every weight and every streamed expert read from disk against its "
+        "crc32 (default; recorded once at the first load, docs/checkpoints.md); "
+        "--no-verify reads without checking",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
     for name in ("max_tokens", "prefill_step_size", "max_context"):
@@ -118,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             return fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
-        model, tokenizer = load_for_cli(*resolve_model(args.model, args.expert_cache_gb))
+        model, tokenizer = load_for_cli(
+            *resolve_model(args.model, args.expert_cache_gb), verify=args.verify
+        )
         if args.seed is not None:
             mx.random.seed(args.seed)
         if args.interactive:
@@ -175,10 +189,13 @@ def auto_expert_cache_gb(path: Path) -> float | None:
     return budget
 
 
-def load_for_cli(path: Path, expert_cache_gb: float | None):
-    """``(model, tokenizer)`` with a loading bar on stderr (arguments from ``resolve_model``)."""
+def load_for_cli(path: Path, expert_cache_gb: float | None, verify: bool = True):
+    """``(model, tokenizer)`` with a loading bar on stderr (path and budget from
+    ``resolve_model``); ``verify``: check the checkpoint's recorded checksums."""
     tic = time.perf_counter()
-    model, tokenizer = kimi_k3.load(path, expert_cache_gb=expert_cache_gb, lazy=True)
+    model, tokenizer = kimi_k3.load(
+        path, expert_cache_gb=expert_cache_gb, lazy=True, verify_checksums=verify
+    )
     materialize(model, Bar("loading", sys.stderr))
     where = "resident" if expert_cache_gb is None else f"streamed, {expert_cache_gb:.3g} GB cache"
     print(f"loaded {path} in {time.perf_counter() - tic:.1f}s (experts {where})", file=sys.stderr)

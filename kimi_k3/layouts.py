@@ -12,14 +12,13 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import mlx.core as mx
 
-from kimi_k3.checkpoint import CheckpointError, read_header
-from kimi_k3.config import ModelArgs, read_config_json
+from kimi_k3.checkpoint import CheckpointError, read_header, read_index
+from kimi_k3.config import ConfigError, ModelArgs, naming, read_config_json
 from kimi_k3.expert_pack import is_pack_dir
 
 LAYOUTS = ("published", "pack", "mlx-lm")
@@ -39,12 +38,9 @@ _FUSED = (
 def tensor_names(path: str | Path) -> list[str]:
     """The tensor names of a checkpoint directory (from its index, else the shard headers)."""
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            return list(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a valid shard index ({e})") from None
+    weight_map = read_index(path)
+    if weight_map is not None:
+        return list(weight_map)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no model.safetensors.index.json and no *.safetensors")
@@ -74,7 +70,10 @@ def read_args(path: str | Path, layout: str) -> ModelArgs:
     if isinstance(qc, dict) and "quant_method" not in qc:
         config.pop("quantization_config")  # mlx-lm writes its `quantization` entry here too
     quant = config.pop("quantization", None)
-    args = ModelArgs.from_dict(config)
+    with naming(Path(path) / "config.json"):
+        if quant is not None and not isinstance(quant, dict):
+            raise ConfigError(f"config value quantization={quant!r:.60} must be an object")
+        args = ModelArgs.from_dict(config)
     if quant:
         # Per-path entries use mlx-lm's module names; the tensors' shapes say the same.
         args.quantization = {k: quant[k] for k in ("group_size", "bits", "mode") if k in quant}

@@ -13,14 +13,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
+from kimi_k3 import checksums
+from kimi_k3.checkpoint import NON_TEXT_PREFIXES, CheckpointError, CheckpointIndex
 from kimi_k3.config import ModelArgs
 from kimi_k3.expert_pack import ExpertPack
 from kimi_k3.experts import store_layout
 from kimi_k3.layouts import dequantize_f32, detect, from_mlx_lm, read_args
 from kimi_k3.model import (
     KEEP_FP32,
-    NON_TEXT_PREFIXES,
     ROUTED_EXPERT_NAME,
     Model,
     sanitize_weights,
@@ -33,6 +33,7 @@ def load_model(
     expert_cache_gb: float | None = None,
     lazy: bool = False,
     expert_layout: str | None = None,
+    verify_checksums: bool = True,
     **stream_options,
 ) -> Model:
     """Build Kimi K3 from a checkpoint directory.
@@ -44,31 +45,57 @@ def load_model(
             ``A_log``, ``dt_bias``, conv kernels and router correction biases stay fp32.
         expert_cache_gb: ``None`` keeps every routed expert resident; a number streams
             experts from disk into a cache of that many GB (``kimi_k3.streaming``).
-        lazy: leave dense weights unevaluated (read on first use).
+        lazy: leave dense weights unevaluated (read on first use); with ``verify_checksums``
+            they are read and checked here.
         expert_layout: how the expert store holds the stacks: ``"auto"`` (tiles where CUDA's
             kernels read them, else MLX's layout), ``"mlx"`` or ``"tiled"``
             (``kimi_k3.experts.store_layout``); ``None`` reads ``KIMI_K3_EXPERT_LAYOUT``.
+        verify_checksums: check every tensor and every streamed expert read from disk against
+            its recorded crc32 (``kimi_k3.checksums``; recorded on first load), raising
+            ``CheckpointError`` (``ExpertReadError`` while streaming) naming the file.
         stream_options: passed to the expert streamer (policy, prefetch, ...).
     """
+    from kimi_k3 import check_checkpoint
+    from kimi_k3.streaming.sources import open_source
+
     path = Path(path)
+    check_checkpoint(path)
     layout = detect(path)
     args = read_args(path, layout)
     index = CheckpointIndex(path)
     model = Model(args)
     stream = expert_cache_gb is not None
-    raw = _read_tensors(index, skip_experts=stream)
+    moe = [i for i in range(args.num_hidden_layers) if args.is_moe(i)]
+    if moe and not stream:  # the experts' dtypes and shapes, named per tensor
+        open_source(path, index, args, moe)
+    loaded = _read_tensors(index, skip_experts=stream)
+    raw = dict(loaded)
     if layout == "mlx-lm":
         raw = from_mlx_lm(args, raw)
     elif layout == "pack" and not stream:
-        raw.update(_pack_experts(path))
+        raw.update(_pack_experts(path, verify_checksums))
     quantize_dense(model, args, raw)
     weights = sanitize_weights(args, raw)
+    _check(model, weights, index, skip_experts=stream)
+    sums = checksums.obtain(path, index) if verify_checksums else None
     store = store_layout(expert_layout, args.routed_expert_hidden_size, args.moe_intermediate_size)
     if stream:
         from kimi_k3.streaming import attach_streamer
 
-        attach_streamer(model, path, index, expert_cache_gb, expert_layout=store, **stream_options)
-    _check_and_load(model, weights, index, dtype)
+        attach_streamer(
+            model,
+            path,
+            index,
+            expert_cache_gb,
+            expert_layout=store,
+            verify_checksums=verify_checksums,
+            checksums=sums,
+            **stream_options,
+        )
+    if sums is not None:
+        checksums.verify_arrays(loaded, index, sums)
+    del loaded
+    _load(model, weights, dtype)
     del raw, weights  # the model holds what it needs; tiles replace the stacks below
     if not stream:
         from kimi_k3.streaming.store import moe_blocks
@@ -99,8 +126,13 @@ def _read_tensors(index: CheckpointIndex, skip_experts: bool) -> dict:
     return out
 
 
-def _check_and_load(model: Model, weights: dict, index: CheckpointIndex, dtype: mx.Dtype):
-    params = dict(tree_flatten(model.parameters()))
+def _check(model: Model, weights: dict, index: CheckpointIndex, skip_experts: bool):
+    """Every parameter present with its shape, and nothing else (reads no data)."""
+    params = {
+        k: v
+        for k, v in tree_flatten(model.parameters())
+        if not (skip_experts and ROUTED_EXPERT_NAME.search(k))
+    }
     missing = sorted(k for k in params if k not in weights)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -118,6 +150,10 @@ def _check_and_load(model: Model, weights: dict, index: CheckpointIndex, dtype: 
             raise CheckpointError(
                 f"{where}: tensor {key} has shape {list(got.shape)}, expected {list(want.shape)}"
             )
+
+
+def _load(model: Model, weights: dict, dtype: mx.Dtype):
+    for key, got in weights.items():
         if mx.issubdtype(got.dtype, mx.floating):
             weights[key] = got.astype(mx.float32 if key.endswith(KEEP_FP32) else dtype)
     model.load_weights(list(weights.items()), strict=False)
@@ -179,13 +215,14 @@ def _infer_quant(path: str, in_dims: int, weights: dict) -> dict:
     return {"group_size": group_size, "bits": bits, "mode": _MODES[(bits, group_size)]}
 
 
-def _pack_experts(path: Path) -> dict:
-    """Every layer's routed experts from the expert pack, stacked for ``ResidentExperts``."""
+def _pack_experts(path: Path, verify: bool) -> dict:
+    """Every layer's routed experts from the expert pack, stacked for ``ResidentExperts``;
+    ``verify`` checks each record's crc32."""
     pack = ExpertPack(path)
     out = {}
     for layer in pack.layers:
         base = f"language_model.model.layers.{layer}.block_sparse_moe.experts."
-        for name, a in pack.read_layer(layer).items():
+        for name, a in pack.read_layer(layer, verify).items():
             out[base + name] = mx.array(a)
     pack.close()
     return out

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from kimi_k3.attention import GatedMLA, KimiDeltaAttention
 from kimi_k3.attn_res import AttnResMix
+from kimi_k3.checkpoint import NON_TEXT_PREFIXES
 from kimi_k3.config import ModelArgs
 from kimi_k3.experts import EXPERT_TENSORS
 from kimi_k3.moe import LatentMoE, SituMLP
@@ -131,8 +132,6 @@ class Model(nn.Module):
 
 
 KEEP_FP32 = ("A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight")
-# Tensors of the published checkpoint that are not the text model (dropped on load).
-NON_TEXT_PREFIXES = ("vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
 # Routed-expert tensor names, published (``.experts.``) or mlx-lm converted (``.switch_mlp.``).
 ROUTED_EXPERT_NAME = re.compile(r"\.experts\.|\.switch_mlp\.")
 _RES = re.compile(r"(self_attention_res|mlp_res|output_attn_res)_(proj|norm)\.weight$")

@@ -32,7 +32,14 @@ from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, get_syst
 
 from kimi_k3.checkpoint import CheckpointError
 from kimi_k3.config import ConfigError
-from kimi_k3.generate import INTERRUPTED, UserError, fail, load_for_cli, resolve_model
+from kimi_k3.generate import (
+    INTERRUPTED,
+    UserError,
+    add_verify_argument,
+    fail,
+    load_for_cli,
+    resolve_model,
+)
 
 # mlx-lm server options this server does not expose, at values that fit Kimi K3.
 FIXED_OPTIONS = dict(
@@ -60,7 +67,7 @@ class KimiModelProvider(ModelProvider):
             raise ValueError("kimi_k3.server does not load adapters")
         if self.model is None:
             args = self.cli_args
-            self.model, self.tokenizer = load_for_cli(args.model, args.expert_cache_gb)
+            self.model, self.tokenizer = load_for_cli(args.model, args.expert_cache_gb, args.verify)
             self.model_key = (str(args.model), None, None)
             self.processor = None
             self.draft_model = None
@@ -102,6 +109,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="stream routed experts from disk into a cache of this many GB",
     )
+    add_verify_argument(p)
     p.add_argument(
         "--thinking",
         action=argparse.BooleanOptionalAction,

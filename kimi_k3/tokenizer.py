@@ -36,6 +36,7 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from kimi_k3 import cache_dir
 from kimi_k3.chat import encode_chat, parse_tool_calls, render_text
 
 RANK_FILE = "tiktoken.model"
@@ -241,14 +242,6 @@ def build_backend(ranks: list[bytes], specials: list[str]) -> Tokenizer:
         if tok.token_to_id(name) != len(ranks) + i:
             raise ValueError(f"special token {name!r} collides with a BPE token")
     return tok
-
-
-def cache_dir() -> Path:
-    """``$KIMI_K3_CACHE``, else ``$XDG_CACHE_HOME/kimi_k3``, else ``~/.cache/kimi_k3``."""
-    if env := os.environ.get("KIMI_K3_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kimi_k3"
 
 
 def _cache_key(rank_bytes: bytes, specials: list[str]) -> str:

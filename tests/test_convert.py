@@ -17,6 +17,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
+from kimi_k3 import checksums
 from kimi_k3.checkpoint import CheckpointError, CheckpointIndex, ShardWriter
 from kimi_k3.convert.convert import (
     KILL_ENV,
@@ -44,8 +45,11 @@ def _convert(src, out, settings=SMALL, **kw) -> str:
 
 
 def _files(root: Path) -> dict[str, bytes]:
+    """Every file's bytes, but the checksum manifest: a load records the shards' mtimes."""
     return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != checksums.NAME
     }
 
 
@@ -330,3 +334,26 @@ def test_memory_stays_bounded(tmp_path):
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["rc"] == 0
     assert r["peak"] - r["base"] < limit_mb, r
+
+
+def test_copies_no_code_and_checks_its_dense_shards(tiny_ckpt, tmp_path):
+    """Only what a checkpoint needs is copied (a source's ``*.py`` never is); the dense
+    shards' crc32, taken as they are written, are checked at the first load."""
+    src = _copy(tiny_ckpt, tmp_path / "src")
+    (src / "modeling_kimi.py").write_text("raise SystemExit('never run, never copied')\n")
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    out = tmp_path / "out"
+    _convert(src, out, Settings(16, 64, SMALL.shard_bytes, SMALL.pack_file_bytes))
+    assert not list(out.glob("*.py"))
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
+    sums = json.loads((out / checksums.NAME).read_text())["files"]
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert sorted(sums) == shards and all(e["mtime_ns"] is None for e in sums.values())
+    index = CheckpointIndex(out)
+    name = "language_model.model.layers.1.self_attn.q_proj.weight"
+    t = index[name]
+    data = bytearray(t.file.read_bytes())
+    data[t.start] ^= 1  # a bad write: same size
+    t.file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{t.file}: tensor {name} does not match"):
+        load_model(out)

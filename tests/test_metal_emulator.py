@@ -260,3 +260,24 @@ def test_kernel_backend_override_is_validated(monkeypatch):
     monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "cdua")
     with pytest.raises(ValueError, match="KIMI_K3_KERNEL_BACKEND='cdua'"):
         source.backend()
+
+
+def test_build_directory_is_private(tmp_path, monkeypatch):
+    """Compiled kernels are loaded from it: a directory others may write to is refused; the
+    default is the user's own (mode 0700), not a shared temp path."""
+    import os
+    import stat
+
+    from kimi_k3.kernels import metal_emulator
+
+    monkeypatch.delenv("KIMI_K3_EMULATOR_CACHE", raising=False)
+    monkeypatch.setenv("KIMI_K3_CACHE", str(tmp_path / "cache"))
+    own = metal_emulator.cache_dir()
+    st = os.lstat(own)
+    assert st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("KIMI_K3_EMULATOR_CACHE", str(shared))
+    with pytest.raises(RuntimeError, match=rf"{shared}: compiled kernels are loaded from here"):
+        metal_emulator.cache_dir()

@@ -121,22 +121,44 @@ def test_stuck_read_times_out_and_later_recovers(tiny_ckpt, reference, monkeypat
     _recovers(model, reference)
 
 
+def _flip_in_place(file, offsets):
+    """Flip one byte at each offset, keeping the file's size and mtime."""
+    st = file.stat()
+    data = bytearray(file.read_bytes())
+    for offset in offsets:
+        data[offset] ^= 0xFF
+    file.write_bytes(bytes(data))
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def test_corrupted_pack_record_fails_its_checksum(tiny_ckpt, reference, tmp_path):
+    """Default settings: every record read is checked against the pack's crc32."""
     experts = published_experts(tiny_ckpt)
     pack_dir = write_pack(tmp_path, experts)
     (pack_file,) = pack_dir.glob("*.pack")
     model = load_model(tiny_ckpt, dtype=mx.float32)
-    attach_streamer(model, tmp_path, None, _min_gb(model.args), verify_checksums=True)
+    attach_streamer(model, tmp_path, None, _min_gb(model.args))
     _recovers(model, reference)
-    good = pack_file.read_bytes()
-    stat = pack_file.stat()
-    bad = bytearray(good)
-    for e in range(len(experts[1])):  # one flipped byte in every layer-1 record
-        offset = model.layers[1].block_sparse_moe.experts.streamer.source.extents(1, e)[0].offset
-        bad[offset + 100] ^= 0xFF
-    pack_file.write_bytes(bytes(bad))
-    os.utime(pack_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size and mtime
+    source = model.layers[1].block_sparse_moe.experts.streamer.source
+    offsets = [source.extents(1, e)[0].offset + 100 for e in range(len(experts[1]))]
+    _flip_in_place(pack_file, offsets)  # one flipped byte in every layer-1 record
     _fails(model, rf"{pack_file}: checksum mismatch for layer 1 expert \d+ .*corrupted")
-    pack_file.write_bytes(good)
-    os.utime(pack_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    _flip_in_place(pack_file, offsets)
+    _recovers(model, reference)
+
+
+def test_corrupted_published_expert_fails_its_recorded_checksum(streamed, reference):
+    """Default settings, published shards: each expert read is checked against the crc32
+    recorded at the first load; ``verify_checksums=False`` reads the damaged bytes as they are."""
+    model, shard = streamed
+    _recovers(model, reference)
+    source = model.layers[1].block_sparse_moe.experts.streamer.source
+    offsets = [source.extents(1, e)[0].offset + 7 for e in range(model.args.num_experts)]
+    _flip_in_place(shard, offsets)  # in every layer-1 expert's w1.weight
+    _fails(model, rf"{shard}: checksum mismatch for layer 1 expert \d+ \(tensor w1\.weight, bytes")
+    unchecked = load_model(
+        shard.parent, mx.float32, expert_cache_gb=_min_gb(model.args), verify_checksums=False
+    )
+    assert not mx.array_equal(unchecked(PROMPT), reference).item()
+    _flip_in_place(shard, offsets)
     _recovers(model, reference)

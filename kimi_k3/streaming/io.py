@@ -8,8 +8,9 @@ lengths, so a direct read lands in the thread's aligned buffer and is copied onc
 cache slot. A buffered read scatters straight into the slot (``preadv``).
 
 Every failure names the file and the expert: a file that vanished, changed size or mtime,
-stopped being a regular file, ended early, failed with an I/O error, held a bad checksum,
-or did not answer within the timeout.
+stopped being a regular file, ended early, failed with an I/O error, held bytes that do not
+match their checksum (checked in the reader thread, before the expert is used), or did not
+answer within the timeout.
 """
 
 from __future__ import annotations
@@ -122,8 +123,9 @@ class FileTable:
 class ReadJob:
     """One expert to read into ``dest`` (tensor -> writable uint8 array); a future.
 
-    Shapes: ``dest[name]`` 1-D uint8 with the tensor's byte count. ``finish(dest)``, if
-    given, runs in the reader thread once every byte is in (and checked).
+    Shapes: ``dest[name]`` 1-D uint8 with the tensor's byte count. ``checksum``: None, the
+    crc32 of all the bytes in extent order (int), or one per piece (tuple). ``finish(dest)``,
+    if given, runs in the reader thread once every byte is in and checked.
     """
 
     def __init__(
@@ -224,17 +226,14 @@ def _short(ext, what: str, got: int) -> ExpertReadError:
     )
 
 
-def _read_extent(job: ReadJob, ext, fd: int, aligned: bool, buf: _Buffer, crc: int) -> int:
-    """Read one extent into the job's destinations; returns the running crc32."""
+def _read_extent(job: ReadJob, ext, fd: int, aligned: bool, buf: _Buffer):
+    """Read one extent into the job's destinations."""
     dests = [job.dest[name] for name, _ in ext.pieces]
     if not aligned:
         got = _pread_into(fd, list(dests), ext.offset, ext.nbytes, False)
         if got < ext.nbytes:
             raise _short(ext, job.what, got)
-        if job.checksum is not None:
-            for d in dests:
-                crc = zlib.crc32(d, crc)
-        return crc
+        return
     start = ext.offset - ext.offset % ALIGN
     skip = ext.offset - start
     need = skip + ext.nbytes
@@ -243,33 +242,53 @@ def _read_extent(job: ReadJob, ext, fd: int, aligned: bool, buf: _Buffer, crc: i
     if got < need:
         raise _short(ext, job.what, max(got - skip, 0))
     data = view[skip:need]
-    if job.checksum is not None:
-        crc = zlib.crc32(data, crc)
     pos = 0
     for d, (_, n) in zip(dests, ext.pieces, strict=True):
         np.copyto(d, data[pos : pos + n])  # the one copy: aligned buffer -> cache slot
         pos += n
-    return crc
+
+
+def _verify(job: ReadJob):
+    """Check the landed bytes against ``job.checksum``: one crc32 over all of them (int), or
+    one per piece in extent order (tuple)."""
+    per_piece = isinstance(job.checksum, tuple)
+    crc, i = 0, 0
+    for ext in job.extents:
+        pos = ext.offset
+        for name, n in ext.pieces:
+            if per_piece:
+                if zlib.crc32(job.dest[name]) != job.checksum[i]:
+                    raise _mismatch(ext.file, job.what, f"tensor {name}, ", pos, pos + n)
+                i += 1
+            else:
+                crc = zlib.crc32(job.dest[name], crc)
+            pos += n
+    if not per_piece and crc != job.checksum:
+        ext = job.extents[0]
+        raise _mismatch(ext.file, job.what, "", ext.offset, ext.offset + job.nbytes)
+
+
+def _mismatch(file, what: str, piece: str, a: int, b: int) -> ExpertReadError:
+    return ExpertReadError(
+        f"{file}: checksum mismatch for {what} ({piece}bytes {a}..{b}): the file is "
+        "corrupted or was changed in place"
+    )
 
 
 def read_job(job: ReadJob, files: FileTable, buf: _Buffer):
-    """Read every extent of ``job``; raises ``ExpertReadError`` naming file and expert."""
-    crc = 0
+    """Read every extent of ``job`` and check it; raises ``ExpertReadError`` naming the file
+    and expert."""
     for ext in job.extents:
         fd, aligned = files.fd(ext.file, job.what)
         try:
-            crc = _read_extent(job, ext, fd, aligned, buf, crc)
+            _read_extent(job, ext, fd, aligned, buf)
         except OSError as e:
             raise ExpertReadError(
                 f"{ext.file}: I/O error reading {job.what} (bytes "
                 f"{ext.offset}..{ext.offset + ext.nbytes}): {e}"
             ) from None
-    if job.checksum is not None and crc != job.checksum:
-        ext = job.extents[0]
-        raise ExpertReadError(
-            f"{ext.file}: checksum mismatch for {job.what} (bytes "
-            f"{ext.offset}..{ext.offset + job.nbytes}): the file is corrupted"
-        )
+    if job.checksum is not None:
+        _verify(job)
     if job.finish is not None:
         job.finish(job.dest)
 

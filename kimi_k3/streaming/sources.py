@@ -15,6 +15,7 @@ import numpy as np
 
 from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
 from kimi_k3.config import ModelArgs
+from kimi_k3.expert_pack import source_name
 from kimi_k3.model import expert_keys
 
 # The six cache tensors of one expert, in the order of the published shards and the pack.
@@ -74,6 +75,7 @@ class ShardSource:
     """
 
     kind = "shards"
+    sums = None  # the checkpoint's ``kimi_k3.checksums.Checksums``, set to verify reads
 
     def __init__(self, index: CheckpointIndex, layout: dict, layers: list[int], num_experts: int):
         self.index, self.layout = index, layout
@@ -100,8 +102,16 @@ class ShardSource:
             parts.append((t.file, t.start, t.nbytes, name))
         return _runs(parts)
 
-    def checksum(self, layer: int, expert: int) -> int | None:
-        return None
+    def checksum(self, layer: int, expert: int) -> tuple | None:
+        """The recorded crc32 of each piece of ``extents(layer, expert)``, in their order."""
+        if self.sums is None:
+            return None
+        base = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}."
+        return tuple(
+            self.sums.of(self.index[base + source_name(name)])
+            for ext in self.extents(layer, expert)
+            for name, _ in ext.pieces
+        )
 
 
 class MlxLmSource:
@@ -113,11 +123,12 @@ class MlxLmSource:
     """
 
     kind = "mlx-lm"
+    sums = None  # as ``ShardSource.sums``
 
     def __init__(self, index: CheckpointIndex, layout: dict, layers: list[int], num_experts: int):
         from kimi_k3.layouts import mlx_lm_expert_names
 
-        self.layout, self.tensors = layout, {}
+        self.index, self.layout, self.tensors = index, layout, {}
         for layer in layers:
             for name, key in mlx_lm_expert_names(layer).items():
                 t = index[key]
@@ -145,8 +156,14 @@ class MlxLmSource:
             out.append(Extent(t.file, t.start + expert * n, n, ((name, n),)))
         return tuple(sorted(out, key=lambda x: (str(x.file), x.offset)))
 
-    def checksum(self, layer: int, expert: int) -> int | None:
-        return None
+    def checksum(self, layer: int, expert: int) -> tuple | None:
+        """The recorded crc32 of the expert's row of each stacked tensor, in extent order."""
+        if self.sums is None:
+            return None
+        return tuple(
+            self.sums.of(self.tensors[(layer, ext.pieces[0][0])])[expert]
+            for ext in self.extents(layer, expert)
+        )
 
 
 class PackSource:
@@ -159,7 +176,7 @@ class PackSource:
         from kimi_k3.expert_pack import ExpertPack
 
         self.pack = ExpertPack(path)
-        self.records = {}
+        self.index, self.records = None, {}
         for layer in layers:
             n = self.pack.num_experts(layer)  # raises PackError for a missing layer
             if n != num_experts:

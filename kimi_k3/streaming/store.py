@@ -40,7 +40,9 @@ class StreamOptions:
     io_threads: reader threads (reads in flight). direct_io: ``O_DIRECT``/``F_NOCACHE``.
     read_timeout: seconds to wait for one call's reads before raising.
     source: ``"auto"``, ``"shards"``, ``"pack"`` or ``"mlx-lm"``.
-    verify_checksums: check each expert-pack record's crc32 on every read.
+    verify_checksums: check every expert read against its crc32 (the expert pack's per
+        record, else the checkpoint's recorded checksums, ``kimi_k3.checksums``), in the
+        reader thread, before the expert is used.
     write_mode: ``"auto"``, ``"view"`` (write slots through a numpy view of the MLX buffer)
         or ``"mlx"`` (``pool[slot] = array``, for backends whose buffers are not host views).
     expert_layout: how the slots hold an expert: ``"auto"``, ``"mlx"`` or ``"tiled"``
@@ -56,7 +58,7 @@ class StreamOptions:
     direct_io: bool = True
     read_timeout: float = 60.0
     source: str = "auto"
-    verify_checksums: bool = False
+    verify_checksums: bool = True
     write_mode: str = "auto"
     lfu_half_life: int | None = None
     expert_layout: str | None = None
@@ -453,14 +455,20 @@ def moe_blocks(model) -> dict:
 
 
 def attach_streamer(
-    model, path: str | Path, index: CheckpointIndex | None, expert_cache_gb: float, **options
+    model,
+    path: str | Path,
+    index: CheckpointIndex | None,
+    expert_cache_gb: float,
+    checksums=None,
+    **options,
 ) -> Streamer:
     """Replace every MoE layer's resident experts by a streamed store reading from ``path``.
 
     Works before the dense weights are loaded (``kimi_k3.loader.load_model`` calls it so) or on a
     loaded model (the resident experts are dropped). ``expert_cache_gb`` (1e9 bytes) is
-    split evenly into per-layer slots, at least top-k per layer. ``options``: see
-    ``StreamOptions``.
+    split evenly into per-layer slots, at least top-k per layer. ``checksums``: the
+    checkpoint's ``kimi_k3.checksums.Checksums`` (obtained here when needed and not given).
+    ``options``: see ``StreamOptions``.
     """
     opts = StreamOptions(**options)
     moes = moe_blocks(model)
@@ -469,6 +477,10 @@ def attach_streamer(
     args = model.args
     layout = expert_layout(args)
     source = open_source(Path(path), index, args, sorted(moes), opts.source)
+    if opts.verify_checksums and source.kind != "pack":
+        from kimi_k3 import checksums as sums
+
+        source.sums = checksums or sums.obtain(Path(path), source.index)
     budget = round(expert_cache_gb * GB)
     slots = slots_per_layer(
         budget, expert_bytes(layout), len(moes), args.num_experts_per_token, args.num_experts
