@@ -23,6 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from benchmarks import timing
 from kimi_k3.config import ModelArgs
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.loader import load_model
@@ -97,12 +98,13 @@ def measure(path: Path, rounds: int, tokens: int) -> dict:
 
 
 def table(results: dict) -> str:
-    rows = ["| | without verification | with verification | change |", "|---|---|---|---|"]
+    rows = []
     for what, unit in (("read", "GB/s"), ("decode", "tokens/s")):
         off = statistics.median(results[(what, False)])
         on = statistics.median(results[(what, True)])
-        rows.append(f"| {what} {unit} | {off:.3g} | {on:.3g} | {100 * (on / off - 1):+.1f}% |")
-    return "\n".join(rows)
+        rows.append([f"{what} {unit}", f"{off:.3g}", f"{on:.3g}", f"{100 * (on / off - 1):+.1f}%"])
+    header = ["", "without verification", "with verification", "change"]
+    return timing.markdown_table(header, rows)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -113,6 +115,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=32, help="experts per MoE layer")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=32, help="decode steps per round")
+    p.add_argument("--out", help="write the markdown table here")
     return p
 
 
@@ -123,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(Path(tmp), a.layout, a.expert_dim, a.experts)
         results = measure(path, a.rounds, a.tokens)
-    print(
+    head = (
         f"{a.layout}: {a.experts} experts of width {a.expert_dim} per MoE layer, "
-        f"{a.rounds} rounds (medians)"
+        f"{a.rounds} rounds (medians); {timing.environment()}"
     )
-    print(table(results))
+    timing.emit(head + "\n\n" + table(results), a.out)
     return 0
 
 
