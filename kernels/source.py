@@ -44,7 +44,6 @@ WORDS = {
     "DEVICE": ("device", ""),
     "BFLOAT16": ("bfloat16_t", "__nv_bfloat16"),
     "HELPER": ("inline", "__device__ inline"),
-    "MBAR_T": ("ulong", "unsigned long long"),
 }
 
 # function-like word: (Metal, CUDA) spelling of the callee
@@ -84,15 +83,8 @@ CALLS = {
     "LOAD_STREAM": ("kk_load_stream", "__ldcs"),
     # asynchronous copies into threadgroup memory (helpers in the preludes below)
     "ASYNC_COPY16": ("kk_async_copy16", "kk_async_copy16"),
-    "ASYNC_COPY4": ("kk_async_copy4", "kk_async_copy4"),
     "ASYNC_COMMIT": ("kk_async_commit", "kk_async_commit"),
     "ASYNC_WAIT": ("kk_async_wait", "kk_async_wait"),
-    # bulk copies (the TMA engine) completing on per-stage barriers (helpers below)
-    "BULK_COPY": ("kk_bulk_copy", "kk_bulk_copy"),
-    "MBAR_INIT": ("kk_mbar_init", "kk_mbar_init"),
-    "MBAR_EXPECT": ("kk_mbar_expect", "kk_mbar_expect"),
-    "MBAR_ASYNC_ARRIVE": ("kk_mbar_async_arrive", "kk_mbar_async_arrive"),
-    "MBAR_WAIT": ("kk_mbar_wait", "kk_mbar_wait"),
     # threadgroups of one launch meeting through a uint counter in device memory (an output):
     # ATOMIC_ADD returns the old value; LOAD_ACQUIRE reads it (a spin's read); FENCE_DEVICE
     # orders this thread's device-memory accesses before and after it at device scope
@@ -175,51 +167,7 @@ __device__ inline void kk_async_copy16(T& dst, const T* src, bool valid) {
 __device__ inline void kk_async_copy16(float2& dst, const float4* src, bool valid) {
   kk_cp_async16(&dst, src, valid);
 }
-// ASYNC_COPY4(dst, src, valid): the same for 4 bytes (a uint of a SHARED array; src 4-byte
-// aligned): cp.async.ca, the only cp.async of fewer than 16 bytes.
-__device__ inline void kk_async_copy4(uint& dst, const uint* src, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(&dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src),
-               "r"(valid ? 4 : 0)
-               : "memory");
-}
 __device__ inline void kk_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// A barrier in threadgroup memory for one ring stage (PTX mbarrier; sm_90 for the bulk and
-// expect_tx forms). MBAR_INIT: ``count`` arrivals per phase, made visible to the copy engine.
-// MBAR_EXPECT: one arrival that also expects ``bytes`` of bulk copies. BULK_COPY: ``bytes``
-// (a multiple of 16, both ends 16-byte aligned) from global to threadgroup memory by the TMA
-// engine, counted on ``bar``. MBAR_ASYNC_ARRIVE: one arrival once this thread's earlier
-// ASYNC_COPY* have landed (counted in MBAR_INIT's ``count``). MBAR_WAIT: until the phase of
-// the given parity has completed.
-__device__ inline uint kk_smem(const void* p) { return (uint)__cvta_generic_to_shared(p); }
-__device__ inline void kk_mbar_init(unsigned long long* bar, uint count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\\n\\t"
-               "fence.mbarrier_init.release.cluster;\\n\\t"
-               "fence.proxy.async.shared::cta;" ::"r"(kk_smem(bar)), "r"(count)
-               : "memory");
-}
-__device__ inline void kk_mbar_expect(unsigned long long* bar, uint bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(kk_smem(bar)),
-               "r"(bytes)
-               : "memory");
-}
-template <typename T>
-__device__ inline void kk_bulk_copy(T* dst, const T* src, uint bytes, unsigned long long* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(kk_smem(dst)), "l"(src), "r"(bytes), "r"(kk_smem(bar))
-      : "memory");
-}
-__device__ inline void kk_mbar_async_arrive(unsigned long long* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(kk_smem(bar))
-               : "memory");
-}
-__device__ inline void kk_mbar_wait(unsigned long long* bar, uint parity) {
-  asm volatile("{\\n\\t.reg .pred p;\\n\\tKK_MBAR_WAIT:\\n\\t"
-               "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\\n\\t"
-               "@!p bra KK_MBAR_WAIT;\\n\\t}" ::"r"(kk_smem(bar)), "r"(parity)
-               : "memory");
-}
 __device__ inline void kk_async_wait(int n) {
   switch (n) {
     case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
@@ -294,21 +242,8 @@ inline void kk_async_copy16(T& dst, const T* src, bool valid) {
 inline void kk_async_copy16(float2& dst, const float4* src, bool valid) {
   kk::async_copy(&dst, valid ? src : nullptr, 16);  // dst and the float2 after it
 }
-inline void kk_async_copy4(uint& dst, const uint* src, bool valid) {
-  kk::async_copy(&dst, valid ? src : nullptr, 4);
-}
 inline void kk_async_commit() { kk::async_commit(); }
 inline void kk_async_wait(int n) { kk::async_wait(n); }
-// Bulk copies land at once or at the MBAR_WAIT on their barrier (half each); MBAR_ASYNC_ARRIVE
-// hands this thread's pending ASYNC_COPY*s to the barrier the same way.
-template <typename T>
-inline void kk_bulk_copy(T* dst, const T* src, uint bytes, ulong* bar) {
-  kk::bulk_copy(dst, src, bytes, bar);
-}
-inline void kk_mbar_init(ulong* bar, uint) { *bar = 0; }
-inline void kk_mbar_expect(ulong*, uint) {}
-inline void kk_mbar_async_arrive(ulong* bar) { kk::async_to_barrier(bar); }
-inline void kk_mbar_wait(ulong* bar, uint) { kk::barrier_wait(bar); }
 #else
 template <typename T>
 inline void kk_async_copy16(threadgroup T& dst, const device T* src, bool valid) {
@@ -319,19 +254,8 @@ inline void kk_async_copy16(threadgroup float2& dst, const device float4* src, b
   (&dst)[0] = v.xy;  // dst and the float2 after it
   (&dst)[1] = v.zw;
 }
-inline void kk_async_copy4(threadgroup uint& dst, const device uint* src, bool valid) {
-  dst = valid ? *src : 0u;
-}
 inline void kk_async_commit() {}
 inline void kk_async_wait(int) {}
-template <typename T>
-inline void kk_bulk_copy(threadgroup T* dst, const device T* src, uint bytes, threadgroup ulong*) {
-  for (uint i = 0; i < bytes / sizeof(T); ++i) dst[i] = src[i];
-}
-inline void kk_mbar_init(threadgroup ulong* bar, uint) { *bar = 0; }
-inline void kk_mbar_expect(threadgroup ulong*, uint) {}
-inline void kk_mbar_async_arrive(threadgroup ulong*) {}
-inline void kk_mbar_wait(threadgroup ulong*, uint) {}
 #endif
 inline float2 kk_half2_bits(uint u) { return float2(as_type<half2>(u)); }
 inline float4 kk_mma(float4 c, uint4 a, uint2 b, uint lane) {
@@ -433,12 +357,6 @@ HELPER float4 kk_mma(float4 c, kk_split4_t a, float2 b, uint lane, bool x3) {
 }
 """
 
-# SHARED_DYNAMIC(type, name, count); declares a threadgroup array of ``count`` elements: on
-# Metal a plain one (no dynamic size there), on CUDA dynamic shared memory, whose bytes the
-# launch gives (``Kernel.shared_memory``; it may pass the 48 KB that static arrays may hold).
-_DYNAMIC_RE = re.compile(r"\bSHARED_DYNAMIC\(\s*([\w:]+)\s*,\s*(\w+)\s*,\s*([^;]+?)\s*\)\s*;")
-_DYNAMIC = (r"threadgroup \1 \2[\3];", r"extern __shared__ __align__(16) \1 \2[];")
-
 _WORD_RE = re.compile(r"\b(" + "|".join(sorted(WORDS, key=len, reverse=True)) + r")\b")
 _CALL_RE = re.compile(r"\b(" + "|".join(sorted(CALLS, key=len, reverse=True)) + r")\s*\(")
 
@@ -456,7 +374,6 @@ def render(text: str, backend: str) -> str:
             return f"{name}({_BARRIER_ARGS[word]}"
         return name + "("
 
-    text = _DYNAMIC_RE.sub(_DYNAMIC[i], text)
     text = _CALL_RE.sub(call, text)
     return _WORD_RE.sub(lambda m: WORDS[m.group(1)][i], text)
 
@@ -584,7 +501,6 @@ class Kernel:
     body: str
     header: str = ""
     instances: list = field(default_factory=list)
-    shared_memory: int = 0  # dynamic shared memory bytes (CUDA only)
     # CUDA only: (threads per threadgroup at most, threadgroups per SM at least), given to
     # the compiler as __launch_bounds__ (it then caps the registers a thread may take).
     launch_bounds: tuple | None = None
@@ -631,7 +547,6 @@ class Kernel:
                 self.output_names,
                 self.source("cuda"),
                 header=self.header_for("cuda"),
-                shared_memory=self.shared_memory,
             )
         args = (self.name, self.input_names, self.output_names, self.source("metal"))
         header = render_header(self.header, "metal")

@@ -62,16 +62,6 @@ struct SimdOp {
   uint32_t lanes;
 };
 
-// A bulk copy (BULK_COPY), or an asynchronous copy handed to a barrier (MBAR_ASYNC_ARRIVE),
-// not yet landed: it lands at an MBAR_WAIT on ``bar``.
-struct BarrierCopy {
-  void* dst;
-  const void* src;
-  unsigned bytes;
-  const void* bar;
-};
-constexpr unsigned kBarrierMax = 4096;  // per threadgroup
-
 struct Runtime {
   // dispatch
   uvec3 grid, tg, groups, group, size;  // size: threads in this (possibly partial) group
@@ -87,8 +77,6 @@ struct Runtime {
   // simdgroup exchange: [simdgroup][parity]
   struct SimdOp* xchg;
   // copies waiting for their barrier (the threadgroup's; its fibers run one at a time)
-  BarrierCopy* bcopies;
-  unsigned nbcopies;
   // threadgroup memory (this module's bss)
   char* tg_lo;
   char* tg_hi;
@@ -183,42 +171,6 @@ inline void async_copy(void* dst, const void* src, unsigned bytes) {
 }
 
 inline void async_commit() { me().committed++; }
-
-inline void defer_to_barrier(void* dst, const void* src, unsigned bytes, const void* bar) {
-  if (rt->nbcopies == kBarrierMax) {
-    fail("more than 4096 bulk copies in flight (an MBAR_WAIT missing?)");
-    return;
-  }
-  rt->bcopies[rt->nbcopies++] = {dst, src, bytes, bar};
-}
-
-inline void bulk_copy(void* dst, const void* src, unsigned bytes, const void* bar) {
-  if (bytes % 16 || reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16) {
-    fail("BULK_COPY needs 16-byte sizes and 16-byte aligned ends");
-    return;
-  }
-  if (next_random() & 1) land(dst, src, bytes);
-  else defer_to_barrier(dst, src, bytes, bar);
-}
-
-// This thread's pending asynchronous copies land at the barrier's wait from now on.
-inline void async_to_barrier(const void* bar) {
-  Fiber& f = me();
-  for (unsigned i = 0; i < f.npending; ++i) {
-    defer_to_barrier(f.pending[i].dst, f.pending[i].src, f.pending[i].bytes, bar);
-  }
-  f.npending = 0;
-}
-
-inline void barrier_wait(const void* bar) {
-  unsigned keep = 0;
-  for (unsigned i = 0; i < rt->nbcopies; ++i) {
-    const BarrierCopy& c = rt->bcopies[i];
-    if (c.bar == bar) land(c.dst, c.src, c.bytes);
-    else rt->bcopies[keep++] = c;
-  }
-  rt->nbcopies = keep;
-}
 
 // Land the copies of every committed group but the n most recent, in issue order.
 inline void async_wait(int n) {
@@ -325,7 +277,6 @@ inline void run_group(unsigned* order) {
     order[t] = t;
   }
   std::memset(rt->tg_lo, 0xFF, rt->tg_hi - rt->tg_lo);
-  rt->nbcopies = 0;
   for (;;) {
     for (unsigned i = rt->nthreads; i > 1; --i) {  // a fresh order every round
       unsigned j = next_random() % i;
@@ -434,10 +385,8 @@ inline int launch(void (*entry)(), const unsigned* grid, const unsigned* tg, int
   Fiber* fibers = new Fiber[max_threads];
   unsigned* order = new unsigned[max_threads];
   SimdOp* xchg = new SimdOp[2 * ceil_div(max_threads, kLanes)];
-  BarrierCopy* bcopies = new BarrierCopy[kBarrierMax];
   r.fibers = fibers;
   r.xchg = xchg;
-  r.bcopies = bcopies;
   for (unsigned gz = 0; gz < r.groups.z && !err[0]; ++gz) {
     for (unsigned gy = 0; gy < r.groups.y && !err[0]; ++gy) {
       for (unsigned gx = 0; gx < r.groups.x && !err[0]; ++gx) {
@@ -449,7 +398,6 @@ inline int launch(void (*entry)(), const unsigned* grid, const unsigned* tg, int
       }
     }
   }
-  delete[] bcopies;
   delete[] xchg;
   delete[] order;
   delete[] fibers;
