@@ -436,6 +436,29 @@ class _ErrorLines:
         return False
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """A base port with ``n`` consecutive free ports on ``host``, for ``mlx.launch
+    --starting-port`` (the ring backend's rank r listens on base + r)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        socks = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError(f"no {n} consecutive free ports on {host}")
+
+
 # Loading and stats.
 
 

@@ -4,7 +4,6 @@ one process, on a tiny synthetic checkpoint (tests/dist_worker.py is one rank)."
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kimi_k3.distributed import balanced_split, expert_range
+from kimi_k3.distributed import balanced_split, expert_range, free_ports
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 LAUNCH_TIMEOUT = 120  # seconds: a hung rank fails the test instead of blocking CI
@@ -20,30 +19,6 @@ LAUNCH_TIMEOUT = 120  # seconds: a hung rank fails the test instead of blocking 
 # add the ranks' parts in another order (measured: 1.9e-6 for tensor parallel, 0 for the
 # pipeline and expert splits on this checkpoint).
 LOGIT_TOL = 1e-5
-
-
-def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (the ring backend's rank r listens on
-    base + r), so parallel runs on one machine do not collide."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def launch(n: int, *command: str) -> subprocess.CompletedProcess:
@@ -151,6 +126,16 @@ def test_four_ranks_read_only_their_experts(tiny_ckpt, per_rank, tmp_path):
             assert got["tokens"] == tokens and close(got["logits"], logits) <= LOGIT_TOL
     reads = [g["mine"]["bytes_read"] for g in results(tmp_path, "expert:0.001", 4)]
     assert all(b > 0 for b in reads)
+
+
+def test_bench_quick(tmp_path):
+    """``python -m benchmarks.bench_distributed --quick`` on 1 and 2 ranks: its table."""
+    from benchmarks import bench_distributed
+
+    out = tmp_path / "table.md"
+    assert bench_distributed.main(["--quick", "--ranks", "1", "2", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")][1:]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
 
 
 def test_missing_expert_file_ends_every_rank(per_rank):
