@@ -53,7 +53,9 @@ def worker(ckpt: str, out: str, gb: float, tokens: int, distributed: bool) -> No
     from kimi_k3.streaming import reset_stats
 
     group = dist.init_group("ring", 120) if distributed else None
-    model, _ = kimi_k3.load(ckpt, expert_cache_gb=gb, expert_group=group, verify_checksums=False)
+    model, _ = kimi_k3.load(
+        ckpt, dtype=mx.float32, expert_cache_gb=gb, expert_group=group, verify_checksums=False
+    )
     decode(model, 2)  # warm the kernels and the cache
     reset_stats(model)
     tps = decode(model, tokens)
@@ -139,12 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         per = expert_bytes(expert_layout(args))
         gb = layers * a.budget_experts * per / 1e9
         results = {n: run(n, ckpt, tmp, gb, tokens) for n in a.ranks}
-    head = (
-        f"`small` preset, {a.experts} experts of {per / 1e6:.2f} MB per MoE layer "
-        f"({layers} layers), top-{args.num_experts_per_token}; {a.budget_experts} slots per "
-        f"layer per rank ({gb:.2f} GB); {tokens} greedy decode steps; {timing.environment()}"
-    )
-    timing.emit(head + "\n\n" + table(results), a.out)
+        setup = (
+            f"{a.experts} experts of {per / 1e6:.2f} MB per MoE layer ({layers} layers), "
+            f"top-{args.num_experts_per_token}; {a.budget_experts} slots per layer per rank "
+            f"({gb:.2f} GB); {tokens} greedy decode steps"
+        )
+    timing.emit(f"`small` preset, {setup}; {timing.environment()}\n\n{table(results)}", a.out)
     return 0
 
 

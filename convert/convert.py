@@ -673,6 +673,10 @@ def convert(
     stream = stream or sys.stderr
     if settings.dense_bits not in (4, 8, 16):
         raise ConvertError(f"--dense-bits {settings.dense_bits}: use 4, 8 or 16")
+    if settings.ranks < 1 or not 0 <= settings.rank < settings.ranks:
+        raise ConvertError(
+            f"--rank {settings.rank} --ranks {settings.ranks}: the rank must be in 0..ranks-1"
+        )
     layout = detect(hf_path)
     if layout != "published":
         raise ConvertError(
@@ -819,10 +823,6 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
 def main(argv=None) -> int:
     a = setup_arg_parser().parse_args(argv)
     mb = 1 << 20
-    if not 0 <= a.rank < a.ranks:
-        print(f"kimi_k3.convert: error: --rank {a.rank} is not in 0..{a.ranks - 1} (--ranks {a.ranks})",
-              file=sys.stderr)
-        return 2
     settings = Settings(
         a.dense_bits, a.group_size, int(a.shard_mb * mb), int(a.pack_file_mb * mb), a.ranks, a.rank
     )

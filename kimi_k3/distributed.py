@@ -396,44 +396,46 @@ def from_args(args) -> Plan | None:
 
 
 def _report_as(rank: int):
-    """Rank 0 prints and serves; other ranks print only their ``error:`` lines. An error
-    that escapes (a peer lost mid-generation) is one line naming this rank."""
+    """Rank 0 prints and serves; other ranks print only their ``error:`` lines. Every
+    ``error:`` line names its rank, and an error that escapes (a peer lost mid-generation)
+    is one such line instead of a traceback."""
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
-        sys.stderr = _ErrorLines(sys.__stderr__)
+    sys.stderr = _RankLines(sys.__stderr__, rank, errors_only=rank != 0)
 
     def hook(kind, value, tb):
-        sys.__stderr__.write(f"error: rank {rank}: {value}\n")
-        sys.__stderr__.flush()
+        sys.stderr.write(f"error: {value}\n")
 
     sys.excepthook = hook
 
 
-def on_rank(plan: Plan | None, message: str) -> str:
-    """``message`` naming the rank that reports it when distributed."""
-    return message if plan is None else f"rank {plan.rank}: {message}"
+class _RankLines:
+    """A text stream that names ``rank`` in each ``error:`` line and, with ``errors_only``,
+    drops every other line. Text not starting an error line passes through at once (a
+    progress bar redrawn in place stays live)."""
 
-
-class _ErrorLines:
-    """A text stream passing on only the lines that start with ``error``."""
-
-    def __init__(self, out):
-        self.out, self.line = out, ""
+    def __init__(self, out, rank: int, errors_only: bool):
+        self.out, self.rank, self.errors_only, self.line = out, rank, errors_only, ""
 
     def write(self, text: str) -> int:
+        if not self.line and not text.startswith("error"):
+            if not self.errors_only:
+                self.out.write(text)
+            return len(text)
         self.line += text
         *lines, self.line = self.line.split("\n")
         for line in lines:
-            if line.startswith("error"):
-                self.out.write(line + "\n")
-                self.out.flush()
+            if line.startswith("error: ") and not line.startswith(f"error: rank {self.rank}:"):
+                line = f"error: rank {self.rank}: {line[len('error: ') :]}"
+            self.out.write(line + "\n")
+        self.out.flush()
         return len(text)
 
     def flush(self):
-        pass
+        self.out.flush()
 
     def isatty(self) -> bool:
-        return False
+        return self.out.isatty() and not self.errors_only
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> int:

@@ -131,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             return fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    plan = None
     try:
         plan = distributed.from_args(args)
         model, tokenizer = load_for_cli(
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return INTERRUPTED
     except (UserError, ConfigError, CheckpointError, OSError, distributed.DistributedError) as e:
-        return fail(distributed.on_rank(plan, str(e)))
+        return fail(str(e))
 
 
 def fail(message: str) -> int:

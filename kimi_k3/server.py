@@ -69,7 +69,7 @@ class KimiModelProvider(ModelProvider):
         if self.model is None:
             args = self.cli_args
             self.model, self.tokenizer = load_for_cli(
-                args.model, args.expert_cache_gb, args.verify, args.plan
+                args.model, args.expert_cache_gb, args.verify, getattr(args, "plan", None)
             )
             self.model_key = (str(args.model), None, None)
             self.processor = None
@@ -157,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     args.chat_template_args = {"thinking": args.thinking}
     vars(args).update(FIXED_OPTIONS)
-    args.plan = None
     try:
         args.plan = distributed.from_args(args)
         args.model, args.expert_cache_gb = resolve_model(args.model, args.expert_cache_gb)
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         httpd = _bind(args.host, args.port)
     except (UserError, ConfigError, CheckpointError, OSError, distributed.DistributedError) as e:
-        return fail(distributed.on_rank(args.plan, str(e)))
+        return fail(str(e))
     except KeyboardInterrupt:
         return INTERRUPTED
     generator = ResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size))

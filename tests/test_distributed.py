@@ -111,7 +111,7 @@ def test_two_ranks_every_split(tiny_ckpt, tmp_path):
 
 def test_four_ranks_read_only_their_experts(tiny_ckpt, per_rank, tmp_path):
     """Each of 4 ranks streams (and, resident, holds) its quarter of every layer's experts
-    from its own directory, whose pack holds nothing else."""
+    from its own directory, whose pack holds nothing else; and 4 pipeline stages."""
     from dist_worker import reference
 
     pattern = per_rank(4)
@@ -126,6 +126,19 @@ def test_four_ranks_read_only_their_experts(tiny_ckpt, per_rank, tmp_path):
             assert got["tokens"] == tokens and close(got["logits"], logits) <= LOGIT_TOL
     reads = [g["mine"]["bytes_read"] for g in results(tmp_path, "expert:0.001", 4)]
     assert all(b > 0 for b in reads)
+    stages = tmp_path / "stages"
+    stages.mkdir()
+    run = launch(4, str(WORKER), str(tiny_ckpt), str(stages), "pipeline")
+    assert "Traceback" not in run.stderr + run.stdout, run.stderr + run.stdout
+    for got in results(stages, "pipeline", 4):
+        assert got["tokens"] == tokens and close(got["logits"], logits) <= LOGIT_TOL
+
+
+def test_converter_rank_out_of_range(tiny_ckpt, tmp_path):
+    from kimi_k3.convert.convert import ConvertError, Settings, convert
+
+    with pytest.raises(ConvertError, match="--rank 2 --ranks 2"):
+        convert(tiny_ckpt, tmp_path / "out", Settings(ranks=2, rank=2))
 
 
 def test_bench_quick(tmp_path):
