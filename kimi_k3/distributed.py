@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from kimi_k3.checkpoint import CheckpointError
+
 SPLITS = ("pipeline", "tensor", "expert", "tensor+expert")
 MESSAGE_BYTES = 2048  # an error message as exchanged between ranks
 
@@ -237,16 +239,43 @@ def _shard_mlp(mlp, group, partial: bool):
 
 def moe_parts(moe, flat: mx.array, z: mx.array, inds: mx.array, weights: mx.array):
     """An expert-parallel MoE layer's routed sum (fp32 [N, Dl]) and shared output, both
-    summed over the ranks with one all-sum."""
-    y = held_experts(moe.experts, moe.expert_range, z, inds, weights)
-    shared = moe.shared_experts(flat)
+    summed over the ranks with one all-sum.
+
+    The sum carries one more column: 1 from a rank whose experts could not be read (it adds
+    zeros instead of raising, so no other rank is left waiting in this all-sum). The next
+    MoE layer, whose routing evaluated this sum, sees it on every rank and all of them stop
+    together (``_check_failures``) with the failed rank's error."""
     group = moe.sharding_group
-    if not moe.shared_partial:
-        return mx.distributed.all_sum(y, group=group), shared
-    both = mx.concatenate([y, shared.astype(mx.float32)], axis=-1)
-    both = mx.distributed.all_sum(both, group=group)
+    _check_failures(group)
+    try:
+        y = held_experts(moe.experts, moe.expert_range, z, inds, weights)
+    except CheckpointError as e:  # ExpertReadError: a file vanished, changed, failed a check
+        _FAILED[id(group)] = e
+        y = mx.zeros((z.shape[0], z.shape[-1]), mx.float32)
+    shared = moe.shared_experts(flat)
+    flag = mx.full((z.shape[0], 1), float(id(group) in _FAILED), mx.float32)
+    parts = [y, shared.astype(mx.float32)] if moe.shared_partial else [y]
+    both = mx.distributed.all_sum(mx.concatenate([*parts, flag], axis=-1), group=group)
+    _PENDING[id(group)] = (group, both[:1, -1])
     d = y.shape[-1]
-    return both[:, :d], both[:, d:].astype(shared.dtype)
+    if not moe.shared_partial:
+        return both[:, :d], shared
+    return both[:, :d], both[:, d:-1].astype(shared.dtype)
+
+
+_FAILED: dict = {}  # id(group) -> this rank's read error
+_PENDING: dict = {}  # id(group) -> (group, the failure column of the last MoE all-sum)
+
+
+def _check_failures(group=None):
+    """Raise on every rank once an earlier MoE all-sum carried a failure: ``agree`` then
+    gives each rank the failed ranks' errors (naming the file, layer and expert)."""
+    for key, (g, column) in list(_PENDING.items()):
+        if group is not None and g is not group:
+            continue
+        del _PENDING[key]
+        if float(column.item()) > 0:
+            agree(g, _FAILED.pop(key, None))
 
 
 def held_experts(store, held: range, z, inds, weights) -> mx.array:
@@ -399,9 +428,14 @@ def _report_as(rank: int):
     """Rank 0 prints and serves; other ranks print only their ``error:`` lines. Every
     ``error:`` line names its rank, and an error that escapes (a peer lost mid-generation)
     is one such line instead of a traceback."""
+    import logging
+
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     sys.stderr = _RankLines(sys.__stderr__, rank, errors_only=rank != 0)
+    for handler in logging.getLogger().handlers:  # the server's log, set up before
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.__stderr__:
+            handler.setStream(sys.stderr)
 
     def hook(kind, value, tb):
         sys.stderr.write(f"error: {value}\n")
@@ -488,6 +522,7 @@ def gather_stats(model) -> list[dict] | None:
     group = world_of(model)
     if group is None:
         return None
+    _check_failures()  # a read failure in the last step
     s = get_stats(model) or {}
     keys = ("hits", "misses", "bytes_read", "read_seconds")
     mine = mx.array([[float(s.get(k, 0)) for k in keys] + [float(bool(s))]], mx.float32)

@@ -7,7 +7,9 @@ A CASE is ``SPLIT`` or ``SPLIT:GB`` (SPLIT one of ``kimi_k3.distributed.SPLITS``
 ``model.shard(group)`` on a model loaded whole; GB streams the experts through a cache of
 that size). For each case the rank writes ``OUT/CASE.rankR.npz``: the greedy tokens and
 fp32 logits of a prefill and ``STEPS`` decode steps (``run``), and its streaming counters.
-``reference`` computes the same in one process.
+``reference`` computes the same in one process. The case ``vanish:GB`` streams with the
+expert split, and after one pass rank 1 moves its expert pack file away (to ``.moved``);
+each rank writes the error it then stops with to ``OUT/vanish.rankR.txt``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def main(ckpt: str, out: str, cases: list[str]) -> int:
     group = distributed.init_group("ring", timeout=60)
     ckpt = ckpt.replace("{rank}", str(group.rank()))  # one directory per rank
     for case in cases:
+        if case.startswith("vanish"):
+            vanish(ckpt, out, case, group)
+            continue
         model = load_case(ckpt, case, group)
         tokens, logits = run(model)
         ranks = distributed.gather_stats(model)
@@ -80,6 +85,25 @@ def main(ckpt: str, out: str, cases: list[str]) -> int:
             stats=json.dumps({"mine": stats, "gathered": ranks}),
         )
     return 0
+
+
+def vanish(ckpt: str, out: str, case: str, group):
+    from kimi_k3.distributed import DistributedError
+
+    model = load_case(ckpt, case.replace("vanish", "expert"), group)
+    mx.eval(model(mx.array([PROMPT]), model.make_cache()))
+    if group.rank() == 1:
+        pack = Path(ckpt) / "experts/experts-00001-of-00001.pack"
+        pack.rename(pack.with_suffix(".moved"))
+    from kimi_k3.streaming import clear_cache
+
+    clear_cache(model)  # every expert must be read again
+    try:
+        run(model)
+        message = "no error"
+    except DistributedError as e:
+        message = str(e)
+    (Path(out) / f"vanish.rank{group.rank()}.txt").write_text(message)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,45 @@ def test_four_ranks_read_only_their_experts(tiny_ckpt, per_rank, tmp_path):
         assert got["tokens"] == tokens and close(got["logits"], logits) <= LOGIT_TOL
 
 
+def test_server_two_ranks(per_rank):
+    """``python -m kimi_k3.server --split expert`` on 2 ranks: rank 0 answers a completion
+    (the other rank follows its requests) and only rank 0 logs."""
+    import os
+    import signal
+    import time
+    import urllib.request
+
+    port = free_ports(1)
+    cmd = [
+        str(Path(sys.executable).with_name("mlx.launch")),
+        *("-n", "2", "--backend", "ring", "--starting-port", str(free_ports(2))),
+        *("--python", sys.executable, "-m", "kimi_k3.server", "--split", "expert"),
+        *("--model", per_rank(2), "--expert-cache-gb", "0.001", "--port", str(port)),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        body = json.dumps({"prompt": "Hi", "max_tokens": 4}).encode()
+        req = urllib.request.Request(
+            url + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        log = proc.communicate(timeout=30)[0]
+    assert reply["usage"]["completion_tokens"] == 4
+    assert log.count("serving ") == 1 and log.count("loaded ") == 1, log
+    assert log.count("Prompt processing progress: 0/") == 1, log  # the request, logged once
+
+
 def test_converter_rank_out_of_range(tiny_ckpt, tmp_path):
     from kimi_k3.convert.convert import ConvertError, Settings, convert
 
@@ -180,3 +219,20 @@ def test_missing_expert_file_ends_every_rank(per_rank):
     for r in (0, 1):
         assert f"error: rank {r}: rank 1 failed: {pack}" in out, out
     assert "Traceback" not in out
+
+
+def test_expert_file_lost_mid_generation(per_rank, tmp_path):
+    """Rank 1's pack file vanishes after a pass: rank 1 adds zeros to the MoE all-sum with a
+    failure flag, and at the next MoE layer both ranks stop with its error (file, layer,
+    expert) instead of rank 0 waiting in a collective."""
+    pattern = per_rank(2)
+    pack = Path(pattern.format(rank=1)) / "experts/experts-00001-of-00001.pack"
+    try:
+        run = launch(2, str(WORKER), pattern, str(tmp_path), "vanish:0.001")
+    finally:
+        if pack.with_suffix(".moved").exists():
+            pack.with_suffix(".moved").rename(pack)
+    assert "Traceback" not in run.stdout + run.stderr, run.stdout + run.stderr
+    for r in (0, 1):
+        message = (tmp_path / f"vanish.rank{r}.txt").read_text()
+        assert message.startswith(f"rank 1 failed: {pack}: file vanished"), message
