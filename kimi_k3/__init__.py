@@ -101,10 +101,10 @@ def load(
             recorded crc32 (``kimi_k3.checksums``, recorded at the first load); False skips.
         pipeline_group, tensor_group, expert_group: ``mx.distributed`` groups, as
             ``mlx_lm.utils.sharded_load`` takes them: this rank's pipeline stage (reading
-            only its layers' tensors), tensor parallel dense projections, and its range of
-            every MoE layer's experts (held or streamed: only those are read). A tensor group
-            without an expert group splits the experts over it too, as ``Model.shard``
-            does; ``kimi_k3.distributed`` and docs/distributed.md.
+            only its layers' tensors), tensor parallel dense projections (routed experts
+            whole), and its range of every MoE layer's experts (held or streamed: only those
+            are read); the same group as ``tensor_group`` and ``expert_group`` splits both,
+            as ``Model.shard`` does. ``kimi_k3.distributed`` and docs/distributed.md.
         stream_options: passed on to the expert streamer; ``expert_layout=`` (``"auto"``,
             ``"mlx"``, ``"tiled"``) to ``load_model``, for resident and streamed experts alike.
 
@@ -127,7 +127,7 @@ def load(
         stream_options["prepare"] = partial(
             distributed.prepare,
             pipeline_group=pipeline_group,
-            expert_group=expert_group if expert_group is not None else tensor_group,
+            expert_group=expert_group,
         )
     model = load_model(
         path,
