@@ -523,6 +523,11 @@ def gather_stats(model) -> list[dict] | None:
     if group is None:
         return None
     _check_failures()  # a read failure in the last step
+    # mlx-lm evaluates the next step ahead on its own stream: let it finish first, so its
+    # collectives pair with the other ranks' before this gather runs.
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
     s = get_stats(model) or {}
     keys = ("hits", "misses", "bytes_read", "read_seconds")
     mine = mx.array([[float(s.get(k, 0)) for k in keys] + [float(bool(s))]], mx.float32)

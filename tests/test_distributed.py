@@ -134,6 +134,27 @@ def test_four_ranks_read_only_their_experts(tiny_ckpt, per_rank, tmp_path):
         assert got["tokens"] == tokens and close(got["logits"], logits) <= LOGIT_TOL
 
 
+def test_generate_cli_stats_per_rank(tiny_ckpt):
+    """``python -m kimi_k3.generate --split tensor`` with streamed experts, through mlx-lm's
+    generation (which evaluates a step ahead on its own stream): rank 0 alone prints the
+    reply and one stats line with each rank's own counters."""
+    import re
+
+    run = launch(
+        2,
+        *("-m", "kimi_k3.generate", "--split", "tensor", "--backend", "ring"),
+        *("--model", str(tiny_ckpt), "--expert-cache-gb", "0.001", "--max-tokens", "8"),
+        *("--prefill-step-size", "4", "--raw", "--prompt", "a b c d e f g h i j k"),
+    )
+    out = run.stdout + run.stderr
+    lines = [line for line in out.splitlines() if line.startswith("stats: ")]
+    assert len(lines) == 1, out
+    ranks = re.findall(r"rank (\d) ([\d.]+)% hits, ([\d.]+) GB read", lines[0])
+    assert [r for r, _, _ in ranks] == ["0", "1"], lines[0]
+    assert all(0 < float(hit) <= 100 for _, hit, _ in ranks), lines[0]
+    assert "error" not in out, out
+
+
 def test_server_two_ranks(per_rank):
     """``python -m kimi_k3.server --split expert`` on 2 ranks: rank 0 answers a completion
     (the other rank follows its requests) and only rank 0 logs."""
