@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from benchmarks import timing
 

@@ -151,7 +151,7 @@ class Held:
 
     def slice_stacks(self, weights: dict) -> dict:
         """Stacked experts (mlx-lm's layout) cut to the held range."""
-        if self.experts == range(self.experts.stop) and self.all:
+        if self.all:
             return weights
         cut = slice(self.experts.start, self.experts.stop)
         return {k: v[cut] if ".experts." in k else v for k, v in weights.items()}
