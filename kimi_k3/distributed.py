@@ -543,6 +543,13 @@ def gather_stats(model) -> list[dict] | None:
     return out
 
 
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1e3:.1f} KB"
+
+
 def stats_text(model) -> str | None:
     """The stats line's expert part with one entry per rank; None for one process."""
     ranks = gather_stats(model)
@@ -555,5 +562,6 @@ def stats_text(model) -> str | None:
             continue
         rate = "no" if d["hit_rate"] is None else f"{d['hit_rate']:.1%}"
         speed = "" if d["read_gbps"] is None else f" at {d['read_gbps']:.2f} GB/s"
-        parts.append(f"rank {r} {rate} hits, {d['bytes_read'] / 1e9:.3f} GB read{speed}")
+        read = _size(d["bytes_read"])
+        parts.append(f"rank {r} {rate} hits, {read} read{speed}")
     return "experts: " + "; ".join(parts)

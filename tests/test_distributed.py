@@ -149,7 +149,7 @@ def test_generate_cli_stats_per_rank(tiny_ckpt):
     out = run.stdout + run.stderr
     lines = [line for line in out.splitlines() if line.startswith("stats: ")]
     assert len(lines) == 1, out
-    ranks = re.findall(r"rank (\d) ([\d.]+)% hits, ([\d.]+) GB read", lines[0])
+    ranks = re.findall(r"rank (\d) ([\d.]+)% hits, ([\d.]+) [KMG]B read", lines[0])
     assert [r for r, _, _ in ranks] == ["0", "1"], lines[0]
     assert all(0 < float(hit) <= 100 for _, hit, _ in ranks), lines[0]
     assert "error" not in out, out
