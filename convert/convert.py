@@ -83,6 +83,14 @@ class Settings:
     group_size: int = 64
     shard_bytes: int = 4 << 30
     pack_file_bytes: int = 4 << 30
+    ranks: int = 1  # the expert pack holds rank ``rank``'s share of every layer's experts
+    rank: int = 0
+
+    def experts(self, num_experts: int) -> range:
+        """The experts of every MoE layer the pack holds (``kimi_k3.distributed``'s split)."""
+        from kimi_k3.distributed import expert_range
+
+        return expert_range(num_experts, self.ranks, self.rank)
 
 
 @dataclass
@@ -160,9 +168,8 @@ def make_plan(src: CheckpointIndex, args: ModelArgs, settings: Settings) -> Plan
         shards[-1].append(it)
         size += it.nbytes
     layouts, sources = _plan_experts(src, args, experts)
-    pack = ep.plan_files(
-        {l: (layouts[l], args.num_experts) for l in layouts}, settings.pack_file_bytes
-    )
+    held = settings.experts(args.num_experts)
+    pack = ep.plan_files({l: (layouts[l], held) for l in layouts}, settings.pack_file_bytes)
     return Plan(shards, quantization, layouts, sources, pack)
 
 
@@ -577,7 +584,9 @@ class _Run:
                 offset += self.plan.layouts[layer].record_bytes
             sizes.append(offset)
         names = [Path(r).name for r in self.plan.pack_names]
-        doc = ep.index_json(self.plan.layouts, names, sizes, records)
+        held = self.settings.experts(self.config.num_experts)
+        part = held if self.settings.ranks > 1 else None
+        doc = ep.index_json(self.plan.layouts, names, sizes, records, part)
         write_text_atomic(self.out / ep.PACK_DIR / ep.INDEX, json.dumps(doc, separators=(",", ":")))
 
 
@@ -664,6 +673,10 @@ def convert(
     stream = stream or sys.stderr
     if settings.dense_bits not in (4, 8, 16):
         raise ConvertError(f"--dense-bits {settings.dense_bits}: use 4, 8 or 16")
+    if settings.ranks < 1 or not 0 <= settings.rank < settings.ranks:
+        raise ConvertError(
+            f"--rank {settings.rank} --ranks {settings.ranks}: the rank must be in 0..ranks-1"
+        )
     layout = detect(hf_path)
     if layout != "published":
         raise ConvertError(
@@ -782,6 +795,14 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     )
     parser.add_argument("--shard-mb", type=float, default=4096, help="dense shard size limit")
     parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="write the expert pack of one of this many expert-parallel ranks "
+        "(docs/distributed.md); the dense weights are written whole",
+    )
+    parser.add_argument("--rank", type=int, default=0, help="the rank whose experts to write")
+    parser.add_argument(
         "--pack-file-mb", type=float, default=4096, help="expert pack file size limit"
     )
     parser.add_argument(
@@ -802,7 +823,9 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
 def main(argv=None) -> int:
     a = setup_arg_parser().parse_args(argv)
     mb = 1 << 20
-    settings = Settings(a.dense_bits, a.group_size, int(a.shard_mb * mb), int(a.pack_file_mb * mb))
+    settings = Settings(
+        a.dense_bits, a.group_size, int(a.shard_mb * mb), int(a.pack_file_mb * mb), a.ranks, a.rank
+    )
     try:
         convert(
             a.hf_path,

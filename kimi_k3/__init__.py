@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 __all__ = ["load", "load_model", "Model", "ModelArgs", "trace", "check_checkpoint", "cache_dir"]
@@ -76,6 +77,9 @@ def load(
     return_config: bool = False,
     trust_remote_code: bool = False,
     verify_checksums: bool = True,
+    pipeline_group=None,
+    tensor_group=None,
+    expert_group=None,
     **stream_options,
 ):
     """Load a Kimi K3 checkpoint and its tokenizer, like ``mlx_lm.load``.
@@ -95,6 +99,12 @@ def load(
         trust_remote_code: accepted for mlx-lm compatibility; no remote code is ever run.
         verify_checksums: check every tensor and streamed expert read from disk against its
             recorded crc32 (``kimi_k3.checksums``, recorded at the first load); False skips.
+        pipeline_group, tensor_group, expert_group: ``mx.distributed`` groups, as
+            ``mlx_lm.utils.sharded_load`` takes them: this rank's pipeline stage (reading
+            only its layers' tensors), tensor parallel dense projections (routed experts
+            whole), and its range of every MoE layer's experts (held or streamed: only those
+            are read); the same group as ``tensor_group`` and ``expert_group`` splits both,
+            as ``Model.shard`` does. ``kimi_k3.distributed`` and docs/distributed.md.
         stream_options: passed on to the expert streamer; ``expert_layout=`` (``"auto"``,
             ``"mlx"``, ``"tiled"``) to ``load_model``, for resident and streamed experts alike.
 
@@ -110,14 +120,29 @@ def load(
     config = check_checkpoint(path)
     path = Path(path).expanduser()
     overrides = _check_model_config(model_config or {})
+    groups = (pipeline_group, tensor_group, expert_group)
+    if any(g is not None for g in groups):
+        from kimi_k3 import distributed
+
+        stream_options["prepare"] = partial(
+            distributed.prepare,
+            pipeline_group=pipeline_group,
+            expert_group=expert_group,
+        )
     model = load_model(
         path,
         dtype=dtype or mx.bfloat16,
         expert_cache_gb=expert_cache_gb,
-        lazy=lazy,
+        lazy=True if tensor_group is not None else lazy,
         verify_checksums=verify_checksums,
         **stream_options,
     )
+    if tensor_group is not None:
+        model.shard(tensor_group, experts=False)
+        if not lazy:
+            mx.eval(model.parameters())
+    if any(g is not None for g in groups):
+        model.distributed_group = mx.distributed.init()  # the ranks' stats are gathered over
     for key, value in overrides.items():
         setattr(model.args, key, value)
     tokenizer = load_tokenizer(path)

@@ -118,13 +118,14 @@ def file_name(i: int, n: int) -> str:
 def plan_files(layers: dict[int, tuple[RecordLayout, int]], file_bytes: int) -> list[list]:
     """Split the records, in (layer, expert) order, into files of at most ``file_bytes``.
 
-    ``layers`` maps a layer to ``(layout, num_experts)``. A record never straddles two files;
-    a file holds at least one record. Returns per file the list of ``(layer, expert)``.
+    ``layers`` maps a layer to ``(layout, num_experts)`` or ``(layout, range of experts)``.
+    A record never straddles two files; a file holds at least one record. Returns per file
+    the list of ``(layer, expert)``.
     """
     files, current, size = [], [], 0
     for layer in sorted(layers):
         layout, n = layers[layer]
-        for e in range(n):
+        for e in range(n) if isinstance(n, int) else n:
             if current and size + layout.record_bytes > file_bytes:
                 files.append(current)
                 current, size = [], 0
@@ -160,16 +161,20 @@ def index_json(
     files: list[str],
     file_bytes: list[int],
     records: dict[tuple[int, int], tuple[int, int, int]],
+    experts: range | None = None,
 ) -> dict:
-    """The ``index.json`` document. ``records[(layer, e)] = (file number, offset, crc32)``."""
+    """The ``index.json`` document. ``records[(layer, e)] = (file number, offset, crc32)``;
+    ``experts``: the range of every layer's experts a pack for one rank holds."""
     counts = Counter(layer for layer, _ in records)
     layers = {}
     for layer in sorted(layouts):
-        n = counts[layer]
+        held = experts if experts is not None else range(counts[layer])
         entry = layouts[layer].to_json()
-        entry["records"] = [list(records[(layer, e)]) for e in range(n)]
+        entry["records"] = [list(records[(layer, e)]) for e in held]
         layers[str(layer)] = entry
+    extra = {} if experts is None else {"expert_range": [experts.start, experts.stop]}
     return {
+        **extra,
         "format": FORMAT,
         "version": VERSION,
         "align": ALIGN,
@@ -244,6 +249,9 @@ class ExpertPack:
         self.files = [self.dir / name for name in doc["files"]]
         self.file_bytes = doc["file_bytes"]
         self._layers = {int(l): v for l, v in doc["layers"].items()}
+        # A pack written for one rank holds experts [first, first + n) of every layer.
+        self.partial = "expert_range" in doc
+        self.first = int(doc.get("expert_range", [0])[0])
         self._fds: dict[int, int] = {}
 
     @property
@@ -262,13 +270,19 @@ class ExpertPack:
     def num_experts(self, layer: int) -> int:
         return len(self._layer(layer)["records"])
 
+    def held(self, layer: int) -> range:
+        """The experts of ``layer`` the pack holds (all of them unless written for one rank)."""
+        return range(self.first, self.first + self.num_experts(layer))
+
     def _entry(self, layer: int, expert: int) -> list:
         recs = self._layer(layer)["records"]
-        if not 0 <= expert < len(recs):
+        if expert not in self.held(layer):
+            held = self.held(layer)
             raise PackError(
-                f"{self.index_file}: layer {layer} has no expert {expert} ({len(recs)} experts)"
+                f"{self.index_file}: layer {layer} has no expert {expert} (it holds experts "
+                f"{held.start}..{held.stop - 1})"
             )
-        return recs[expert]
+        return recs[expert - self.first]
 
     def record(self, layer: int, expert: int) -> tuple[Path, int, int]:
         """``(file, offset, nbytes)`` of one expert's data; ``offset`` is a multiple of 4096."""
@@ -330,14 +344,17 @@ class ExpertPack:
             self._check(layer, expert, data)
         return self.decode(layer, data)
 
-    def read_layer(self, layer: int, verify: bool = False) -> dict[str, np.ndarray]:
-        """All experts of one layer stacked: name -> [E, ...] (what ``ResidentExperts`` holds);
-        ``verify`` checks each record's crc32."""
-        lay, n = self.layout(layer), self.num_experts(layer)
-        out = {k: np.empty([n, *t["shape"]], _NP[t["dtype"]]) for k, t in lay.items()}
-        for e in range(n):
+    def read_layer(
+        self, layer: int, verify: bool = False, experts: range | None = None
+    ) -> dict[str, np.ndarray]:
+        """The experts of one layer (all the pack holds, or ``experts``) stacked: name ->
+        [E, ...] (what ``ResidentExperts`` holds); ``verify`` checks each record's crc32."""
+        experts = self.held(layer) if experts is None else experts
+        lay = self.layout(layer)
+        out = {k: np.empty([len(experts), *t["shape"]], _NP[t["dtype"]]) for k, t in lay.items()}
+        for i, e in enumerate(experts):
             for k, a in self.read(layer, e, verify).items():
-                out[k][e] = a
+                out[k][i] = a
         return out
 
     def _check(self, layer: int, expert: int, data: bytes):
@@ -397,7 +414,7 @@ class ExpertPack:
 
     def records(self) -> Iterable[tuple[int, int]]:
         for layer in self.layers:
-            for e in range(self.num_experts(layer)):
+            for e in self.held(layer):
                 yield layer, e
 
     def close(self):

@@ -20,6 +20,7 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 import kimi_k3
+from kimi_k3 import distributed
 from kimi_k3.chat import (
     END,
     Element,
@@ -109,6 +110,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a chat loop on stdin that keeps its prompt cache across turns",
     )
+    distributed.add_arguments(p)
     return p
 
 
@@ -130,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             return fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
+        plan = distributed.from_args(args)
         model, tokenizer = load_for_cli(
-            *resolve_model(args.model, args.expert_cache_gb), verify=args.verify
+            *resolve_model(args.model, args.expert_cache_gb), verify=args.verify, plan=plan
         )
         if args.seed is not None:
             mx.random.seed(args.seed)
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return INTERRUPTED
-    except (UserError, ConfigError, CheckpointError, OSError) as e:
+    except (UserError, ConfigError, CheckpointError, OSError, distributed.DistributedError) as e:
         return fail(str(e))
 
 
@@ -189,14 +192,20 @@ def auto_expert_cache_gb(path: Path) -> float | None:
     return budget
 
 
-def load_for_cli(path: Path, expert_cache_gb: float | None, verify: bool = True):
+def load_for_cli(path: Path, expert_cache_gb: float | None, verify: bool = True, plan=None):
     """``(model, tokenizer)`` with a loading bar on stderr (path and budget from
-    ``resolve_model``); ``verify``: check the checkpoint's recorded checksums."""
+    ``resolve_model``); ``verify``: check the checkpoint's recorded checksums; ``plan``:
+    this rank's share (``kimi_k3.distributed.from_args``)."""
     tic = time.perf_counter()
-    model, tokenizer = kimi_k3.load(
-        path, expert_cache_gb=expert_cache_gb, lazy=True, verify_checksums=verify
-    )
-    materialize(model, Bar("loading", sys.stderr))
+    with distributed.agreed(plan):
+        model, tokenizer = kimi_k3.load(
+            path,
+            expert_cache_gb=expert_cache_gb,
+            lazy=True,
+            verify_checksums=verify,
+            **(plan.load_kwargs() if plan else {}),
+        )
+        materialize(model, Bar("loading", sys.stderr))
     where = "resident" if expert_cache_gb is None else f"streamed, {expert_cache_gb:.3g} GB cache"
     print(f"loaded {path} in {time.perf_counter() - tic:.1f}s (experts {where})", file=sys.stderr)
     return model, tokenizer
@@ -357,6 +366,8 @@ def stats_line(model, reply: Reply) -> str:
 
 
 def _expert_stats(model) -> str:
+    if (ranks := distributed.stats_text(model)) is not None:
+        return ranks
     stats = get_stats(model)
     if stats is None:
         return "experts: resident"

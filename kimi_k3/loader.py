@@ -7,6 +7,7 @@ MXFP4 experts become MLX ``mxfp4`` arrays by viewing their bytes, never re-quant
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,6 +35,7 @@ def load_model(
     lazy: bool = False,
     expert_layout: str | None = None,
     verify_checksums: bool = True,
+    prepare=None,
     **stream_options,
 ) -> Model:
     """Build Kimi K3 from a checkpoint directory.
@@ -53,6 +55,9 @@ def load_model(
         verify_checksums: check every tensor and every streamed expert read from disk against
             its recorded crc32 (``kimi_k3.checksums``; recorded on first load), raising
             ``CheckpointError`` (``ExpertReadError`` while streaming) naming the file.
+        prepare: called as ``prepare(model)`` on the new model before any tensor is read;
+            ``kimi_k3.distributed.prepare`` keeps one rank's pipeline stage and expert range
+            there, and only the tensors of the layers and experts it keeps are then read.
         stream_options: passed to the expert streamer (policy, prefetch, ...).
     """
     from kimi_k3 import check_checkpoint
@@ -64,18 +69,21 @@ def load_model(
     args = read_args(path, layout)
     index = CheckpointIndex(path)
     model = Model(args)
+    if prepare is not None:
+        prepare(model)
+    held = Held(model)
     stream = expert_cache_gb is not None
-    moe = [i for i in range(args.num_hidden_layers) if args.is_moe(i)]
+    moe = [i for i in held.layers if args.is_moe(i)]
     if moe and not stream:  # the experts' dtypes and shapes, named per tensor
-        open_source(path, index, args, moe)
-    loaded = _read_tensors(index, skip_experts=stream)
-    raw = dict(loaded)
+        open_source(path, index, args, moe, experts=held.experts)
+    loaded = _read_tensors(index, skip_experts=stream, held=held)
+    raw = {held.name(k): a for k, a in loaded.items()}
     if layout == "mlx-lm":
-        raw = from_mlx_lm(args, raw)
+        raw = held.slice_stacks(from_mlx_lm(args, raw))
     elif layout == "pack" and not stream:
-        raw.update(_pack_experts(path, verify_checksums))
+        raw.update(_pack_experts(path, verify_checksums, held))
     quantize_dense(model, args, raw)
-    weights = sanitize_weights(args, raw)
+    weights = sanitize_weights(args, raw, len(held.experts))
     _check(model, weights, index, skip_experts=stream)
     sums = checksums.obtain(path, index) if verify_checksums else None
     store = store_layout(expert_layout, args.routed_expert_hidden_size, args.moe_intermediate_size)
@@ -110,7 +118,46 @@ def load_model(
     return model
 
 
-def _read_tensors(index: CheckpointIndex, skip_experts: bool) -> dict:
+class Held:
+    """The layers and experts a model keeps (all, unless ``prepare`` split it): which
+    tensors to read, and the experts' local numbers (expert ``e`` is ``e - experts.start``)."""
+
+    _LAYER = re.compile(r"\.layers\.(\d+)\.")
+    _EXPERT = re.compile(r"(\.experts\.)(\d+)(\.)")
+
+    def __init__(self, model: Model):
+        self.layers = [layer.index for layer in model.layers]
+        moes = [layer.block_sparse_moe for layer in model.layers if "block_sparse_moe" in layer]
+        self.experts = moes[0].expert_range if moes else range(model.args.num_experts)
+        self.all = len(self.layers) == model.args.num_hidden_layers and self.experts == range(
+            model.args.num_experts
+        )
+        self._layers = set(self.layers)
+
+    def name(self, name: str) -> str | None:
+        """``name`` as this model holds it (expert renumbered), or None to skip it."""
+        if self.all:
+            return name
+        m = self._LAYER.search(name)
+        if m is not None and int(m.group(1)) not in self._layers:
+            return None
+        e = self._EXPERT.search(name)
+        if e is None:
+            return name
+        if int(e.group(2)) not in self.experts:
+            return None
+        local = int(e.group(2)) - self.experts.start
+        return name[: e.start()] + f"{e.group(1)}{local}{e.group(3)}" + name[e.end() :]
+
+    def slice_stacks(self, weights: dict) -> dict:
+        """Stacked experts (mlx-lm's layout) cut to the held range."""
+        if self.all:
+            return weights
+        cut = slice(self.experts.start, self.experts.stop)
+        return {k: v[cut] if ".experts." in k else v for k, v in weights.items()}
+
+
+def _read_tensors(index: CheckpointIndex, skip_experts: bool, held: Held) -> dict:
     out = {}
     for file in index.files:
         try:
@@ -122,7 +169,8 @@ def _read_tensors(index: CheckpointIndex, skip_experts: bool) -> dict:
                 skip_experts and ROUTED_EXPERT_NAME.search(name)
             ):
                 continue
-            out[name] = a
+            if held.name(name) is not None:
+                out[name] = a
     return out
 
 
@@ -215,14 +263,16 @@ def _infer_quant(path: str, in_dims: int, weights: dict) -> dict:
     return {"group_size": group_size, "bits": bits, "mode": _MODES[(bits, group_size)]}
 
 
-def _pack_experts(path: Path, verify: bool) -> dict:
-    """Every layer's routed experts from the expert pack, stacked for ``ResidentExperts``;
-    ``verify`` checks each record's crc32."""
+def _pack_experts(path: Path, verify: bool, held: Held) -> dict:
+    """The held layers' routed experts (the held range) from the expert pack, stacked for
+    ``ResidentExperts``; ``verify`` checks each record's crc32."""
     pack = ExpertPack(path)
     out = {}
     for layer in pack.layers:
+        if layer not in held.layers:
+            continue
         base = f"language_model.model.layers.{layer}.block_sparse_moe.experts."
-        for name, a in pack.read_layer(layer, verify).items():
+        for name, a in pack.read_layer(layer, verify, held.experts).items():
             out[base + name] = mx.array(a)
     pack.close()
     return out

@@ -57,6 +57,9 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
+    """The decoder stack. ``pipeline(group)`` keeps this process's stage of it (mlx-lm's
+    convention: ``start_idx``, ``end_idx``, ``pipeline_layers``; ``kimi_k3.distributed``)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -64,9 +67,26 @@ class TextModel(nn.Module):
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.output_attn_res = AttnResMix(args.hidden_size, args.rms_norm_eps)
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.pipeline_group = None
+        self.start_idx, self.end_idx = 0, args.num_hidden_layers
+
+    @property
+    def pipeline_layers(self) -> list[DecoderLayer]:
+        return self.layers[self.start_idx : self.end_idx]
+
+    def pipeline(self, group, split: list[int] | None = None):
+        """Keep only this rank's layers: ``split`` (layers per rank, rank 0 last) or a split
+        balanced by parameter bytes. The last rank runs the first layers, rank 0 the last."""
+        from kimi_k3.distributed import pipeline_stage
+
+        pipeline_stage(self, group, split)
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         p = self.embed_tokens(inputs)
+        if self.pipeline_group is not None:
+            from kimi_k3.distributed import run_stage
+
+            return run_stage(self, p, cache)
         cache = cache or [None] * len(self.layers)
         snaps: list = []
         for layer, c in zip(self.layers, cache):
@@ -101,8 +121,22 @@ class Model(nn.Module):
         return self.language_model(inputs, cache)
 
     @property
+    def model(self) -> TextModel:
+        """The decoder stack, where mlx-lm's ``sharded_load`` looks for ``pipeline``."""
+        return self.language_model.model
+
+    @property
     def layers(self) -> list[DecoderLayer]:
-        return self.language_model.model.layers
+        """This process's layers (all of them unless pipelined)."""
+        return self.language_model.model.pipeline_layers
+
+    def shard(self, group=None, experts: bool = True):
+        """Tensor parallel over ``group`` (mlx-lm's convention): attention and dense MLP
+        projections split by heads / hidden units, and with ``experts`` each MoE layer's
+        routed experts split into contiguous ranges (``kimi_k3.distributed``)."""
+        from kimi_k3.distributed import shard_model
+
+        shard_model(self, group, experts)
 
     def make_cache(self) -> list:
         """Per layer: ``ArraysCache(2)`` (conv window, KDA state) or ``KVCache`` (MLA latents)."""
@@ -140,8 +174,9 @@ _EXPERT = re.compile(
 )
 
 
-def sanitize_weights(args: ModelArgs, weights: dict) -> dict:
-    """Rename the published layout into this module tree.
+def sanitize_weights(args: ModelArgs, weights: dict, num_experts: int | None = None) -> dict:
+    """Rename the published layout into this module tree (``num_experts`` routed experts
+    per layer: the config's, or one rank's share numbered from 0).
 
     - the AttnRes spelling ``X_proj.weight`` / ``X_norm.weight`` -> ``X.proj_weight`` /
       ``X.norm_weight``;
@@ -162,7 +197,8 @@ def sanitize_weights(args: ModelArgs, weights: dict) -> dict:
             value = value.reshape(-1)[: args.kda_heads]
         out[key] = value
     for (prefix, wname, kind), per_expert in experts.items():
-        stacked = stack_experts(per_expert, args.num_experts, f"{prefix}.experts.*.{wname}.{kind}")
+        n = args.num_experts if num_experts is None else num_experts
+        stacked = stack_experts(per_expert, n, f"{prefix}.experts.*.{wname}.{kind}")
         if kind == "weight_packed":
             out[f"{prefix}.experts.{wname}.weight"] = stacked.view(mx.uint32)
         else:

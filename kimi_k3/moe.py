@@ -116,6 +116,12 @@ class LatentMoE(nn.Module):
         self.shared_experts = SituMLP(D, args.moe_intermediate_size * args.num_shared_experts, *act)
         self.experts = ResidentExperts(args.num_experts, Dl, args.moe_intermediate_size, *act)
         self.layer_index = -1  # set by the model; expert stores and traces key on it
+        # Expert parallel (``kimi_k3.distributed``): this rank's experts [lo, hi) and the
+        # group whose all-sum adds the ranks' parts; ``shared_partial`` when the shared
+        # experts are tensor parallel and their part joins that sum.
+        self.sharding_group = None
+        self.expert_range = range(args.num_experts)
+        self.shared_partial = False
 
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
@@ -124,6 +130,11 @@ class LatentMoE(nn.Module):
         if self.route_hook is not None:  # the expert streamer's prefetch (kimi_k3.streaming)
             self.route_hook(self, flat)
         z = self.routed_expert_down_proj(flat)
-        y = self.experts(z, inds, weights).astype(x.dtype)
-        y = self.routed_expert_up_proj(self.routed_expert_norm(y))
-        return (y + self.shared_experts(flat)).reshape(shape)
+        if self.sharding_group is not None:
+            from kimi_k3.distributed import moe_parts
+
+            y, shared = moe_parts(self, flat, z, inds, weights)
+        else:
+            y, shared = self.experts(z, inds, weights), self.shared_experts(flat)
+        y = self.routed_expert_up_proj(self.routed_expert_norm(y.astype(x.dtype)))
+        return (y + shared).reshape(shape)

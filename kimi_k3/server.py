@@ -30,6 +30,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, get_system_fingerprint
 
+from kimi_k3 import distributed
 from kimi_k3.checkpoint import CheckpointError
 from kimi_k3.config import ConfigError
 from kimi_k3.generate import (
@@ -67,7 +68,9 @@ class KimiModelProvider(ModelProvider):
             raise ValueError("kimi_k3.server does not load adapters")
         if self.model is None:
             args = self.cli_args
-            self.model, self.tokenizer = load_for_cli(args.model, args.expert_cache_gb, args.verify)
+            self.model, self.tokenizer = load_for_cli(
+                args.model, args.expert_cache_gb, args.verify, getattr(args, "plan", None)
+            )
             self.model_key = (str(args.model), None, None)
             self.processor = None
             self.draft_model = None
@@ -138,6 +141,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     )
+    distributed.add_arguments(p)
     return p
 
 
@@ -154,11 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     args.chat_template_args = {"thinking": args.thinking}
     vars(args).update(FIXED_OPTIONS)
     try:
+        args.plan = distributed.from_args(args)
         args.model, args.expert_cache_gb = resolve_model(args.model, args.expert_cache_gb)
         provider = KimiModelProvider(args)
         provider.load("default_model")
+        if args.plan is not None and args.plan.rank != 0:  # rank 0 serves; the others follow
+            ResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size)).join()
+            return 0
         httpd = _bind(args.host, args.port)
-    except (UserError, ConfigError, CheckpointError, OSError) as e:
+    except (UserError, ConfigError, CheckpointError, OSError, distributed.DistributedError) as e:
         return fail(str(e))
     except KeyboardInterrupt:
         return INTERRUPTED

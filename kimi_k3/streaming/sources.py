@@ -77,11 +77,13 @@ class ShardSource:
     kind = "shards"
     sums = None  # the checkpoint's ``kimi_k3.checksums.Checksums``, set to verify reads
 
-    def __init__(self, index: CheckpointIndex, layout: dict, layers: list[int], num_experts: int):
+    def __init__(
+        self, index: CheckpointIndex, layout: dict, layers: list[int], experts: range | int
+    ):
         self.index, self.layout = index, layout
         self.split_experts = 0  # experts that need more than one read
         for layer in layers:
-            for e in range(num_experts):
+            for e in range(experts) if isinstance(experts, int) else experts:
                 self.split_experts += len(self.extents(layer, e, check=True)) > 1
         self.files = index.files
 
@@ -128,6 +130,7 @@ class MlxLmSource:
     def __init__(self, index: CheckpointIndex, layout: dict, layers: list[int], num_experts: int):
         from kimi_k3.layouts import mlx_lm_expert_names
 
+        # Every expert's row of the stacks is checked; any range of them can be read.
         self.index, self.layout, self.tensors = index, layout, {}
         for layer in layers:
             for name, key in mlx_lm_expert_names(layer).items():
@@ -172,17 +175,25 @@ class PackSource:
 
     kind = "pack"
 
-    def __init__(self, path: Path, layout: dict, layers: list[int], num_experts: int):
+    def __init__(
+        self, path: Path, layout: dict, layers: list[int], num_experts: int, experts: range
+    ):
         from kimi_k3.expert_pack import ExpertPack
 
         self.pack = ExpertPack(path)
         self.index, self.records = None, {}
         for layer in layers:
-            n = self.pack.num_experts(layer)  # raises PackError for a missing layer
-            if n != num_experts:
+            held = self.pack.held(layer)  # raises PackError for a missing layer
+            if not self.pack.partial and len(held) != num_experts:
                 raise CheckpointError(
-                    f"{self.pack.index_file}: layer {layer} has {n} experts, "
+                    f"{self.pack.index_file}: layer {layer} has {len(held)} experts, "
                     f"the config says {num_experts}"
+                )
+            if experts.start < held.start or experts.stop > held.stop:
+                raise CheckpointError(
+                    f"{self.pack.index_file}: layer {layer}: the pack holds experts "
+                    f"{held.start}..{held.stop - 1}, this process serves "
+                    f"{experts.start}..{experts.stop - 1} (a pack written for another rank?)"
                 )
             self.records[layer] = self._record_layout(layer, layout)
         self.files = self.pack.files
@@ -236,8 +247,10 @@ def open_source(
     args: ModelArgs,
     layers: list[int],
     kind: str = "auto",
+    experts: range | None = None,
 ):
-    """The expert source of a model directory: ``kind`` one of ``SOURCES``.
+    """The expert source of a model directory: ``kind`` one of ``SOURCES``; ``experts``
+    the experts read from it (all by default; one rank's range when expert parallel).
 
     ``auto`` picks the expert pack when ``path`` has one, else the published per-expert
     tensors, else mlx-lm's stacked ``switch_mlp`` tensors.
@@ -247,21 +260,24 @@ def open_source(
     if kind not in SOURCES:
         raise ValueError(f"source={kind!r}: expected one of {SOURCES}")
     layout, E = expert_layout(args), args.num_experts
+    experts = range(E) if experts is None else experts
     if kind == "auto":
-        kind = _detect(path, index, layers[0], is_pack_dir(path))
+        kind = _detect(path, index, layers[0], is_pack_dir(path), experts.start)
     if kind == "pack":
-        return PackSource(path, layout, layers, E)
+        return PackSource(path, layout, layers, E, experts)
     index = index if index is not None else CheckpointIndex(path)
     if kind == "shards":
-        return ShardSource(index, layout, layers, E)
+        return ShardSource(index, layout, layers, experts)
     return MlxLmSource(index, layout, layers, E)
 
 
-def _detect(path: Path, index: CheckpointIndex | None, layer: int, has_pack: bool) -> str:
+def _detect(
+    path: Path, index: CheckpointIndex | None, layer: int, has_pack: bool, expert: int = 0
+) -> str:
     if has_pack:
         return "pack"
     index = index if index is not None else CheckpointIndex(path)
-    if expert_keys(layer, 0)[0] in index:
+    if expert_keys(layer, expert)[0] in index:
         return "shards"
     from kimi_k3.layouts import mlx_lm_expert_names
 

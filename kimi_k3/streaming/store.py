@@ -190,11 +190,16 @@ class Streamer:
         opts: StreamOptions,
         budget_bytes: int,
         args,
+        experts: range | None = None,
     ):
         self.source, self.layout, self.opts = source, layout, opts
         Dl, I = args.routed_expert_hidden_size, args.moe_intermediate_size
         self.expert_layout = store_layout(opts.expert_layout, Dl, I)
-        self.num_experts, self.top_k = args.num_experts, args.num_experts_per_token
+        # The experts streamed (one rank's range when expert parallel); stores number them
+        # from 0, the source by their checkpoint numbers.
+        self.held = range(args.num_experts) if experts is None else experts
+        self.num_experts = len(self.held)
+        self.top_k = min(args.num_experts_per_token, self.num_experts)
         self.files = FileTable(source.files, opts.direct_io)
         self.io = ReadPool(self.files, opts.io_threads)
         self.order = sorted(moes)
@@ -209,7 +214,7 @@ class Streamer:
             moe.route_hook = self.note_input if opts.prefetch else None
         self.x: dict[int, mx.array] = {}  # MoE input per layer, for the prefetch prediction
         self.predicted: dict[int, np.ndarray] = {}
-        max_read = max(e.nbytes for e in source.extents(self.order[0], 0))
+        max_read = max(e.nbytes for e in source.extents(self.order[0], self.held.start))
         info = {
             "budget_bytes": budget_bytes,
             "cache_bytes": sum(s.pool.nbytes for s in self.stores.values()),
@@ -294,6 +299,7 @@ class Streamer:
     def _jobs(self, store, experts, slots) -> list[ReadJob]:
         jobs = []
         for e, s in zip(experts.tolist(), slots.tolist(), strict=True):
+            e += self.held.start
             checksum = self.source.checksum(store.layer, e) if self.opts.verify_checksums else None
             extents = self.source.extents(store.layer, e)
             dest = store.pool.dest(s)
@@ -306,6 +312,7 @@ class Streamer:
         """Read ahead layer ``layer``'s predicted experts (most often predicted first)."""
         store = self.stores[layer]
         cache = store.cache
+        pred = pred[(pred >= self.held.start) & (pred < self.held.stop)] - self.held.start
         experts, counts = np.unique(pred, return_counts=True)
         experts = experts[np.argsort(-counts, kind="stable")][: cache.slots]
         self.predicted[layer] = experts
@@ -476,19 +483,24 @@ def attach_streamer(
         raise ValueError("attach_streamer: the model has no MoE layers")
     args = model.args
     layout = expert_layout(args)
-    source = open_source(Path(path), index, args, sorted(moes), opts.source)
+    held = next(iter(moes.values())).expert_range  # this rank's experts, or all of them
+    source = open_source(Path(path), index, args, sorted(moes), opts.source, held)
     if opts.verify_checksums and source.kind != "pack":
         from kimi_k3 import checksums as sums
 
         source.sums = checksums or sums.obtain(Path(path), source.index)
     budget = round(expert_cache_gb * GB)
     slots = slots_per_layer(
-        budget, expert_bytes(layout), len(moes), args.num_experts_per_token, args.num_experts
+        budget,
+        expert_bytes(layout),
+        len(moes),
+        min(args.num_experts_per_token, len(held)),
+        len(held),
     )
     old = find_streamer(model)
     if old is not None:
         old.close()
-    return Streamer(source, layout, moes, slots, opts, budget, args)
+    return Streamer(source, layout, moes, slots, opts, budget, args, held)
 
 
 def find_streamer(model) -> Streamer | None:
