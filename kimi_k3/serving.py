@@ -226,8 +226,10 @@ class Engine:
 
     def submit(self, seq: Sequence):
         with self.cond:
-            if len(self.waiting) >= self.max_waiting:
-                raise QueueFull(f"{len(self.waiting)} requests already waiting")
+            if len(self.waiting) + len(self.active) >= self.max_batch + self.max_waiting:
+                raise QueueFull(
+                    f"{len(self.active)} sequences running, {len(self.waiting)} waiting"
+                )
             self.waiting.append(seq)
             self.cond.notify()
 
