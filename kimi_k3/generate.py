@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_arguments(args)
         path, budget = resolve_model(args.model, args.expert_cache_gb)
-    except (UserError, ConfigError, OSError) as e:
+    except (UserError, ConfigError, CheckpointError, OSError) as e:
         return fail(str(e), USAGE_ERROR if isinstance(e, ArgumentError) else 1)
     try:
         model, tokenizer = load_for_cli(path, budget, verify=args.verify)
@@ -264,7 +264,10 @@ def check_expert_budget(path: Path, expert_cache_gb: float):
     from kimi_k3.streaming.cache import GB, slots_per_layer
     from kimi_k3.streaming.sources import expert_bytes, expert_layout
 
-    args = ModelArgs.from_path(path)
+    try:
+        args = ModelArgs.from_path(path)
+    except ConfigError:
+        return  # a layout ModelArgs does not read directly: the streamer checks at load
     moe_layers = sum(args.is_moe(i) for i in range(args.num_hidden_layers))
     try:
         slots_per_layer(
