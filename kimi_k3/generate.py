@@ -68,11 +68,21 @@ class Parser(argparse.ArgumentParser):
         sys.exit(USAGE_ERROR)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in its help, unless the help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m kimi_k3.generate",
         description="Chat with or complete text from Kimi K3.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_model_arguments(p)
     p.add_argument(
@@ -85,14 +95,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         dest="chat",
         action="store_true",
         default=True,
-        help="wrap the prompt in the chat format and show the reply's text only",
+        help="wrap the prompt in the chat format and show the reply's text only (default)",
     )
     mode.add_argument(
         "--raw",
         dest="chat",
         action="store_false",
         help="encode the prompt as is (special-token names become special ids) and print "
-        "every generated token, special ones included",
+        "every generated token, special ones included (default: off)",
     )
     p.add_argument(
         "--thinking",
@@ -141,7 +151,7 @@ def add_model_arguments(p: argparse.ArgumentParser):
 
 def add_sampling_arguments(p: argparse.ArgumentParser, seed: bool = True, defaults_for=None):
     """``--temp``, ``--top-p``, ``--top-k``, ``--min-p`` (and ``--seed``)."""
-    what = f" ({defaults_for})" if defaults_for else ""
+    what = f"; {defaults_for}" if defaults_for else ""
     p.add_argument("--temp", type=float, default=0.0, help=f"sampling temperature, 0 greedy{what}")
     p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus sampling mass, 1 off{what}")
     p.add_argument("--top-k", type=int, default=0, help=f"sample from the k likeliest, 0 off{what}")

@@ -42,6 +42,7 @@ from kimi_k3.generate import (
     INTERRUPTED,
     USAGE_ERROR,
     ArgumentError,
+    HelpFormatter,
     Parser,
     UserError,
     add_model_arguments,
@@ -744,7 +745,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m kimi_k3.server",
         description="An OpenAI-compatible HTTP server for Kimi K3.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_model_arguments(p)
     p.add_argument(
@@ -788,21 +789,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="bytes of cache snapshots kept for prefix reuse across requests (0: none)",
     )
-    add_sampling_arguments(p, seed=False, defaults_for="requests that omit them")
-    p.add_argument(
-        "--allowed-origins",
-        type=lambda x: [o for o in x.split(",") if o],
-        default=[],
-        help="comma-separated web origins allowed to call the server (CORS); '*' for any "
-        "(default: none)",
-    )
-    p.add_argument(
-        "--allowed-hosts",
-        type=lambda x: [h for h in x.split(",") if h],
-        default=[],
-        help="comma-separated extra host names a request's Host header may name (default: "
-        "the bound address; localhost too for a loopback bind)",
-    )
+    add_sampling_arguments(p, seed=False, defaults_for="for requests without the field")
+    for flag, what in (
+        ("--allowed-origins", "web origins allowed to call the server (CORS); '*' for any "
+         "(default: none)"),
+        ("--allowed-hosts", "extra host names a request's Host header may name (default: "
+         "the bound address; localhost too for a loopback bind)"),
+    ):
+        p.add_argument(flag, type=comma_list, default=[], help=f"comma-separated {what}")
     p.add_argument(
         "--log-level",
         default="WARNING",
@@ -810,6 +804,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="logging level",
     )
     return p
+
+
+def comma_list(text: str) -> list[str]:
+    return [item for item in text.split(",") if item]
 
 
 def check_arguments(args):
