@@ -231,13 +231,13 @@ def measure(path: Path, a) -> str:
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny preset, small counts (tests)")
-    p.add_argument("--tokens", type=int, default=32, help="tokens per completion (throughput)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per completion (throughput)")
     p.add_argument("--long", type=int, default=12000, help="tokens of the long prompt")
     p.add_argument("--rounds", type=int, default=3, help="short requests timed per setting")
-    p.add_argument("--system-words", type=int, default=400, help="length of the chat's system note")
+    p.add_argument("--system-words", type=int, default=200, help="length of the chat's system note")
     p.add_argument("--requests", type=int, default=100, help="requests in the load test")
     p.add_argument("--limit-s", type=float, default=120.0, help="time limit of one request")
-    p.add_argument("--prefill-step", type=int, default=512, help="the server's prefill chunk")
+    p.add_argument("--prefill-step", type=int, default=128, help="the server's prefill chunk")
     p.add_argument(
         "--cache-fraction", type=float, default=0.25, help="expert cache size, share of the experts"
     )

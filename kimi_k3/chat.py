@@ -465,8 +465,12 @@ class ReplyStream:
 
     def add(self, token: int):
         self.ids.append(token)
-        if token in self.hidden:
-            return
+        if token not in self.hidden:
+            self.update()
+
+    def update(self):
+        """Parse ``ids`` again (``add`` does it; after appending to ``ids`` directly, call
+        this once)."""
         ids = [i for i in self.ids if i not in self.hidden]
         if self.chat:
             r = parse_reply(ids, self.tokenizer, self.thinking)

@@ -29,6 +29,7 @@ import queue
 import select
 import socket
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -183,8 +184,6 @@ class Job:
     include_usage: bool
     chat: bool
     thinking: bool = True
-    cut_by_context: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def common_fields(body: dict, limits: Limits) -> dict:
@@ -230,8 +229,7 @@ def fit_context(prompt: list[int], fields: dict, limits: Limits, param: str) -> 
             param,
             "context_length_exceeded",
         )
-    cut = fields["max_tokens"] > room
-    return dict(fields, max_tokens=min(fields["max_tokens"], room), cut_by_context=cut)
+    return dict(fields, max_tokens=min(fields["max_tokens"], room))
 
 
 def check_content(content, where: str):
@@ -343,8 +341,8 @@ class ReplyText(ReplyStream):
         self.stop = job.stop
         self.stopped = False
 
-    def add(self, token: int):
-        super().add(token)
+    def update(self):
+        super().update()
         for s in self.stop:
             if (at := self.content.find(s)) >= 0:
                 self.content, self.stopped = self.content[:at], True
@@ -628,10 +626,13 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(503, f"generation failed: {value}")
             if kind == "done":
                 finish = value
-            else:
+            elif job.stop:  # stop strings are looked for as the text grows
                 reply.add(value)
                 if reply.stopped:
                     seq.cancel()
+            else:
+                reply.ids.append(value)
+        reply.update()
         return Outcome(reply, finish, len(seq.tokens), seq.reused)
 
     def stream(self, job: Job, seq):
@@ -835,9 +836,8 @@ def bind(host: str, port: int) -> ThreadingHTTPServer:
     address cannot be bound. Its handler is set once the model is up."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        server_class = type(
-            "Server", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True}
-        )
+        attrs = {"address_family": family, "daemon_threads": True, "request_queue_size": 128}
+        server_class = type("Server", (ThreadingHTTPServer,), attrs)
         return server_class((host, port), Handler)
     except OSError as e:
         why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror or e})"
@@ -862,6 +862,7 @@ def serve_model(args, httpd) -> ServerState:
         max_waiting=args.max_waiting,
         prefill_step_size=args.prefill_step_size,
         reuse_bytes=int(args.prompt_cache_gb * 1e9),
+        start=False,
     )
     limits = Limits(
         context=context_limit(model, args.max_context)[0],
@@ -904,13 +905,15 @@ def main(argv: list[str] | None = None) -> int:
     httpd.RequestHandlerClass = make_handler(state)
     host, port = httpd.server_address[:2]
     print(f"serving {state.model_id!r} on http://{host}:{port}", file=sys.stderr, flush=True)
+    http_thread = threading.Thread(target=httpd.serve_forever, name="kimi-k3-http", daemon=True)
+    http_thread.start()
     try:
-        httpd.serve_forever()
+        state.engine.run()  # in the main thread, until Ctrl-C
     except KeyboardInterrupt:
         pass
     finally:
+        httpd.shutdown()
         httpd.server_close()
-        state.engine.stop()
     return 0
 
 

@@ -202,7 +202,10 @@ class Engine:
 
     ``max_batch`` sequences are decoded together; up to ``max_waiting`` more wait (then
     ``submit`` raises ``QueueFull``); ``prefill_step_size`` prompt tokens per prefill chunk;
-    ``reuse_bytes`` bounds the prefix snapshots (0 turns reuse off).
+    ``reuse_bytes`` bounds the prefix snapshots (0 turns reuse off). With ``start`` the
+    loop runs in a thread of its own; otherwise the caller runs ``run()`` (the server runs
+    it in the main thread: MLX's compiled functions used from another thread abort the
+    process at exit).
     """
 
     def __init__(
@@ -212,6 +215,7 @@ class Engine:
         max_waiting: int = 32,
         prefill_step_size: int = 512,
         reuse_bytes: int = 1 << 30,
+        start: bool = True,
     ):
         self.model = model
         self.max_batch, self.max_waiting = max_batch, max_waiting
@@ -221,8 +225,10 @@ class Engine:
         self.active: list[Sequence] = []
         self.cond = threading.Condition()
         self.stopped = False
-        self.thread = threading.Thread(target=self._run, name="kimi-k3-engine", daemon=True)
-        self.thread.start()
+        self.thread = None
+        if start:
+            self.thread = threading.Thread(target=self.run, name="kimi-k3-engine", daemon=True)
+            self.thread.start()
 
     def submit(self, seq: Sequence):
         with self.cond:
@@ -242,9 +248,11 @@ class Engine:
         with self.cond:
             self.stopped = True
             self.cond.notify()
-        self.thread.join(timeout=30)
+        if self.thread is not None:
+            self.thread.join(timeout=30)
 
-    def _run(self):
+    def run(self):
+        """Steps until ``stop()``."""
         while True:
             with self.cond:
                 while not self.stopped and not self.waiting and not self.active:
