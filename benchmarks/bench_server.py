@@ -5,7 +5,8 @@ beside a long prefill and on a follow-up turn, and a bounded load test.
 
 A synthetic checkpoint (the ``small`` preset; ``--quick``: ``tiny``) is written to a
 temporary directory and served by ``python -m kimi_k3.server`` on 127.0.0.1 with its
-experts streamed into a cache of a quarter of their bytes (``--cache-fraction``). Everything goes over HTTP:
+experts streamed into a cache of a quarter of their bytes (``--cache-fraction``).
+Everything goes over HTTP:
 
 - throughput: N clients (1, 4, 8) each send one completion of ``--tokens`` tokens at once;
   aggregate tokens/s is every reply's tokens over the wall time of the slowest;
@@ -202,16 +203,23 @@ def load_test(server: Server, requests: int, limit_s: float) -> dict:
 
 def measure(path: Path, a) -> str:
     out = []
-    with Server(path, a.cache_fraction, "--max-batch", 8, "--prefill-step-size", a.prefill_step) as server:
+    with Server(
+        path, a.cache_fraction, "--max-batch", 8, "--prefill-step-size", a.prefill_step
+    ) as server:
         completion(server, "warm up", 2)
         rows, base = [], None
         for n in (1, 4, 8):
             tps, made = throughput(server, n, a.tokens)
             base = base or tps
             rows.append([n, made, f"{tps:.1f}", f"{tps / base:.2f}x"])
-        out.append(timing.markdown_table(["clients", "tokens", "aggregate tok/s", "vs 1 client"], rows))
+        out.append(
+            timing.markdown_table(["clients", "tokens", "aggregate tok/s", "vs 1 client"], rows)
+        )
         alone, beside = ttft_beside_long_prefill(server, a.long, a.rounds)
-        rows = [["alone", f"{alone:.3f}"], [f"while a {a.long}-token prompt prefills", f"{beside:.3f}"]]
+        rows = [
+            ["alone", f"{alone:.3f}"],
+            [f"while a {a.long}-token prompt prefills", f"{beside:.3f}"],
+        ]
         out.append(timing.markdown_table(["1-token request", "seconds (median)"], rows))
         turns = follow_up_ttft(server, a.system_words)
         rows = [
@@ -219,7 +227,9 @@ def measure(path: Path, a) -> str:
             for k, (t, u) in turns.items()
         ]
         out.append(
-            timing.markdown_table(["chat request", "prompt tokens", "reused", "first token s"], rows)
+            timing.markdown_table(
+                ["chat request", "prompt tokens", "reused", "first token s"], rows
+            )
         )
     with Server(path, a.cache_fraction, "--max-batch", 4, "--max-waiting", 4) as server:
         counts = load_test(server, a.requests, a.limit_s)

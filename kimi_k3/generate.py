@@ -44,8 +44,7 @@ DEFAULT_PROMPT = "Hello! Who are you?"
 RESERVE_GB = 4.0  # memory left for the OS, activations and KV caches
 INTERRUPTED = 130
 SYNTHETIC_NOTICE = (
-    "kimi_k3: {path} is a synthetic checkpoint: its weights are random, so its output is "
-    "gibberish"
+    "kimi_k3: {path} is a synthetic checkpoint: its weights are random, so its output is gibberish"
 )
 
 
@@ -112,7 +111,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-tokens", "-m", type=int, default=256, help="most tokens to generate")
     add_sampling_arguments(p)
-    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill step")
+    p.add_argument(
+        "--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill step"
+    )
     p.add_argument(
         "--max-context",
         type=int,
@@ -156,7 +157,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser, seed: bool = True, defaul
     p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus sampling mass, 1 off{what}")
     p.add_argument("--top-k", type=int, default=0, help=f"sample from the k likeliest, 0 off{what}")
     p.add_argument(
-        "--min-p", type=float, default=0.0, help=f"drop tokens below min-p x the top one, 0 off{what}"
+        "--min-p",
+        type=float,
+        default=0.0,
+        help=f"drop tokens below min-p x the top one, 0 off{what}",
     )
     if seed:
         p.add_argument("--seed", type=int, default=None, help="seed MLX's random generator")
@@ -262,7 +266,9 @@ def resolve_model(path: Path | None, expert_cache_gb: float | None):
     if expert_cache_gb is None:
         expert_cache_gb = auto_expert_cache_gb(Path(path))
     elif not math.isfinite(expert_cache_gb) or expert_cache_gb <= 0:
-        raise ArgumentError(f"--expert-cache-gb must be a positive number of GB, got {expert_cache_gb}")
+        raise ArgumentError(
+            f"--expert-cache-gb must be a positive number of GB, got {expert_cache_gb}"
+        )
     else:
         check_expert_budget(Path(path), expert_cache_gb)
     return path, expert_cache_gb

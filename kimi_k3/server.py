@@ -48,7 +48,6 @@ from kimi_k3.generate import (
     UserError,
     add_model_arguments,
     add_sampling_arguments,
-    add_verify_argument,
     check_model_arguments,
     check_sampling_arguments,
     fail,
@@ -283,7 +282,9 @@ def thinking_field(body: dict, default: bool) -> bool:
 def chat_job(body: dict, tokenizer, limits: Limits) -> Job:
     messages = check_messages(body.get("messages"))
     tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
         raise ApiError(400, "tools must be a list of tool objects", "tools")
     fields = common_fields(body, limits)
     thinking = thinking_field(body, limits.thinking)
@@ -291,7 +292,9 @@ def chat_job(body: dict, tokenizer, limits: Limits) -> Job:
         prompt = encode_chat(tokenizer, messages, tools=tools or None, thinking=thinking)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
-    return Job(prompt, chat=True, thinking=thinking, **fit_context(prompt, fields, limits, "messages"))
+    return Job(
+        prompt, chat=True, thinking=thinking, **fit_context(prompt, fields, limits, "messages")
+    )
 
 
 def completion_job(body: dict, tokenizer, limits: Limits) -> Job:
@@ -493,7 +496,8 @@ class Handler(BaseHTTPRequestHandler):
         if int(length) > self.state.max_body:
             self.close_connection = True  # the body stays unread
             raise ApiError(
-                413, f"the body is {length} bytes; the limit is {self.state.max_body} (--max-body-mb)"
+                413,
+                f"the body is {length} bytes; the limit is {self.state.max_body} (--max-body-mb)",
             )
         raw = self.rfile.read(int(length))
         try:
@@ -520,7 +524,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_OPTIONS(self):
         origin = self.headers.get("Origin")
         if origin is None or not self._origin_allowed(origin):
-            self.send_error_json(ApiError(403, "cross-origin requests are not allowed (--allowed-origins)"))
+            self.send_error_json(
+                ApiError(403, "cross-origin requests are not allowed (--allowed-origins)")
+            )
             return
         self.send_response(204)
         self._cors_headers()
@@ -768,9 +774,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="default for chat requests; a request overrides it with "
         '"chat_template_kwargs": {"thinking": false}',
     )
-    p.add_argument("--max-tokens", type=int, default=512, help="max_tokens of a request that omits it")
     p.add_argument(
-        "--max-tokens-limit", type=int, default=8192, help="the largest max_tokens a request may ask"
+        "--max-tokens", type=int, default=512, help="max_tokens of a request that omits it"
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=8192,
+        help="the largest max_tokens a request may ask",
     )
     p.add_argument(
         "--max-context",
@@ -783,7 +794,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-waiting", type=int, default=32, help="requests queued beyond the batch (then 429)"
     )
-    p.add_argument("--prefill-step-size", type=int, default=512, help="prompt tokens per prefill chunk")
+    p.add_argument(
+        "--prefill-step-size", type=int, default=512, help="prompt tokens per prefill chunk"
+    )
     p.add_argument(
         "--prompt-cache-gb",
         type=float,
@@ -792,10 +805,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     add_sampling_arguments(p, seed=False, defaults_for="for requests without the field")
     for flag, what in (
-        ("--allowed-origins", "web origins allowed to call the server (CORS); '*' for any "
-         "(default: none)"),
-        ("--allowed-hosts", "extra host names a request's Host header may name (default: "
-         "the bound address; localhost too for a loopback bind)"),
+        (
+            "--allowed-origins",
+            "web origins allowed to call the server (CORS); '*' for any (default: none)",
+        ),
+        (
+            "--allowed-hosts",
+            "extra host names a request's Host header may name (default: "
+            "the bound address; localhost too for a loopback bind)",
+        ),
     ):
         p.add_argument(flag, type=comma_list, default=[], help=f"comma-separated {what}")
     p.add_argument(
@@ -840,7 +858,11 @@ def bind(host: str, port: int) -> ThreadingHTTPServer:
         server_class = type("Server", (ThreadingHTTPServer,), attrs)
         return server_class((host, port), Handler)
     except OSError as e:
-        why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror or e})"
+        why = (
+            "is already in use"
+            if e.errno == errno.EADDRINUSE
+            else f"cannot be bound ({e.strerror or e})"
+        )
         raise UserError(f"--host {host} --port {port}: the address {why}") from None
 
 

@@ -139,7 +139,11 @@ def snapshot(caches: list) -> list:
         if isinstance(c, ArraysCache):
             out.append(("kda", c[0], c[1]))
         else:
-            k, v = (None, None) if c.offset == 0 else (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+            k, v = (
+                (None, None)
+                if c.offset == 0
+                else (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+            )
             out.append(("mla", k, v))
     return out
 

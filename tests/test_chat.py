@@ -11,8 +11,8 @@ from mlx_lm.tool_parsers import kimi_k3 as mlx_kimi_k3
 
 from kimi_k3.chat import (
     encode_chat,
-    encode_segments,
     encode_ordinary,
+    encode_segments,
     parse_reply,
     parse_tool_calls,
     render_messages,

@@ -242,7 +242,9 @@ def test_special_tokens_are_hidden_unless_raw(tiny):
     """Chat output shows the reply's text only; ``[BOS]``, reserved ids and the markers
     with their tag names are not printed."""
     tok = tiny[1]
-    specials = {name: i for i, name in ((i, t.content) for i, t in tok.added_tokens_decoder.items())}
+    specials = {
+        name: i for i, name in ((i, t.content) for i, t in tok.added_tokens_decoder.items())
+    }
     words = tok.encode("hello", add_special_tokens=False)
     reserved = next(i for name, i in specials.items() if name.startswith("<|reserved_token_"))
     ids = [specials["[BOS]"], *words, reserved]

@@ -269,7 +269,9 @@ def test_queue_full_is_429(strict):
     """With one sequence running and no room to wait, a second request is told to retry."""
     body = {"messages": MESSAGES, "max_tokens": 40}
     results = []
-    first = threading.Thread(target=lambda: results.append(request(f"{strict}/v1/chat/completions", body=body)))
+    first = threading.Thread(
+        target=lambda: results.append(request(f"{strict}/v1/chat/completions", body=body))
+    )
     first.start()
     deadline = time.monotonic() + 30
     while request(f"{strict}/health", "GET")[2]["running"] == 0 and time.monotonic() < deadline:
