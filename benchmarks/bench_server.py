@@ -48,11 +48,14 @@ def free_port() -> int:
 class Server:
     """``python -m kimi_k3.server`` on a free localhost port, for a ``with`` block."""
 
-    def __init__(self, path: Path, cache_fraction: float, *flags):
+    def __init__(self, path: Path, cache_fraction: float | None, *flags):
+        """``cache_fraction``: the expert cache's share of the expert bytes; None keeps
+        the experts resident."""
         self.url = f"http://127.0.0.1:{free_port()}"
-        cache_gb = cache_fraction * expert_bytes(path) / 1e9
-        argv = ["--model", path, "--port", self.url.rsplit(":", 1)[1]]
-        argv += ["--expert-cache-gb", f"{cache_gb:.9g}", *flags]
+        argv = ["--model", path, "--port", self.url.rsplit(":", 1)[1], *flags]
+        if cache_fraction is not None:
+            cache_gb = cache_fraction * expert_bytes(path) / 1e9
+            argv += ["--expert-cache-gb", f"{cache_gb:.9g}"]
         env = {**os.environ, "KIMI_K3_CACHE": str(path.parent / "cache")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kimi_k3.server", *map(str, argv)],
@@ -201,20 +204,20 @@ def load_test(server: Server, requests: int, limit_s: float) -> dict:
     return counts
 
 
+def throughput_table(server: Server, tokens: int) -> str:
+    completion(server, "warm up", 2)
+    rows, base = [], None
+    for n in (1, 4, 8):
+        tps, made = throughput(server, n, tokens)
+        base = base or tps
+        rows.append([n, made, f"{tps:.1f}", f"{tps / base:.2f}x"])
+    return timing.markdown_table(["clients", "tokens", "aggregate tok/s", "vs 1 client"], rows)
+
+
 def measure(path: Path, a) -> str:
     out = []
-    with Server(
-        path, a.cache_fraction, "--max-batch", 8, "--prefill-step-size", a.prefill_step
-    ) as server:
-        completion(server, "warm up", 2)
-        rows, base = [], None
-        for n in (1, 4, 8):
-            tps, made = throughput(server, n, a.tokens)
-            base = base or tps
-            rows.append([n, made, f"{tps:.1f}", f"{tps / base:.2f}x"])
-        out.append(
-            timing.markdown_table(["clients", "tokens", "aggregate tok/s", "vs 1 client"], rows)
-        )
+    with Server(path, a.cache_fraction, "--prefill-step-size", a.prefill_step) as server:
+        out.append("Experts streamed:\n\n" + throughput_table(server, a.tokens))
         alone, beside = ttft_beside_long_prefill(server, a.long, a.rounds)
         rows = [
             ["alone", f"{alone:.3f}"],
@@ -226,15 +229,14 @@ def measure(path: Path, a) -> str:
             [k, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], f"{t:.3f}"]
             for k, (t, u) in turns.items()
         ]
-        out.append(
-            timing.markdown_table(
-                ["chat request", "prompt tokens", "reused", "first token s"], rows
-            )
-        )
+        header = ["chat request", "prompt tokens", "reused", "first token s"]
+        out.append(timing.markdown_table(header, rows))
     with Server(path, a.cache_fraction, "--max-batch", 4, "--max-waiting", 4) as server:
         counts = load_test(server, a.requests, a.limit_s)
     rows = [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in counts.items()]
     out.append(timing.markdown_table([f"{a.requests} requests, 16 threads", "count"], rows))
+    with Server(path, None) as server:
+        out.append("Experts resident:\n\n" + throughput_table(server, a.tokens))
     return "\n".join(out)
 
 
