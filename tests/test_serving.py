@@ -58,13 +58,20 @@ def test_solo_equals_stream_generate(tiny, prompts):
         e.stop()
 
 
-def test_batched_equals_solo(tiny, prompts):
+def test_batched_equals_solo(tiny, prompts, monkeypatch):
     """Sequences of different lengths decoded together (left-padded MLA latents, stacked
     KDA states) give the tokens each gives alone."""
+    sizes = []
+    decode = Engine._decode
+    monkeypatch.setattr(
+        Engine, "_decode", lambda self, ready: (sizes.append(len(ready)), decode(self, ready))
+    )
     e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=7)
     try:
         solo = [run(e, [p])[0] for p in prompts]
+        assert max(sizes) == 1
         assert run(e, prompts) == solo
+        assert max(sizes) == len(prompts)  # all four in one step
     finally:
         e.stop()
 
