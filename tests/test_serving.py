@@ -68,9 +68,9 @@ def test_batched_equals_solo(tiny, prompts, monkeypatch):
     )
     e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=7)
     try:
-        solo = [run(e, [p])[0] for p in prompts]
+        solo = [run(e, [p], n=24)[0] for p in prompts]
         assert max(sizes) == 1
-        assert run(e, prompts) == solo
+        assert run(e, prompts, n=24) == solo
         assert max(sizes) == len(prompts)  # all four in one step
     finally:
         e.stop()
