@@ -747,6 +747,28 @@ def make_sequence(job: Job, state: ServerState):
 
 # Command line.
 
+# The server's limits: flag, type, default, help.
+LIMIT_FLAGS = [
+    ("--max-tokens", int, 512, "max_tokens of a request that omits it"),
+    ("--max-tokens-limit", int, 8192, "the largest max_tokens a request may ask"),
+    (
+        "--max-context",
+        int,
+        None,
+        "prompt + reply tokens of one request (default: the model's max_position_embeddings)",
+    ),
+    ("--max-body-mb", float, 1.0, "largest request body, in MB"),
+    ("--max-batch", int, 8, "sequences decoded together"),
+    ("--max-waiting", int, 32, "requests queued beyond the batch (then 429)"),
+    ("--prefill-step-size", int, 512, "prompt tokens per prefill chunk"),
+    (
+        "--prompt-cache-gb",
+        float,
+        1.0,
+        "GB of cache snapshots kept for prefix reuse across requests (0: none)",
+    ),
+]
+
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = Parser(
@@ -774,35 +796,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="default for chat requests; a request overrides it with "
         '"chat_template_kwargs": {"thinking": false}',
     )
-    p.add_argument(
-        "--max-tokens", type=int, default=512, help="max_tokens of a request that omits it"
-    )
-    p.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        default=8192,
-        help="the largest max_tokens a request may ask",
-    )
-    p.add_argument(
-        "--max-context",
-        type=int,
-        default=None,
-        help="prompt + reply tokens of one request (default: the model's max_position_embeddings)",
-    )
-    p.add_argument("--max-body-mb", type=float, default=1.0, help="largest request body, in MB")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
-    p.add_argument(
-        "--max-waiting", type=int, default=32, help="requests queued beyond the batch (then 429)"
-    )
-    p.add_argument(
-        "--prefill-step-size", type=int, default=512, help="prompt tokens per prefill chunk"
-    )
-    p.add_argument(
-        "--prompt-cache-gb",
-        type=float,
-        default=1.0,
-        help="bytes of cache snapshots kept for prefix reuse across requests (0: none)",
-    )
+    for flag, kind, default, text in LIMIT_FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=text)
     add_sampling_arguments(p, seed=False, defaults_for="for requests without the field")
     for flag, what in (
         (

@@ -155,3 +155,25 @@ def test_prefix_cache_is_an_lru_bounded_in_bytes(tiny, prompts):
     assert lru.bytes <= 2 * size
     assert lru.longest([1, 2, 3, 4, 5, 6])[0] == 3
     assert lru.longest([1, 2, 3])[0] == 0  # a key must leave a token to decode
+
+
+def test_a_failed_step_ends_its_sequences_and_the_engine_goes_on(tiny, prompts, monkeypatch):
+    """The server answers such a sequence with 503; later requests are served."""
+    failed = []
+    prefill = Engine._prefill_chunk
+
+    def fail_once(self, s):
+        if not failed:
+            failed.append(s)
+            raise OSError("expert read failed")
+        return prefill(self, s)
+
+    monkeypatch.setattr(Engine, "_prefill_chunk", fail_once)
+    e = Engine(tiny[0], reuse_bytes=0)
+    try:
+        s = sequence(prompts[0])
+        e.submit(s)
+        assert s.out.get(timeout=120) == ("error", "OSError: expert read failed")
+        assert run(e, [prompts[0]])[0][1] == "length"
+    finally:
+        e.stop()
