@@ -457,3 +457,42 @@ def test_auto_budget_streams_what_does_not_fit(tiny_ckpt, monkeypatch, capsys):
         capsys.readouterr().err
     )
     assert gen.resolve_model(tiny_ckpt, 2.0) == (tiny_ckpt, 2.0)
+
+
+def test_chat_line_editing_on_a_terminal(tiny_ckpt):
+    """On a terminal the chat reads lines through readline: ``/ext``, left arrow, ``i``
+    is the command ``/exit`` (without line editing it would be a message to the model,
+    and the chat would wait for the next one)."""
+    import pty
+    import select
+    import time
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kimi_k3.generate", "--model", str(tiny_ckpt), "-i", "-m", "2"],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env={**os.environ, "TERM": "xterm"},
+    )
+    os.close(follower)
+    seen, deadline = b"", time.monotonic() + 60
+    try:
+        while b">> " not in seen and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.5)[0]:
+                seen += os.read(leader, 4096)
+        os.write(leader, b"/ext\x1b[Di\r")
+        while proc.poll() is None and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(leader, 4096)
+                except OSError:
+                    break
+        proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        proc.kill()
+        os.close(leader)
+    assert proc.returncode == 0, seen.decode(errors="replace")
+    assert b"stats:" not in seen, seen.decode(errors="replace")
