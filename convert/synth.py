@@ -279,6 +279,11 @@ def _moe(w, r, a, p, D):
             w.add(f"{a}experts.{e}.{name}.weight_scale", scales, "U8")
 
 
+# The config.json key that marks a checkpoint as synthetic (random weights), so that every
+# entry point can say so.
+SYNTHETIC_KEY = "kimi_k3_synthetic"
+
+
 def write_checkpoint(
     out: str | Path,
     preset: str | dict = "tiny",
@@ -313,6 +318,7 @@ def write_checkpoint(
     w.add("language_model.lm_head.weight", r.linear(p["vocab_size"], D), "BF16")
     w.close()
     config = make_config(p)
+    config[SYNTHETIC_KEY] = {"seed": seed, "note": "random weights: the output is gibberish"}
     write_text_atomic(out / "config.json", json.dumps(config, indent=1))
     if tokenizer:
         from kimi_k3.tokenizer import write_synthetic_tokenizer

@@ -142,7 +142,7 @@ class GatedMLA(nn.Module):
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
         if T == 1:
-            o = self._decode(q_nope, q_pe, latent, k_pe)
+            o = self._decode(q_nope, q_pe, latent, k_pe, getattr(cache, "mask", None))
         else:
             o = self._prefill(q_nope, q_pe, latent, k_pe, offset)
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)
@@ -185,9 +185,14 @@ class GatedMLA(nn.Module):
         mask = causal_mask(q.shape[2], offset)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
-    def _decode(self, q_nope, q_pe, latent, k_pe):
+    def _decode(self, q_nope, q_pe, latent, k_pe, mask=None):
+        """One token. ``mask`` [B, 1, 1, Tk] (bool, or None for all keys) hides the left
+        padding of a batch of sequences of different lengths (``kimi_k3.serving``)."""
         q_lat = self._kv_b_matmul(q_nope, "k", transpose=False)  # the key map into the query
         s = q_lat @ latent.swapaxes(-1, -2) + q_pe @ k_pe.swapaxes(-1, -2)
-        p = mx.softmax(s.astype(mx.float32) * self.scale, axis=-1, precise=True)
+        s = s.astype(mx.float32) * self.scale
+        if mask is not None:
+            s = mx.where(mask, s, -mx.inf)
+        p = mx.softmax(s, axis=-1, precise=True)
         o_lat = p.astype(latent.dtype) @ latent
         return self._kv_b_matmul(o_lat, "v", transpose=True)  # the value map into the output

@@ -444,3 +444,42 @@ def parse_reply(reply: str | Sequence[int], tokenizer=None, thinking: bool = Tru
         tool_calls=tool_calls_of(msg),
         finished=msg.closed or tree.closed,
     )
+
+
+class ReplyStream:
+    """A reply parsed from its token ids as they arrive.
+
+    ``reasoning``, ``content`` and ``tool_calls`` so far: with ``chat`` the think and
+    response sections of ``parse_reply`` (markers only where the ids are markers), else
+    the decoded text. Special ids other than the markers (``[BOS]``, reserved ids) are
+    not text and are dropped.
+    """
+
+    def __init__(self, tokenizer, thinking: bool = True, chat: bool = True):
+        self.tokenizer, self.thinking, self.chat = tokenizer, thinking, chat
+        specials = set(getattr(tokenizer, "added_tokens_decoder", {}))
+        self.hidden = specials - set(marker_ids(tokenizer).values()) if chat else specials
+        self.ids: list[int] = []
+        self.reasoning, self.content, self.tool_calls = "", "", []
+        self.finished = False
+
+    def add(self, token: int):
+        self.ids.append(token)
+        if token not in self.hidden:
+            self.update()
+
+    def update(self):
+        """Parse ``ids`` again (``add`` does it; after appending to ``ids`` directly, call
+        this once)."""
+        ids = [i for i in self.ids if i not in self.hidden]
+        if self.chat:
+            r = parse_reply(ids, self.tokenizer, self.thinking)
+            self.reasoning, self.content, self.tool_calls = r.thinking, r.response, r.tool_calls
+            self.finished = r.finished
+        else:
+            self.content = self.tokenizer.decode(ids)
+
+    @staticmethod
+    def stable(text: str) -> str:
+        """``text`` without a trailing unfinished UTF-8 character (it may still change)."""
+        return text.rstrip("\ufffd")

@@ -9,6 +9,8 @@ go to stderr. Exit codes: 0 done, 1 error, 2 bad arguments, 130 interrupted (Ctr
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import stream_generate
+from mlx_lm.models.cache import ArraysCache
 from mlx_lm.sample_utils import make_sampler
 
 import kimi_k3
@@ -24,6 +27,7 @@ from kimi_k3 import distributed
 from kimi_k3.chat import (
     END,
     Element,
+    ReplyStream,
     close_tag,
     encode_chat,
     encode_segments,
@@ -40,23 +44,47 @@ from kimi_k3.streaming.cache import available_memory, default_cache_gb
 DEFAULT_PROMPT = "Hello! Who are you?"
 RESERVE_GB = 4.0  # memory left for the OS, activations and KV caches
 INTERRUPTED = 130
+SYNTHETIC_NOTICE = (
+    "kimi_k3: {path} is a synthetic checkpoint: its weights are random, so its output is gibberish"
+)
+
+
+USAGE_ERROR = 2
 
 
 class UserError(Exception):
     """Bad input the user can fix; printed as one ``error:`` line."""
 
 
+class ArgumentError(UserError):
+    """An invalid command-line value; exit status ``USAGE_ERROR``."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one ``error:`` line and exit status 2 (no usage dump)."""
+
+    def error(self, message: str):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(USAGE_ERROR)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in its help, unless the help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m kimi_k3.generate", description="Chat with or complete text from Kimi K3."
+    p = Parser(
+        prog="python -m kimi_k3.generate",
+        description="Chat with or complete text from Kimi K3.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="checkpoint directory: the published layout, the converter's, or an "
-        "mlx-lm converted one (default: the built-in random-weight demo model)",
-    )
+    add_model_arguments(p)
     p.add_argument(
         "--prompt", "-p", default=DEFAULT_PROMPT, help="the user message ('-' reads it from stdin)"
     )
@@ -67,37 +95,26 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         dest="chat",
         action="store_true",
         default=True,
-        help="wrap the prompt in the chat format (default)",
+        help="wrap the prompt in the chat format and show the reply's text only (default)",
     )
     mode.add_argument(
         "--raw",
         dest="chat",
         action="store_false",
-        help="encode the prompt as is (special-token names become special ids)",
+        help="encode the prompt as is (special-token names become special ids) and print "
+        "every generated token, special ones included (default: off)",
     )
     p.add_argument(
         "--thinking",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="open the reply with a think section (default) or go straight to the response",
+        help="open the reply with a think section or go straight to the response",
     )
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", "-m", type=int, default=256, help="most tokens to generate")
+    add_sampling_arguments(p)
     p.add_argument(
-        "--expert-cache-gb",
-        type=float,
-        default=None,
-        help="stream routed experts from disk into a cache of this many GB "
-        "(default: experts resident if the whole checkpoint fits in memory, "
-        "else a cache sized from free memory; the demo model caches 25%% of "
-        "its experts)",
+        "--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill step"
     )
-    add_verify_argument(p)
-    p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument(
         "--max-context",
         type=int,
@@ -114,28 +131,105 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_model_arguments(p: argparse.ArgumentParser):
+    """``--model``, ``--expert-cache-gb`` and ``--verify`` (the CLI and the server)."""
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint directory: the published layout, the converter's, or an "
+        "mlx-lm converted one (default: the built-in random-weight demo model)",
+    )
+    p.add_argument(
+        "--expert-cache-gb",
+        type=float,
+        default=None,
+        help="stream routed experts from disk into a cache of this many GB "
+        "(default: experts resident if the whole checkpoint fits in memory, "
+        "else a cache sized from free memory; the demo model caches 25%% of "
+        "its experts)",
+    )
+    add_verify_argument(p)
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, seed: bool = True, defaults_for=None):
+    """``--temp``, ``--top-p``, ``--top-k``, ``--min-p`` (and ``--seed``)."""
+    what = f"; {defaults_for}" if defaults_for else ""
+    p.add_argument("--temp", type=float, default=0.0, help=f"sampling temperature, 0 greedy{what}")
+    p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus sampling mass, 1 off{what}")
+    p.add_argument("--top-k", type=int, default=0, help=f"sample from the k likeliest, 0 off{what}")
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help=f"drop tokens below min-p x the top one, 0 off{what}",
+    )
+    if seed:
+        p.add_argument("--seed", type=int, default=None, help="seed MLX's random generator")
+
+
 def add_verify_argument(p: argparse.ArgumentParser):
     p.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="check every weight and every streamed expert read from disk against its "
-        "crc32 (default; recorded once at the first load, docs/checkpoints.md); "
+        "crc32 (recorded once at the first load, docs/checkpoints.md); "
         "--no-verify reads without checking",
     )
 
 
+def positive(args, name: str):
+    """``ArgumentError`` unless ``args.<name>`` is None or at least 1."""
+    value = getattr(args, name)
+    if value is not None and value < 1:
+        raise ArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _in_range(args, name: str, low: float, high: float, low_open: bool = False):
+    value = getattr(args, name)
+    ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bounds = f"{'above' if low_open else 'at least'} {low}" + (
+            f" and at most {high}" if math.isfinite(high) else ""
+        )
+        raise ArgumentError(f"--{name.replace('_', '-')} must be {bounds}, got {value}")
+
+
+def check_model_arguments(args):
+    gb = args.expert_cache_gb
+    if gb is not None and not (math.isfinite(gb) and gb > 0):
+        raise ArgumentError(f"--expert-cache-gb must be a positive number of GB, got {gb}")
+
+
+def check_sampling_arguments(args):
+    _in_range(args, "temp", 0, math.inf)
+    _in_range(args, "top_p", 0, 1, low_open=True)
+    _in_range(args, "min_p", 0, 1)
+    if args.top_k < 0:
+        raise ArgumentError(f"--top-k must be at least 0, got {args.top_k}")
+
+
+def check_arguments(args):
+    """``ArgumentError`` naming the flag of the first invalid value."""
+    check_model_arguments(args)
+    check_sampling_arguments(args)
+    for name in ("max_tokens", "prefill_step_size", "max_context"):
+        positive(args, name)
+    if args.system is not None and not args.chat:
+        raise ArgumentError("--system needs --chat")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
-    for name in ("max_tokens", "prefill_step_size", "max_context"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            return fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
+        check_arguments(args)
         plan = distributed.from_args(args)
-        model, tokenizer = load_for_cli(
-            *resolve_model(args.model, args.expert_cache_gb), verify=args.verify, plan=plan
-        )
+        path, budget = resolve_model(args.model, args.expert_cache_gb)
+    except (UserError, ConfigError, CheckpointError, OSError, distributed.DistributedError) as e:
+        return fail(str(e), USAGE_ERROR if isinstance(e, ArgumentError) else 1)
+    try:
+        model, tokenizer = load_for_cli(path, budget, verify=args.verify, plan=plan)
         if args.seed is not None:
             mx.random.seed(args.seed)
         if args.interactive:
@@ -148,10 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
 
 
-def fail(message: str) -> int:
-    """Print ``error: message`` on stderr; the exit status for it (1)."""
+def fail(message: str, status: int = 1) -> int:
+    """Print ``error: message`` on stderr; returns ``status``."""
     print(f"error: {message}", file=sys.stderr)
-    return 1
+    return status
 
 
 # Loading.
@@ -159,18 +253,55 @@ def fail(message: str) -> int:
 
 def resolve_model(path: Path | None, expert_cache_gb: float | None):
     """``(path, expert_cache_gb)`` after defaults: no path means the demo model (built on
-    first use, a notice on stderr) with its streaming budget. Checks the directory."""
+    first use, a notice on stderr) with its streaming budget. Checks the directory, says
+    so when its weights are random, and checks the budget holds a token's experts."""
     from kimi_k3 import default_model
+    from kimi_k3.convert.synth import SYNTHETIC_KEY
 
-    if path is None:
+    demo = path is None
+    if demo:
         path = default_model.ensure_default_model()
         print(default_model.NOTICE, file=sys.stderr)
         if expert_cache_gb is None:
             expert_cache_gb = default_model.default_cache_gb(path)
-    kimi_k3.check_checkpoint(path)
+    if kimi_k3.check_checkpoint(path).get(SYNTHETIC_KEY) and not demo:
+        print(SYNTHETIC_NOTICE.format(path=path), file=sys.stderr)
     if expert_cache_gb is None:
         expert_cache_gb = auto_expert_cache_gb(Path(path))
+    elif not math.isfinite(expert_cache_gb) or expert_cache_gb <= 0:
+        raise ArgumentError(
+            f"--expert-cache-gb must be a positive number of GB, got {expert_cache_gb}"
+        )
+    else:
+        check_expert_budget(Path(path), expert_cache_gb)
     return path, expert_cache_gb
+
+
+def check_expert_budget(path: Path, expert_cache_gb: float):
+    """``ArgumentError`` unless the cache holds top-k experts of every MoE layer."""
+    from kimi_k3.config import ModelArgs
+    from kimi_k3.streaming.cache import GB, slots_per_layer
+    from kimi_k3.streaming.sources import expert_bytes, expert_layout
+
+    try:
+        args = ModelArgs.from_path(path)
+    except ConfigError:
+        return  # a layout ModelArgs does not read directly: the streamer checks at load
+    moe_layers = sum(args.is_moe(i) for i in range(args.num_hidden_layers))
+    try:
+        slots_per_layer(
+            round(expert_cache_gb * GB),
+            expert_bytes(expert_layout(args)),
+            moe_layers,
+            args.num_experts_per_token,
+            args.num_experts,
+        )
+    except ValueError:
+        need = expert_bytes(expert_layout(args)) * moe_layers * args.num_experts_per_token / GB
+        raise ArgumentError(
+            f"--expert-cache-gb {expert_cache_gb:g} is too small for {path}: {moe_layers} MoE "
+            f"layers x top-{args.num_experts_per_token} experts need at least {need:.4g} GB"
+        ) from None
 
 
 def auto_expert_cache_gb(path: Path) -> float | None:
@@ -311,6 +442,7 @@ def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, rep
     reset_stats(model)
     reply.prompt_tokens = len(ids)
     sampler = make_sampler(args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    shown = Shown(tokenizer, args.thinking) if args.chat else None
     for r in stream_generate(
         model,
         tokenizer,
@@ -322,21 +454,57 @@ def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, rep
     ):
         reply.tokens.append(r.token)
         reply.last = r
-        sys.stdout.write(r.text)
+        sys.stdout.write(r.text if shown is None else shown.add(r.token))
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    sys.stdout.write("\n" if shown is None else shown.end())
+
+
+class Shown:
+    """What a chat reply prints: the text of its think and response sections (a blank line
+    between them), then its tool calls; markers and other special tokens are not shown."""
+
+    def __init__(self, tokenizer, thinking: bool):
+        self.reply = ReplyStream(tokenizer, thinking)
+        self.printed = {"reasoning": "", "content": ""}
+
+    def add(self, token: int) -> str:
+        self.reply.add(token)
+        return self._new(final=False)
+
+    def _new(self, final: bool) -> str:
+        out = ""
+        for key in ("reasoning", "content"):
+            text = getattr(self.reply, key)
+            text = text if final else ReplyStream.stable(text)
+            done = self.printed[key]
+            if len(text) > len(done) and text.startswith(done):
+                if key == "content" and not done and self.printed["reasoning"]:
+                    out += "\n\n"
+                out += text[len(done) :]
+                self.printed[key] = text
+        return out
+
+    def end(self) -> str:
+        calls = "".join(
+            f"\ntool call: {c['name']} {json.dumps(c['arguments'], ensure_ascii=False)}"
+            for c in self.reply.tool_calls
+        )
+        return self._new(final=True) + calls + "\n"
 
 
 def run_once(model, tokenizer, args) -> int:
     ids = prompt_ids(tokenizer, args)
     if not ids:
         raise UserError("the prompt is empty")
-    max_tokens = check_room(len(ids), 0, context_limit(model, args.max_context), args.max_tokens)
-    return _generate_reporting(model, tokenizer, ids, args, model.make_cache(), max_tokens, Reply())
+    context = context_limit(model, args.max_context)
+    max_tokens = check_room(len(ids), 0, context, args.max_tokens)
+    cache = model.make_cache()
+    return _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, Reply(), context)
 
 
-def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply: Reply) -> int:
-    """``generate`` with the stats line after it, also after Ctrl-C or a disk error."""
+def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply, context) -> int:
+    """``generate`` with the stats line after it, also after Ctrl-C or a disk error, and a
+    notice when the ``context`` cut the reply short of ``--max-tokens``."""
     try:
         generate(model, tokenizer, ids, args, cache, max_tokens, reply)
     except KeyboardInterrupt:
@@ -346,6 +514,13 @@ def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply: R
         sys.stdout.write("\n")
         return fail(f"reading experts from disk failed mid-generation: {e}")
     print(stats_line(model, reply), file=sys.stderr)
+    if max_tokens < args.max_tokens and reply.last and reply.last.finish_reason == "length":
+        limit, source = context
+        print(
+            f"notice: the reply was cut at {len(reply.tokens)} tokens: the context holds "
+            f"{limit} tokens ({source})",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -400,6 +575,17 @@ class ChatSession:
         closing = close_reply(self.tokenizer, self.last_reply, self.thinking) if not first else []
         return closing + encode_chat(self.tokenizer, messages, thinking=self.thinking)
 
+    def save(self) -> list:
+        """What ``restore`` needs to undo a turn: KDA arrays (immutable) and MLA lengths."""
+        return [(c[0], c[1]) if isinstance(c, ArraysCache) else c.offset for c in self.cache]
+
+    def restore(self, saved: list):
+        for c, s in zip(self.cache, saved):
+            if isinstance(c, ArraysCache):
+                c[0], c[1] = s
+            else:
+                c.offset = s
+
     def record(self, ids: list[int], reply: list[int]):
         """Note a turn fed ``ids`` and produced ``reply`` (both now in the cache)."""
         self.history += ids + reply
@@ -425,7 +611,11 @@ def close_reply(tokenizer, reply: list[int], thinking: bool) -> list[int]:
 
 
 def chat_loop(model, tokenizer, args) -> int:
-    """Read user messages from stdin until EOF or ``/exit``; ``/reset`` clears the history."""
+    """Read user messages from stdin until EOF or ``/exit``; ``/reset`` clears the history.
+    On a terminal, lines are edited and recalled with readline; Ctrl-C stops a reply (the
+    turn is dropped) or clears the line, and returns to the prompt."""
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (input() gains line editing and history)
     session = ChatSession(model, tokenizer, args.system, args.thinking)
     context = context_limit(model, args.max_context)
     print("chat: type a message; /reset starts over, /exit or Ctrl-D quits", file=sys.stderr)
@@ -434,22 +624,41 @@ def chat_loop(model, tokenizer, args) -> int:
             text = input(">> ")
         except EOFError:
             return 0
-        if text.strip() == "/exit":
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        command = text.strip()
+        if command == "/exit":
             return 0
-        if text.strip() == "/reset":
+        if command == "/reset":
             session = ChatSession(model, tokenizer, args.system, args.thinking)
+            print("conversation cleared", file=sys.stderr)
             continue
-        ids = session.turn_ids(text)
-        try:
-            max_tokens = check_room(len(ids), len(session.history), context, args.max_tokens)
-        except UserError as e:
-            print(f"error: {e}; /reset to start over", file=sys.stderr)
+        if not command:
             continue
-        reply = Reply()
-        code = _generate_reporting(model, tokenizer, ids, args, session.cache, max_tokens, reply)
-        if code:
+        code = chat_turn(session, text, args, context)
+        if code not in (0, INTERRUPTED):
             return code
+
+
+def chat_turn(session: ChatSession, text: str, args, context) -> int:
+    """One turn of ``chat_loop``; after Ctrl-C the cache goes back to before the turn."""
+    ids = session.turn_ids(text)
+    try:
+        max_tokens = check_room(len(ids), len(session.history), context, args.max_tokens)
+    except UserError as e:
+        print(f"error: {e}; /reset to start over", file=sys.stderr)
+        return 0
+    saved, reply = session.save(), Reply()
+    code = _generate_reporting(
+        session.model, session.tokenizer, ids, args, session.cache, max_tokens, reply, context
+    )
+    if code == INTERRUPTED:
+        session.restore(saved)
+        print("reply stopped; the turn is dropped", file=sys.stderr)
+    elif code == 0:
         session.record(ids, reply.tokens)
+    return code
 
 
 if __name__ == "__main__":

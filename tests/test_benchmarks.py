@@ -12,6 +12,7 @@ from benchmarks import (
     bench_kda,
     bench_mla,
     bench_mxfp4,
+    bench_server,
     bench_streaming,
     bench_trace,
     bf16_drift,
@@ -237,3 +238,22 @@ def test_profile_kernels_quick(monkeypatch):
         "mxfp4_decode",
         "mxfp4_prefill",
     }
+
+
+def test_bench_server_quick():
+    """Every table of the server benchmark, and the load test lost nothing: each request
+    was answered (200) or refused (429), and the server answered afterwards."""
+    throughput, ttft, turns, load, resident = tables(bench_server.main(["--quick"]))
+    for table in (throughput, resident):
+        assert [r["clients"] for r in table] == ["1", "4", "8"]
+        assert all(number(r["aggregate tok/s"]) > 0 for r in table)
+    assert len(ttft) == 2 and all(number(r["seconds (median)"]) > 0 for r in ttft)
+    assert int(turns[1]["reused"]) >= int(turns[0]["prompt tokens"])
+    assert int(turns[2]["reused"]) == 0
+    counts = {r[next(iter(r))]: r["count"] for r in load}
+    assert set(counts) == {"200", "429", "seconds", "health after", "a request after"} - (
+        {"429"} if "429" not in counts else set()
+    )
+    answered = int(counts["200"]) + int(counts.get("429", 0))
+    assert answered == 12
+    assert counts["health after"] == "ok" and counts["a request after"] == "200"

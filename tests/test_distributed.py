@@ -157,7 +157,7 @@ def test_generate_cli_stats_per_rank(tiny_ckpt):
 
 def test_server_two_ranks(per_rank):
     """``python -m kimi_k3.server --split expert`` on 2 ranks: rank 0 answers a completion
-    (the other rank follows its requests) and only rank 0 logs."""
+    (the other rank repeats its forward passes) and only rank 0 logs."""
     import os
     import signal
     import time
@@ -191,7 +191,6 @@ def test_server_two_ranks(per_rank):
         log = proc.communicate(timeout=30)[0]
     assert reply["usage"]["completion_tokens"] == 4
     assert log.count("serving ") == 1 and log.count("loaded ") == 1, log
-    assert log.count("Prompt processing progress: 0/") == 1, log  # the request, logged once
 
 
 def test_converter_rank_out_of_range(tiny_ckpt, tmp_path):

@@ -22,6 +22,7 @@ from kimi_k3.convert.convert import Settings, convert
 from kimi_k3.generate import (
     ChatSession,
     Reply,
+    Shown,
     close_reply,
     generate,
     main,
@@ -59,8 +60,14 @@ def run_cli(*args, stdin=None, env=None, timeout=120):
     return out
 
 
-def expected_text(model, tokenizer, ids, max_tokens):
-    return "".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens))
+def expected_text(model, tokenizer, ids, max_tokens, chat=True):
+    """What the CLI prints for greedy mlx-lm generation from ``ids``: in chat mode the
+    reply's text (``Shown``), raw every token's text."""
+    responses = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens))
+    if not chat:
+        return "".join(r.text for r in responses) + "\n"
+    shown = Shown(tokenizer, thinking=True)
+    return "".join(shown.add(r.token) for r in responses) + shown.end()
 
 
 def test_chat_end_to_end(tiny_ckpt, tiny):
@@ -83,7 +90,7 @@ def test_chat_end_to_end(tiny_ckpt, tiny):
         12,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout == expected_text(*tiny, ids, 12) + "\n"
+    assert out.stdout == expected_text(*tiny, ids, 12)
     stats = STATS.search(out.stderr)
     assert stats, out.stderr
     assert int(stats[1]) == len(ids) and 1 <= int(stats[2]) <= 12
@@ -110,7 +117,7 @@ def test_raw_and_no_thinking(tiny_ckpt, tiny, capsys):
     out = capsys.readouterr()
     ids = tiny[1].encode("Once upon a time", add_special_tokens=False)
     assert int(STATS.search(out.err)[1]) == len(ids)
-    assert out.out == expected_text(*tiny, ids, 5) + "\n"
+    assert out.out == expected_text(*tiny, ids, 5, chat=False)
     assert (
         main(["--model", str(tiny_ckpt), "--no-thinking", "--prompt", "Hi", "--max-tokens", "3"])
         == 0
@@ -174,7 +181,9 @@ def test_max_context(tiny_ckpt, tiny, capsys):
     ids = encode_chat(tiny[1], [{"role": "user", "content": "Hi"}])
     argv = ["--model", str(tiny_ckpt), "--prompt", "Hi", "--max-tokens", "50", "--max-context"]
     assert main(argv + [str(len(ids) + 3)]) == 0
-    assert int(STATS.search(capsys.readouterr().err)[2]) <= 3
+    err = capsys.readouterr().err
+    assert int(STATS.search(err)[2]) == 3
+    assert f"notice: the reply was cut at 3 tokens: the context holds {len(ids) + 3} " in err
     assert main(argv + [str(len(ids))]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: the prompt is {len(ids)} tokens, but the context holds {len(ids)} "
@@ -182,16 +191,69 @@ def test_max_context(tiny_ckpt, tiny, capsys):
     )
 
 
-@pytest.mark.parametrize("argv", [["--max-tokens", "lots"], ["--chat", "--raw"]])
-def test_bad_arguments_exit_2(argv):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
+BAD_VALUES = [
+    (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+    (["--prefill-step-size", "-3"], "--prefill-step-size must be at least 1"),
+    (["--max-context", "0"], "--max-context must be at least 1"),
+    (["--temp", "-1"], "--temp must be at least 0"),
+    (["--temp", "nan"], "--temp must be at least 0"),
+    (["--top-p", "0"], "--top-p must be above 0 and at most 1"),
+    (["--min-p", "1.5"], "--min-p must be at least 0 and at most 1"),
+    (["--top-k", "-1"], "--top-k must be at least 0"),
+    (["--expert-cache-gb", "0"], "--expert-cache-gb must be a positive number of GB"),
+    (["--expert-cache-gb", "-1"], "--expert-cache-gb must be a positive number of GB"),
+    (["--expert-cache-gb", "0.0000002"], "--expert-cache-gb 2e-07 is too small for "),
+    (["--max-tokens", "lots"], "argument --max-tokens/-m: invalid int value: 'lots'"),
+    (["--chat", "--raw"], "argument --raw: not allowed with argument --chat"),
+]
 
 
-def test_nonpositive_limits(capsys):
-    assert main(["--max-tokens", "0"]) == 1
-    assert capsys.readouterr().err == "error: --max-tokens must be at least 1, got 0\n"
+@pytest.mark.parametrize("argv,message", BAD_VALUES)
+def test_bad_values_exit_2_before_loading(argv, message, tiny_ckpt, capsys):
+    """One ``error:`` line naming the flag, exit status 2, nothing loaded."""
+    try:
+        code = main(["--model", str(tiny_ckpt), *argv])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "synthetic" not in line]
+    assert len(err) == 1 and err[0].startswith("error: " + message), err
+
+
+@pytest.mark.parametrize("module", ["kimi_k3.generate", "kimi_k3.server"])
+def test_every_flag_has_help_and_a_default(module):
+    import importlib
+
+    parser = importlib.import_module(module).setup_arg_parser()
+    for action in parser._actions:
+        assert action.help, action.option_strings
+    assert "(default: " in parser.format_help()
+
+
+def test_synthetic_checkpoints_say_so(tiny_ckpt, capsys):
+    from kimi_k3.convert.synth import SYNTHETIC_KEY
+
+    assert json.loads((tiny_ckpt / "config.json").read_text())[SYNTHETIC_KEY]
+    assert main(["--model", str(tiny_ckpt), "--max-tokens", "1"]) == 0
+    assert "synthetic checkpoint: its weights are random" in capsys.readouterr().err
+
+
+def test_special_tokens_are_hidden_unless_raw(tiny):
+    """Chat output shows the reply's text only; ``[BOS]``, reserved ids and the markers
+    with their tag names are not printed."""
+    tok = tiny[1]
+    specials = {
+        name: i for i, name in ((i, t.content) for i, t in tok.added_tokens_decoder.items())
+    }
+    words = tok.encode("hello", add_special_tokens=False)
+    reserved = next(i for name, i in specials.items() if name.startswith("<|reserved_token_"))
+    ids = [specials["[BOS]"], *words, reserved]
+    ids += encode_segments(tok, [("<|close|>", True), ("think", False), ("<|sep|>", True)])
+    ids += encode_segments(tok, [("<|open|>", True), ("response", False), ("<|sep|>", True)])
+    ids += words
+    shown = Shown(tok, thinking=True)
+    text = "".join(shown.add(i) for i in ids) + shown.end()
+    assert text == "hello\n\nhello\n"
 
 
 def test_ctrl_c_prints_stats_and_exits_130(tiny_ckpt):
@@ -230,6 +292,30 @@ def test_interactive_keeps_the_cache(tiny_ckpt, tiny):
     assert int(stats[0][0]) == len(first)
     second = encode_chat(tiny[1], [{"role": "user", "content": "second"}])
     assert len(second) <= int(stats[1][0]) < len(first) + 6 + len(second)
+
+
+def test_chat_ctrl_c_returns_to_the_prompt(tiny_ckpt):
+    """Ctrl-C during a reply stops it and drops the turn; the chat goes on (``/reset``
+    confirms, ``/exit`` ends with status 0)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kimi_k3.generate", "--model", str(tiny_ckpt), "-i"]
+        + ["--max-tokens", "1000000"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        proc.stdin.write("tell me everything\n")
+        proc.stdin.flush()
+        assert proc.stdout.read(4)  # the reply is streaming
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate("/reset\n/exit\n", timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "(interrupted)" in err
+    assert err.index("reply stopped; the turn is dropped") < err.index("conversation cleared")
 
 
 def _turn(session, text, capsys):
@@ -328,7 +414,7 @@ def test_disk_error_mid_generation(tiny_ckpt, tmp_path, capsys):
 
 
 def test_system_needs_chat(tiny_ckpt, capsys):
-    assert main(["--model", str(tiny_ckpt), "--raw", "--system", "x"]) == 1
+    assert main(["--model", str(tiny_ckpt), "--raw", "--system", "x"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == "error: --system needs --chat"
 
 
@@ -355,7 +441,7 @@ def test_converted_layouts(layout, tiny_ckpt, tiny, tmp_path, capsys):
         got = capsys.readouterr()
         assert int(STATS.search(got.err)[1]) == len(ids) and where in got.err
         if layout == "pack":
-            assert got.out == expected_text(*tiny, ids, 6) + "\n"
+            assert got.out == expected_text(*tiny, ids, 6)
 
 
 def test_auto_budget_streams_what_does_not_fit(tiny_ckpt, monkeypatch, capsys):
@@ -371,3 +457,42 @@ def test_auto_budget_streams_what_does_not_fit(tiny_ckpt, monkeypatch, capsys):
         capsys.readouterr().err
     )
     assert gen.resolve_model(tiny_ckpt, 2.0) == (tiny_ckpt, 2.0)
+
+
+def test_chat_line_editing_on_a_terminal(tiny_ckpt):
+    """On a terminal the chat reads lines through readline: ``/ext``, left arrow, ``i``
+    is the command ``/exit`` (without line editing it would be a message to the model,
+    and the chat would wait for the next one)."""
+    import pty
+    import select
+    import time
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kimi_k3.generate", "--model", str(tiny_ckpt), "-i", "-m", "2"],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env={**os.environ, "TERM": "xterm"},
+    )
+    os.close(follower)
+    seen, deadline = b"", time.monotonic() + 60
+    try:
+        while b">> " not in seen and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.5)[0]:
+                seen += os.read(leader, 4096)
+        os.write(leader, b"/ext\x1b[Di\r")
+        while proc.poll() is None and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(leader, 4096)
+                except OSError:
+                    break
+        proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        proc.kill()
+        os.close(leader)
+    assert proc.returncode == 0, seen.decode(errors="replace")
+    assert b"stats:" not in seen, seen.decode(errors="replace")

@@ -1,23 +1,28 @@
-"""``python -m kimi_k3.server`` over HTTP: completion, chat completion, streamed chat."""
+"""``python -m kimi_k3.server`` over HTTP: the official ``openai`` client, concurrent
+clients, cancellation, limits, hostile requests."""
 
+import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 import urllib.request
 
+import openai
 import pytest
-from mlx_lm import stream_generate
 
-import kimi_k3
 from kimi_k3.chat import encode_chat
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Is <|open|> a marker?"},
 ]
+MODEL_ID = "k3-test"
 
 
 def _free_port() -> int:
@@ -26,24 +31,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_ckpt, tmp_path_factory):
-    """The server on a free localhost port, stopped after the module's tests."""
+def start_server(ckpt, tmp_path_factory, *flags):
+    """A server on a free localhost port; returns ``(url, process, log file)``."""
     port = _free_port()
     env = {**os.environ, "KIMI_K3_CACHE": str(tmp_path_factory.mktemp("cache"))}
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
+    argv = ["--model", ckpt, "--port", port, "--served-model-name", MODEL_ID, *flags]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kimi_k3.server",
-            "--model",
-            str(tiny_ckpt),
-            "--port",
-            str(port),
-            "--log-level",
-            "WARNING",
-        ],
+        [sys.executable, "-m", "kimi_k3.server", *map(str, argv)],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
@@ -54,93 +49,314 @@ def server(tiny_ckpt, tmp_path_factory):
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
                 if json.load(r)["status"] == "ok":
-                    break
+                    return url, proc, log
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 log.seek(0)
                 pytest.fail(f"server did not start:\n{log.read()}")
             time.sleep(0.2)
-    yield url
-    proc.terminate()
+
+
+def stop_server(proc, log):
+    """Ctrl-C, as a user stops it: a clean exit, status 0."""
+    proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
+    log.seek(0)
+    text = log.read()
     log.close()
+    assert proc.returncode == 0 and "terminate called" not in text, text[-2000:]
 
 
 @pytest.fixture(scope="module")
-def local(tiny_ckpt):
-    return kimi_k3.load(tiny_ckpt)
+def served(tiny_ckpt, tmp_path_factory):
+    url, proc, log = start_server(tiny_ckpt, tmp_path_factory, "--log-level", "INFO")
+    yield url, proc, log
+    stop_server(proc, log)
 
 
-def post(url, body):
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def strict(tiny_ckpt, tmp_path_factory):
+    """A server with small limits: one sequence at a time, none waiting, 160 tokens
+    of context, 20 KB bodies."""
+    flags = ["--max-batch", 1, "--max-waiting", 0, "--max-context", 160, "--max-body-mb", 0.02]
+    url, proc, log = start_server(tiny_ckpt, tmp_path_factory, *flags)
+    yield url
+    stop_server(proc, log)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_ckpt):
+    from kimi_k3.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_ckpt)
+
+
+def request(url, method="POST", body=None, headers=None, raw: bytes | None = None):
+    """``(status, headers, parsed JSON body)`` of one request, errors included."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        conn.request(method, parts.path, body=data, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), json.loads(r.read() or b"null")
+    finally:
+        conn.close()
+
+
+def chat(client, **kw):
+    kw = {"model": MODEL_ID, "messages": MESSAGES, "max_tokens": 8, **kw}
+    return client.chat.completions.create(**kw)
+
+
+# The openai client.
+
+
+def test_openai_chat(client, tok):
+    """Content and reasoning_content side by side; usage counts the encode_chat prompt."""
+    r = chat(client)
+    assert r.model == MODEL_ID
+    message = r.choices[0].message
+    assert isinstance(message.content, str)
+    assert isinstance(message.model_extra["reasoning_content"], str)
+    assert message.model_extra["reasoning_content"] or message.content
+    assert r.usage.prompt_tokens == len(encode_chat(tok, MESSAGES))
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+
+
+def test_openai_chat_stream_equals_non_stream(client):
+    whole = chat(client, extra_body={"chat_template_kwargs": {"thinking": False}})
+    stream = chat(
+        client,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"chat_template_kwargs": {"thinking": False}},
     )
-    return urllib.request.urlopen(request, timeout=60)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert {c.model for c in chunks} == {MODEL_ID}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
-def expected(local, ids, n):
-    """Greedy text and finish reason of ``ids`` run in this process."""
-    text, last = "", None
-    for last in stream_generate(*local, ids, max_tokens=n):
-        text += last.text if last.finish_reason != "stop" else ""
-    return text, last.finish_reason
+def test_openai_completions(client, tok):
+    whole = client.completions.create(model=MODEL_ID, prompt="Once upon", max_tokens=6)
+    assert whole.usage.prompt_tokens == len(tok.encode("Once upon"))
+    streamed = client.completions.create(
+        model=MODEL_ID, prompt="Once upon", max_tokens=6, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
 
 
-def test_completion(server, local):
-    with post(f"{server}/v1/completions", {"prompt": "Once upon", "max_tokens": 8}) as r:
-        body = json.load(r)
-    ids = local[1].encode("Once upon")
-    text, reason = expected(local, ids, 8)
-    choice = body["choices"][0]
-    assert body["usage"]["prompt_tokens"] == len(ids)
-    assert (choice["text"], choice["finish_reason"]) == (text, reason)
+def test_models_and_ids_agree(client):
+    assert [m.id for m in client.models.list()] == [MODEL_ID]
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    with pytest.raises(openai.NotFoundError) as e:
+        chat(client, model="gpt-4")
+    assert e.value.body["code"] == "model_not_found"
 
 
-def test_chat_completion_is_encoded_with_encode_chat(server, local):
-    """The prompt is ``encode_chat``'s ids: the typed marker stayed text."""
-    body = {"messages": MESSAGES, "max_tokens": 8, "chat_template_kwargs": {"thinking": False}}
-    with post(f"{server}/v1/chat/completions", body) as r:
-        reply = json.load(r)
-    ids = encode_chat(local[1], MESSAGES, thinking=False)
-    assert reply["usage"]["prompt_tokens"] == len(ids)
-    text, reason = expected(local, ids, 8)
-    message = reply["choices"][0]["message"]
-    assert message["role"] == "assistant" and message["content"] == text
-    assert reply["choices"][0]["finish_reason"] == reason
+# Malformed and hostile requests.
+
+BAD_CHAT = [
+    ({"messages": []}, "messages", "must not be empty"),
+    ({"messages": "hi"}, "messages", "must be a list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]", "unknown role"),
+    ({"messages": ["hi"]}, "messages[0]", "must be an object"),
+    ({"messages": MESSAGES, "logit_bias": {"99999999": 1}}, "logit_bias", "not a token id"),
+    ({"messages": MESSAGES, "logit_bias": {"1024": 1}}, "logit_bias", "not a token id"),
+    ({"messages": MESSAGES, "logit_bias": {"-1": 1}}, "logit_bias", "not a token id"),
+    ({"messages": MESSAGES, "temperature": -1}, "temperature", "from 0 to 2"),
+    ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens", "from 1 to"),
+    ({"messages": MESSAGES, "max_tokens": 10**9}, "max_tokens", "from 1 to"),
+    ({"messages": MESSAGES, "n": 2}, "n", "must be 1"),
+    ({"messages": MESSAGES, "stop": [1]}, "stop", "string"),
+]
 
 
-def test_streaming_chat_completion(server, local):
-    """SSE chunks add up to the text of the same request without streaming; thinking (the
-    server default) routes the reply into ``reasoning``."""
-    body = {
-        "messages": MESSAGES,
-        "max_tokens": 10,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    chunks = []
-    with post(f"{server}/v1/chat/completions", body) as r:
-        assert r.headers["Content-Type"] == "text/event-stream"
-        for line in r:
-            line = line.decode().strip()
-            if line.startswith("data: "):
-                chunks.append(line[len("data: ") :])
-    assert chunks[-1] == "[DONE]"
-    events = [json.loads(c) for c in chunks[:-1]]
-    usage = events[-1]["usage"]
-    ids = encode_chat(local[1], MESSAGES, thinking=True)
-    assert usage["prompt_tokens"] == len(ids)
-    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
-    streamed = "".join(d.get("reasoning", "") + (d.get("content") or "") for d in deltas)
-    assert streamed == expected(local, ids, 10)[0]
-    assert any(d.get("reasoning") for d in deltas)
-    assert len(deltas) > 2 and events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+@pytest.mark.parametrize("body,param,words", BAD_CHAT)
+def test_bad_chat_requests_are_400(server, body, param, words):
+    status, _, reply = request(f"{server}/v1/chat/completions", body=body)
+    assert status == 400
+    assert reply["error"]["param"] == param and words in reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"
 
 
-def test_models_lists_the_checkpoint(server, tiny_ckpt):
-    with urllib.request.urlopen(f"{server}/v1/models", timeout=10) as r:
-        models = json.load(r)["data"]
-    assert [m["id"] for m in models] == [str(tiny_ckpt.resolve())]
+def test_prompt_token_ids_are_checked(server):
+    status, _, reply = request(f"{server}/v1/completions", body={"prompt": [1, 2, 5000]})
+    assert status == 400 and reply["error"]["param"] == "prompt"
+
+
+def test_logit_bias_past_the_vocabulary_keeps_the_server_alive(served):
+    """An id just past the vocabulary once scattered out of bounds (and far past it,
+    SIGSEGV); now it is refused and the server process keeps serving."""
+    url, proc, _ = served
+    for tid in ("1024", "99999999"):
+        body = {"messages": MESSAGES, "max_tokens": 2, "logit_bias": {tid: 1}}
+        assert request(f"{url}/v1/chat/completions", body=body)[0] == 400
+    body = {"messages": MESSAGES, "max_tokens": 2, "logit_bias": {"1023": 5}}
+    assert request(f"{url}/v1/chat/completions", body=body)[0] == 200
+    assert proc.poll() is None
+
+
+def test_image_parts_are_refused_without_fetching(server):
+    """The URL of an image part is never opened: nothing connects to the listener."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    part = {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{port}/x"}}
+    body = {"messages": [{"role": "user", "content": [part]}]}
+    try:
+        status, _, reply = request(f"{server}/v1/chat/completions", body=body)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
+    assert status == 400 and "text only" in reply["error"]["message"]
+    assert str(port) not in reply["error"]["message"]
+
+
+def test_host_and_origin_are_checked(server):
+    url = f"{server}/v1/chat/completions"
+    body = {"messages": MESSAGES, "max_tokens": 1}
+    assert request(url, body=body, headers={"Host": "attacker.example:8080"})[0] == 403
+    assert request(url, body=body, headers={"Origin": "http://attacker.example"})[0] == 403
+    assert request(url, "OPTIONS", headers={"Origin": "http://attacker.example"})[0] == 403
+    status, headers, _ = request(url, body=body, headers={"Host": "localhost"})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+
+
+def test_bad_bodies(served):
+    url, _, log = served
+    path = f"{url}/v1/chat/completions"
+    status, _, reply = request(path, raw=b'{"messages": "\xff\xfe"}')
+    assert status == 400 and "not UTF-8" in reply["error"]["message"]
+    secret = "X" * 200_000
+    status, _, reply = request(path, raw=("{" + secret).encode())
+    assert status == 400 and "not valid JSON" in reply["error"]["message"]
+    assert request(f"{url}/v1/nothing", body={})[0] == 404
+    log.flush()
+    with open(log.name) as f:
+        assert "X" * 1000 not in f.read()  # logs quote a short prefix at most
+
+
+def test_limits(strict):
+    url = f"{strict}/v1/chat/completions"
+    status, _, reply = request(url, raw=b"{" + b" " * 30_000 + b"}")
+    assert status == 413 and "20000" in reply["error"]["message"]
+    long = [{"role": "user", "content": "word " * 200}]
+    status, _, reply = request(url, body={"messages": long})
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+    assert "160" in reply["error"]["message"]
+
+
+def test_queue_full_is_429(strict):
+    """With one sequence running and no room to wait, a second request is told to retry."""
+    body = {"messages": MESSAGES, "max_tokens": 40}
+    results = []
+    first = threading.Thread(
+        target=lambda: results.append(request(f"{strict}/v1/chat/completions", body=body))
+    )
+    first.start()
+    deadline = time.monotonic() + 30
+    while request(f"{strict}/health", "GET")[2]["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    status, headers, reply = request(f"{strict}/v1/chat/completions", body=body)
+    first.join(timeout=60)
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert reply["error"]["type"] == "rate_limit_error"
+    assert results[0][0] == 200
+
+
+# Concurrency and cancellation.
+
+
+def test_concurrent_clients_equal_solo_runs(client):
+    """Greedy replies to four requests sent together equal the same requests sent alone."""
+    prompts = ["Hello there", "Once upon a time in a land far away", "x", "Tell me about KDA"]
+
+    def ask(p):
+        return client.completions.create(model=MODEL_ID, prompt=p, max_tokens=10).choices[0].text
+
+    solo = [ask(p) for p in prompts]
+    together = [None] * len(prompts)
+    threads = [
+        threading.Thread(target=lambda i=i, p=p: together.__setitem__(i, ask(p)))
+        for i, p in enumerate(prompts)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert together == solo
+
+
+def test_disconnect_stops_the_work(server, tok):
+    """A client that goes away mid-stream frees its place in the batch (the stop tokens
+    are biased away, so only the disconnect can end the reply early)."""
+    parts = urllib.parse.urlsplit(server)
+    never = {str(i): -100 for i in tok.eos_token_ids}
+    body = {"messages": MESSAGES, "max_tokens": 5000, "stream": True, "logit_bias": never}
+    body = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.hostname}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+        sock.sendall(head.encode() + body)
+        assert b"data: " in sock.recv(4096)
+        health = request(f"{server}/health", "GET")[2]
+        assert health["running"] + health["waiting"] == 1
+    deadline = time.monotonic() + 30
+    while request(f"{server}/health", "GET")[2]["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert request(f"{server}/health", "GET")[2]["running"] == 0
+
+
+def test_follow_up_turn_reuses_the_prompt(client):
+    """Turn 2 of a conversation prefills only its new tokens (usage says how many came from
+    the snapshot of turn 1)."""
+    first = chat(client, max_tokens=4, extra_body={"chat_template_kwargs": {"thinking": False}})
+    history = MESSAGES + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And then?"},
+    ]
+    second = chat(
+        client, messages=history, extra_body={"chat_template_kwargs": {"thinking": False}}
+    )
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+
+# Startup.
+
+
+def test_port_in_use_fails_before_loading(tmp_path, capsys):
+    """The port is checked first: with a model that does not exist, the port is named."""
+    from kimi_k3.server import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["--model", str(tmp_path / "nowhere"), "--port", str(port)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: --host 127.0.0.1 --port {port}: the address is already in use"]
 
 
 def test_bad_model_fails_before_listening(tmp_path, capsys):
@@ -149,3 +365,21 @@ def test_bad_model_fails_before_listening(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nowhere"), "--port", str(_free_port())]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err == [f"error: {tmp_path / 'nowhere'}: no such model directory"]
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--max-batch", "0"], "--max-batch"),
+        (["--temp", "-1"], "--temp"),
+        (["--port", "70000"], "--port"),
+        (["--max-body-mb", "0"], "--max-body-mb"),
+        (["--expert-cache-gb", "-1"], "--expert-cache-gb"),
+    ],
+)
+def test_bad_flags_exit_2(argv, flag, capsys):
+    from kimi_k3.server import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {flag} ")

@@ -1,0 +1,279 @@
+"""The server under load: aggregate tokens/s by concurrent clients, time to first token
+beside a long prefill and on a follow-up turn, and a bounded load test.
+
+    python -m benchmarks.bench_server [--quick] [--out FILE]
+
+A synthetic checkpoint (the ``small`` preset; ``--quick``: ``tiny``) is written to a
+temporary directory and served by ``python -m kimi_k3.server`` on 127.0.0.1 with its
+experts streamed into a cache of a quarter of their bytes (``--cache-fraction``).
+Everything goes over HTTP:
+
+- throughput: N clients (1, 4, 8) each send one completion of ``--tokens`` tokens at once;
+  aggregate tokens/s is every reply's tokens over the wall time of the slowest;
+- time to first token: a one-token request's latency, alone and while a ``--long``-token
+  prompt prefills; a follow-up chat turn's latency after the first turn (its prefix comes
+  from the snapshot) and for a conversation of the same length that shares no prefix;
+- load: ``--requests`` requests from 16 threads, each with a time limit, against a server
+  that runs 4 sequences and queues 4 more; every request must be answered (200) or
+  refused (429), and the server must answer ``/health`` and one more request afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from benchmarks import timing
+from kimi_k3.convert.synth import write_checkpoint
+from kimi_k3.default_model import expert_bytes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m kimi_k3.server`` on a free localhost port, for a ``with`` block."""
+
+    def __init__(self, path: Path, cache_fraction: float | None, *flags):
+        """``cache_fraction``: the expert cache's share of the expert bytes; None keeps
+        the experts resident."""
+        self.url = f"http://127.0.0.1:{free_port()}"
+        argv = ["--model", path, "--port", self.url.rsplit(":", 1)[1], *flags]
+        if cache_fraction is not None:
+            cache_gb = cache_fraction * expert_bytes(path) / 1e9
+            argv += ["--expert-cache-gb", f"{cache_gb:.9g}"]
+        env = {**os.environ, "KIMI_K3_CACHE": str(path.parent / "cache")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kimi_k3.server", *map(str, argv)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+
+    def __enter__(self):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                self.get("/health")
+                return self
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("server did not start in 120 s")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.load(r)
+
+    def post(self, path: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+
+def completion(server: Server, prompt, tokens: int) -> tuple[int, dict]:
+    return server.post("/v1/completions", {"prompt": prompt, "max_tokens": tokens})
+
+
+def latency(fn) -> float:
+    t0 = time.perf_counter()
+    status, body = fn()
+    if status != 200:
+        raise RuntimeError(f"request failed ({status}): {body}")
+    return time.perf_counter() - t0
+
+
+def in_threads(fns) -> list:
+    results = [None] * len(fns)
+    threads = [
+        threading.Thread(target=lambda i=i, f=f: results.__setitem__(i, f()))
+        for i, f in enumerate(fns)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def throughput(server: Server, clients: int, tokens: int) -> tuple[float, int]:
+    """(aggregate tokens/s, tokens) of ``clients`` completions sent together."""
+    prompts = [f"Client {i} asks about attention residuals." for i in range(clients)]
+    t0 = time.perf_counter()
+    replies = in_threads([lambda p=p: completion(server, p, tokens) for p in prompts])
+    seconds = time.perf_counter() - t0
+    made = sum(body["usage"]["completion_tokens"] for status, body in replies if status == 200)
+    return made / seconds, made
+
+
+def ttft_beside_long_prefill(server: Server, long: int, rounds: int) -> tuple[float, float]:
+    """(alone, while a ``long``-token prompt prefills): median seconds of a 1-token request."""
+    short = lambda: completion(server, "Hello", 1)  # noqa: E731
+    alone = statistics.median(latency(short) for _ in range(rounds))
+    ids = [(7 * i) % 500 + 1 for i in range(long)]
+    background = threading.Thread(target=lambda: completion(server, ids, 1))
+    background.start()
+    while server.get("/health")["running"] == 0:
+        time.sleep(0.01)
+    beside = [latency(short) for _ in range(rounds)]
+    prefill_done = not background.is_alive()
+    background.join()
+    if prefill_done:
+        raise RuntimeError("the long prompt finished before the short requests: raise --long")
+    return alone, statistics.median(beside)
+
+
+def follow_up_ttft(server: Server, system_words: int) -> dict:
+    """Seconds to the first token of turn 1, of turn 2 (prefix reused), and of a
+    conversation as long as turn 2 that shares no prefix with anything cached."""
+
+    def ask(messages):
+        body = {"messages": messages, "max_tokens": 1, "chat_template_kwargs": {"thinking": False}}
+        t0 = time.perf_counter()
+        status, reply = server.post("/v1/chat/completions", body)
+        return time.perf_counter() - t0, reply
+
+    def conversation(tag):
+        system = {"role": "system", "content": f"{tag} " + "Notes on layers. " * system_words}
+        return [system, {"role": "user", "content": "Summarize the notes."}]
+
+    first = conversation("A")
+    t1, r1 = ask(first)
+    second = first + [
+        {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Shorter, please."},
+    ]
+    t2, r2 = ask(second)
+    cold = conversation("B") + second[2:]
+    t3, r3 = ask(cold)
+    return {
+        "turn 1": (t1, r1["usage"]),
+        "turn 2, prefix reused": (t2, r2["usage"]),
+        "turn 2 length, no prefix cached": (t3, r3["usage"]),
+    }
+
+
+def load_test(server: Server, requests: int, limit_s: float) -> dict:
+    """``requests`` completions from 16 threads; counts of each outcome."""
+    outcomes: list[str] = []
+    lock = threading.Lock()
+    todo = iter(range(requests))
+
+    def worker():
+        for i in iter(lambda: next(todo, None), None):
+            try:
+                status, _ = server.post(
+                    "/v1/completions", {"prompt": f"Load {i}", "max_tokens": 8}, limit_s
+                )
+                outcome = str(status)
+            except OSError as e:
+                outcome = f"lost ({type(e).__name__})"
+            with lock:
+                outcomes.append(outcome)
+
+    t0 = time.perf_counter()
+    in_threads([worker] * 16)
+    counts = {k: outcomes.count(k) for k in sorted(set(outcomes))}
+    counts["seconds"] = time.perf_counter() - t0
+    counts["health after"] = server.get("/health")["status"]
+    counts["a request after"] = completion(server, "Still there?", 2)[0]
+    return counts
+
+
+def throughput_table(server: Server, tokens: int) -> str:
+    completion(server, "warm up", 2)
+    rows, base = [], None
+    for n in (1, 4, 8):
+        tps, made = throughput(server, n, tokens)
+        base = base or tps
+        rows.append([n, made, f"{tps:.1f}", f"{tps / base:.2f}x"])
+    return timing.markdown_table(["clients", "tokens", "aggregate tok/s", "vs 1 client"], rows)
+
+
+def measure(path: Path, a) -> str:
+    out = []
+    with Server(path, a.cache_fraction, "--prefill-step-size", a.prefill_step) as server:
+        out.append("Experts streamed:\n\n" + throughput_table(server, a.tokens))
+        alone, beside = ttft_beside_long_prefill(server, a.long, a.rounds)
+        rows = [
+            ["alone", f"{alone:.3f}"],
+            [f"while a {a.long}-token prompt prefills", f"{beside:.3f}"],
+        ]
+        out.append(timing.markdown_table(["1-token request", "seconds (median)"], rows))
+        turns = follow_up_ttft(server, a.system_words)
+        rows = [
+            [k, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], f"{t:.3f}"]
+            for k, (t, u) in turns.items()
+        ]
+        header = ["chat request", "prompt tokens", "reused", "first token s"]
+        out.append(timing.markdown_table(header, rows))
+    with Server(path, a.cache_fraction, "--max-batch", 4, "--max-waiting", 4) as server:
+        counts = load_test(server, a.requests, a.limit_s)
+    rows = [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in counts.items()]
+    out.append(timing.markdown_table([f"{a.requests} requests, 16 threads", "count"], rows))
+    with Server(path, None) as server:
+        out.append("Experts resident:\n\n" + throughput_table(server, a.tokens))
+    return "\n".join(out)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny preset, small counts (tests)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per completion (throughput)")
+    p.add_argument("--long", type=int, default=12000, help="tokens of the long prompt")
+    p.add_argument("--rounds", type=int, default=3, help="short requests timed per setting")
+    p.add_argument("--system-words", type=int, default=200, help="length of the chat's system note")
+    p.add_argument("--requests", type=int, default=100, help="requests in the load test")
+    p.add_argument("--limit-s", type=float, default=120.0, help="time limit of one request")
+    p.add_argument("--prefill-step", type=int, default=128, help="the server's prefill chunk")
+    p.add_argument(
+        "--cache-fraction", type=float, default=0.25, help="expert cache size, share of the experts"
+    )
+    p.add_argument("--out", default=None, help="also write the tables here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> str:
+    a = setup_arg_parser().parse_args(argv)
+    preset = "small"
+    if a.quick:
+        preset, a.tokens, a.long, a.rounds, a.system_words, a.requests = "tiny", 4, 600, 1, 40, 12
+        a.prefill_step, a.cache_fraction = 64, 0.5
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp) / "ckpt", preset)
+        tables = measure(path, a)
+    head = (
+        f"{preset} preset, experts streamed ({a.cache_fraction:.0%} of their bytes cached); "
+        f"{timing.environment()}"
+    )
+    text = head + "\n\n" + tables
+    timing.emit(text, a.out)
+    return text
+
+
+if __name__ == "__main__":
+    main()

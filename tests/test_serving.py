@@ -1,0 +1,179 @@
+"""``kimi_k3.serving``: batched decoding equals solo decoding, chunked prefill lets short
+requests through, cancellation, prefix reuse equals a cold run, the snapshot LRU."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+import kimi_k3
+from kimi_k3.serving import Engine, PrefixCache, QueueFull, Sequence, snapshot
+
+PROMPTS = [
+    "Hello there, how are you doing today, my friend?",
+    "Once upon",
+    "x",
+    "The quick brown fox jumps over the lazy dog, again and again and again.",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt):
+    """fp32, so that different prefill splits cannot flip a near-tie."""
+    return kimi_k3.load(tiny_ckpt, dtype=mx.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    return [tiny[1].encode(p) for p in PROMPTS]
+
+
+def sequence(prompt, n=10):
+    return Sequence(prompt, n, make_sampler(0.0))
+
+
+def collect(seq, timeout=120):
+    tokens = []
+    while True:
+        kind, value = seq.out.get(timeout=timeout)
+        if kind != "token":
+            return tokens, value
+        tokens.append(value)
+
+
+def run(e, prompts, n=10):
+    seqs = [sequence(p, n) for p in prompts]
+    for s in seqs:
+        e.submit(s)
+    return [collect(s) for s in seqs]
+
+
+def test_solo_equals_stream_generate(tiny, prompts):
+    e = Engine(tiny[0], reuse_bytes=0)
+    try:
+        for p in prompts:
+            want = [r.token for r in stream_generate(*tiny, p, max_tokens=10)]
+            assert run(e, [p]) == [(want, "length")]
+    finally:
+        e.stop()
+
+
+def test_batched_equals_solo(tiny, prompts, monkeypatch):
+    """Sequences of different lengths decoded together (left-padded MLA latents, stacked
+    KDA states) give the tokens each gives alone."""
+    sizes = []
+    decode = Engine._decode
+    monkeypatch.setattr(
+        Engine, "_decode", lambda self, ready: (sizes.append(len(ready)), decode(self, ready))
+    )
+    e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=7)
+    try:
+        solo = [run(e, [p], n=24)[0] for p in prompts]
+        assert max(sizes) == 1
+        assert run(e, prompts, n=24) == solo
+        assert max(sizes) == len(prompts)  # all four in one step
+    finally:
+        e.stop()
+
+
+def test_short_request_overtakes_a_long_prefill(tiny, prompts):
+    """With chunked prefill, a short request's first token comes while a long prompt is
+    still being prefilled."""
+    e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=16)
+    try:
+        long = sequence(prompts[0] * 40, n=2)
+        short = sequence(prompts[1], n=2)
+        e.submit(long)
+        e.submit(short)
+        assert short.out.get(timeout=120)[0] == "token"
+        assert long.fed < len(long.prompt) - 1
+        assert collect(long)[1] == "length"
+    finally:
+        e.stop()
+
+
+def test_cancel_ends_within_a_step(tiny, prompts):
+    e = Engine(tiny[0], reuse_bytes=0)
+    try:
+        s = sequence(prompts[0], n=100_000)
+        e.submit(s)
+        assert s.out.get(timeout=120)[0] == "token"
+        s.cancel()
+        assert collect(s)[1] == "cancelled"
+        assert e.load() == (0, 0)
+    finally:
+        e.stop()
+
+
+def test_queue_bound(tiny, prompts):
+    e = Engine(tiny[0], max_batch=1, max_waiting=1)
+    try:
+        running, waiting = sequence(prompts[0], 100_000), sequence(prompts[1])
+        e.submit(running)
+        e.submit(waiting)
+        with pytest.raises(QueueFull):
+            e.submit(sequence(prompts[2]))
+        running.cancel()
+        assert collect(waiting)[1] == "length"
+    finally:
+        e.stop()
+
+
+def test_follow_up_reuses_the_prefix_and_matches_a_cold_run(tiny, prompts):
+    """Turn 2 starts from the snapshot at the end of turn 1 and decodes the same tokens as
+    an engine that prefills the whole conversation."""
+    warm, cold = Engine(tiny[0]), Engine(tiny[0], reuse_bytes=0)
+    try:
+        first, _ = run(warm, [prompts[0]], n=6)[0]
+        follow = prompts[0] + first + prompts[1]
+        s = sequence(follow)
+        warm.submit(s)
+        assert collect(s) == run(cold, [follow])[0]
+        assert s.reused == len(prompts[0]) + len(first) - 1
+    finally:
+        warm.stop()
+        cold.stop()
+
+
+def test_prefix_cache_is_an_lru_bounded_in_bytes(tiny, prompts):
+    model = tiny[0]
+    e = Engine(model, reuse_bytes=0)
+    try:
+        s = sequence(prompts[0], n=2)
+        e.submit(s)
+        collect(s)
+        snap = snapshot(s.cache)
+    finally:
+        e.stop()
+    size = sum(a.nbytes for _, *arrays in snap for a in arrays if a is not None)
+    lru = PrefixCache(max_bytes=2 * size)
+    lru.put([1, 2, 3], snap)
+    lru.put([1, 2, 3, 4, 5], snap)
+    assert lru.longest([1, 2, 3, 4, 5, 6])[0] == 5
+    assert lru.longest([1, 2, 3, 9])[0] == 3  # and [1, 2, 3] is now the most recent
+    lru.put([7, 8], snap)
+    assert lru.bytes <= 2 * size
+    assert lru.longest([1, 2, 3, 4, 5, 6])[0] == 3
+    assert lru.longest([1, 2, 3])[0] == 0  # a key must leave a token to decode
+
+
+def test_a_failed_step_ends_its_sequences_and_the_engine_goes_on(tiny, prompts, monkeypatch):
+    """The server answers such a sequence with 503; later requests are served."""
+    failed = []
+    prefill = Engine._prefill_chunk
+
+    def fail_once(self, s):
+        if not failed:
+            failed.append(s)
+            raise OSError("expert read failed")
+        return prefill(self, s)
+
+    monkeypatch.setattr(Engine, "_prefill_chunk", fail_once)
+    e = Engine(tiny[0], reuse_bytes=0)
+    try:
+        s = sequence(prompts[0])
+        e.submit(s)
+        assert s.out.get(timeout=120) == ("error", "OSError: expert read failed")
+        assert run(e, [prompts[0]])[0][1] == "length"
+    finally:
+        e.stop()
