@@ -99,7 +99,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--model",
         type=Path,
         default=None,
-        help="checkpoint directory (default: the built-in random-weight demo model)",
+        help="checkpoint directory (default: the built-in demo model, trained on Python source)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080)

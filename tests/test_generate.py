@@ -295,11 +295,13 @@ def test_default_model_is_built_once(tmp_path):
 
 
 def test_default_model_cli_streams_experts(tmp_path):
-    """No --model: built fresh under $KIMI_K3_CACHE, says its weights are random, and the
-    stats show experts read from disk."""
+    """No --model: copied fresh under $KIMI_K3_CACHE, says what the model is, completes the
+    default Python prompt, and the stats show experts read from disk."""
     out = run_cli("--max-tokens", 40, env={"KIMI_K3_CACHE": str(tmp_path / "fresh")})
     assert out.returncode == 0, out.stderr
-    assert default_model.NOTICE in out.stderr and "random" in default_model.NOTICE
+    assert default_model.NOTICE in out.stderr and "trained" in default_model.NOTICE
+    prompt = load_tokenizer(default_model.package_dir()).encode(default_model.PROMPT)
+    assert int(STATS.search(out.stderr)[1]) == len(prompt)  # the raw Python prompt
     assert list((tmp_path / "fresh").glob("default-*/config.json"))
     experts = STATS.search(out.stderr)[3]
     rate, read = re.fullmatch(r"([\d.]+)% hit rate, ([\d.]+) GB read", experts).groups()
