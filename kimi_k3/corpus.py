@@ -17,6 +17,7 @@ K3's pre-tokenizer regex, and written as K3 writes its own: a tiktoken rank file
 from __future__ import annotations
 
 import hashlib
+import json
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,8 +112,6 @@ def train_ranks(texts: list[str], n_ranks: int) -> list[bytes]:
 
 
 def _merges(tok: Tokenizer) -> list[tuple[str, str]]:
-    import json
-
     merges = json.loads(tok.to_str())["model"]["merges"]
     return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
 

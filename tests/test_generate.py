@@ -25,9 +25,11 @@ from kimi_k3.generate import (
     close_reply,
     generate,
     main,
+    never_sample,
     run_once,
     setup_arg_parser,
 )
+from kimi_k3.tokenizer import load_tokenizer
 
 STATS = re.compile(
     r"stats: prompt: (\d+) tokens, [\d.]+ tok/s \| generation: (\d+) tokens, "
@@ -60,7 +62,14 @@ def run_cli(*args, stdin=None, env=None, timeout=120):
 
 
 def expected_text(model, tokenizer, ids, max_tokens):
-    return "".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens))
+    """Greedy mlx-lm generation with the CLI's mask on reserved and unusable specials."""
+    masked = [never_sample(tokenizer)]
+    return "".join(
+        r.text
+        for r in stream_generate(
+            model, tokenizer, ids, max_tokens=max_tokens, logits_processors=masked
+        )
+    )
 
 
 def test_chat_end_to_end(tiny_ckpt, tiny):
@@ -84,6 +93,8 @@ def test_chat_end_to_end(tiny_ckpt, tiny):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected_text(*tiny, ids, 12) + "\n"
+    unmasked = "".join(r.text for r in stream_generate(*tiny, ids, max_tokens=12))
+    assert "<|reserved_token_" in unmasked and "<|reserved_token_" not in out.stdout
     stats = STATS.search(out.stderr)
     assert stats, out.stderr
     assert int(stats[1]) == len(ids) and 1 <= int(stats[2]) <= 12
@@ -251,7 +262,12 @@ def test_session_continues_like_a_fresh_run(tiny_ckpt, capsys):
     ids2, reply2 = _turn(session, "and then?", capsys)
     system = encode_chat(tok, [{"role": "system", "content": "sys"}], add_generation_prompt=False)
     assert ids1[: len(system)] == system and ids2[: len(system)] != system
-    fresh = [r.token for r in stream_generate(model, tok, ids1 + reply1 + ids2, max_tokens=7)]
+    history = ids1 + reply1 + ids2
+    masked = [never_sample(tok)]
+    fresh = [
+        r.token
+        for r in stream_generate(model, tok, history, max_tokens=7, logits_processors=masked)
+    ]
     assert reply2 == fresh
     mla = next(
         c for layer, c in zip(model.layers, session.cache, strict=True) if not layer.is_linear

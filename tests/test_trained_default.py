@@ -1,7 +1,7 @@
 """The embedded default model, trained on the Python standard library (docs/training.md):
 it loads through ``kimi_k3.load`` and mlx-lm, scores well on held-out text where random
 weights do not, writes Python words, and its bytes round-trip through the writer and the
-converter. Also the training recipe (``kimi_k3.train``) on a tiny config. About 25 s on
+converter. Also the training recipe (``kimi_k3.train``) on a tiny config. About 20 s on
 2 CPU cores."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kimi_k3.tokenizer import KIMI_PATTERN, load_tokenizer, read_ranks, read_spe
 
 # Held-out perplexity of the shipped model over the first 1024 tokens of the shipped
 # held-out sample (docs/training.md: the measured value and the random-weight one).
-PPL_BOUND = 40.0
+PPL_BOUND = 65.0
 # Share of the words (runs of 2+ letters or underscores) of a greedy continuation that
 # occur in the corpus (the standard library's source as installed).
 WORD_SHARE = 0.9
