@@ -6,11 +6,14 @@
 # Attention layers forget, how spread out the MLA heads attend, and how the expert cache's
 # hit rate grows with its budget.
 #
-# By default this builds a small random-weight checkpoint in a temporary directory (the
-# plots then show an untrained model). Set `KIMI_K3_MODEL=/path/to/Kimi-K3` to look at a
-# real checkpoint (its experts are then streamed with a cache of `KIMI_K3_CACHE_GB`,
-# default 64). The same code is `explore_kimi_k3.py` (a script) and
-# `explore_kimi_k3.ipynb` (a notebook, rebuilt with `python examples/build_notebook.py`).
+# By default this looks at the embedded default model, a small Kimi K3 trained on the
+# Python standard library (docs/training.md), so the routing and the mixes are learned
+# ones; it completes a line of Python. `KIMI_K3_PRESET=small` (or `tiny`) builds a
+# random-weight checkpoint of that preset instead, to compare. Set
+# `KIMI_K3_MODEL=/path/to/Kimi-K3` to look at a real checkpoint (its experts are then
+# streamed with a cache of `KIMI_K3_CACHE_GB`, default 64). The same code is
+# `explore_kimi_k3.py` (a script) and `explore_kimi_k3.ipynb` (a notebook, rebuilt with
+# `python examples/build_notebook.py`).
 # Figures are saved as PNG files next to it, or in `KIMI_K3_PLOT_DIR`.
 
 # %%
@@ -29,13 +32,19 @@ from kimi_k3.tokenizer import load_tokenizer
 from kimi_k3.trace import trace
 
 MODEL = os.environ.get("KIMI_K3_MODEL")
-PRESET = os.environ.get("KIMI_K3_PRESET", "small")
+PRESET = os.environ.get("KIMI_K3_PRESET")
 DECODE_STEPS = int(os.environ.get("KIMI_K3_DECODE_STEPS", "12"))
 HERE = Path(__file__).parent if "__file__" in globals() else Path.cwd()
 PLOTS = Path(os.environ.get("KIMI_K3_PLOT_DIR") or HERE)
 PLOTS.mkdir(parents=True, exist_ok=True)
 
-if MODEL is None:
+CHAT = True  # the default model completes text; the others take a chat prompt
+if MODEL is None and PRESET is None:
+    from kimi_k3.default_model import ensure_default_model
+
+    MODEL, CHAT = str(ensure_default_model()), False
+    DTYPE, CACHE_GB = mx.float32, None
+elif MODEL is None:
     from kimi_k3.convert.synth import write_checkpoint
 
     workdir = tempfile.TemporaryDirectory(prefix="kimi-k3-")  # removed when Python exits
@@ -55,11 +64,15 @@ print(
 # %% [markdown]
 # ## Run a prompt under the trace
 # A prefill and a few greedy decode steps, through one prompt cache; the trace concatenates
-# every call along the token axis.
+# every call along the token axis. The default model gets the start of a Python function.
 
 # %%
-messages = [{"role": "user", "content": "Why does a mixture of experts need a router?"}]
-prompt = encode_chat(tokenizer, messages, thinking=False)
+if CHAT:
+    messages = [{"role": "user", "content": "Why does a mixture of experts need a router?"}]
+    prompt = encode_chat(tokenizer, messages, thinking=False)
+else:
+    code = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def pop(self):"
+    prompt = tokenizer.encode(code)
 
 
 def generate(model, prompt, steps):
@@ -83,7 +96,10 @@ print("reply:", repr(tokenizer.decode(reply)))
 # ## Expert routing
 # Left: one MoE layer, the routing weight of every expert for every token (zero where the
 # expert was not chosen). Right: how often each expert was chosen, per layer. K3's router
-# was trained to be flat, so a real checkpoint shows no hot set.
+# was trained to be flat, so a real checkpoint shows no hot set; the default model's router
+# was balanced the same way (its correction bias), so its choices depend on the token while
+# each expert's share over a long text stays near even (`python -m kimi_k3.eval` measures
+# both).
 
 # %%
 moe_layers = sorted(t.routing)

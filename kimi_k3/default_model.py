@@ -1,52 +1,57 @@
-"""The embedded default model: a small random-weight Kimi K3, built once into the user cache.
+"""The embedded default model: a small Kimi K3 trained on the Python standard library.
 
 ``python -m kimi_k3.generate`` without ``--model`` runs this, so the whole path (published
-layout on disk, experts streamed from the SSD through a bounded cache, the tokenizer and
-the chat format) works with no download. Its weights are random: the text is gibberish.
+layout on disk, experts streamed from the SSD through a bounded cache, the tokenizer) works
+with no download. The checkpoint is package data (``kimi_k3/default/``): K3's architecture
+at small width, trained by ``kimi_k3.train`` (docs/training.md), MXFP4 routed experts and
+bf16 dense weights, plus its own byte-level BPE tokenizer. It completes Python source; it
+has never seen the chat format. On first use it is copied into the user cache, where the
+loader may record its checksums beside it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile
+from importlib import resources
 from pathlib import Path
 
-from kimi_k3.convert.synth import PRESETS
-
-# The "small" preset's layer plan with a narrower trunk (fast on a CPU) and more, larger
-# experts: 5 MoE layers x 64 experts of about 104 KB, 33 MB of experts in all.
-PRESET = dict(
-    PRESETS["small"],
-    hidden_size=128,
-    intermediate_size=256,
-    num_experts=64,
-    moe_intermediate_size=256,
-    routed_expert_hidden_size=256,
-)
-SEED = 0
 # The expert cache holds this share of the expert bytes, so decoding really reads experts
 # from disk.
 CACHE_FRACTION = 0.25
 NOTICE = (
-    "kimi_k3: no --model given, using the built-in demo model: its weights are random, "
-    "so its output is gibberish"
+    "kimi_k3: no --model given, using the built-in demo model: a small Kimi K3 trained on "
+    "the Python standard library's source (docs/training.md); it completes Python code"
+)
+# The demo model's prompt when none is given: the start of a function, to complete.
+PROMPT = 'def read_lines(path):\n    """Return the lines of the file at path."""\n'
+HELDOUT_FILE = "heldout.txt"
+CHECKPOINT_FILES = (
+    "config.json",
+    "model.safetensors.index.json",
+    "tiktoken.model",
+    "tokenizer_config.json",
 )
 
 
-def version() -> str:
-    """Package version plus a hash of the preset: a changed preset gets a fresh build."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
+def package_dir() -> Path:
+    """The shipped checkpoint's directory inside the installed package."""
+    return Path(str(resources.files("kimi_k3") / "default"))
 
-    try:
-        v = package_version("kimi-k3")
-    except PackageNotFoundError:
-        v = "dev"
-    spec = json.dumps([PRESET, SEED], sort_keys=True).encode()
-    return f"{v}-{hashlib.sha256(spec).hexdigest()[:8]}"
+
+def _files(src: Path) -> list[Path]:
+    return [src / n for n in CHECKPOINT_FILES] + sorted(src.glob("model-*.safetensors"))
+
+
+def version() -> str:
+    """A hash of the shipped checkpoint's config and index: a new checkpoint gets a fresh
+    copy in the cache."""
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        h.update((package_dir() / name).read_bytes())
+    return h.hexdigest()[:12]
 
 
 def default_dir() -> Path:
@@ -58,28 +63,32 @@ def default_dir() -> Path:
 
 
 def ensure_default_model() -> Path:
-    """The default checkpoint's directory, built on first use.
+    """The default checkpoint's directory in the user cache, copied there on first use.
 
-    The build goes to a temporary directory beside the final one and is renamed into
-    place, so an interrupted build leaves nothing half-written and two concurrent first
-    runs both end with one complete checkpoint.
+    The copy goes to a temporary directory beside the final one and is renamed into place,
+    so an interrupted copy leaves nothing half-written and two concurrent first runs both
+    end with one complete checkpoint.
     """
-    from kimi_k3.convert.synth import write_checkpoint
-
     final = default_dir()
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", suffix=".tmp", dir=final.parent))
     try:
-        write_checkpoint(tmp, PRESET, seed=SEED)
+        for f in _files(package_dir()):
+            shutil.copyfile(f, tmp / f.name)
         os.rename(tmp, final)
     except OSError:
-        if not (final / "config.json").is_file():  # not just a concurrent build that won
+        if not (final / "config.json").is_file():  # not just a concurrent copy that won
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def heldout_text() -> str:
+    """A sample of the held-out split of the training corpus, shipped for evaluation."""
+    return (package_dir() / HELDOUT_FILE).read_text(encoding="utf-8")
 
 
 def expert_bytes(path: str | Path) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import ArraysCache
@@ -24,6 +25,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import kimi_k3
 from kimi_k3 import distributed
+from kimi_k3 import default_model
 from kimi_k3.chat import (
     END,
     Element,
@@ -40,6 +42,7 @@ from kimi_k3.expert_pack import PACK_DIR
 from kimi_k3.model import ROUTED_EXPERT_NAME
 from kimi_k3.streaming import get_stats, reset_stats
 from kimi_k3.streaming.cache import available_memory, default_cache_gb
+from kimi_k3.tokenizer import BOS_TOKEN, PAD_TOKEN, UNK_TOKEN
 
 DEFAULT_PROMPT = "Hello! Who are you?"
 RESERVE_GB = 4.0  # memory left for the OS, activations and KV caches
@@ -86,7 +89,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     add_model_arguments(p)
     p.add_argument(
-        "--prompt", "-p", default=DEFAULT_PROMPT, help="the user message ('-' reads it from stdin)"
+        "--prompt",
+        "-p",
+        default=None,
+        help="the user message ('-' reads it from stdin); default: a greeting, or for the "
+        "demo model the start of a Python function",
     )
     p.add_argument("--system", default=None, help="system message (chat mode)")
     mode = p.add_mutually_exclusive_group()
@@ -94,8 +101,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--chat",
         dest="chat",
         action="store_true",
-        default=True,
-        help="wrap the prompt in the chat format and show the reply's text only (default)",
+        default=None,
+        help="wrap the prompt in the chat format and show the reply's text only (default, "
+        "except for the demo model, which completes text)",
     )
     mode.add_argument(
         "--raw",
@@ -138,7 +146,7 @@ def add_model_arguments(p: argparse.ArgumentParser):
         type=Path,
         default=None,
         help="checkpoint directory: the published layout, the converter's, or an "
-        "mlx-lm converted one (default: the built-in random-weight demo model)",
+        "mlx-lm converted one (default: the built-in demo model, trained on Python source)",
     )
     p.add_argument(
         "--expert-cache-gb",
@@ -222,6 +230,10 @@ def check_arguments(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
+    if args.chat is None:  # the demo model completes Python; other models chat
+        args.chat = args.model is not None
+        if not args.chat and args.prompt is None:
+            args.prompt = default_model.PROMPT
     try:
         check_arguments(args)
         plan = distributed.from_args(args)
@@ -255,7 +267,6 @@ def resolve_model(path: Path | None, expert_cache_gb: float | None):
     """``(path, expert_cache_gb)`` after defaults: no path means the demo model (built on
     first use, a notice on stderr) with its streaming budget. Checks the directory, says
     so when its weights are random, and checks the budget holds a token's experts."""
-    from kimi_k3 import default_model
     from kimi_k3.convert.synth import SYNTHETIC_KEY
 
     demo = path is None
@@ -413,8 +424,8 @@ def check_room(n_prompt: int, in_cache: int, context: tuple[int, str], max_token
 
 
 def prompt_ids(tokenizer, args) -> list[int]:
-    text = read_prompt(args.prompt)
-    if not args.chat:
+    text = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
+    if args.chat is False:
         if args.system:
             raise UserError("--system needs --chat")
         return tokenizer.encode(text, add_special_tokens=False)
@@ -449,6 +460,7 @@ def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, rep
         ids,
         max_tokens=max_tokens,
         sampler=sampler,
+        logits_processors=[never_sample(tokenizer)],
         prompt_cache=cache,
         prefill_step_size=args.prefill_step_size,
     ):
@@ -490,6 +502,33 @@ class Shown:
             for c in self.reply.tool_calls
         )
         return self._new(final=True) + calls + "\n"
+
+
+def never_sampled_ids(tokenizer) -> list[int]:
+    """Special ids no reply may contain: the reserved slots, ``[BOS]``, ``[PAD]`` and
+    ``[UNK]``. Stop tokens and the chat markers stay."""
+    banned = (BOS_TOKEN, PAD_TOKEN, UNK_TOKEN)
+    return sorted(
+        i
+        for i, t in tokenizer.added_tokens_decoder.items()
+        if t.content in banned or t.content.startswith("<|reserved_token_")
+    )
+
+
+def never_sample(tokenizer):
+    """An mlx-lm logits processor that gives ``never_sampled_ids`` no probability."""
+    ids = np.array(never_sampled_ids(tokenizer), dtype=np.int64)
+    banned: dict[int, mx.array] = {}  # by vocabulary size: True where banned
+
+    def mask(tokens: mx.array, logits: mx.array) -> mx.array:
+        n = logits.shape[-1]
+        if n not in banned:
+            row = np.zeros(n, bool)
+            row[ids[ids < n]] = True
+            banned[n] = mx.array(row)
+        return mx.where(banned[n], -mx.inf, logits)
+
+    return mask
 
 
 def run_once(model, tokenizer, args) -> int:

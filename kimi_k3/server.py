@@ -53,6 +53,7 @@ from kimi_k3.generate import (
     check_sampling_arguments,
     fail,
     load_for_cli,
+    never_sample,
     positive,
     resolve_model,
 )
@@ -418,6 +419,7 @@ class ServerState:
     max_body: int
     allowed_hosts: set[str] | None
     allowed_origins: set[str]
+    never_sample: object = None  # the logits processor that keeps reserved ids out of replies
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -736,7 +738,7 @@ def make_sequence(job: Job, state: ServerState):
         logit_bias=job.logit_bias or None,
         presence_penalty=s["presence_penalty"] or None,
         frequency_penalty=s["frequency_penalty"] or None,
-    )
+    ) + [state.never_sample]
     return Sequence(
         prompt=job.prompt,
         max_tokens=job.max_tokens,
@@ -905,6 +907,7 @@ def serve_model(args, httpd, plan=None) -> ServerState:
         max_body=int(args.max_body_mb * 1e6),
         allowed_hosts=allowed_hosts(httpd.server_address[0], args.allowed_hosts),
         allowed_origins=set(args.allowed_origins),
+        never_sample=never_sample(tokenizer),
     )
 
 

@@ -557,7 +557,19 @@ def write_synthetic_tokenizer(out_dir: str | Path, vocab_size: int, seed: int = 
     text = _synthetic_corpus(n_words=3 * learned, seed=seed)
     words = Counter(p.encode("utf-8") for p, _ in splitter.pre_tokenize_str(text))
     ranks = _fill_ranks(_train_ranks(words, learned), n_ranks, seed)
+    return write_tokenizer_files(out_dir, ranks)
 
+
+def write_tokenizer_files(out_dir: str | Path, ranks: list[bytes]) -> dict:
+    """Write ``ranks`` as ``tiktoken.model`` and a ``tokenizer_config.json`` whose 256
+    special ids follow the ranks, the named K3 specials at ``SPECIAL_OFFSETS`` and the rest
+    ``<|reserved_token_ID|>``.
+
+    Returns the config keys a model needs: ``vocab_size``, ``bos_token_id``,
+    ``eos_token_id`` (``<|end_of_msg|>``) and ``pad_token_id``.
+    """
+    n_ranks = len(ranks)
+    vocab_size = n_ranks + NUM_SPECIAL_TOKENS
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)]

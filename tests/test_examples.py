@@ -61,8 +61,10 @@ def test_notebook_matches_script():
 
 
 def test_notebook_executes(tmp_path, monkeypatch):
+    """By default on the trained default model (copied into a private cache)."""
     monkeypatch.setenv("KIMI_K3_PLOT_DIR", str(tmp_path))
-    monkeypatch.setenv("KIMI_K3_PRESET", "tiny")
+    monkeypatch.setenv("KIMI_K3_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("KIMI_K3_PRESET", raising=False)
     monkeypatch.setenv("KIMI_K3_DECODE_STEPS", "4")
     monkeypatch.delenv("KIMI_K3_MODEL", raising=False)
     nb = nbformat.read(EXAMPLES / "explore_kimi_k3.ipynb", as_version=4)
@@ -71,6 +73,7 @@ def test_notebook_executes(tmp_path, monkeypatch):
     ).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert re.search(r"traced \d+ tokens \(\d+ prompt \+ 4 decoded\)", text)
+    assert "default-" in text and "8 layers, 64 experts (top-4)" in text
     made = {p.name for p in tmp_path.glob("*.png")}
     assert PLOTS <= made
     if _has_streamer():

@@ -26,9 +26,11 @@ from kimi_k3.generate import (
     close_reply,
     generate,
     main,
+    never_sample,
     run_once,
     setup_arg_parser,
 )
+from kimi_k3.tokenizer import load_tokenizer
 
 STATS = re.compile(
     r"stats: prompt: (\d+) tokens, [\d.]+ tok/s \| generation: (\d+) tokens, "
@@ -61,9 +63,13 @@ def run_cli(*args, stdin=None, env=None, timeout=120):
 
 
 def expected_text(model, tokenizer, ids, max_tokens, chat=True):
-    """What the CLI prints for greedy mlx-lm generation from ``ids``: in chat mode the
-    reply's text (``Shown``), raw every token's text."""
-    responses = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens))
+    """What the CLI prints for greedy mlx-lm generation from ``ids``, with the CLI's mask on
+    reserved and unusable specials: in chat mode the reply's text (``Shown``), raw every
+    token's text."""
+    masked = [never_sample(tokenizer)]
+    responses = list(
+        stream_generate(model, tokenizer, ids, max_tokens=max_tokens, logits_processors=masked)
+    )
     if not chat:
         return "".join(r.text for r in responses) + "\n"
     shown = Shown(tokenizer, thinking=True)
@@ -91,6 +97,8 @@ def test_chat_end_to_end(tiny_ckpt, tiny):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == expected_text(*tiny, ids, 12)
+    unmasked = "".join(r.text for r in stream_generate(*tiny, ids, max_tokens=12))
+    assert "<|reserved_token_" in unmasked and "<|reserved_token_" not in out.stdout
     stats = STATS.search(out.stderr)
     assert stats, out.stderr
     assert int(stats[1]) == len(ids) and 1 <= int(stats[2]) <= 12
@@ -337,7 +345,12 @@ def test_session_continues_like_a_fresh_run(tiny_ckpt, capsys):
     ids2, reply2 = _turn(session, "and then?", capsys)
     system = encode_chat(tok, [{"role": "system", "content": "sys"}], add_generation_prompt=False)
     assert ids1[: len(system)] == system and ids2[: len(system)] != system
-    fresh = [r.token for r in stream_generate(model, tok, ids1 + reply1 + ids2, max_tokens=7)]
+    history = ids1 + reply1 + ids2
+    masked = [never_sample(tok)]
+    fresh = [
+        r.token
+        for r in stream_generate(model, tok, history, max_tokens=7, logits_processors=masked)
+    ]
     assert reply2 == fresh
     mla = next(
         c for layer, c in zip(model.layers, session.cache, strict=True) if not layer.is_linear
@@ -381,11 +394,13 @@ def test_default_model_is_built_once(tmp_path):
 
 
 def test_default_model_cli_streams_experts(tmp_path):
-    """No --model: built fresh under $KIMI_K3_CACHE, says its weights are random, and the
-    stats show experts read from disk."""
+    """No --model: copied fresh under $KIMI_K3_CACHE, says what the model is, completes the
+    default Python prompt, and the stats show experts read from disk."""
     out = run_cli("--max-tokens", 40, env={"KIMI_K3_CACHE": str(tmp_path / "fresh")})
     assert out.returncode == 0, out.stderr
-    assert default_model.NOTICE in out.stderr and "random" in default_model.NOTICE
+    assert default_model.NOTICE in out.stderr and "trained" in default_model.NOTICE
+    prompt = load_tokenizer(default_model.package_dir()).encode(default_model.PROMPT)
+    assert int(STATS.search(out.stderr)[1]) == len(prompt)  # the raw Python prompt
     assert list((tmp_path / "fresh").glob("default-*/config.json"))
     experts = STATS.search(out.stderr)[3]
     rate, read = re.fullmatch(r"([\d.]+)% hit rate, ([\d.]+) GB read", experts).groups()

@@ -11,13 +11,12 @@ import tiktoken
 from mlx_lm.generate import stream_generate
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from kimi_k3.chat import encode_ordinary
+from kimi_k3.corpus import train_ranks
 from kimi_k3.tokenizer import (
     KIMI_PATTERN,
     SPECIAL_OFFSETS,
-    byte_to_unicode,
     load_tokenizer,
     read_ranks,
     read_special_tokens,
@@ -115,32 +114,6 @@ def write_ranks(path: Path, ranks: list[bytes]) -> None:
     (path / "tiktoken.model").write_text("".join(lines))
 
 
-def trained_ranks(text: str, vocab_size: int) -> list[bytes]:
-    """Ranks learned by the ``tokenizers`` trainer: an independent source of rank files."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(KIMI_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([text], trainer)
-    byte_of = {c: b for b, c in enumerate(byte_to_unicode())}
-    ranks = [bytes([b]) for b in range(256)]
-    seen = set(ranks)
-    for a, b in json.loads(tok.to_str())["model"]["merges"]:
-        token = bytes(byte_of[c] for c in a + b)
-        if token not in seen:
-            seen.add(token)
-            ranks.append(token)
-    return ranks
-
-
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KIMI_K3_CACHE", str(tmp_path / "cache"))
@@ -171,7 +144,7 @@ def bigger(tmp_path_factory):
         text += (source / name).read_text(encoding="utf-8")
     han = "的一是了我不人在他有这个上们来到时大地为子中你说生国年着就那和要"
     text += "".join(rng.choice(han) for _ in range(20000))
-    write_ranks(path, trained_ranks(text, 8192))
+    write_ranks(path, train_ranks([text], 8192))  # the tokenizers trainer
     return path
 
 

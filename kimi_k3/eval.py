@@ -1,0 +1,278 @@
+"""Quality of a Kimi K3 checkpoint on held-out text: perplexity, KL and learned routing.
+
+    python -m kimi_k3.eval                          # the embedded default and its variants
+    python -m kimi_k3.eval --model DIR --tokens 8192
+    python -m kimi_k3.eval --state OUT/train_state.safetensors   # adds the fp32 trained rows
+
+Perplexity is ``exp`` of the mean next-token negative log-likelihood over non-overlapping
+windows of ``--seq`` tokens of the held-out text (each window predicted from its own
+context only). KL is the mean over tokens of ``KL(reference || variant)`` between the two
+next-token distributions, the reference being the checkpoint as given, computed in fp32.
+Variants: the same checkpoint computed in bf16, with its dense weights quantized to 8 and
+4 bits (MLX affine, group 64; experts, AttnRes and conv kernels untouched), the fp32 model
+before MXFP4 and bf16 rounding (``--state``), and a random-weight model of the same
+shape.
+
+Routing, per MoE layer, over the held-out windows: the load (share of routed choices per
+expert: max and min over the mean), its entropy over ``log(num_experts)`` (1 = uniform),
+the share of a token's experts that the previous token also chose (random routing gives
+``k / num_experts``), and the mean distance back to the last token that chose the same
+expert (within a window; choices seen first in their window are not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kimi_k3.model import Model
+
+
+def windows(ids: np.ndarray, seq: int, max_tokens: int | None = None) -> np.ndarray:
+    """Non-overlapping windows of ``seq + 1`` ids (the last id of one is the first of the
+    next), at most ``max_tokens`` predicted tokens. Shapes: returns int32 [n, seq + 1]."""
+    n = (len(ids) - 1) // seq
+    if max_tokens is not None:
+        n = min(n, max(1, max_tokens // seq))
+    if n < 1:
+        raise ValueError(f"{len(ids)} tokens make no window of {seq + 1}")
+    return np.stack([ids[i * seq : i * seq + seq + 1] for i in range(n)]).astype(np.int32)
+
+
+def _logprobs(model: Model, x: mx.array) -> mx.array:
+    logits = model(x).astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def compare(reference: Model, variants: dict, wins: np.ndarray, batch: int = 4) -> dict[str, dict]:
+    """Perplexity of the reference and of each variant, and each variant's mean per-token
+    KL from the reference. ``variants`` maps names to models. Returns
+    ``{name: {"ppl": ..., "kl": ...}}`` with the reference first (KL 0)."""
+    nll = {name: 0.0 for name in ["reference", *variants]}
+    kl = dict.fromkeys(nll, 0.0)
+    count = 0
+    for i in range(0, len(wins), batch):
+        w = mx.array(wins[i : i + batch])
+        x, y = w[:, :-1], w[:, 1:]
+        ref = _logprobs(reference, x)
+        pr = mx.exp(ref)
+        nll["reference"] += _nll_sum(ref, y)
+        for name, model in variants.items():
+            lp = _logprobs(model, x)
+            nll[name] += _nll_sum(lp, y)
+            kl[name] += (pr * (ref - lp)).sum().item()
+        count += y.size
+    return {n: {"ppl": math.exp(nll[n] / count), "kl": kl[n] / count} for n in nll}
+
+
+def _nll_sum(lp: mx.array, y: mx.array) -> float:
+    return -mx.take_along_axis(lp, y[..., None], axis=-1).sum().item()
+
+
+def perplexity(model: Model, wins: np.ndarray, batch: int = 4) -> float:
+    """``exp`` of the mean next-token NLL over ``wins`` [n, seq + 1]."""
+    total, count = 0.0, 0
+    for i in range(0, len(wins), batch):
+        w = mx.array(wins[i : i + batch])
+        total += _nll_sum(_logprobs(model, w[:, :-1]), w[:, 1:])
+        count += w[:, 1:].size
+    return math.exp(total / count)
+
+
+def routing_choices(model: Model, wins: np.ndarray, batch: int = 4) -> dict[int, np.ndarray]:
+    """The router's choices on ``wins``: ``{layer: inds [n, seq, k]}``."""
+    seq = wins.shape[1] - 1
+    seen: dict[int, list] = {}
+    moes = [layer.ffn for layer in model.layers if "block_sparse_moe" in layer]
+
+    def hook(moe, flat):
+        seen.setdefault(moe.layer_index, []).append(moe.gate(flat)[0])
+
+    for moe in moes:
+        moe.route_hook = hook
+    try:
+        for i in range(0, len(wins), batch):
+            model(mx.array(wins[i : i + batch, :-1]))
+            for chunks in seen.values():
+                mx.eval(chunks[-1])
+    finally:
+        for moe in moes:
+            del moe.route_hook
+    return {
+        layer: np.concatenate([np.array(c) for c in chunks]).reshape(-1, seq, chunks[0].shape[-1])
+        for layer, chunks in seen.items()
+    }
+
+
+def routing_stats(inds: np.ndarray, num_experts: int) -> dict:
+    """Load balance and temporal reuse of one layer's choices ``inds`` [n, seq, k]."""
+    n, seq, k = inds.shape
+    load = np.bincount(inds.reshape(-1), minlength=num_experts) / inds.size
+    p = load[load > 0]
+    chosen = np.zeros((n, seq, num_experts), bool)
+    np.put_along_axis(chosen, inds, True, axis=-1)
+    overlap = (chosen[:, 1:] & chosen[:, :-1]).sum(-1).mean() / k
+    last = np.full((n, num_experts), -1)
+    dists = []
+    for t in range(seq):
+        prev = np.take_along_axis(last, inds[:, t], axis=-1)
+        dists.append(np.where(prev >= 0, t - prev, 0)[prev >= 0])
+        np.put_along_axis(last, inds[:, t], t, axis=-1)
+    dists = np.concatenate(dists)
+    return {
+        "max_load": float(load.max() * num_experts),
+        "min_load": float(load.min() * num_experts),
+        "load_entropy": float(-(p * np.log(p)).sum() / math.log(num_experts)),
+        "prev_token_overlap": float(overlap),
+        "mean_reuse_distance": float(dists.mean()) if dists.size else float("nan"),
+    }
+
+
+def quantized_dense(path: str | Path, bits: int) -> Model:
+    """The checkpoint with its dense weights MLX-quantized (affine, group 64) to ``bits``;
+    the model's ``quant_predicate`` picks the layers (never the experts)."""
+    from kimi_k3.loader import load_model
+
+    model = load_model(path, dtype=mx.float32)
+    predicate = model.quant_predicate
+
+    def pick(p, m):
+        choice = predicate(p, m)
+        return {"group_size": 64, "bits": bits} if choice is True else choice
+
+    nn.quantize(model, group_size=64, bits=bits, class_predicate=pick)
+    return model
+
+
+def variants(path: str | Path, state: str | Path | None = None, random: bool = True) -> dict:
+    """``{name: model}``: the checkpoint at ``path`` computed in fp32 (``"reference"``) and
+    its variants (see the module docstring)."""
+    from kimi_k3.loader import load_model
+
+    out = {"reference": load_model(path, dtype=mx.float32)}
+    if state is not None:
+        from kimi_k3 import train
+
+        fp32 = train.load_state(state)
+        out["fp32 trained (float experts)"] = fp32
+        out["MXFP4 experts, fp32 dense"] = _mxfp4_experts(train.load_state(state))
+    out["bf16 compute"] = load_model(path, dtype=mx.bfloat16)
+    out["8-bit dense"] = quantized_dense(path, 8)
+    out["4-bit dense"] = quantized_dense(path, 4)
+    if random:
+        out["random weights"] = random_model(path)
+    return out
+
+
+def _mxfp4_experts(model: Model) -> Model:
+    from kimi_k3.train import dequantize_mxfp4
+
+    for layer in model.layers:
+        if "block_sparse_moe" in layer:
+            e = layer.block_sparse_moe.experts
+            e.w1, e.w2, e.w3 = (dequantize_mxfp4(w) for w in (e.w1, e.w2, e.w3))
+    mx.eval(model.parameters())
+    return model
+
+
+def random_model(path: str | Path, seed: int = 0) -> Model:
+    """A random-weight model of the same shape as the checkpoint at ``path`` (seeded)."""
+    from kimi_k3.convert.synth import write_checkpoint
+    from kimi_k3.loader import load_model
+    from kimi_k3.train import PRESET
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    text = config["text_config"]
+    preset = {k: text[k] for k in PRESET if k in text}
+    preset["full"] = text["linear_attn_config"]["full_attn_layers"]
+    preset["kda_heads"] = text["linear_attn_config"]["num_heads"]
+    preset["kda_head_dim"] = text["linear_attn_config"]["head_dim"]
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(tmp, preset, seed=seed, tokenizer=False)
+        model = load_model(tmp, dtype=mx.float32, verify_checksums=False)
+        mx.eval(model.parameters())
+    return model
+
+
+def heldout_ids(path: str | Path, text_file: str | Path | None = None) -> np.ndarray:
+    """The held-out text (default: the one shipped with the default model) as token ids of
+    the checkpoint's tokenizer."""
+    from kimi_k3.default_model import heldout_text
+    from kimi_k3.tokenizer import load_tokenizer
+
+    text = Path(text_file).read_text(encoding="utf-8") if text_file else heldout_text()
+    return np.asarray(load_tokenizer(path).encode(text), dtype=np.int32)
+
+
+def format_table(results: dict[str, dict]) -> str:
+    rows = ["| variant | perplexity | KL from reference (nats/token) |", "|---|---:|---:|"]
+    rows += [f"| {n} | {r['ppl']:.2f} | {r['kl']:.4f} |" for n, r in results.items()]
+    return "\n".join(rows)
+
+
+def format_routing(stats: dict[str, dict[int, dict]]) -> str:
+    head = (
+        "| model | layer | max load / mean | min load / mean | load entropy | "
+        "overlap with previous token | mean reuse distance |"
+    )
+    rows = [head, "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, layers in stats.items():
+        for layer, s in layers.items():
+            rows.append(
+                f"| {name} | {layer} | {s['max_load']:.2f} | {s['min_load']:.2f} | "
+                f"{s['load_entropy']:.3f} | {s['prev_token_overlap']:.3f} | "
+                f"{s['mean_reuse_distance']:.1f} |"
+            )
+    return "\n".join(rows)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint directory (default: the embedded default)")
+    parser.add_argument("--text", help="held-out text file (default: the shipped sample)")
+    parser.add_argument("--state", help="a training state (kimi_k3.train) for the fp32 rows")
+    parser.add_argument("--tokens", type=int, default=8192, help="held-out tokens to score")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--no-random", action="store_true", help="skip the random-weight rows")
+    parser.add_argument("--json", help="also write the results here")
+    return parser
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    os.environ.setdefault("KIMI_K3_REFERENCE", "1")
+    if args.model is None:
+        from kimi_k3.default_model import ensure_default_model
+
+        args.model = ensure_default_model()
+    wins = windows(heldout_ids(args.model, args.text), args.seq, args.tokens)
+    models = variants(args.model, args.state, random=not args.no_random)
+    reference = models.pop("reference")
+    results = compare(reference, models, wins)
+    print(f"{wins.size - len(wins)} held-out tokens in windows of {args.seq}\n")
+    print(format_table(results))
+    E = reference.args.num_experts
+    routing = {"trained": _routing(reference, wins, E)}
+    if "random weights" in models:
+        routing["random weights"] = _routing(models["random weights"], wins, E)
+    print()
+    print(format_routing(routing))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"perplexity": results, "routing": routing}))
+
+
+def _routing(model: Model, wins: np.ndarray, num_experts: int) -> dict[int, dict]:
+    choices = routing_choices(model, wins)
+    return {layer: routing_stats(inds, num_experts) for layer, inds in sorted(choices.items())}
+
+
+if __name__ == "__main__":
+    main()
