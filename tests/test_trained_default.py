@@ -27,9 +27,10 @@ from kimi_k3.tokenizer import KIMI_PATTERN, load_tokenizer, read_ranks, read_spe
 
 # Held-out perplexity of the shipped model over the first 1024 tokens of the shipped
 # held-out sample (docs/training.md: the measured value and the random-weight one).
-PPL_BOUND = 65.0
-# Share of the words (runs of 2+ letters or underscores) of a greedy continuation that
-# occur in the corpus (the standard library's source as installed).
+PPL_BOUND = 45.0
+# Share of the words (runs of 2+ letters: identifiers count by their parts, so `_get_open`
+# is `get` and `open`) of a greedy continuation that occur in the corpus (the standard
+# library's source as installed).
 WORD_SHARE = 0.9
 EVAL_TOKENS = 1024
 
@@ -92,7 +93,7 @@ def corpus_words() -> set[str]:
     words: set[str] = set()
     for path in corpus.corpus_files():
         words.update(
-            re.findall(r"[A-Za-z_]{2,}", path.read_text(encoding="utf-8", errors="ignore"))
+            re.findall(r"[A-Za-z]{2,}", path.read_text(encoding="utf-8", errors="ignore"))
         )
     return words
 
@@ -109,7 +110,7 @@ def test_greedy_generation_is_python(loaded):
         )
     ]
     out = tok.decode(ids)
-    words = re.findall(r"[A-Za-z_]{2,}", out)
+    words = re.findall(r"[A-Za-z]{2,}", out)
     assert len(words) >= 10, out
     vocabulary = corpus_words()
     share = sum(w in vocabulary for w in words) / len(words)
