@@ -877,7 +877,7 @@ def serve_model(args, httpd, plan=None) -> ServerState:
 
     model_path = args.model
     args.model, args.expert_cache_gb = resolve_model(args.model, args.expert_cache_gb)
-    model, tokenizer = load_for_cli(args.model, args.expert_cache_gb, args.verify, plan)
+    model, tokenizer = load_for_cli(args.model, args.expert_cache_gb, args.verify, plan=plan)
     engine = Engine(
         model,
         max_batch=args.max_batch,
