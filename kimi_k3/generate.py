@@ -279,11 +279,7 @@ def resolve_model(path: Path | None, expert_cache_gb: float | None):
         print(SYNTHETIC_NOTICE.format(path=path), file=sys.stderr)
     if expert_cache_gb is None:
         expert_cache_gb = auto_expert_cache_gb(Path(path))
-    elif not math.isfinite(expert_cache_gb) or expert_cache_gb <= 0:
-        raise ArgumentError(
-            f"--expert-cache-gb must be a positive number of GB, got {expert_cache_gb}"
-        )
-    else:
+    else:  # a positive number: check_model_arguments
         check_expert_budget(Path(path), expert_cache_gb)
     return path, expert_cache_gb
 
@@ -425,9 +421,7 @@ def check_room(n_prompt: int, in_cache: int, context: tuple[int, str], max_token
 
 def prompt_ids(tokenizer, args) -> list[int]:
     text = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
-    if args.chat is False:
-        if args.system:
-            raise UserError("--system needs --chat")
+    if args.chat is False:  # --system without --chat: check_arguments refused it
         return tokenizer.encode(text, add_special_tokens=False)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": text})

@@ -413,7 +413,7 @@ class Engine:
         return s.sampler(logits - mx.logsumexp(logits, keepdims=True))
 
     def _emit(self, s: Sequence, token: int):
-        if not s.tokens:  # the cache now holds exactly the prompt
+        if not s.tokens and self.prefixes.max_bytes:  # the cache holds exactly the prompt
             self.prefixes.put(s.prompt, snapshot(s.cache))
         s.tokens.append(token)
         if token in s.stop_ids:
@@ -424,7 +424,7 @@ class Engine:
             self._finish(s, "length")
 
     def _finish(self, s: Sequence, reason: str):
-        if len(s.tokens) > 1:  # the cache holds the prompt and every token but the last
+        if len(s.tokens) > 1 and self.prefixes.max_bytes:  # prompt + all tokens but the last
             self.prefixes.put(s.prompt + s.tokens[:-1], snapshot(s.cache))
         self.active.remove(s)
         self._drop([s])
