@@ -26,6 +26,7 @@ import shutil
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,7 +38,8 @@ from kimi_k3.config import ModelArgs
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.loader import load_model
 from kimi_k3.streaming import get_stats, reset_stats
-from kimi_k3.streaming.sources import expert_bytes, expert_layout
+from kimi_k3.streaming.io import ALIGN, STAGES
+from kimi_k3.streaming.sources import expert_bytes, expert_layout, open_source
 from kimi_k3.streaming.store import SlotPool, find_streamer
 
 K3_EXPERTS = dict(
@@ -132,23 +134,42 @@ def _streamed(path: Path, slots: int, **opts):
     return load_model(path, dtype=mx.float32, expert_cache_gb=gb, **opts)
 
 
+def _calls(E: int, layers: list[int], pattern: str, calls: int) -> list[list[tuple]]:
+    """The (layer, expert) sets a read run makes resident, one list per layer call: every
+    expert of a layer at once (``all``), or 16 random experts a call (``decode``, K3's
+    per-layer decode need; with 16 slots, a call misses what the layer's last call lacked)."""
+    if pattern == "all":
+        return [[(layer, e) for e in range(E)] for layer in layers]
+    rng = np.random.default_rng(0)
+    return [
+        [(layer, int(e)) for e in rng.choice(E, 16, replace=False)]
+        for _ in range(calls)
+        for layer in layers
+    ]
+
+
+def _misses(plan: list[list[tuple]]) -> list[list[tuple]]:
+    """What each call of ``plan`` reads when a layer's slots hold exactly its last call."""
+    held, out = {}, []
+    for call in plan:
+        layer = call[0][0]
+        out.append([c for c in call if c not in held.get(layer, ())])
+        held[layer] = set(call)
+    return out
+
+
 def expert_read(path: Path, pattern: str, threads: int, direct: bool, calls: int = 6) -> dict:
-    """Expert reads through the streamer (no compute): ``all`` makes every expert of each
-    layer resident in one call; ``decode`` makes 16 random experts resident per call (K3's
-    per-layer decode need), with 16 slots so most are misses."""
+    """Expert reads through the streamer (no compute), the calls of ``_calls``; GB/s over
+    the run's wall time and the reader threads' seconds per stage."""
     gc.collect()
     drop_caches()
     E = 64
     model = _streamed(path, E if pattern == "all" else 16, io_threads=threads, direct_io=direct)
-    streamer, rng = find_streamer(model), np.random.default_rng(0)
+    streamer = find_streamer(model)
+    plan = _calls(E, streamer.order, pattern, calls)
     t0 = time.perf_counter()
-    if pattern == "all":
-        for layer in streamer.order:
-            streamer.preload(layer, np.arange(E))
-    else:
-        for _ in range(calls):
-            for layer in streamer.order:
-                streamer.preload(layer, rng.choice(E, 16, replace=False))
+    for call in plan:
+        streamer.preload(call[0][0], [e for _, e in call])
     wall = time.perf_counter() - t0
     s = get_stats(model)
     return {
@@ -159,7 +180,52 @@ def expert_read(path: Path, pattern: str, threads: int, direct: bool, calls: int
         "busy_gbps": s["read_gbps"],
         "wall_gbps": s["bytes_read"] / 1e9 / wall,
         "reads": s["reads"],
+        **{k: s[f"reader_{k}_seconds"] / wall for k in STAGES},
     }
+
+
+def raw_expert_read(path: Path, pattern: str, threads: int, calls: int = 6) -> dict:
+    """The same expert reads as ``expert_read`` in the same order at the same queue depth
+    (``threads`` reads in flight, a call's reads by file offset, all done before the next
+    call's start), as plain direct reads of each expert's byte range (rounded out to 4096)
+    into an aligned buffer per thread: no copy, no checksum, no cache. GB/s counts the
+    experts' own bytes."""
+    args = ModelArgs.from_path(path)
+    layers = list(range(args.first_k_dense_replace, args.num_hidden_layers))
+    source = open_source(path, None, args, layers)
+    plan = _calls(args.num_experts, layers, pattern, calls)
+    if pattern == "decode":
+        plan = _misses(plan)
+    ranges = {c: source.extents(*c) for call in plan for c in call}
+    fds = {f: _open_direct(f) for f in source.files}
+    biggest = max(e.nbytes for ex in ranges.values() for e in ex) + 2 * ALIGN
+    local = threading.local()
+    gc.collect()
+    drop_caches()
+
+    def read(ext):
+        if not hasattr(local, "buf"):
+            local.buf = _aligned(biggest)
+        start = ext.offset - ext.offset % ALIGN
+        end = -(-(ext.offset + ext.nbytes) // ALIGN) * ALIGN
+        os.preadv(fds[ext.file], [local.buf[: end - start]], start)
+
+    done = 0
+    with ThreadPoolExecutor(threads) as ex:
+        t0 = time.perf_counter()
+        for call in plan:
+            # in the streamer's order: by file and offset within a call
+            exts = sorted(
+                (e for c in call for e in ranges[c]), key=lambda e: (str(e.file), e.offset)
+            )
+            work = [ex.submit(read, e) for e in exts]
+            for w in work:
+                w.result()
+            done += sum(e.nbytes for e in exts)
+        wall = time.perf_counter() - t0
+    for fd in fds.values():
+        os.close(fd)
+    return {"gb": done / 1e9, "wall_gbps": done / 1e9 / wall}
 
 
 def _slot_writes(layout: dict, src: np.ndarray, slots: int, mode: str) -> dict:
@@ -333,46 +399,61 @@ def plot(curves: dict, resident: float, E: int, out: Path):
 
 
 def read_section(big: Path, reps: int, threads=(1, 4, 16, 32)) -> tuple[list[str], float]:
-    """Raw reads of the checkpoint's files and expert reads through the streamer at each
-    thread count (the efficiency is the run at 16 threads, or the most below that)."""
+    """Raw reads of the checkpoint's files, and expert reads through the streamer beside
+    the same reads made raw at the same queue depth (``raw_expert_read``); the efficiency
+    is the streamer's decode pattern at 16 threads (or the most below) against its raw
+    twin."""
     files = sorted(big.glob("*.safetensors"))
     many = max(t for t in threads if t <= 16)
     runs = {
-        "raw sequential (1 thread, 16 MiB direct reads)": lambda: raw_read(files, 1),
-        f"raw parallel ({many} threads, 16 MiB direct reads)": lambda: raw_read(files, many),
+        "raw sequential (1 thread, 16 MiB direct reads)": lambda: {"wall_gbps": raw_read(files, 1)},
+        f"raw parallel ({many} threads, 16 MiB direct reads)": lambda: {
+            "wall_gbps": raw_read(files, many)
+        },
     }
-
-    def busy(pattern: str, t: int, direct: bool = True):
-        return lambda: expert_read(big, pattern, t, direct)["busy_gbps"]
-
-    for t in threads:
-        runs[f"experts, all, {t} threads, direct"] = busy("all", t)
-    runs[f"experts, all, {many} threads, buffered"] = busy("all", many, False)
-    runs[f"experts, decode (16 per layer call), {many} threads, direct"] = busy("decode", many)
+    twins = {}
+    for pattern, what in (("decode", "decode (16 per layer call)"), ("all", "all")):
+        raw = f"raw, experts, {what}, {many} threads"
+        runs[raw] = lambda p=pattern: raw_expert_read(big, p, many)
+        for t in (many,) if pattern == "decode" else threads:
+            name = f"streamer, experts, {what}, {t} threads, direct"
+            runs[name] = lambda p=pattern, t=t: expert_read(big, p, t, True)
+            if t == many:
+                twins[name] = raw
+    buffered = f"streamer, experts, all, {many} threads, buffered"
+    runs[buffered] = lambda: expert_read(big, "all", many, False)
+    twins[buffered] = f"raw, experts, all, {many} threads"
     # interleaved, so drift on a shared disk hits every run alike
     samples, failed = timing.interleaved(runs, reps)
     if failed:
         raise RuntimeError(f"read runs failed: {failed}")
-    raw = float(np.median(samples[next(iter(runs))]))
-    rows = [
-        {
-            "run": name,
-            "gbps": float(np.median(v)),
-            "range": f"{min(v):.2f}-{max(v):.2f}",
-            "eff": float(np.median(v)) / raw,
-        }
-        for name, v in samples.items()
-    ]
-    eff = next(r["eff"] for r in rows if r["run"] == f"experts, all, {many} threads, direct")
+    med = {n: float(np.median([r["wall_gbps"] for r in v])) for n, v in samples.items()}
+    rows = []
+    for name, v in samples.items():
+        gbps = [r["wall_gbps"] for r in v]
+        row = {"run": name, "gbps": med[name], "range": f"{min(gbps):.2f}-{max(gbps):.2f}"}
+        row["eff"] = med[name] / med[twins[name]] if name in twins else None
+        if "read" in v[0]:
+            row["stages"] = " / ".join(f"{np.median([r[k] for r in v]):.2f}" for k in STAGES)
+        rows.append(row)
+    eff = rows[
+        [r["run"] for r in rows].index(
+            f"streamer, experts, decode (16 per layer call), {many} threads, direct"
+        )
+    ]["eff"]
     args = ModelArgs.from_path(big)
     one = expert_bytes(expert_layout(args))
     total = one * args.num_experts * (args.num_hidden_layers - args.first_k_dense_replace)
     text = [
         f"## Expert reads against the raw drive (experts of {one / 1e6:.2f} MB, one read each)",
         "",
-        f"{total / 1e9:.2f} GB of experts; median of {reps} interleaved runs, page "
-        "cache dropped before each. Expert GB/s = bytes / wall time with any read in "
-        "flight, reads straight into the cache slots (no compute).",
+        f"{total / 1e9:.2f} GB of experts; median of {reps} interleaved runs, page cache "
+        "dropped before each. GB/s = experts' bytes / wall time of the run. The streamer "
+        "reads into the cache slots with its defaults (checksums checked, tiles where the "
+        "backend's kernels read them; no compute); each `raw, experts` row makes the same "
+        "reads at the same queue depth as plain direct reads into an aligned buffer, and "
+        "the streamer's row beside it is compared with it. Reader seconds per wall second "
+        "(summed over threads): in read calls / checking checksums / placing into slots.",
         "",
         table(
             rows,
@@ -380,7 +461,8 @@ def read_section(big: Path, reps: int, threads=(1, 4, 16, 32)) -> tuple[list[str
                 ("run", "run"),
                 ("GB/s (median)", "gbps"),
                 ("min-max", "range"),
-                ("vs raw sequential", "eff"),
+                ("vs raw, same reads and depth", "eff"),
+                ("reader s/s: read / verify / place", "stages"),
             ],
         ),
         "",
@@ -478,6 +560,97 @@ def cache_section(sweep: Path, args) -> tuple[list[str], dict, float]:
     return text, curves, resident
 
 
+def trained_run(slots: int, prompt: int, tokens: int, **opts) -> dict:
+    """The trained default model, its experts streamed into ``slots`` per layer: prefill
+    ``prompt`` held-out tokens, then ``tokens`` decode steps fed the text's next tokens
+    (teacher forcing: real routing, the same steps in every run)."""
+    import kimi_k3
+    from kimi_k3.default_model import ensure_default_model
+    from kimi_k3.eval import heldout_ids
+
+    gc.collect()
+    drop_caches()
+    path = ensure_default_model()
+    model, _ = kimi_k3.load(path, expert_cache_gb=_budget_gb(path, slots), **opts)
+    ids = [int(t) for t in heldout_ids(path)[: prompt + tokens + 1]]
+    cache = model.make_cache()
+    mx.eval(model(mx.array(ids[:prompt])[None], cache=cache))
+    mx.eval(model(mx.array([[ids[prompt]]]), cache=cache))  # untimed: compiles, warms up
+    reset_stats(model)
+    t0 = time.perf_counter()
+    for t in ids[prompt + 1 : prompt + 1 + tokens]:
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    dt = time.perf_counter() - t0
+    s = get_stats(model)
+    return {
+        "slots": slots,
+        "prefetch": bool(opts.get("prefetch")),
+        "tok_s": tokens / dt,
+        "hit_rate": s["hit_rate"],
+        "kb_per_token": s["bytes_read"] / 1e3 / tokens,
+        "demand_kb_per_token": (s["bytes_read"] - s["prefetch_bytes"]) / 1e3 / tokens,
+        "wait_share": s["wait_seconds"] / dt,
+        "prediction_recall": s["prediction_recall"],
+        "prefetch_accuracy": s["prefetch_accuracy"],
+    }
+
+
+def _budget_gb(path: Path, slots: int) -> float:
+    args = ModelArgs.from_path(path)
+    layers = args.num_hidden_layers - args.first_k_dense_replace
+    return slots * layers * expert_bytes(expert_layout(args)) / 1e9
+
+
+def trained_section(args) -> list[str]:
+    """Prefetch off and on, on the trained default's routing, at two cache sizes; runs
+    interleaved, medians of ``args.reps``."""
+    from kimi_k3.default_model import ensure_default_model
+
+    margs = ModelArgs.from_path(ensure_default_model())
+    E, k = margs.num_experts, margs.num_experts_per_token
+    runs = {
+        (slots, pf): (lambda s=slots, p=pf: trained_run(s, args.prompt, args.tokens, prefetch=p))
+        for slots in (k, E // 4)
+        for pf in (False, True)
+    }
+    samples, failed = timing.interleaved(runs, args.reps)
+    if failed:
+        raise RuntimeError(f"trained-model runs failed: {failed}")
+    rows = []
+    for v in samples.values():
+        row = dict(sorted(v, key=lambda r: r["tok_s"])[len(v) // 2])
+        row["tok_s_range"] = f"{min(r['tok_s'] for r in v):.3g}-{max(r['tok_s'] for r in v):.3g}"
+        row["f"] = row["slots"] / E
+        rows.append(row)
+    kb = expert_bytes(expert_layout(margs)) / 1e3
+    return [
+        f"## Prefetch on the trained default ({E} experts of {kb:.1f} KB, top-{k})",
+        "",
+        f"`kimi_k3/default` in its own dtype, experts streamed; a {args.prompt}-token "
+        f"held-out prefill, then {args.tokens} decode steps fed the held-out text's next "
+        f"tokens; tokens/s median of {args.reps} interleaved runs. KB read / token counts "
+        "demand reads and reads ahead; demand KB / token the demand reads alone.",
+        "",
+        table(
+            rows,
+            [
+                ("slots / layer", "slots"),
+                ("cache / experts", "f"),
+                ("prefetch", "prefetch"),
+                ("hit rate", "hit_rate"),
+                ("KB read / token", "kb_per_token"),
+                ("demand KB / token", "demand_kb_per_token"),
+                ("prediction recall", "prediction_recall"),
+                ("prefetch accuracy", "prefetch_accuracy"),
+                ("time waiting on reads", "wait_share"),
+                ("tokens/s", "tok_s"),
+                ("tokens/s min-max", "tok_s_range"),
+            ],
+        ),
+        "",
+    ]
+
+
 def projection_section(eff: float, curve: list[dict], E: int) -> list[str]:
     rows = projection(eff, curve, E)
     return [
@@ -516,6 +689,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per cache run")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (medians reported)")
     ap.add_argument("--quick", action="store_true", help="small experts, every section once")
+    ap.add_argument(
+        "--sections",
+        default="reads,mlx,trained,cache",
+        help="comma-separated sections to run: reads, mlx, trained, cache (default: all; "
+        "the projection follows reads and cache)",
+    )
     return ap
 
 
@@ -526,9 +705,12 @@ def main(argv=None):
     if args.quick:
         reads, args.sweep, args.slots, args.switch_slots = QUICK_READS, QUICK_SWEEP, (16, 32), 32
         args.reps, args.prompt, args.tokens, threads, pool = 1, 8, 4, (1, 2), 2
+    sections = set(args.sections.split(","))
+    if not sections or sections - {"reads", "mlx", "trained", "cache"}:
+        raise SystemExit(
+            f"error: --sections {args.sections!r}: expected names from reads, mlx, trained, cache"
+        )
     args.work.mkdir(parents=True, exist_ok=True)
-    big = checkpoint(args.work, "k3-experts-quick" if args.quick else "k3-experts", reads)
-    sweep = checkpoint(args.work, "sweep-quick" if args.quick else "sweep", args.sweep)
     command = " ".join(sys.argv[1:] if argv is None else argv)
     out = [
         f"Command: `python -m benchmarks.bench_streaming {command}`",
@@ -537,15 +719,25 @@ def main(argv=None):
         f"cache dropped between runs: {drop_caches()}.",
         "",
     ]
-    read_text, eff = read_section(big, args.reps, threads)
-    cache, curves, resident = cache_section(sweep, args)
-    E = args.sweep["num_experts"]
-    out += read_text + mlx_section(pool) + cache
-    out += projection_section(min(eff, 1.0), curves["lru"], E)
+    if "reads" in sections:
+        big = checkpoint(args.work, "k3-experts-quick" if args.quick else "k3-experts", reads)
+        read_text, eff = read_section(big, args.reps, threads)
+        out += read_text
+    if "mlx" in sections:
+        out += mlx_section(pool)
+    if "trained" in sections:
+        out += trained_section(args)
+    if "cache" in sections:
+        sweep = checkpoint(args.work, "sweep-quick" if args.quick else "sweep", args.sweep)
+        cache, curves, resident = cache_section(sweep, args)
+        E = args.sweep["num_experts"]
+        out += cache
+        if "reads" in sections:
+            out += projection_section(min(eff, 1.0), curves["lru"], E)
+        if args.plot:
+            plot(curves, resident, E, args.plot)
     text = "\n".join(out)
     timing.emit(text + "\n", args.out)
-    if args.plot:
-        plot(curves, resident, E, args.plot)
     return text
 
 

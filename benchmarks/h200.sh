@@ -12,6 +12,8 @@
 #   mxfp4        bench_mxfp4: decode at 1 and 8 tokens, prefill at 512 and 4096      (500)
 #   e2e          bench_e2e on two K3-width layers, resident and streamed             (400)
 #   streaming    bench_streaming, one repetition                                      (500)
+#   reads        bench_streaming's reads (against raw at the same depth), the path into
+#                MLX, and prefetch on the trained default, three repetitions           (500)
 #   ptxas        profile_kernels --ptxas and --sass (registers, spills, loop costs)   (300)
 #   profile      profile_kernels under ncu: every dispatched kernel's time and bytes  (300)
 #   all          every step above, in that order (longer than one 600 s call)
@@ -58,6 +60,7 @@ for step in "${steps[@]}"; do
       run e2e 400 python3 -m benchmarks.bench_e2e --preset k3-layers --set vocab_size=32768 \
         --set intermediate_size=4096 --prompt-tokens 512 --decode-tokens 16 --dtypes bfloat16 \
         --expert-cache-gb 0.6 --out "$OUT/bench_e2e.md" ;;
+    reads) run reads 500 python3 -m benchmarks.bench_streaming --sections reads,mlx,trained --reps 3 --tokens 64 --out "$OUT/bench_reads.md" ;;
     streaming) run streaming 500 python3 -m benchmarks.bench_streaming --reps 1 --tokens 32 --out "$OUT/bench_streaming.md" ;;
     ptxas)
       run ptxas 200 python3 -m benchmarks.profile_kernels --ptxas

@@ -125,13 +125,35 @@ def untile(w: dict) -> dict:
 
 def tile_expert_bytes(codes: np.ndarray, scales: np.ndarray, rows: int):
     """One expert matrix's bytes (codes uint8 [rows * K / 2], scales uint8 [rows * K / 32],
-    MLX's layout, contiguous) rewritten in place in the tiled layout (numpy: the streamer's
-    slots, as a reader thread lands them)."""
+    MLX's layout, contiguous) rewritten in place in the tiled layout (numpy)."""
     G = scales.size // rows if rows else 0
-    if rows % 16 or G % 4 or scales.size != rows * G or codes.size != 16 * rows * G:
+    if scales.size != rows * G or codes.size != 16 * rows * G:
         raise ValueError(
             f"expert bytes: {codes.size} code and {scales.size} scale bytes are no "
             f"{rows}-row matrix in whole tiles"
         )
-    codes[:] = _permute(codes, 1, rows, G, 16).reshape(-1)
-    scales[:] = _permute_scales(scales, 1, rows, G).reshape(-1)
+    tile_expert_piece("codes", codes, rows)
+    tile_expert_piece("scales", scales, rows)
+
+
+def tile_expert_piece(kind: str, dst: np.ndarray, rows: int, src: np.ndarray | None = None):
+    """One expert matrix's ``"codes"`` (uint8 [rows * K / 2]) or ``"scales"`` (uint8
+    [rows * K / 32]) in MLX's layout written into ``dst`` in the tiled layout: from ``src``
+    (one strided copy, no temporary for the codes: the streamer's reader threads place a
+    read buffer's bytes into a slot so), or in place where ``src`` is None."""
+    per_group = 16 if kind == "codes" else 1
+    G = dst.size // (rows * per_group) if rows else 0
+    if kind not in ("codes", "scales") or rows % 16 or G % 4 or dst.size != rows * G * per_group:
+        raise ValueError(
+            f"expert bytes: {dst.size} {kind} bytes are no {rows}-row matrix in whole tiles"
+        )
+    if src is None or np.shares_memory(src, dst):
+        src = dst.copy()
+    elif src.size != dst.size:
+        raise ValueError(f"expert bytes: {src.size} {kind} bytes to place in {dst.size}")
+    if kind == "scales":
+        dst[:] = _permute_scales(src, 1, rows, G).reshape(-1)
+        return
+    # the codes' tiled order as a view of ``dst``, so one strided copy fills it
+    tiled = dst.reshape(rows // 16, G // 4, 16, 64)
+    np.copyto(tiled, src.reshape(rows // 16, 16, G // 4, 64).transpose(0, 2, 1, 3))

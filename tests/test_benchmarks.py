@@ -216,8 +216,13 @@ def test_bf16_drift_quick(modules):
 
 def test_bench_streaming_quick(tmp_path):
     text = bench_streaming.main(["--quick", "--work", str(tmp_path)])
-    reads, into_mlx, cache, switches, projection = tables(text)
-    assert len(reads) == 6 and all(number(r["GB/s (median)"]) > 0 for r in reads)
+    reads, into_mlx, trained, cache, switches, projection = tables(text)
+    assert len(reads) == 8 and all(number(r["GB/s (median)"]) > 0 for r in reads)
+    twins = [r for r in reads if r["vs raw, same reads and depth"] != "-"]
+    assert [r["run"].split(",")[0] for r in twins] == ["streamer"] * 3
+    assert all(number(r["vs raw, same reads and depth"]) > 0 for r in twins)
+    assert len(trained) == 4 and [r["prefetch"] for r in trained] == ["False", "True"] * 2
+    assert all(number(r["prediction recall"]) > 0 for r in trained if r["prefetch"] == "True")
     assert [r["write mode"] for r in into_mlx] == ["view", "mlx"]
     assert all(r["bytes verified"] == "True" for r in into_mlx)
     lru = {number(r["slots / layer"]): number(r["hit rate"]) for r in cache if r["policy"] == "lru"}

@@ -209,20 +209,24 @@ def test_model_holding_tiles_gives_the_same_logits(small, reference):
     assert same(greedy(model, PROMPT, STEPS), reference)
 
 
-@pytest.mark.parametrize("write_mode", ["view", "mlx"])
-def test_streamed_tiles_equal_resident(small, reference, write_mode):
-    """Slots tiled as they land (in the reader thread through host views, or by MLX in
-    ``mlx`` mode): the resident model's logits bit for bit."""
+@pytest.mark.parametrize("write_mode,direct_io", [("view", True), ("view", False), ("mlx", True)])
+def test_streamed_tiles_equal_resident(small, reference, write_mode, direct_io):
+    """Slots tiled as they land (in the reader thread through host views, from the aligned
+    buffer of a direct read or in place after a buffered one; or by MLX in ``mlx`` mode):
+    the resident model's logits bit for bit."""
     model = load_model(
         small,
         dtype=mx.float32,
         expert_cache_gb=budget_gb(small, 16),
         expert_layout="tiled",
         write_mode=write_mode,
+        direct_io=direct_io,
     )
     assert same(greedy(model, PROMPT, STEPS), reference)
     stats = get_stats(model)
     assert stats["expert_layout"] == "tiled" and stats["misses"] > 0
+    assert stats["direct_io"] is direct_io
+    assert stats["reader_read_seconds"] > 0 and stats["reader_place_seconds"] > 0
     assert expert_layout.is_tiled(model.layers[1].block_sparse_moe.experts.pool.w)
 
 

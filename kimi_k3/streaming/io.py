@@ -124,15 +124,18 @@ class ReadJob:
     """One expert to read into ``dest`` (tensor -> writable uint8 array); a future.
 
     Shapes: ``dest[name]`` 1-D uint8 with the tensor's byte count. ``checksum``: None, the
-    crc32 of all the bytes in extent order (int), or one per piece (tuple). ``finish(dest)``,
-    if given, runs in the reader thread once every byte is in and checked.
+    crc32 of all the bytes in extent order (int), or one per piece (tuple). A direct read
+    lands in the reader's aligned buffer, is checked there and then put into ``dest`` by
+    ``place(name, src, dst)`` (default: a plain copy; the slot pool's may tile the bytes on
+    the way). A buffered read lands in ``dest`` itself and is checked there; ``place`` then
+    runs with ``src`` and ``dst`` the same bytes (a transform in place).
     """
 
     def __init__(
-        self, layer: int, expert: int, extents, dest: dict, checksum: int | None, finish=None
+        self, layer: int, expert: int, extents, dest: dict, checksum: int | None, place=None
     ):
         self.layer, self.expert, self.extents, self.dest = layer, expert, extents, dest
-        self.checksum, self.finish = checksum, finish
+        self.checksum, self.place = checksum, place
         self.nbytes = sum(e.nbytes for e in extents)
         self.done = threading.Event()
         self.error: ExpertReadError | None = None
@@ -152,12 +155,18 @@ class ReadJob:
             raise self.error
 
 
+STAGES = ("read", "verify", "place")  # where a reader thread's time goes, per job
+
+
 class Meter:
-    """Bytes read and the wall time during which at least one read was in flight."""
+    """Bytes read, the wall time during which at least one read was in flight, and the
+    reader threads' seconds per stage (summed over threads): ``read`` (the system calls),
+    ``verify`` (checksums), ``place`` (copying, and tiling, into the slot)."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.active, self.t0, self.busy, self.bytes, self.reads = 0, 0.0, 0.0, 0, 0
+        self.stages = dict.fromkeys(STAGES, 0.0)
 
     def start(self):
         with self.lock:
@@ -165,19 +174,21 @@ class Meter:
                 self.t0 = time.perf_counter()
             self.active += 1
 
-    def stop(self, nbytes: int):
+    def stop(self, nbytes: int, stages: dict):
         with self.lock:
+            for k, v in stages.items():
+                self.stages[k] += v
             self.active -= 1
             self.bytes += nbytes
             self.reads += 1
             if self.active == 0:
                 self.busy += time.perf_counter() - self.t0
 
-    def snapshot(self) -> tuple[int, int, float]:
-        """``(bytes, reads, busy seconds)`` so far."""
+    def snapshot(self) -> tuple[int, int, float, dict]:
+        """``(bytes, reads, busy seconds, seconds per stage)`` so far."""
         with self.lock:
             busy = self.busy + (time.perf_counter() - self.t0 if self.active else 0.0)
-            return self.bytes, self.reads, busy
+            return self.bytes, self.reads, busy, dict(self.stages)
 
 
 class _Buffer:
@@ -226,46 +237,27 @@ def _short(ext, what: str, got: int) -> ExpertReadError:
     )
 
 
-def _read_extent(job: ReadJob, ext, fd: int, aligned: bool, buf: _Buffer):
-    """Read one extent into the job's destinations."""
-    dests = [job.dest[name] for name, _ in ext.pieces]
-    if not aligned:
-        got = _pread_into(fd, list(dests), ext.offset, ext.nbytes, False)
-        if got < ext.nbytes:
-            raise _short(ext, job.what, got)
-        return
-    start = ext.offset - ext.offset % ALIGN
-    skip = ext.offset - start
-    need = skip + ext.nbytes
-    view = buf.get(-(-need // ALIGN) * ALIGN)
-    got = _pread_into(fd, [view], start, need, True)
-    if got < need:
-        raise _short(ext, job.what, max(got - skip, 0))
-    data = view[skip:need]
-    pos = 0
-    for d, (_, n) in zip(dests, ext.pieces, strict=True):
-        np.copyto(d, data[pos : pos + n])  # the one copy: aligned buffer -> cache slot
-        pos += n
+class _Check:
+    """A job's checksum, fed piece by piece in extent order: one crc32 over all the bytes
+    (``int``), or one per piece (``tuple``)."""
 
+    def __init__(self, job: ReadJob):
+        self.job, self.crc, self.i = job, 0, 0
+        self.per_piece = isinstance(job.checksum, tuple)
 
-def _verify(job: ReadJob):
-    """Check the landed bytes against ``job.checksum``: one crc32 over all of them (int), or
-    one per piece in extent order (tuple)."""
-    per_piece = isinstance(job.checksum, tuple)
-    crc, i = 0, 0
-    for ext in job.extents:
-        pos = ext.offset
-        for name, n in ext.pieces:
-            if per_piece:
-                if zlib.crc32(job.dest[name]) != job.checksum[i]:
-                    raise _mismatch(ext.file, job.what, f"tensor {name}, ", pos, pos + n)
-                i += 1
-            else:
-                crc = zlib.crc32(job.dest[name], crc)
-            pos += n
-    if not per_piece and crc != job.checksum:
-        ext = job.extents[0]
-        raise _mismatch(ext.file, job.what, "", ext.offset, ext.offset + job.nbytes)
+    def feed(self, ext, name: str, data: np.ndarray, pos: int):
+        if not self.per_piece:
+            self.crc = zlib.crc32(data, self.crc)
+            return
+        if zlib.crc32(data) != self.job.checksum[self.i]:
+            raise _mismatch(ext.file, self.job.what, f"tensor {name}, ", pos, pos + data.size)
+        self.i += 1
+
+    def done(self):
+        job = self.job
+        if not self.per_piece and self.crc != job.checksum:
+            ext = job.extents[0]
+            raise _mismatch(ext.file, job.what, "", ext.offset, ext.offset + job.nbytes)
 
 
 def _mismatch(file, what: str, piece: str, a: int, b: int) -> ExpertReadError:
@@ -275,22 +267,69 @@ def _mismatch(file, what: str, piece: str, a: int, b: int) -> ExpertReadError:
     )
 
 
-def read_job(job: ReadJob, files: FileTable, buf: _Buffer):
-    """Read every extent of ``job`` and check it; raises ``ExpertReadError`` naming the file
-    and expert."""
+def _read_extent(job: ReadJob, ext, fd: int, aligned: bool, buf: _Buffer) -> dict:
+    """Read one extent: straight into the job's destinations (buffered), or into ``buf``
+    (direct). Returns ``{piece name: its bytes}`` wherever they landed."""
+    if not aligned:
+        dests = [job.dest[name] for name, _ in ext.pieces]
+        got = _pread_into(fd, list(dests), ext.offset, ext.nbytes, False)
+        if got < ext.nbytes:
+            raise _short(ext, job.what, got)
+        return {name: job.dest[name] for name, _ in ext.pieces}
+    start = ext.offset - ext.offset % ALIGN
+    skip = ext.offset - start
+    need = skip + ext.nbytes
+    view = buf.get(-(-need // ALIGN) * ALIGN)
+    got = _pread_into(fd, [view], start, need, True)
+    if got < need:
+        raise _short(ext, job.what, max(got - skip, 0))
+    out, pos = {}, skip
+    for name, n in ext.pieces:
+        out[name] = view[pos : pos + n]
+        pos += n
+    return out
+
+
+def _copy(name: str, src: np.ndarray, dst: np.ndarray):
+    np.copyto(dst, src)
+
+
+def read_job(job: ReadJob, files: FileTable, buf: _Buffer, stages: dict | None = None):
+    """Read every extent of ``job``, check it and put it in place; raises
+    ``ExpertReadError`` naming the file and expert. ``stages``, if given, gets the seconds
+    spent per stage added (``STAGES``)."""
+    stages = {} if stages is None else stages
+    check = _Check(job) if job.checksum is not None else None
     for ext in job.extents:
         fd, aligned = files.fd(ext.file, job.what)
+        t0 = time.perf_counter()
         try:
-            _read_extent(job, ext, fd, aligned, buf)
+            pieces = _read_extent(job, ext, fd, aligned, buf)
         except OSError as e:
             raise ExpertReadError(
                 f"{ext.file}: I/O error reading {job.what} (bytes "
                 f"{ext.offset}..{ext.offset + ext.nbytes}): {e}"
             ) from None
-    if job.checksum is not None:
-        _verify(job)
-    if job.finish is not None:
-        job.finish(job.dest)
+        t1 = time.perf_counter()
+        if check is not None:
+            pos = ext.offset
+            for name, data in pieces.items():
+                check.feed(ext, name, data, pos)
+                pos += data.size
+        t2 = time.perf_counter()
+        if aligned or job.place is not None:  # direct: the one copy, buffer -> cache slot
+            place = job.place or _copy
+            for name, data in pieces.items():
+                place(name, data, job.dest[name])
+        t3 = time.perf_counter()
+        _add(stages, read=t1 - t0, verify=t2 - t1, place=t3 - t2)
+    if check is not None:
+        check.done()
+
+
+def _add(stages: dict, **seconds):
+    for k, v in seconds.items():
+        stages[k] = stages.get(k, 0.0) + v
 
 
 def _worker(jobs: queue.PriorityQueue, files: FileTable, meter: Meter):
@@ -300,9 +339,9 @@ def _worker(jobs: queue.PriorityQueue, files: FileTable, meter: Meter):
         if job is None:
             return
         meter.start()
-        ok = False
+        ok, stages = False, {}
         try:
-            read_job(job, files, buf)
+            read_job(job, files, buf, stages)
             ok = True
         except ExpertReadError as e:
             job.error = e
@@ -311,7 +350,7 @@ def _worker(jobs: queue.PriorityQueue, files: FileTable, meter: Meter):
                 f"{job.extents[0].file}: reading {job.what} failed: {type(e).__name__}: {e}"
             )
         finally:
-            meter.stop(job.nbytes if ok else 0)
+            meter.stop(job.nbytes if ok else 0, stages)
             job.done.set()
 
 

@@ -60,13 +60,14 @@ class StreamStats:
         self.pass_end = time.perf_counter()
 
     def _now(self) -> dict:
-        nbytes, reads, busy = self.meter.snapshot()
+        nbytes, reads, busy, stages = self.meter.snapshot()
         span = self.span + (self.pass_end - self.pass_t0 if self.pass_t0 is not None else 0.0)
         return {
             **{k: self.c[k] for k in _COUNTS},
             "bytes_read": nbytes - self.io0[0],
             "reads": reads - self.io0[1],
             "read_seconds": busy - self.io0[2],
+            **{f"reader_{k}_seconds": v - self.io0[3][k] for k, v in stages.items()},
             "wait_seconds": self.wait,
             "span_seconds": span,
         }
@@ -86,7 +87,9 @@ class StreamStats:
         Times: ``read_seconds`` = wall time with any read in flight (so ``read_gbps`` is the
         drive rate achieved); ``wait_seconds`` = time the model blocked on reads;
         ``span_seconds`` = first MoE layer to last MoE layer, summed over passes;
-        ``compute_seconds`` = span minus wait.
+        ``compute_seconds`` = span minus wait; ``reader_{read,verify,place}_seconds`` = the
+        reader threads' time in system calls, checksums, and copying (tiling) into slots,
+        summed over threads (so up to ``io_threads`` x the wall time).
         """
         now = self._now()
         out = self._derived(dict(now))

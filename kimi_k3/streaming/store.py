@@ -109,17 +109,15 @@ class SlotPool:
             return {n: v[slot] for n, v in self.views.items()}
         return {n: np.empty(v.nbytes // v.shape[0], np.uint8) for n, v in self.arrays.items()}
 
-    @property
-    def finish(self):
-        """What a reader thread does to a slot's bytes once read (``ReadJob.finish``): where
-        the pool is tiled, tile them in place (in ``dest(slot)``, the pool itself or the
-        scratch ``commit`` assigns); else None."""
-        return self._tile_in_place if self.tiled else None
-
-    def _tile_in_place(self, dest: dict):
-        for w in EXPERT_TENSORS:
-            rows = self.layout[f"{w}.weight"][0][0]
-            tiles.tile_expert_bytes(dest[f"{w}.weight"], dest[f"{w}.scales"], rows)
+    def place(self, name: str, src: np.ndarray, dst: np.ndarray):
+        """``ReadJob.place``: a tensor's read bytes into its slot (``dst``, from
+        ``dest(slot)``), tiled on the way where the pool is tiled; ``src`` may be ``dst``
+        itself (a buffered read landed there)."""
+        if self.tiled:
+            kind = "codes" if name.endswith(".weight") else "scales"
+            tiles.tile_expert_piece(kind, dst, self.layout[name][0][0], src)
+        elif not np.shares_memory(src, dst):
+            np.copyto(dst, src)
 
     def commit(self, slot: int, dest: dict):
         if self.views is not None:
@@ -303,7 +301,7 @@ class Streamer:
             checksum = self.source.checksum(store.layer, e) if self.opts.verify_checksums else None
             extents = self.source.extents(store.layer, e)
             dest = store.pool.dest(s)
-            job = ReadJob(store.layer, e, extents, dest, checksum, store.pool.finish)
+            job = ReadJob(store.layer, e, extents, dest, checksum, store.pool.place)
             store.cache.jobs[s] = job
             jobs.append(job)
         return jobs
