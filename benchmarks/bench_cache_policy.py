@@ -165,10 +165,10 @@ class Decayed(LRU):
 
     def at(self, t: int):
         self.t = t
+        self.score *= self.decay
 
     def use(self, experts):
         super().use(experts)
-        self.score *= self.decay
         self.score[experts] += 1.0 if self.weights is None else self.weights[self.t][experts]
 
     def victims(self, candidates, m):
@@ -193,11 +193,10 @@ CANDIDATES = {
 }
 
 
-def decode_hits(trace: RoutingTrace, make, slots: int, runs=None) -> tuple[int, int]:
+def decode_hits(trace: RoutingTrace, make, slots: int) -> tuple[int, int]:
     """(hits, decode calls' distinct experts) of a policy built per run and layer."""
     hits = total = 0
-    for r in runs if runs is not None else range(len(trace.runs)):
-        run = trace.runs[r]
+    for run in trace.runs:
         decode = np.array(run.phases) == "decode"
         for layer in run.routing:
             got = replay(run.calls(layer), slots, make(run, layer, trace.num_experts))
