@@ -540,7 +540,7 @@ def cache_section(sweep: Path, args) -> tuple[list[str], dict, float]:
     ]
     slots = args.switch_slots
     switches = [
-        run(slots, **o)
+        run(slots, policy="lru", **o)
         for o in ({}, {"prefetch": True}, {"overlap": True}, {"prefetch": True, "overlap": True})
     ]
     text += [

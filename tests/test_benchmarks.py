@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks import (
+    bench_cache_policy,
     bench_kda,
     bench_mla,
     bench_mxfp4,
@@ -229,6 +230,32 @@ def test_bench_streaming_quick(tmp_path):
     assert list(lru) == [16, 32] and 0 <= lru[16] <= lru[32] <= 1  # LRU: more slots, more hits
     assert all(number(r["tokens/s"]) > 0 for r in cache + switches)
     assert [r["Mac RAM (GB)"] for r in projection] == ["128", "256", "512"]
+
+
+def test_bench_cache_policy_quick(tmp_path):
+    """Every table; in each policy table the optimum's hit rate is the highest and every
+    rate a fraction; the default misses at least as often as the optimum."""
+    out = tmp_path / "cache.md"
+    text = bench_cache_policy.main(["--quick", "--out", str(out)])
+    assert out.read_text() == text
+    *policy_tables, gaps, candidates = tables(text)
+    assert len(policy_tables) == len(bench_cache_policy.DECODES) + 2  # and two prefills
+    for rows in policy_tables:
+        assert [r["policy"] for r in rows] == ["flat routing (h = cache fraction)"] + [
+            label for label, _, _ in bench_cache_policy.POLICY_ROWS
+        ]
+        budgets = [k for k in rows[0] if k != "policy"]
+        assert budgets == ["4 slots (0.0625)", "8 slots (0.125)", "16 slots (0.25)"]
+        flat = [number(rows[0][k]) for k in budgets]
+        assert flat == pytest.approx([4 / 64, 8 / 64, 16 / 64], abs=1e-3)
+        for k in budgets:
+            rates = [number(r[k]) for r in rows[1:]]
+            assert all(0 <= h <= 1 for h in rates) and rates[-1] == max(rates)
+    phases = [title for title, _ in bench_cache_policy.DECODES] + ["prefill, chunks of 32"]
+    assert sorted({r["phase"] for r in gaps}) == sorted(phases)
+    assert all(number(r["default misses / belady misses"]) >= 1 for r in gaps)
+    assert all(r["prompts where the default misses no more than lru"][-2:] == "/2" for r in gaps)
+    assert len(candidates) == 2 + len(bench_cache_policy.CANDIDATES) + 1
 
 
 def test_profile_kernels_quick(monkeypatch):

@@ -3,8 +3,9 @@
 ``kimi_k3.load_model(path, expert_cache_gb=X, **options)`` calls ``attach_streamer``; each
 MoE layer's experts then live in a slot pool filled on demand by parallel direct reads.
 Modules: ``sources`` (where an expert's bytes are: published shards, expert pack, mlx-lm),
-``io`` (reader threads, direct I/O, checked files), ``cache`` (slots, LRU/LFU, budgets),
-``store`` (the expert store and ``attach_streamer``), ``stats`` (counters).
+``io`` (reader threads, direct I/O, checked files), ``cache`` (slots, LFU/LRU, budgets),
+``store`` (the expert store and ``attach_streamer``), ``stats`` (counters), ``simulate``
+(routing traces replayed through the cache, against the optimum).
 docs/streaming.md describes the design and the measured numbers.
 """
 

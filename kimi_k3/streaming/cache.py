@@ -73,9 +73,13 @@ POLICIES = ("lru", "lfu")
 
 
 def make_policy(name: str, num_experts: int, slots: int, half_life: int | None = None):
+    """The policy ``name`` for a layer of ``num_experts`` and ``slots`` slots; ``half_life``
+    (LFU: uses between halvings) defaults to 4 x slots."""
     if name == "lru":
         return LRU(num_experts)
     if name == "lfu":
+        if half_life is not None and half_life < 1:
+            raise ValueError(f"lfu_half_life={half_life!r}: expected at least 1 use")
         return LFU(num_experts, half_life or 4 * slots)
     raise ValueError(f"policy={name!r}: expected one of {POLICIES}")
 

@@ -33,7 +33,8 @@ _MX = {np.uint32: mx.uint32, np.uint8: mx.uint8}
 class StreamOptions:
     """What ``attach_streamer(**options)`` accepts.
 
-    policy: ``"lru"`` or ``"lfu"`` (frequency-aware, with ageing; ``lfu_half_life`` uses).
+    policy: ``"lfu"`` (the default: frequency-aware, with ageing; ``lfu_half_life`` uses,
+        default 4 x slots) or ``"lru"``; docs/streaming.md compares them with the optimum.
     prefetch: read layer L+1's predicted experts while layer L computes (the prediction is
         layer L+1's router applied to layer L's MoE input).
     overlap: evaluate the latent ``z`` while this layer's misses are read.
@@ -51,7 +52,7 @@ class StreamOptions:
         tiled slot is permuted as it lands, so a hit reads it as it is.
     """
 
-    policy: str = "lru"
+    policy: str = "lfu"
     prefetch: bool = False
     overlap: bool = False
     io_threads: int = 16
@@ -70,6 +71,7 @@ class StreamOptions:
             ("write_mode", self.write_mode in ("auto", "view", "mlx")),
             ("io_threads", self.io_threads >= 1),
             ("read_timeout", self.read_timeout > 0),
+            ("lfu_half_life", self.lfu_half_life is None or self.lfu_half_life >= 1),
             ("expert_layout", self.expert_layout is None or self.expert_layout in tiles.LAYOUTS),
         ):
             if not ok:
