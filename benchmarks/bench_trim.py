@@ -173,19 +173,21 @@ def quality(model, wins: np.ndarray, settings: list[Setting], batch: int) -> tup
 
 def decode_run(model, setting: Setting, ids: np.ndarray, prompt: int, steps: int) -> dict:
     """Emptied cache, prefill ``ids[:prompt]``, then ``steps`` decode steps on the next ids;
-    the decode steps' tokens/s and streaming counters per token."""
+    the decode steps' tokens/s, CPU time of the process (reader threads included) and
+    streaming counters per token."""
     apply(model, setting, model.args.num_experts_per_token)
     clear_cache(model)
     cache = model.make_cache()
     mx.eval(model(mx.array(ids[None, :prompt]), cache=cache))
     reset_stats(model)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for t in range(prompt, prompt + steps):
         mx.eval(model(mx.array(ids[None, t : t + 1]), cache=cache))
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     s = get_stats(model)
     return {
         "tok_s": steps / seconds,
+        "cpu_ms": cpu / steps * 1e3,
         "misses": s["misses"] / s["tokens"],
         "bytes_read": s["bytes_read"] / s["tokens"],
         "kept": s["experts_per_token"],
@@ -223,6 +225,7 @@ def table(settings, q: dict, runs: dict, expert_bytes: int, layers: int, top_k: 
         "KB read / token (decode)",
         "decode tok/s (median)",
         "tok/s min-max",
+        "CPU ms / token (median)",
     ]
     rows = []
     for s in settings:
@@ -236,7 +239,7 @@ def table(settings, q: dict, runs: dict, expert_bytes: int, layers: int, top_k: 
                 f"{kept * layers * expert_bytes / 1e3:.1f}",
                 f"{kept / top_k:.3f}",
                 f"{q[s]['dnll']:+.4f}",
-                f"{q[s]['kl']:.4f}",
+                f"{q[s]['kl']:.2g}",
                 *_speed_cells(runs.get(s)),
             ]
         )
@@ -245,13 +248,14 @@ def table(settings, q: dict, runs: dict, expert_bytes: int, layers: int, top_k: 
 
 def _speed_cells(r: list[dict] | None) -> list[str]:
     if r is None:
-        return ["-"] * 4
+        return ["-"] * 5
     tok_s = [x["tok_s"] for x in r]
     return [
         f"{statistics.median(x['misses'] for x in r):.2f}",
         f"{statistics.median(x['bytes_read'] for x in r) / 1e3:.1f}",
         f"{statistics.median(tok_s):.1f}",
         _spread(tok_s, ".1f"),
+        f"{statistics.median(x['cpu_ms'] for x in r):.1f}",
     ]
 
 
@@ -285,14 +289,17 @@ def plot(settings, q: dict, runs: dict, top_k: int, out: Path):
         )
         kept = [statistics.mean(q[s]["kept"].values()) for s in rows]
         a.plot(kept, [q[s]["dnll"] for s in rows], style, label=name)
-        tok_s = [statistics.median(x["tok_s"] for x in runs[s]) for s in rows]
-        b.plot(kept, tok_s, style, label=name)
+        reads = [statistics.median(x["misses"] for x in runs[s]) for s in rows]
+        b.plot(kept, reads, style, label=name)
     none = Setting("none")
     if none in q:
         a.plot([0], [q[none]["dnll"]], "k^", label="no routed experts")
     a.axhline(NLL_BUDGET, color="k", ls="--", lw=0.8, label=f"{NLL_BUDGET} nats")
     a.set(xlabel=f"experts kept per token (of {top_k})", ylabel="held-out NLL change (nats)")
-    b.set(xlabel=f"experts kept per token (of {top_k})", ylabel="decode tokens/s (streamed)")
+    b.set(
+        xlabel=f"experts kept per token (of {top_k})",
+        ylabel="experts read from disk per decode token",
+    )
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -316,8 +323,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=256, help="tokens per held-out window")
     p.add_argument("--batch", type=int, default=4, help="windows per forward pass")
     p.add_argument("--prompt", type=int, default=32, help="prefill tokens before decoding")
-    p.add_argument("--steps", type=int, default=128, help="decode steps per timed run")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per timed run")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument(
         "--cache-fraction", type=float, default=0.25, help="expert cache, share of expert bytes"
     )
