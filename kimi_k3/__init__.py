@@ -11,7 +11,17 @@ import os
 from functools import partial
 from pathlib import Path
 
-__all__ = ["load", "load_model", "Model", "ModelArgs", "trace", "check_checkpoint", "cache_dir"]
+__all__ = [
+    "load",
+    "load_model",
+    "Model",
+    "ModelArgs",
+    "trace",
+    "check_checkpoint",
+    "cache_dir",
+    "set_expert_trimming",
+    "expert_trimming",
+]
 
 # Name -> module for the lazily imported public API (PEP 562).
 _LAZY = {
@@ -19,6 +29,8 @@ _LAZY = {
     "Model": "kimi_k3.model",
     "ModelArgs": "kimi_k3.config",
     "trace": "kimi_k3.trace",
+    "set_expert_trimming": "kimi_k3.trimming",
+    "expert_trimming": "kimi_k3.trimming",
 }
 
 # model_config keys that change no tensor shape, so they can be set on a built model.
@@ -80,6 +92,8 @@ def load(
     pipeline_group=None,
     tensor_group=None,
     expert_group=None,
+    expert_top_p: float = 1.0,
+    expert_min_weight: float = 0.0,
     **stream_options,
 ):
     """Load a Kimi K3 checkpoint and its tokenizer, like ``mlx_lm.load``.
@@ -105,6 +119,12 @@ def load(
             whole), and its range of every MoE layer's experts (held or streamed: only those
             are read); the same group as ``tensor_group`` and ``expert_group`` splits both,
             as ``Model.shard`` does. ``kimi_k3.distributed`` and docs/distributed.md.
+        expert_top_p, expert_min_weight: per-token expert trimming, off by default (1 and
+            0): keep a token's routed experts in decreasing renormalised router weight until
+            the kept weights reach ``expert_top_p``, drop those below ``expert_min_weight``;
+            the first is always kept (``kimi_k3.trimming``; streamed experts that no token
+            keeps are never read). ``set_expert_trimming(model, top_p, min_weight)`` changes
+            them later.
         stream_options: passed on to the expert streamer; ``expert_layout=`` (``"auto"``,
             ``"mlx"``, ``"tiled"``) to ``load_model``, for resident and streamed experts alike.
 
@@ -114,9 +134,11 @@ def load(
     """
     import mlx.core as mx
 
-    from kimi_k3.loader import load_model
+    from kimi_k3 import trimming
+    from kimi_k3.loader import TRIM_NAMES, load_model
     from kimi_k3.tokenizer import load_tokenizer
 
+    trimming.check(expert_top_p, expert_min_weight, TRIM_NAMES)
     config = check_checkpoint(path)
     path = Path(path).expanduser()
     overrides = _check_model_config(model_config or {})
@@ -135,6 +157,8 @@ def load(
         expert_cache_gb=expert_cache_gb,
         lazy=True if tensor_group is not None else lazy,
         verify_checksums=verify_checksums,
+        expert_top_p=expert_top_p,
+        expert_min_weight=expert_min_weight,
         **stream_options,
     )
     if tensor_group is not None:

@@ -281,9 +281,13 @@ def _check_failures(group=None):
 def held_experts(store, held: range, z, inds, weights) -> mx.array:
     """This rank's part of the routed sum: the (token, choice) pairs whose expert is in
     ``held``, run on ``store`` (local expert numbers) as one choice each and added back
-    per token. Shapes: z [N, Dl]; inds, weights [N, k]. Returns fp32 [N, Dl]."""
+    per token; choices that trimming dropped (``kimi_k3.trimming``: zero-weight copies of
+    the token's first) are skipped. Shapes: z [N, Dl]; inds, weights [N, k]. Returns fp32
+    [N, Dl]."""
+    from kimi_k3.trimming import kept
+
     ids = np.array(inds)
-    rows, cols = np.nonzero((ids >= held.start) & (ids < held.stop))
+    rows, cols = np.nonzero((ids >= held.start) & (ids < held.stop) & kept(ids))
     y = mx.zeros((ids.shape[0], z.shape[-1]), mx.float32)
     if len(rows) == 0:
         return y

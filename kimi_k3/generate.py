@@ -24,8 +24,7 @@ from mlx_lm.models.cache import ArraysCache
 from mlx_lm.sample_utils import make_sampler
 
 import kimi_k3
-from kimi_k3 import distributed
-from kimi_k3 import default_model
+from kimi_k3 import default_model, distributed, trimming
 from kimi_k3.chat import (
     END,
     Element,
@@ -53,6 +52,7 @@ SYNTHETIC_NOTICE = (
 
 
 USAGE_ERROR = 2
+TRIM_FLAGS = ("--expert-top-p", "--expert-min-weight")
 
 
 class UserError(Exception):
@@ -158,6 +158,26 @@ def add_model_arguments(p: argparse.ArgumentParser):
         "its experts)",
     )
     add_verify_argument(p)
+    add_trimming_arguments(p)
+
+
+def add_trimming_arguments(p: argparse.ArgumentParser):
+    """``--expert-top-p`` and ``--expert-min-weight`` (``kimi_k3.trimming``)."""
+    p.add_argument(
+        "--expert-top-p",
+        type=float,
+        default=1.0,
+        help="per token, keep routed experts in decreasing router weight (renormalised over "
+        "the top-k) until the kept weights reach this share; 1 keeps all "
+        "(docs/streaming.md, Expert trimming)",
+    )
+    p.add_argument(
+        "--expert-min-weight",
+        type=float,
+        default=0.0,
+        help="per token, drop routed experts whose renormalised router weight is below "
+        "this; 0 drops none (the heaviest is always kept)",
+    )
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, seed: bool = True, defaults_for=None):
@@ -208,6 +228,15 @@ def check_model_arguments(args):
     gb = args.expert_cache_gb
     if gb is not None and not (math.isfinite(gb) and gb > 0):
         raise ArgumentError(f"--expert-cache-gb must be a positive number of GB, got {gb}")
+    try:
+        trimming.check(args.expert_top_p, args.expert_min_weight, TRIM_FLAGS)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def trimming_options(args) -> dict:
+    """``kimi_k3.load``'s trimming arguments from ``--expert-top-p`` / ``--expert-min-weight``."""
+    return {"expert_top_p": args.expert_top_p, "expert_min_weight": args.expert_min_weight}
 
 
 def check_sampling_arguments(args):
@@ -241,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ConfigError, CheckpointError, OSError, distributed.DistributedError) as e:
         return fail(str(e), USAGE_ERROR if isinstance(e, ArgumentError) else 1)
     try:
-        model, tokenizer = load_for_cli(path, budget, verify=args.verify, plan=plan)
+        model, tokenizer = load_for_cli(
+            path, budget, verify=args.verify, plan=plan, **trimming_options(args)
+        )
         if args.seed is not None:
             mx.random.seed(args.seed)
         if args.interactive:
@@ -330,10 +361,18 @@ def auto_expert_cache_gb(path: Path) -> float | None:
     return budget
 
 
-def load_for_cli(path: Path, expert_cache_gb: float | None, verify: bool = True, plan=None):
+def load_for_cli(
+    path: Path,
+    expert_cache_gb: float | None,
+    verify: bool = True,
+    plan=None,
+    expert_top_p: float = 1.0,
+    expert_min_weight: float = 0.0,
+):
     """``(model, tokenizer)`` with a loading bar on stderr (path and budget from
     ``resolve_model``); ``verify``: check the checkpoint's recorded checksums; ``plan``:
-    this rank's share (``kimi_k3.distributed.from_args``)."""
+    this rank's share (``kimi_k3.distributed.from_args``); ``expert_top_p``,
+    ``expert_min_weight``: expert trimming (``trimming_options``)."""
     tic = time.perf_counter()
     with distributed.agreed(plan):
         model, tokenizer = kimi_k3.load(
@@ -341,12 +380,22 @@ def load_for_cli(path: Path, expert_cache_gb: float | None, verify: bool = True,
             expert_cache_gb=expert_cache_gb,
             lazy=True,
             verify_checksums=verify,
+            expert_top_p=expert_top_p,
+            expert_min_weight=expert_min_weight,
             **(plan.load_kwargs() if plan else {}),
         )
         materialize(model, Bar("loading", sys.stderr))
     where = "resident" if expert_cache_gb is None else f"streamed, {expert_cache_gb:.3g} GB cache"
+    where += trimming_text(expert_top_p, expert_min_weight)
     print(f"loaded {path} in {time.perf_counter() - tic:.1f}s (experts {where})", file=sys.stderr)
     return model, tokenizer
+
+
+def trimming_text(top_p: float, min_weight: float) -> str:
+    """``", trimmed: top-p 0.9, min weight 0.05"`` (the parts that are on), or ``""``."""
+    parts = [f"top-p {top_p:g}"] if top_p < 1 else []
+    parts += [f"min weight {min_weight:g}"] if min_weight > 0 else []
+    return f", trimmed: {', '.join(parts)}" if parts else ""
 
 
 def materialize(model, bar: Bar):
@@ -581,7 +630,11 @@ def _expert_stats(model) -> str:
         return "experts: resident"
     rate = stats["hit_rate"]
     rate = "no" if rate is None else f"{rate:.1%}"
-    return f"experts: {rate} hit rate, {stats['bytes_read'] / 1e9:.3f} GB read"
+    text = f"experts: {rate} hit rate, {stats['bytes_read'] / 1e9:.3f} GB read"
+    kept = stats["experts_per_token"]
+    if kept is not None and trimming.expert_trimming(model) != trimming.OFF:
+        text += f", {kept:.2f} of {model.args.num_experts_per_token} a token"
+    return text
 
 
 # Interactive chat.

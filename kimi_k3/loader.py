@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from kimi_k3 import checksums
+from kimi_k3 import checksums, trimming
 from kimi_k3.checkpoint import NON_TEXT_PREFIXES, CheckpointError, CheckpointIndex
 from kimi_k3.config import ModelArgs
 from kimi_k3.expert_pack import ExpertPack
@@ -27,6 +27,8 @@ from kimi_k3.model import (
     sanitize_weights,
 )
 
+TRIM_NAMES = ("expert_top_p", "expert_min_weight")  # the loaders' names for the thresholds
+
 
 def load_model(
     path: str | Path,
@@ -36,6 +38,8 @@ def load_model(
     expert_layout: str | None = None,
     verify_checksums: bool = True,
     prepare=None,
+    expert_top_p: float = 1.0,
+    expert_min_weight: float = 0.0,
     **stream_options,
 ) -> Model:
     """Build Kimi K3 from a checkpoint directory.
@@ -58,11 +62,17 @@ def load_model(
         prepare: called as ``prepare(model)`` on the new model before any tensor is read;
             ``kimi_k3.distributed.prepare`` keeps one rank's pipeline stage and expert range
             there, and only the tensors of the layers and experts it keeps are then read.
+        expert_top_p, expert_min_weight: trim each token's routed experts
+            (``kimi_k3.trimming``): keep them in decreasing renormalised router weight until
+            the kept weights reach ``expert_top_p`` (1: keep all), and drop those whose
+            renormalised weight is below ``expert_min_weight`` (0: none); the first is
+            always kept. ``kimi_k3.set_expert_trimming`` changes them on a loaded model.
         stream_options: passed to the expert streamer (policy, prefetch, ...).
     """
     from kimi_k3 import check_checkpoint
     from kimi_k3.streaming.sources import open_source
 
+    trim = trimming.check(expert_top_p, expert_min_weight, TRIM_NAMES)
     path = Path(path)
     check_checkpoint(path)
     layout = detect(path)
@@ -115,6 +125,7 @@ def load_model(
                 mx.eval(moe.experts.parameters())
     if not lazy:
         mx.eval(model.parameters())
+    trimming.set_expert_trimming(model, *trim)
     return model
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from kimi_k3 import trimming
 from kimi_k3.config import ModelArgs
 from kimi_k3.experts import ResidentExperts, situ_glu
 
@@ -25,26 +26,31 @@ class SituMLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid router; the correction bias steers selection only, never the weights."""
+    """Sigmoid router; the correction bias steers selection only, never the weights.
+
+    ``top_p`` / ``min_weight`` trim each token's choices (``kimi_k3.trimming``; off at 1 / 0).
+    """
 
     def __init__(self, dim: int, experts: int, top_k: int, scale: float, renormalize: bool):
         super().__init__()
         self.weight = mx.zeros((experts, dim))
         self.e_score_correction_bias = mx.zeros((experts,), dtype=mx.float32)
         self.top_k, self.scale, self.renormalize = top_k, scale, renormalize
+        self.top_p, self.min_weight = trimming.OFF
+
+    @property
+    def trims(self) -> bool:
+        return trimming.is_on(self.top_p, self.min_weight)
 
     def logits(self, x: mx.array) -> mx.array:
         return x @ self.weight.T
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """Shapes: x [..., D] -> (inds [..., k] int32, weights [..., k] fp32)."""
-        return _route(
-            self.logits(x),
-            self.e_score_correction_bias,
-            self.top_k,
-            self.scale,
-            self.renormalize,
-        )
+        route = (self.logits(x), self.e_score_correction_bias, self.top_k, self.scale)
+        if self.trims:
+            return trimming.route_trimmed(*route, self.renormalize, self.top_p, self.min_weight)
+        return _route(*route, self.renormalize)
 
     def to_quantized(self, group_size=None, bits=None, mode="affine", **_) -> QuantizedRouter:
         """The router with an MLX-quantized weight (the converter stores it at 8 bits)."""
@@ -58,6 +64,7 @@ class QuantizedRouter(Router):
         E, D = router.weight.shape
         super().__init__(D, E, router.top_k, router.scale, router.renormalize)
         self.e_score_correction_bias = router.e_score_correction_bias
+        self.top_p, self.min_weight = router.top_p, router.min_weight
         q = mx.quantize(router.weight, group_size=group_size, bits=bits, mode=mode)
         self.weight, self.scales = q[0], q[1]
         if mode == "affine":
@@ -127,6 +134,8 @@ class LatentMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         inds, weights = self.gate(flat)
+        if self.gate.trims:  # the columns no token keeps are not computed
+            inds, weights = trimming.used_columns(inds, weights)
         if self.route_hook is not None:  # the expert streamer's prefetch (kimi_k3.streaming)
             self.route_hook(self, flat)
         z = self.routed_expert_down_proj(flat)

@@ -56,6 +56,7 @@ from kimi_k3.generate import (
     never_sample,
     positive,
     resolve_model,
+    trimming_options,
 )
 
 log = logging.getLogger("kimi_k3.server")
@@ -877,7 +878,9 @@ def serve_model(args, httpd, plan=None) -> ServerState:
 
     model_path = args.model
     args.model, args.expert_cache_gb = resolve_model(args.model, args.expert_cache_gb)
-    model, tokenizer = load_for_cli(args.model, args.expert_cache_gb, args.verify, plan=plan)
+    model, tokenizer = load_for_cli(
+        args.model, args.expert_cache_gb, args.verify, plan=plan, **trimming_options(args)
+    )
     engine = Engine(
         model,
         max_batch=args.max_batch,
@@ -954,7 +957,7 @@ def follow_rank(args, plan) -> int:
     with distributed.agreed(plan):  # rank 0 binds the port here
         pass
     path, budget = resolve_model(args.model, args.expert_cache_gb)
-    model, _ = load_for_cli(path, budget, args.verify, plan)
+    model, _ = load_for_cli(path, budget, args.verify, plan, **trimming_options(args))
     try:
         follow(model, plan.group)
     except KeyboardInterrupt:

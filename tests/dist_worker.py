@@ -5,8 +5,9 @@
 A CASE is ``SPLIT`` or ``SPLIT:GB`` (SPLIT one of ``kimi_k3.distributed.SPLITS``, or
 ``pipeline-call`` / ``shard-call``: mlx-lm's ``model.model.pipeline(group)`` /
 ``model.shard(group)`` on a model loaded whole; GB streams the experts through a cache of
-that size). For each case the rank writes ``OUT/CASE.rankR.npz``: the greedy tokens and
-fp32 logits of a prefill and ``STEPS`` decode steps (``run``), and its streaming counters.
+that size), either followed by ``@P`` to trim experts with ``expert_top_p=P``. For each
+case the rank writes ``OUT/CASE.rankR.npz``: the greedy tokens and fp32 logits of a prefill
+and ``STEPS`` decode steps (``run``), and its streaming counters.
 ``reference`` computes the same in one process. The case ``vanish:GB`` streams with the
 expert split, and after one pass rank 1 moves its expert pack file away (to ``.moved``);
 each rank writes the error it then stops with to ``OUT/vanish.rankR.txt``.
@@ -37,10 +38,10 @@ def run(model) -> tuple[list[int], np.ndarray]:
     return tokens, np.stack(out)
 
 
-def reference(ckpt, gb: float | None = None):
+def reference(ckpt, gb: float | None = None, top_p: float = 1.0):
     import kimi_k3
 
-    model, _ = kimi_k3.load(ckpt, dtype=mx.float32, expert_cache_gb=gb)
+    model, _ = kimi_k3.load(ckpt, dtype=mx.float32, expert_cache_gb=gb, expert_top_p=top_p)
     return run(model)
 
 
@@ -48,10 +49,12 @@ def load_case(ckpt, case: str, group):
     import kimi_k3
     from kimi_k3 import distributed
 
+    case, _, top_p = case.partition("@")
     split, _, gb = case.partition(":")
     gb = float(gb) if gb else None
+    kw = {"expert_top_p": float(top_p) if top_p else 1.0}
     if split.endswith("-call"):
-        model, _ = kimi_k3.load(ckpt, dtype=mx.float32, expert_cache_gb=gb)
+        model, _ = kimi_k3.load(ckpt, dtype=mx.float32, expert_cache_gb=gb, **kw)
         if split == "pipeline-call":
             model.model.pipeline(group)
         else:
@@ -59,7 +62,7 @@ def load_case(ckpt, case: str, group):
         model.distributed_group = group
         return model
     plan = distributed.Plan(split, group)
-    model, _ = kimi_k3.load(ckpt, dtype=mx.float32, expert_cache_gb=gb, **plan.load_kwargs())
+    model, _ = kimi_k3.load(ckpt, dtype=mx.float32, expert_cache_gb=gb, **plan.load_kwargs(), **kw)
     return model
 
 
@@ -79,7 +82,7 @@ def main(ckpt: str, out: str, cases: list[str]) -> int:
         mine = get_stats(model) or {}
         stats = {k: mine.get(k) for k in ("hits", "misses", "bytes_read", "expert_bytes")}
         np.savez(
-            Path(out) / f"{case.replace(':', '_')}.rank{group.rank()}.npz",
+            Path(out) / f"{case.replace(':', '_').replace('@', '_at_')}.rank{group.rank()}.npz",
             tokens=np.array(tokens),
             logits=logits,
             stats=json.dumps({"mine": stats, "gathered": ranks}),

@@ -24,13 +24,18 @@ def run(model, prompt, steps):
     return mx.concatenate(outs, axis=1)
 
 
-def compare(monkeypatch, path, backend: str, dtype, prompt_len=70, steps=3):
-    """(kernel logits, reference logits, dispatch counts) for one prompt."""
+def prompt_of(length: int) -> mx.array:
+    return mx.array(np.random.default_rng(0).integers(0, 700, (1, length)))
+
+
+def compare(monkeypatch, path, backend: str, dtype, prompt_len=70, steps=3, **load_options):
+    """(kernel logits, reference logits, dispatch counts) for one prompt (``prompt_of``);
+    ``load_options`` go to ``load_model``."""
     from kimi_k3.kernels import dispatch
     from kimi_k3.loader import load_model
 
-    model = load_model(path, dtype=dtype)
-    prompt = mx.array(np.random.default_rng(0).integers(0, 700, (1, prompt_len)))
+    model = load_model(path, dtype=dtype, **load_options)
+    prompt = prompt_of(prompt_len)
     monkeypatch.setenv("KIMI_K3_REFERENCE", "1")
     ref = run(model, prompt, steps)
     mx.eval(ref)

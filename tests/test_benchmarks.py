@@ -16,6 +16,7 @@ from benchmarks import (
     bench_server,
     bench_streaming,
     bench_trace,
+    bench_trim,
     bf16_drift,
     profile_kernels,
     quant_quality,
@@ -289,3 +290,24 @@ def test_bench_server_quick():
     answered = int(counts["200"]) + int(counts.get("429", 0))
     assert answered == 12
     assert counts["health after"] == "ok" and counts["a request after"] == "200"
+
+
+def test_bench_trim_quick(tmp_path):
+    """Every quick setting a row; the untrimmed one keeps all 4 experts at no cost; trimming
+    keeps fewer, costs some KL and reads fewer experts on the same decode inputs."""
+    out, png = tmp_path / "trim.md", tmp_path / "trim.png"
+    text = bench_trim.main(["--quick", "--out", str(out), "--plot", str(png)])
+    assert out.read_text() == text and png.stat().st_size > 0
+    rows, layers = tables(text)
+    by = {r["setting"]: r for r in rows}
+    assert list(by) == [s.label for s in bench_trim.QUICK] == [r["setting"] for r in layers]
+    kept, read = "experts kept / token (mean of layers)", "experts read / token (decode)"
+    kl = "KL from untrimmed (nats/token)"
+    off = by["untrimmed"]
+    assert number(off[kept]) == 4 and number(off["vs untrimmed"]) == 1
+    assert number(off["NLL change (nats/token)"]) == 0 == number(off[kl])
+    for label in ("top-p 0.7", "min-weight 0.25"):
+        r = by[label]
+        assert 1 <= number(r[kept]) < 4 and number(r[kl]) > 0
+        assert number(r[read]) < number(off[read]) and number(r["decode tok/s (median)"]) > 0
+    assert number(by["no routed experts"][kept]) == 0 and by["no routed experts"][read] == "-"

@@ -135,7 +135,7 @@ def test_server_passes_no_verify(tiny_ckpt, monkeypatch):
 
     seen = []
 
-    def fake_load(path, expert_cache_gb, verify, plan=None):
+    def fake_load(path, expert_cache_gb, verify, plan=None, **trimming):
         seen.append(verify)
         raise CheckpointError("stop here")
 

@@ -40,7 +40,7 @@ def launch(n: int, *command: str) -> subprocess.CompletedProcess:
 def results(out: Path, case: str, n: int) -> list[dict]:
     got = []
     for r in range(n):
-        d = np.load(out / f"{case.replace(':', '_')}.rank{r}.npz")
+        d = np.load(out / f"{case.replace(':', '_').replace('@', '_at_')}.rank{r}.npz")
         got.append(
             {"tokens": list(d["tokens"]), "logits": d["logits"], **json.loads(str(d["stats"]))}
         )
@@ -86,15 +86,20 @@ def test_partitions():
         balanced_split([1, 2], 3)
 
 
+# Expert parallel with trimmed experts (kimi_k3.trimming), held and streamed.
+TRIMMED_CASES = ["expert@0.55", "expert:0.001@0.55"]
+
+
 def test_two_ranks_every_split(tiny_ckpt, tmp_path):
     """pipeline, tensor, expert, tensor+expert, streamed experts, and mlx-lm's
     ``model.model.pipeline(group)`` / ``model.shard(group)`` on a loaded model: the greedy
-    tokens of one process on every rank, the logits within LOGIT_TOL."""
+    tokens of one process on every rank, the logits within LOGIT_TOL; and expert parallel
+    with trimmed experts against one process trimmed alike."""
     from dist_worker import reference
 
     cases = ["pipeline", "tensor", "expert", "tensor+expert", "expert:0.001"]
     cases += ["pipeline-call", "shard-call"]
-    run = launch(2, str(WORKER), str(tiny_ckpt), str(tmp_path), *cases)
+    run = launch(2, str(WORKER), str(tiny_ckpt), str(tmp_path), *cases, *TRIMMED_CASES)
     assert "Traceback" not in run.stderr + run.stdout, run.stderr + run.stdout
     tokens, logits = reference(tiny_ckpt)
     for case in cases:
@@ -107,6 +112,12 @@ def test_two_ranks_every_split(tiny_ckpt, tmp_path):
         assert mine["misses"] > 0 and mine["bytes_read"] == mine["misses"] * mine["expert_bytes"]
         assert [g["bytes_read"] for g in gathered] == [s["mine"]["bytes_read"] for s in streamed]
         assert gathered[r]["hits"] == mine["hits"]
+    trimmed = reference(tiny_ckpt, top_p=0.55)
+    assert not np.array_equal(trimmed[1], logits)  # trimming changed the model
+    for case in TRIMMED_CASES:
+        for r, got in enumerate(results(tmp_path, case, 2)):
+            assert got["tokens"] == trimmed[0], (case, r)
+            assert close(got["logits"], trimmed[1]) <= LOGIT_TOL, (case, r)
 
 
 def test_four_ranks_read_only_their_experts(tiny_ckpt, per_rank, tmp_path):

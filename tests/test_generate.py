@@ -211,6 +211,12 @@ BAD_VALUES = [
     (["--expert-cache-gb", "0"], "--expert-cache-gb must be a positive number of GB"),
     (["--expert-cache-gb", "-1"], "--expert-cache-gb must be a positive number of GB"),
     (["--expert-cache-gb", "0.0000002"], "--expert-cache-gb 2e-07 is too small for "),
+    (["--expert-top-p", "0"], "--expert-top-p must be above 0 and at most 1, got 0.0"),
+    (["--expert-top-p", "1.01"], "--expert-top-p must be above 0 and at most 1"),
+    (["--expert-top-p", "nan"], "--expert-top-p must be above 0 and at most 1, got nan"),
+    (["--expert-min-weight", "-0.1"], "--expert-min-weight must be at least 0 and below 1"),
+    (["--expert-min-weight", "1"], "--expert-min-weight must be at least 0 and below 1"),
+    (["--expert-min-weight", "nan"], "--expert-min-weight must be at least 0 and below 1"),
     (["--max-tokens", "lots"], "argument --max-tokens/-m: invalid int value: 'lots'"),
     (["--chat", "--raw"], "argument --raw: not allowed with argument --chat"),
 ]

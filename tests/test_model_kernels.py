@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import rel_err
-from model_kernel_check import KERNEL_SHAPES, compare, run
+from model_kernel_check import KERNEL_SHAPES, compare, prompt_of, run
 
 
 def test_model_with_metal_kernels_matches_reference(ckpt_factory, monkeypatch):
@@ -38,3 +38,23 @@ def test_streamed_in_groups_gives_the_resident_bits_on_the_kernels(
     for slots in (4, 5):
         model = load_model(path, dtype=mx.float32, expert_cache_gb=budget_gb(path, slots))
         assert mx.array_equal(run(model, prompt, 2), want).item(), slots
+
+
+def test_trimmed_routing_on_the_kernels(ckpt_factory, monkeypatch):
+    """Trimmed experts (``kimi_k3.trimming``): a chunk whose tokens keep different numbers of
+    experts hands the kernels zero-weight pairs; a prefill in chunks of 30 tokens (the decode
+    kernels) and 60 (the grouped GEMM), then decode. The reference's logits within 1e-4, and
+    streamed into fewer slots than a chunk's experts the resident model's bits."""
+    from test_streaming import budget_gb
+
+    from kimi_k3.loader import load_model
+    from kimi_k3.streaming import get_stats
+
+    path = ckpt_factory("tiny", num_experts_per_token=4, **KERNEL_SHAPES)
+    trim = {"expert_top_p": 0.6}
+    out, ref, counts = compare(monkeypatch, path, "emulator", mx.float32, 90, 2, **trim)
+    assert counts["experts"] > 0
+    assert rel_err(out, ref) < 1e-4
+    model = load_model(path, dtype=mx.float32, expert_cache_gb=budget_gb(path, 4), **trim)
+    assert mx.array_equal(run(model, prompt_of(90), 2), out).item()
+    assert 1 < get_stats(model)["experts_per_token"] < 4

@@ -379,6 +379,8 @@ def test_bad_model_fails_before_listening(tmp_path, capsys):
         (["--port", "70000"], "--port"),
         (["--max-body-mb", "0"], "--max-body-mb"),
         (["--expert-cache-gb", "-1"], "--expert-cache-gb"),
+        (["--expert-top-p", "1.5"], "--expert-top-p"),
+        (["--expert-min-weight", "-1"], "--expert-min-weight"),
     ],
 )
 def test_bad_flags_exit_2(argv, flag, capsys):

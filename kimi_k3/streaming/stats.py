@@ -3,6 +3,8 @@
 Counted per MoE call over distinct experts (a prefill chunk needing expert 7 for ten tokens
 counts it once). A *hit* is an expert needing no demand read: resident, or already being
 read ahead by the prefetcher. A *pass* is one model call (it starts at the first MoE layer).
+*Pairs* are the (token, expert) choices the MoE layers kept: k per token and layer, fewer
+where trimming (``kimi_k3.trimming``) dropped some.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ _COUNTS = (
     "prefetch_bytes",
     "predicted_needed",
     "predicted_right",
+    "pairs",
     "tokens",
     "passes",
 )
@@ -72,9 +75,9 @@ class StreamStats:
             "span_seconds": span,
         }
 
-    @staticmethod
-    def _derived(d: dict) -> dict:
+    def _derived(self, d: dict) -> dict:
         d["hit_rate"] = _ratio(d["hits"], d["hits"] + d["misses"])
+        d["experts_per_token"] = _ratio(d["pairs"], d["tokens"] * self.info["layers"])
         d["read_gbps"] = _ratio(d["bytes_read"] / 1e9, d["read_seconds"])
         d["compute_seconds"] = max(d["span_seconds"] - d["wait_seconds"], 0.0)
         d["prefetch_accuracy"] = _ratio(d["prefetch_hits"], d["prefetch_issued"])

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kimi_k3 import trimming
 from kimi_k3.checkpoint import CheckpointIndex
 from kimi_k3.experts import EXPERT_TENSORS, expert_glu, expert_glu_reference, store_layout
 from kimi_k3.kernels import expert_layout as tiles
@@ -246,9 +247,10 @@ class Streamer:
         ids = np.array(inds)
         if layer == self.order[0]:
             self.stats.begin_pass(ids.shape[0])
+        self.stats.add(pairs=int(trimming.kept(ids).sum()))
         uniq = np.unique(ids)
         self._score(layer, uniq)
-        ahead = (nxt, np.array(pred)) if pred is not None else None
+        ahead = (nxt, _kept_choices(np.array(pred))) if pred is not None else None
         if len(uniq) <= store.cache.slots:
             slots = self._fetch(store, uniq, ahead, z)
             slot_inds = mx.array(slots[np.searchsorted(uniq, ids)].astype(np.int32))
@@ -450,6 +452,12 @@ class Streamer:
 
     def close(self):
         self.io.close()
+
+
+def _kept_choices(ids: np.ndarray) -> np.ndarray:
+    """The choices of routing ``ids`` [N, k] that a trimmed router keeps (all when untrimmed),
+    flat: a dropped choice repeats its token's first expert and must not count twice."""
+    return ids[trimming.kept(ids)]
 
 
 def moe_blocks(model) -> dict:
