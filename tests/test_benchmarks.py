@@ -19,6 +19,7 @@ from benchmarks import (
     bench_trim,
     bf16_drift,
     profile_kernels,
+    project_k3,
     quant_quality,
     timing,
 )
@@ -311,3 +312,23 @@ def test_bench_trim_quick(tmp_path):
         assert 1 <= number(r[kept]) < 4 and number(r[kl]) > 0
         assert number(r[read]) < number(off[read]) and number(r["decode tok/s (median)"]) > 0
     assert number(by["no routed experts"][kept]) == 0 and by["no routed experts"][read] == "-"
+
+
+def test_project_k3_quick():
+    text = project_k3.main(["--quick", "--read-efficiency", "0.9"])
+    inputs, projection, peers = tables(text)
+    assert inputs[0]["value"] == "0.90"
+    rows = {(r["configuration"], r["experts"]): r for r in projection}
+    exact = rows[("M5 Max 128 GB", "exact")]
+    assert 0 <= number(exact["h (traces)"]) <= number(exact["h (optimum)"]) <= 1
+    # the formula, from the row's own cells: SSD bytes at 13.5 GB/s x 0.9, then compute
+    ssd_s = number(exact["SSD GB / token"]) / (13.5 * 0.9)
+    assert abs(ssd_s - number(exact["SSD s"])) < 0.01
+    assert abs(1 / (ssd_s + number(exact["compute s"])) - number(exact["tok/s"])) < 0.02
+    half = rows[("M5 Max 128 GB", "trimmed (colibri, K3)")]
+    assert number(half["SSD GB / token"]) < number(exact["SSD GB / token"])
+    four = rows[("4 x M5 Max 128 GB, expert parallel", "exact")]
+    assert number(four["cache / experts"]) > number(exact["cache / experts"])
+    assert [p["tok/s"] for p in peers] == ["0.28", "0.36", "0.18"]
+    with pytest.raises(SystemExit):
+        project_k3.main(["--read-efficiency", "1.5"])

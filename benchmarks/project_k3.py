@@ -1,0 +1,280 @@
+"""Projection of full Kimi K3 decode speed on Macs, from measured inputs.
+
+    python -m benchmarks.project_k3 --out OUT.md
+    python -m benchmarks.project_k3 --quick          # fewer prompts and tokens: seconds
+
+Decode time per token = SSD time + compute time (reads and compute in series: prefetch does
+not pay, ``docs/streaming.md``), with the overlapped bound ``max`` of the two beside it:
+
+- SSD time = (1 - h) x 25.8 GB x kept / (SSD GB/s x read efficiency): the routed-expert
+  bytes one token touches (92 MoE layers x 16 experts x 17,547,264 bytes) times the share
+  of experts trimming keeps, of which the cache misses ``1 - h`` come from the SSD.
+- Compute time = (dense trunk 30 GB + 25.8 GB x kept) / (memory GB/s x kernel
+  efficiency): decode reads every weight it uses once, and the MXFP4 decode kernels reach
+  ``--kernel-efficiency`` of the memory bandwidth on the H200 (docs/benchmarks.md).
+- h, the hit rate at the cache fraction f = expert budget / 1.45 TB: replayed by
+  ``kimi_k3.streaming.simulate`` from the trained default model's decode routing (the
+  shipped policy, and Belady's optimum beside it), read off the small model's curve at the
+  same cache fraction; below its top-k floor the floor's hit rate is scaled by f. ``flat``
+  is h = f (routing with no reuse).
+- kept, from the same model's routing with trimming on (experts a decoded token reads
+  over top-k), and as the published colibri figure for K3 (about 8 of 16).
+- Expert parallel over N Macs: each caches its 1/N share of the experts (f = budget /
+  share), reads its share of the misses from its own SSD, runs the whole dense trunk, and
+  adds 92 all-sums of 2 (N - 1) link hops at 10 us (Thunderbolt 5 RDMA,
+  docs/benchmarks.md "Across machines").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from benchmarks import timing
+
+MOE_LAYERS, EXPERTS, TOP_K, EXPERT_BYTES = 92, 896, 16, 17_547_264
+TOKEN_GB = MOE_LAYERS * TOP_K * EXPERT_BYTES / 1e9  # 25.8
+EXPERTS_GB = MOE_LAYERS * EXPERTS * EXPERT_BYTES / 1e9  # 1,447
+DENSE_GB = 30.0  # the dense trunk at 4 bits
+RESERVE_GB = 16.0  # OS, KV cache, activations
+HOP_US = 10.0  # one RDMA link hop of an all-sum
+COLIBRI_KEPT = 8 / 16  # colibri's top-p trimming on K3: about 8 of 16 experts, +0.043 nats
+
+
+@dataclass(frozen=True)
+class Mac:
+    name: str
+    ram_gb: float
+    ssd_gbps: float
+    memory_gbps: float
+
+
+# M5 Max: 13.5 GB/s SSD and 614 GB/s memory; M3 Ultra: 819 GB/s memory, SSD taken as
+# 7 GB/s (sources in docs/streaming.md "Projection for the full K3").
+M5_MAX = Mac("M5 Max 128 GB", 128, 13.5, 614)
+M3_ULTRA = Mac("M3 Ultra 512 GB", 512, 7.0, 819)
+
+PEERS = [
+    ("colibri (C, experts streamed)", "M5 Max 128 GB", 0.28, "hit rate 4-53% for 8-96 GB"),
+    ("turboquant-mlx (experts at 3 bits)", "Mac", 0.36, "hit rate 53%"),
+    ("kimi-k3-in-c (C, CPU)", "124 cores, 128 GB or more", 1 / 5.6, "5.6 s per token"),
+]
+
+
+def measure(prompts: int, tokens: int, top_p: float, min_weight: float, slot_step: int = 1) -> dict:
+    """Decode routing of the trained default, untrimmed and trimmed, replayed through the
+    shipped policy and Belady: ``{"exact"|"trimmed": {"kept", "<policy>": curve,
+    "belady": curve}}``, a curve being ``[(cache fraction, hit rate)]`` over every slot
+    count from top-k to all experts (every ``slot_step``-th, and all experts)."""
+    from benchmarks.bench_cache_policy import prompts as held_out_prompts
+    from kimi_k3 import default_model
+    from kimi_k3.loader import load_model
+    from kimi_k3.streaming.simulate import hit_rates, record
+    from kimi_k3.streaming.store import StreamOptions
+    from kimi_k3.trimming import set_expert_trimming
+
+    model = load_model(default_model.package_dir())
+    ps = held_out_prompts(prompts, 256)
+    policy = StreamOptions().policy
+    out = {}
+    for name, setting in (("exact", (1.0, 0.0)), ("trimmed", (top_p, min_weight))):
+        set_expert_trimming(model, *setting)
+        trace = record(model, ps, 512, tokens)
+        calls = [
+            np.unique(inds).size
+            for run in trace.runs
+            for layer in run.routing
+            for (inds, _), phase in zip(run.routing[layer], run.phases, strict=True)
+            if phase == "decode"
+        ]
+        slots = sorted({*range(trace.top_k, trace.num_experts, slot_step), trace.num_experts})
+        out[name] = {
+            "kept": float(np.mean(calls)) / trace.top_k,
+            "policy": policy,
+            "curve": hit_rates(trace, policy, slots),
+            "belady": hit_rates(trace, "belady", slots),
+        }
+    set_expert_trimming(model)
+    return out
+
+
+def hit_at(curve: list[tuple[float, float]], f: float) -> float:
+    """The curve's hit rate at cache fraction ``f`` (linear between measured fractions;
+    below the first, that point's hit rate scaled by ``f``; 1 once everything fits)."""
+    fs, hs = np.array(curve).T
+    if f >= 1.0:
+        return 1.0
+    if f < fs[0]:
+        return float(hs[0] * f / fs[0])
+    return float(np.interp(f, fs, hs))
+
+
+def project(mac: Mac, n: int, h: float, kept: float, eff: float, kernel_eff: float) -> dict:
+    """One configuration's decode time per token and tokens/s (module docstring)."""
+    budget = mac.ram_gb - DENSE_GB - RESERVE_GB
+    ssd_gb = (1.0 - h) * TOKEN_GB * kept / n
+    ssd_s = ssd_gb / (mac.ssd_gbps * eff)
+    compute_s = (DENSE_GB + TOKEN_GB * kept / n) / (mac.memory_gbps * kernel_eff)
+    link_s = MOE_LAYERS * 2 * (n - 1) * HOP_US / 1e6
+    serial = ssd_s + compute_s + link_s
+    return {
+        "budget": budget,
+        "ssd_gb": ssd_gb,
+        "ssd_s": ssd_s,
+        "compute_s": compute_s + link_s,
+        "tok_s": 1.0 / serial,
+        "tok_s_overlap": 1.0 / (max(ssd_s, compute_s) + link_s),
+    }
+
+
+def rows(m: dict, eff: float, kernel_eff: float) -> list[dict]:
+    out = []
+    configs = [(M5_MAX, 1), (M3_ULTRA, 1), (M5_MAX, 2), (M5_MAX, 4)]
+    for mac, n in configs:
+        budget = mac.ram_gb - DENSE_GB - RESERVE_GB
+        f = min(1.0, budget / (EXPERTS_GB / n))
+        for quality, kept in (
+            ("exact", 1.0),
+            ("trimmed (trained model)", m["trimmed"]["kept"]),
+            ("trimmed (colibri, K3)", COLIBRI_KEPT),
+        ):
+            key = "exact" if quality == "exact" else "trimmed"
+            h = hit_at(m[key]["curve"], f)
+            r = project(mac, n, h, kept, eff, kernel_eff)
+            out.append(
+                {
+                    "config": mac.name if n == 1 else f"{n} x {mac.name}, expert parallel",
+                    "quality": quality,
+                    "f": f,
+                    "h_flat": f,
+                    "h": h,
+                    "h_opt": hit_at(m[key]["belady"], f),
+                    "kept": kept,
+                    **r,
+                    "tok_s_flat": project(mac, n, f, kept, eff, kernel_eff)["tok_s"],
+                }
+            )
+    return out
+
+
+def _f(v: float, digits: int = 2) -> str:
+    return f"{v:.{digits}f}"
+
+
+def report(m: dict, args) -> str:
+    exact, trimmed = m["exact"], m["trimmed"]
+    inputs = [
+        [
+            "read efficiency (streamer vs raw, same reads and depth)",
+            _f(args.read_efficiency),
+            "measured, docs/streaming.md (capped at 1)",
+        ],
+        [
+            "kernel share of memory bandwidth",
+            _f(args.kernel_efficiency),
+            "MXFP4 decode on the H200, docs/benchmarks.md",
+        ],
+        [
+            "experts kept, trimmed (trained model)",
+            f"{trimmed['kept']:.3f} (top-p {args.top_p:g}, min weight {args.min_weight:g})",
+            "decode routing of the trained default",
+        ],
+        ["experts kept, trimmed (colibri, K3)", _f(COLIBRI_KEPT), "published: about 8 of 16"],
+        ["hit rate policy", exact["policy"], "the streamer's default"],
+    ]
+    body = [
+        [
+            r["config"],
+            r["quality"],
+            _f(r["f"], 3),
+            _f(r["h"]),
+            _f(r["h_opt"]),
+            _f(r["kept"]),
+            _f(r["ssd_gb"], 1),
+            _f(r["ssd_s"]),
+            _f(r["compute_s"]),
+            _f(r["tok_s"]),
+            _f(r["tok_s_overlap"]),
+            _f(r["tok_s_flat"]),
+        ]
+        for r in rows(m, args.read_efficiency, args.kernel_efficiency)
+    ]
+    head = [
+        "configuration",
+        "experts",
+        "cache / experts",
+        "h (traces)",
+        "h (optimum)",
+        "kept",
+        "SSD GB / token",
+        "SSD s",
+        "compute s",
+        "tok/s",
+        "tok/s, overlapped",
+        "tok/s, h flat",
+    ]
+    peers = [[n, where, _f(t), note] for n, where, t, note in PEERS]
+    return "\n".join(
+        [
+            "Inputs:",
+            "",
+            timing.markdown_table(["input", "value", "from"], inputs),
+            "",
+            timing.markdown_table(head, body),
+            "",
+            "Published figures of the peers, for the same model:",
+            "",
+            timing.markdown_table(["peer", "machine", "tok/s", "note"], peers),
+            "",
+        ]
+    )
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=4, help="held-out prompts traced (default 4)")
+    ap.add_argument("--tokens", type=int, default=64, help="decode steps per prompt (default 64)")
+    ap.add_argument("--top-p", type=float, default=0.9, help="trimming's top-p (default 0.9)")
+    ap.add_argument(
+        "--min-weight", type=float, default=0.0, help="trimming's min weight (default 0)"
+    )
+    ap.add_argument(
+        "--read-efficiency",
+        type=float,
+        default=1.0,
+        help="measured read efficiency, capped at 1 (default 1.0)",
+    )
+    ap.add_argument(
+        "--kernel-efficiency",
+        type=float,
+        default=0.63,
+        help="decode kernels' share of memory bandwidth (default 0.63)",
+    )
+    ap.add_argument("--quick", action="store_true", help="two short prompts, 4 decode steps, every 16th slot count")
+    ap.add_argument("--out", help="also write the tables to this markdown file")
+    return ap
+
+
+def main(argv=None) -> str:
+    args = setup_arg_parser().parse_args(argv)
+    for name in ("read_efficiency", "kernel_efficiency"):
+        v = getattr(args, name)
+        if not 0.0 < v <= 1.0:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {v}: expected a share in (0, 1]")
+    if args.quick:
+        args.prompts, args.tokens = 0, 4
+    m = measure(args.prompts, args.tokens, args.top_p, args.min_weight, 16 if args.quick else 1)
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    text = (
+        f"Command: `python -m benchmarks.project_k3 {command}`; {timing.environment()}\n\n"
+        + report(m, args)
+    )
+    timing.emit(text, args.out)
+    return text
+
+
+if __name__ == "__main__":
+    main()
