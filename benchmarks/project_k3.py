@@ -13,10 +13,10 @@ not pay, ``docs/streaming.md``), with the overlapped bound ``max`` of the two be
   efficiency): decode reads every weight it uses once, and the MXFP4 decode kernels reach
   ``--kernel-efficiency`` of the memory bandwidth on the H200 (docs/benchmarks.md).
 - h, the hit rate at the cache fraction f = expert budget / 1.45 TB: replayed by
-  ``kimi_k3.streaming.simulate`` from the trained default model's decode routing (the
-  shipped policy, and Belady's optimum beside it), read off the small model's curve at the
-  same cache fraction; below its top-k floor the floor's hit rate is scaled by f. ``flat``
-  is h = f (routing with no reuse).
+  ``kimi_k3.streaming.simulate`` from the trained default model's sampled decode routing
+  (temperature 0.6; the shipped policy, and Belady's optimum beside it), read off the
+  small model's curve at the same cache fraction; below its top-k floor the floor's hit
+  rate is scaled by f. ``flat`` is h = f (routing with no reuse).
 - kept, from the same model's routing with trimming on (experts a decoded token reads
   over top-k), and as the published colibri figure for K3 (about 8 of 16).
 - Expert parallel over N Macs: each caches its 1/N share of the experts (f = budget /
@@ -41,6 +41,8 @@ EXPERTS_GB = MOE_LAYERS * EXPERTS * EXPERT_BYTES / 1e9  # 1,447
 DENSE_GB = 30.0  # the dense trunk at 4 bits
 RESERVE_GB = 16.0  # OS, KV cache, activations
 HOP_US = 10.0  # one RDMA link hop of an all-sum
+# Sampled decode: a small model's greedy output repeats itself, which inflates reuse
+DECODE_TEMP = 0.6
 COLIBRI_KEPT = 8 / 16  # colibri's top-p trimming on K3: about 8 of 16 experts, +0.043 nats
 
 
@@ -82,7 +84,7 @@ def measure(prompts: int, tokens: int, top_p: float, min_weight: float, slot_ste
     out = {}
     for name, setting in (("exact", (1.0, 0.0)), ("trimmed", (top_p, min_weight))):
         set_expert_trimming(model, *setting)
-        trace = record(model, ps, 512, tokens)
+        trace = record(model, ps, 512, tokens, temp=DECODE_TEMP, seed=0)
         calls = [
             np.unique(inds).size
             for run in trace.runs
@@ -253,7 +255,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=0.63,
         help="decode kernels' share of memory bandwidth (default 0.63)",
     )
-    ap.add_argument("--quick", action="store_true", help="two short prompts, 4 decode steps, every 16th slot count")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="two short prompts, 4 decode steps, every 16th slot count",
+    )
     ap.add_argument("--out", help="also write the tables to this markdown file")
     return ap
 
