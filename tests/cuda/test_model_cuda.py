@@ -61,3 +61,34 @@ def test_model_with_a_tiled_store(ckpt_factory, monkeypatch):
         assert mx.array_equal(got, out).item(), slots
     out, ref, counts = compare(monkeypatch, path, "cuda", mx.float32, prompt_len=200, steps=8)
     assert counts["experts"] > 0 and rel_err(out, ref) < 1e-4
+
+
+def test_trimmed_streamed_equals_trimmed_resident(ckpt_factory, monkeypatch):
+    """Expert trimming on the CUDA kernels and a tiled store: streamed (with misses, and in
+    groups) gives the resident model's trimmed logits bit for bit, computes fewer experts a
+    token than untrimmed, and top-p 1 is the untrimmed model."""
+    import numpy as np
+    from model_kernel_check import run
+    from test_streaming import budget_gb
+
+    from kimi_k3.loader import load_model
+    from kimi_k3.streaming import get_stats
+
+    for var in ("KIMI_K3_REFERENCE", "KIMI_K3_KERNEL_BACKEND", "KIMI_K3_EXPERT_LAYOUT"):
+        monkeypatch.delenv(var, raising=False)
+    path = ckpt_factory("tiny", **TILE_SHAPES)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 700, (1, 200)))
+    untrimmed = run(load_model(path, dtype=mx.float32), prompt, 8)
+    same = run(load_model(path, dtype=mx.float32, expert_top_p=1.0), prompt, 8)
+    assert mx.array_equal(same, untrimmed).item()
+    trim = dict(expert_top_p=0.5, expert_min_weight=0.1)
+    resident = run(load_model(path, dtype=mx.float32, **trim), prompt, 8)
+    assert not mx.array_equal(resident, untrimmed).item()
+    for slots in (8, 3):
+        budget = budget_gb(path, slots)
+        streamed = load_model(path, dtype=mx.float32, expert_cache_gb=budget, **trim)
+        assert mx.array_equal(run(streamed, prompt, 8), resident).item(), slots
+        full = load_model(path, dtype=mx.float32, expert_cache_gb=budget)
+        run(full, prompt, 8)
+        kept, every = (get_stats(m)["experts_per_token"] for m in (streamed, full))
+        assert kept < every, slots
