@@ -93,12 +93,15 @@ def apply(model, setting: Setting, top_k: int):
 
 
 class KeptCounter:
-    """Experts each MoE layer keeps per token, counted from its router's output."""
+    """Experts each MoE layer keeps per token, counted from its router's output; with
+    ``weights``, also every token's routing weights renormalised over its choices, by
+    decreasing weight (``profile``)."""
 
-    def __init__(self, model):
+    def __init__(self, model, weights: bool = False):
         self.moes = moe_blocks(model)
         self.pairs = dict.fromkeys(self.moes, 0)
         self.tokens = dict.fromkeys(self.moes, 0)
+        self.weights = [] if weights else None
 
     def __enter__(self):
         for moe in self.moes.values():
@@ -110,12 +113,22 @@ class KeptCounter:
             del moe.route_hook
 
     def hook(self, moe, flat):
-        ids = np.array(moe.gate(flat)[0])
+        inds, w = moe.gate(flat)
+        ids = np.array(inds)
         self.pairs[moe.layer_index] += int(trimming.kept(ids).sum())
         self.tokens[moe.layer_index] += ids.shape[0]
+        if self.weights is not None:  # the scaling factor cancels
+            w = np.array(w)
+            self.weights.append(-np.sort(-w / w.sum(axis=-1, keepdims=True), axis=-1))
 
     def per_layer(self) -> dict[int, float]:
         return {layer: self.pairs[layer] / self.tokens[layer] for layer in self.moes}
+
+    def profile(self) -> np.ndarray:
+        """Renormalised weights by rank over tokens and layers: rows mean, 10th and 90th
+        percentile. Shapes: returns [3, k]."""
+        r = np.concatenate(self.weights)
+        return np.stack([r.mean(0), *np.percentile(r, [10, 90], axis=0)])
 
 
 class NoExperts(nn.Module):
@@ -147,7 +160,7 @@ def quality(model, wins: np.ndarray, settings: list[Setting], batch: int) -> tup
     top_k = model.args.num_experts_per_token
     nll = dict.fromkeys(settings, 0.0)
     kl = dict.fromkeys(settings, 0.0)
-    counters = {s: KeptCounter(model) for s in settings}
+    counters = {s: KeptCounter(model, weights=s is settings[0]) for s in settings}
     count = 0
     for i in range(0, len(wins), batch):
         w = mx.array(wins[i : i + batch])
@@ -168,6 +181,7 @@ def quality(model, wins: np.ndarray, settings: list[Setting], batch: int) -> tup
         if s.kind == "none":
             kept = dict.fromkeys(kept, 0.0)
         out[s] = {"dnll": (nll[s] - nll[settings[0]]) / count, "kl": kl[s] / count, "kept": kept}
+    out[settings[0]]["profile"] = counters[settings[0]].profile()
     return out, count
 
 
@@ -263,6 +277,15 @@ def layer_table(settings, q: dict) -> str:
     layers = list(q[settings[0]]["kept"])
     rows = [[s.label, *(f"{q[s]['kept'][i]:.2f}" for i in layers)] for s in settings]
     return timing.markdown_table(["setting", *(f"layer {i}" for i in layers)], rows)
+
+
+def profile_table(profile: np.ndarray) -> str:
+    rows = [
+        [name, *(f"{v:.3f}" for v in row)]
+        for name, row in zip(("mean", "10th percentile", "90th percentile"), profile, strict=True)
+    ]
+    ranks = [f"rank {i + 1}" for i in range(profile.shape[1])]
+    return timing.markdown_table(["untrimmed router weight, renormalised", *ranks], rows)
 
 
 def recommend(settings, q: dict) -> Setting | None:
@@ -367,6 +390,8 @@ def main(argv: list[str] | None = None) -> str:
         + table(settings, q, runs, info["expert_bytes"], info["layers"], top_k)
         + "\nExperts kept per token, by MoE layer:\n\n"
         + layer_table(settings, q)
+        + "\nThe untrimmed router's weights over its choices (all MoE layers), by rank:\n\n"
+        + profile_table(q[settings[0]]["profile"])
         + f"\nRecommended (fewest experts with an NLL cost <= {NLL_BUDGET} nats): {rec}\n"
     )
     timing.emit(text, a.out)

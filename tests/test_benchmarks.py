@@ -299,7 +299,9 @@ def test_bench_trim_quick(tmp_path):
     out, png = tmp_path / "trim.md", tmp_path / "trim.png"
     text = bench_trim.main(["--quick", "--out", str(out), "--plot", str(png)])
     assert out.read_text() == text and png.stat().st_size > 0
-    rows, layers = tables(text)
+    rows, layers, weights = tables(text)
+    mean = [number(v) for k, v in weights[0].items() if k.startswith("rank")]
+    assert mean == sorted(mean, reverse=True) and sum(mean) == pytest.approx(1, abs=0.003)
     by = {r["setting"]: r for r in rows}
     assert list(by) == [s.label for s in bench_trim.QUICK] == [r["setting"] for r in layers]
     kept, read = "experts kept / token (mean of layers)", "experts read / token (decode)"
