@@ -327,7 +327,7 @@ def test_project_k3_quick():
     ssd_s = number(exact["SSD GB / token"]) / (13.5 * 0.9)
     assert abs(ssd_s - number(exact["SSD s"])) < 0.01
     assert abs(1 / (ssd_s + number(exact["compute s"])) - number(exact["tok/s"])) < 0.02
-    half = rows[("M5 Max 128 GB", "trimmed as colibri on K3 (8 of 16)")]
+    half = rows[("M5 Max 128 GB", "trimmed to half (top-p 0.5)")]
     assert number(half["SSD GB / token"]) < number(exact["SSD GB / token"])
     four = rows[("4 x M5 Max 128 GB, expert parallel", "exact")]
     assert number(four["cache / experts"]) > number(exact["cache / experts"])
