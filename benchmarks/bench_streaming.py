@@ -1,6 +1,7 @@
-"""Expert streaming: read efficiency against the raw drive, the path into MLX, hit rate and
-decode tokens/s against cache size (LRU vs LFU), prefetch and overlap on and off, and a
-projection for the full K3.
+"""Expert streaming: read efficiency against the same reads made raw, the path into MLX,
+prefetch on the trained default, hit rate and decode tokens/s against cache size (LRU vs
+LFU), prefetch and overlap on and off. (The projection for the full K3 is
+``benchmarks/project_k3.py``.)
 
     python -m benchmarks.bench_streaming --out bench_streaming.md --plot docs/streaming_cache.png
     python -m benchmarks.bench_streaming --quick --work /tmp/bs_quick   # small sizes: seconds
@@ -60,8 +61,6 @@ SWEEP = dict(
 SWEEP_SLOTS = (16, 32, 64, 128, 224)  # 1/56 of the experts (the top-k floor) .. 1/4
 QUICK_READS = dict(K3_EXPERTS, routed_expert_hidden_size=256, moe_intermediate_size=256)
 QUICK_SWEEP = dict(SWEEP, num_experts=64, routed_expert_hidden_size=64, moe_intermediate_size=64)
-K3_TOKEN_GB = 92 * 16 * 17_547_264 / 1e9  # routed-expert bytes one decoded token touches
-K3_EXPERTS_GB = 92 * 896 * 17_547_264 / 1e9
 
 
 def drop_caches() -> bool:
@@ -356,28 +355,6 @@ def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     return "\n".join([head, sep, *body])
 
 
-def projection(eff: float, curve: list[dict], E: int) -> list[dict]:
-    """Decode tokens/s ceilings of the full K3: SSD_GBps * eff / ((1 - h) * 25.8 GB).
-
-    Budget = RAM - dense trunk (4-bit, about 30 GB) - 16 GB (OS, KV cache, activations);
-    f = budget / 1.45 TB of experts. h = f is flat routing without reuse (K3's training
-    target); h_syn adds the reuse beyond f measured on the synthetic model at the nearest
-    measured fraction (LRU)."""
-    excess = sorted((r["slots"] / E, r["hit_rate"] - r["slots"] / E) for r in curve)
-    rows = []
-    for ram in (128, 256, 512):
-        budget = ram - 30 - 16
-        f = budget / K3_EXPERTS_GB
-        near = min(excess, key=lambda p: abs(np.log(p[0] / f)))
-        h_syn = min(f + max(near[1], 0.0), 1.0)
-        row = {"ram": ram, "budget": budget, "f": f, "h": f, "h_syn": h_syn}
-        for ssd in (7, 14):
-            row[f"ceil{ssd}"] = ssd * eff / ((1 - f) * K3_TOKEN_GB)
-            row[f"syn{ssd}"] = ssd * eff / ((1 - h_syn) * K3_TOKEN_GB)
-        rows.append(row)
-    return rows
-
-
 def plot(curves: dict, resident: float, E: int, out: Path):
     import matplotlib
 
@@ -403,11 +380,10 @@ def plot(curves: dict, resident: float, E: int, out: Path):
     fig.savefig(out, dpi=110)
 
 
-def read_section(big: Path, reps: int, threads=(1, 4, 16, 32)) -> tuple[list[str], float]:
+def read_section(big: Path, reps: int, threads=(1, 4, 16, 32)) -> list[str]:
     """Raw reads of the checkpoint's files, and expert reads through the streamer beside
-    the same reads made raw at the same queue depth (``raw_expert_read``); the efficiency
-    is the streamer's decode pattern at 16 threads (or the most below) against its raw
-    twin."""
+    the same reads made raw at the same queue depth (``raw_expert_read``): each streamer
+    row at 16 threads (or the most below) is compared with its raw twin."""
     files = sorted(big.glob("*.safetensors"))
     many = max(t for t in threads if t <= 16)
     runs = {
@@ -441,11 +417,6 @@ def read_section(big: Path, reps: int, threads=(1, 4, 16, 32)) -> tuple[list[str
         if "read" in v[0]:
             row["stages"] = " / ".join(f"{np.median([r[k] for r in v]):.2f}" for k in STAGES)
         rows.append(row)
-    eff = rows[
-        [r["run"] for r in rows].index(
-            f"streamer, experts, decode (16 per layer call), {many} threads, direct"
-        )
-    ]["eff"]
     args = ModelArgs.from_path(big)
     one = expert_bytes(expert_layout(args))
     total = one * args.num_experts * (args.num_hidden_layers - args.first_k_dense_replace)
@@ -472,7 +443,7 @@ def read_section(big: Path, reps: int, threads=(1, 4, 16, 32)) -> tuple[list[str
         ),
         "",
     ]
-    return text, eff
+    return text
 
 
 def mlx_section(slots: int = 16) -> list[str]:
@@ -656,35 +627,6 @@ def trained_section(args) -> list[str]:
     ]
 
 
-def projection_section(eff: float, curve: list[dict], E: int) -> list[str]:
-    rows = projection(eff, curve, E)
-    return [
-        "## Projection: full K3 decode ceiling from the measured read efficiency",
-        "",
-        f"Read efficiency {eff:.2f} (experts, 16 threads, direct, vs raw sequential; "
-        f"capped at 1); {K3_TOKEN_GB:.1f} GB of routed experts per token; ceiling = SSD "
-        "GB/s x efficiency / ((1 - h) x 25.8). Budget = RAM - 30 GB (4-bit dense trunk) - "
-        "16 GB (OS, KV cache, activations). `h (flat)` = cache fraction: K3's routing is "
-        "trained flat, so this is the estimate to use; `h (synthetic)` adds the extra "
-        "reuse of the random-weight model (an upper bound, not a forecast).",
-        "",
-        table(
-            rows,
-            [
-                ("Mac RAM (GB)", "ram"),
-                ("expert budget (GB)", "budget"),
-                ("cache / experts", "f"),
-                ("tok/s @ 7 GB/s", "ceil7"),
-                ("tok/s @ 14 GB/s", "ceil14"),
-                ("h (synthetic)", "h_syn"),
-                ("tok/s @ 7 (synthetic h)", "syn7"),
-                ("tok/s @ 14 (synthetic h)", "syn14"),
-            ],
-        ),
-        "",
-    ]
-
-
 def setup_arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/kimi_k3_bench_streaming"))
@@ -697,8 +639,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--sections",
         default="reads,mlx,trained,cache",
-        help="comma-separated sections to run: reads, mlx, trained, cache (default: all; "
-        "the projection follows reads and cache)",
+        help="comma-separated sections to run: reads, mlx, trained, cache (default: all)",
     )
     return ap
 
@@ -726,8 +667,7 @@ def main(argv=None):
     ]
     if "reads" in sections:
         big = checkpoint(args.work, "k3-experts-quick" if args.quick else "k3-experts", reads)
-        read_text, eff = read_section(big, args.reps, threads)
-        out += read_text
+        out += read_section(big, args.reps, threads)
     if "mlx" in sections:
         out += mlx_section(pool)
     if "trained" in sections:
@@ -737,8 +677,6 @@ def main(argv=None):
         cache, curves, resident = cache_section(sweep, args)
         E = args.sweep["num_experts"]
         out += cache
-        if "reads" in sections:
-            out += projection_section(min(eff, 1.0), curves["lru"], E)
         if args.plot:
             plot(curves, resident, E, args.plot)
     text = "\n".join(out)

@@ -219,7 +219,7 @@ def test_bf16_drift_quick(modules):
 
 def test_bench_streaming_quick(tmp_path):
     text = bench_streaming.main(["--quick", "--work", str(tmp_path)])
-    reads, into_mlx, trained, cache, switches, projection = tables(text)
+    reads, into_mlx, trained, cache, switches = tables(text)
     assert len(reads) == 8 and all(number(r["GB/s (median)"]) > 0 for r in reads)
     twins = [r for r in reads if r["vs raw, same reads and depth"] != "-"]
     assert [r["run"].split(",")[0] for r in twins] == ["streamer"] * 3
@@ -231,7 +231,6 @@ def test_bench_streaming_quick(tmp_path):
     lru = {number(r["slots / layer"]): number(r["hit rate"]) for r in cache if r["policy"] == "lru"}
     assert list(lru) == [16, 32] and 0 <= lru[16] <= lru[32] <= 1  # LRU: more slots, more hits
     assert all(number(r["tokens/s"]) > 0 for r in cache + switches)
-    assert [r["Mac RAM (GB)"] for r in projection] == ["128", "256", "512"]
 
 
 def test_bench_cache_policy_quick(tmp_path):
