@@ -31,6 +31,8 @@ default.
 
 from __future__ import annotations
 
+import numbers
+
 import mlx.core as mx
 import numpy as np
 
@@ -49,7 +51,7 @@ def check(top_p: float, min_weight: float, names=("top_p", "min_weight")) -> tup
 
 
 def _number(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
     return float(value)  # NaN fails the range checks
 
