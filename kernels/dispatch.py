@@ -75,10 +75,11 @@ def expert_prefill_choice() -> str:
     ``KIMI_K3_EXPERT_PREFILL=kernel`` / ``reference`` forces one (another value is an error).
     Otherwise the kernel, on every backend and shape. On the H200 MLX's CUDA ``gather_qmm``
     (mxfp4, sorted indices) is wrong at K3's scale: ``benchmarks/bench_mxfp4.py``'s oracle
-    column measures it at relative error 1.06 against an fp32 dense oracle with flat routing over 896 experts,
-    while the kernels agreed to 1e-6 (and all agree when only 16 experts are used). It is
-    also slower than the tensor-core kernel that serves CUDA (29.4 vs 15.0 ms at 512 tokens of
-    K3's 896-expert layer, docs/benchmarks.md); the LUT kernel (Metal's) took 65.7 ms there.
+    column measures it at relative error 1.06 against an fp32 dense oracle with flat
+    routing over 896 experts, while the kernels agreed to 1e-6 (and all agree when only 16
+    experts are used). It is also slower than the tensor-core kernel that serves CUDA (29.4
+    vs 15.0 ms at 512 tokens of K3's 896-expert layer, docs/benchmarks.md); the LUT kernel
+    (Metal's) took 65.7 ms there.
     """
     from .source import env_choice
 

@@ -13,7 +13,6 @@ the backend's kernel object lazily (``mx.fast.metal_kernel`` raises on Linux).
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from dataclasses import dataclass, field, replace

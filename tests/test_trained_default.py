@@ -92,9 +92,7 @@ def test_heldout_perplexity_and_random_weights(shipped, loaded, heldout_windows)
 def corpus_words() -> set[str]:
     words: set[str] = set()
     for path in corpus.corpus_files():
-        words.update(
-            re.findall(r"[A-Za-z]{2,}", path.read_text(encoding="utf-8", errors="ignore"))
-        )
+        words.update(re.findall(r"[A-Za-z]{2,}", path.read_text(encoding="utf-8", errors="ignore")))
     return words
 
 

@@ -101,7 +101,8 @@ def test_dispatched_decode_at_k3_size(monkeypatch, N):
 
 
 def test_one_launch_tiled_layout_same_bits():
-    """``mxfp4_one.tiled_layout`` (what a tiled store dispatches) gives the one launch's bits at K3 size."""
+    """``mxfp4_one.tiled_layout`` (what a tiled store dispatches) gives the one launch's
+    bits at K3 size."""
     (z, w, *rest), _ = case(16, *K3, 1, 16, "bfloat16")
     plain = np.array(mxfp4_one.expert_glu_decode(z, w, *rest, backend="cuda"))
     wt = expert_layout.tile(w)
