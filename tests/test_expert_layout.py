@@ -232,7 +232,7 @@ def test_streamed_tiles_equal_resident(small, reference, write_mode, direct_io):
 
 def test_attach_streamer_reads_the_layout_variable(small, reference, monkeypatch):
     """``attach_streamer`` called directly follows ``KIMI_K3_EXPERT_LAYOUT`` as ``load_model``
-    does (it used to take ``"auto"`` whatever the variable said); an argument still wins."""
+    does (not ``"auto"`` whatever the variable says); an argument still wins."""
     monkeypatch.setenv("KIMI_K3_EXPERT_LAYOUT", "tiled")
     model = load_model(small, dtype=mx.float32, expert_layout="mlx")
     attach_streamer(model, small, None, budget_gb(small, 16))
