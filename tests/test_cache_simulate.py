@@ -8,8 +8,8 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_streaming import budget_gb
 
-from kimi_k3.config import ModelArgs
 from kimi_k3.loader import load_model
 from kimi_k3.streaming import StreamOptions, get_stats
 from kimi_k3.streaming.cache import make_policy
@@ -22,7 +22,6 @@ from kimi_k3.streaming.simulate import (
     record,
     replay,
 )
-from kimi_k3.streaming.sources import expert_bytes, expert_layout
 
 
 def random_calls(rng, E: int, T: int, most: int, skew: float) -> list[np.ndarray]:
@@ -132,13 +131,6 @@ def test_counts_split_by_phase_and_validate():
         counts(trace, "mru", 2)
     with pytest.raises(ValueError, match="lfu_half_life=0"):
         counts(trace, "lfu", 2, half_life=0)
-
-
-def budget_gb(path, slots: int) -> float:
-    """The budget that gives every MoE layer ``slots`` slots."""
-    args = ModelArgs.from_path(path)
-    layers = args.num_hidden_layers - args.first_k_dense_replace
-    return slots * layers * expert_bytes(expert_layout(args)) / 1e9
 
 
 @pytest.fixture(scope="module")
