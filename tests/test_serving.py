@@ -4,10 +4,9 @@ requests through, cancellation, prefix reuse equals a cold run, the snapshot LRU
 import mlx.core as mx
 import pytest
 from mlx_lm import stream_generate
-from mlx_lm.sample_utils import make_sampler
 
 import kimi_k3
-from kimi_k3.serving import Engine, PrefixCache, QueueFull, Sequence, snapshot
+from kimi_k3.serving import Engine, PrefixCache, QueueFull, Sequence
 
 PROMPTS = [
     "Hello there, how are you doing today, my friend?",
@@ -29,7 +28,7 @@ def prompts(tiny):
 
 
 def sequence(prompt, n=10):
-    return Sequence(prompt, n, make_sampler(0.0))
+    return Sequence(prompt, n)
 
 
 def collect(seq, timeout=120):
@@ -136,13 +135,12 @@ def test_follow_up_reuses_the_prefix_and_matches_a_cold_run(tiny, prompts):
 
 
 def test_prefix_cache_is_an_lru_bounded_in_bytes(tiny, prompts):
-    model = tiny[0]
-    e = Engine(model, reuse_bytes=0)
+    e = Engine(tiny[0])
     try:
         s = sequence(prompts[0], n=2)
         e.submit(s)
         collect(s)
-        snap = snapshot(s.cache)
+        snap = e.prefixes.longest(prompts[0] + [0])[1]
     finally:
         e.stop()
     size = sum(a.nbytes for _, *arrays in snap for a in arrays if a is not None)
@@ -162,11 +160,11 @@ def test_a_failed_step_ends_its_sequences_and_the_engine_goes_on(tiny, prompts, 
     failed = []
     prefill = Engine._prefill_chunk
 
-    def fail_once(self, s):
+    def fail_once(self, s, budget):
         if not failed:
             failed.append(s)
             raise OSError("expert read failed")
-        return prefill(self, s)
+        return prefill(self, s, budget)
 
     monkeypatch.setattr(Engine, "_prefill_chunk", fail_once)
     e = Engine(tiny[0], reuse_bytes=0)
