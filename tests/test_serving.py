@@ -1,12 +1,14 @@
-"""``kimi_k3.serving``: batched decoding equals solo decoding, chunked prefill lets short
-requests through, cancellation, prefix reuse equals a cold run, the snapshot LRU."""
+"""``kimi_k3.serving``: batched decoding equals solo decoding (sequences joining and leaving
+the batch at different steps too), seeded sampling is the same in a batch, chunked prefill
+lets short requests through, cancellation, prefix reuse equals a cold run, the snapshot
+LRU."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm import stream_generate
 
 import kimi_k3
-from kimi_k3.serving import Engine, PrefixCache, QueueFull, Sequence
+from kimi_k3.serving import Engine, PrefixCache, QueueFull, Sampling, Sequence
 
 PROMPTS = [
     "Hello there, how are you doing today, my friend?",
@@ -27,8 +29,8 @@ def prompts(tiny):
     return [tiny[1].encode(p) for p in PROMPTS]
 
 
-def sequence(prompt, n=10):
-    return Sequence(prompt, n)
+def sequence(prompt, n=10, sampling=None):
+    return Sequence(prompt, n, sampling or Sampling())
 
 
 def collect(seq, timeout=120):
@@ -73,6 +75,52 @@ def test_batched_equals_solo(tiny, prompts, monkeypatch):
         assert max(sizes) == len(prompts)  # all four in one step
     finally:
         e.stop()
+
+
+def test_joining_and_leaving_at_different_steps_equals_solo(tiny, prompts):
+    """Rows leave at different steps (the longest first, so the batch's latents are cut
+    to the rows left) and a sequence joins a batch whose rows are longer and shorter
+    than it: every sequence decodes what it decodes alone."""
+    e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=5)
+    try:
+        lengths = [3, 20, 9, 14]
+        solo = [run(e, [p], n)[0] for p, n in zip(prompts, lengths)]
+        late = prompts[0] + prompts[1]
+        late_solo = run(e, [late], 8)[0]
+        seqs = [sequence(p, n) for p, n in zip(prompts, lengths)]
+        for s in seqs:
+            e.submit(s)
+        first = collect(seqs[0])
+        joiner = sequence(late, 8)
+        e.submit(joiner)
+        assert [first, *map(collect, seqs[1:])] == solo
+        assert collect(joiner) == late_solo
+    finally:
+        e.stop()
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny, prompts):
+    """A seeded sequence draws from a key of its own: the same tokens alone, beside greedy
+    and other seeded sequences, and again; another seed draws others."""
+    hot = Sampling(temp=1.0, top_p=0.95, seed=1234)
+    e = Engine(tiny[0], reuse_bytes=0)
+    try:
+        alone = run_with(e, [(prompts[1], hot)])[0]
+        mixed = [(prompts[0], Sampling()), (prompts[1], hot), (prompts[2], Sampling(1.0, seed=7))]
+        together = run_with(e, mixed)
+        assert together[1] == alone
+        assert run_with(e, mixed) == together
+        other = run_with(e, [(prompts[1], Sampling(temp=1.0, top_p=0.95, seed=4321))])[0]
+        assert other != alone
+    finally:
+        e.stop()
+
+
+def run_with(e, pairs, n=16):
+    seqs = [sequence(p, n, sampling) for p, sampling in pairs]
+    for s in seqs:
+        e.submit(s)
+    return [collect(s) for s in seqs]
 
 
 def test_short_request_overtakes_a_long_prefill(tiny, prompts):

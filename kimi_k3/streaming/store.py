@@ -212,6 +212,7 @@ class Streamer:
         for layer, moe in moes.items():
             moe.experts = self.stores[layer] = StreamedExperts(self, layer, slots, act)
             moe.route_hook = self.note_input if opts.prefetch else None
+        self.plans: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> _where's answer
         self.x: dict[int, mx.array] = {}  # MoE input per layer, for the prefetch prediction
         self.predicted: dict[int, np.ndarray] = {}
         max_read = max(e.nbytes for e in source.extents(self.order[0], self.held.start))
@@ -296,12 +297,22 @@ class Streamer:
             waits += list(zip(new.tolist(), jobs, strict=True))
         return slots, waits
 
+    def _where(self, layer: int, expert: int) -> tuple:
+        """``(extents, checksum)`` of an expert (by checkpoint number), worked out once: a
+        batch's step reads dozens of experts, and the index lookups cost more than a read
+        of a small expert from the page cache."""
+        key = (layer, expert)
+        if key not in self.plans:
+            verify = self.opts.verify_checksums
+            checksum = self.source.checksum(layer, expert) if verify else None
+            self.plans[key] = (self.source.extents(layer, expert), checksum)
+        return self.plans[key]
+
     def _jobs(self, store, experts, slots) -> list[ReadJob]:
         jobs = []
         for e, s in zip(experts.tolist(), slots.tolist(), strict=True):
             e += self.held.start
-            checksum = self.source.checksum(store.layer, e) if self.opts.verify_checksums else None
-            extents = self.source.extents(store.layer, e)
+            extents, checksum = self._where(store.layer, e)
             dest = store.pool.dest(s)
             job = ReadJob(store.layer, e, extents, dest, checksum, store.pool.finish)
             store.cache.jobs[s] = job
