@@ -161,7 +161,7 @@ class BatchLatents:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Write one token per row at column ``end``; the last ``span`` columns."""
         if self.end >= self.keys.shape[2]:
-            self.keys, self.values = (self._room(a, self.end + 1) for a in self.arrays)
+            self.keys, self.values = (self._room(a, self.end) for a in self.arrays)
         self.keys[..., self.end : self.end + 1, :] = keys.astype(self.dtype)
         self.values[..., self.end : self.end + 1, :] = values.astype(self.dtype)
         self.end += 1

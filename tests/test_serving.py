@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import stream_generate
 
 import kimi_k3
-from kimi_k3.serving import Engine, PrefixCache, QueueFull, Sampling, Sequence
+from kimi_k3.serving import BatchLatents, Engine, PrefixCache, QueueFull, Sampling, Sequence
 
 PROMPTS = [
     "Hello there, how are you doing today, my friend?",
@@ -77,10 +77,12 @@ def test_batched_equals_solo(tiny, prompts, monkeypatch):
         e.stop()
 
 
-def test_joining_and_leaving_at_different_steps_equals_solo(tiny, prompts):
+def test_joining_and_leaving_at_different_steps_equals_solo(tiny, prompts, monkeypatch):
     """Rows leave at different steps (the longest first, so the batch's latents are cut
     to the rows left) and a sequence joins a batch whose rows are longer and shorter
-    than it: every sequence decodes what it decodes alone."""
+    than it, while the latents grow 4 columns at a time: every sequence decodes what it
+    decodes alone."""
+    monkeypatch.setattr(BatchLatents, "STEP", 4)
     e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=5)
     try:
         lengths = [3, 20, 9, 14]
