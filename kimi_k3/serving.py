@@ -402,9 +402,47 @@ class Peers:
         return kind, body[:nk], body[nk:]
 
 
-def prefill(model, cache: list, tokens: list[int]):
-    model(mx.array(tokens)[None], cache=cache)
-    mx.eval([c.state for c in cache])
+def prefill(model, caches: list[list], chunks: list[list[int]]):
+    """Feed ``chunks[i]`` to the sequence whose own caches (B = 1) are ``caches[i]``, all
+    in one pass: the chunks are of one length and the caches hold as many tokens each.
+    Shapes: chunks [B][T]."""
+    if len(caches) == 1:
+        model(mx.array(chunks), cache=caches[0])
+        mx.eval([c.state for c in caches[0]])
+        return
+    stacked = [_stacked(layer) for layer in zip(*caches)]
+    model(mx.array(chunks), cache=stacked)
+    for i, cache in enumerate(caches):
+        idx = mx.array([i])
+        for own, c in zip(cache, stacked):
+            rows = [mx.take(a, idx, axis=0) for a in _contents(c)]
+            if isinstance(c, ArraysCache):
+                own[0], own[1] = rows
+            else:
+                own.keys, own.values = rows
+                own.offset = c.offset
+    mx.eval([c.state for cache in caches for c in cache])
+
+
+def _contents(c) -> list[mx.array]:
+    """A cache's arrays: KDA conv window and state, or the MLA latents in use."""
+    if isinstance(c, ArraysCache):
+        return [c[0], c[1]]
+    return [] if c.keys is None else [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+
+
+def _stacked(layer: tuple):
+    """One layer's caches of several sequences (as many tokens each) side by side."""
+    arrays = [mx.concatenate(parts) for parts in zip(*map(_contents, layer))]
+    if isinstance(layer[0], ArraysCache):
+        out = ArraysCache(2)
+        out[0], out[1] = arrays
+        return out
+    out = KVCache()
+    if arrays:
+        out.keys, out.values = arrays
+        out.offset = layer[0].offset
+    return out
 
 
 def follow(model, group):
@@ -419,7 +457,9 @@ def follow(model, group):
                 caches.pop(k, None)
             batch.leave(keys)
         elif kind == PREFILL:
-            prefill(model, caches.setdefault(keys[0], fresh_cache(model)), tokens)
+            held = [caches.setdefault(k, fresh_cache(model)) for k in keys]
+            n = len(tokens) // len(keys)
+            prefill(model, held, [tokens[i * n : (i + 1) * n] for i in range(len(keys))])
         else:
             batch.arrange(keys, lambda k: caches.pop(k, None) or fresh_cache(model))
             mx.eval(batch.step(tokens), batch.state)
@@ -535,32 +575,38 @@ class Engine:
             self.active.append(s)
 
     def step(self):
-        """Prefill chunks (up to ``prefill_step_size`` tokens), then one decode step."""
+        """Prompt chunks (``_prefill_plan``), then one decode step."""
         cancelled = [s for s in self.active if s.cancelled.is_set()]
         self._leave(cancelled)
         for s in cancelled:
             s.out.put(("done", "cancelled"))
-        budget = self.prefill_step_size
-        while budget > 0:
-            prefilling = [s for s in self.active if not s.prefilled]
-            if not prefilling:
-                break
-            budget -= self._prefill_chunk(
-                min(prefilling, key=lambda s: len(s.prompt) - s.fed), budget
-            )
+        for group, n in self._prefill_plan():
+            self._prefill(group, n)
         ready = [s for s in self.active if s.prefilled]
         if ready:
             self._decode(ready)
 
-    def _prefill_chunk(self, s: Sequence, budget: int) -> int:
-        """Prefill up to ``budget`` tokens of ``s``'s prompt; returns how many."""
-        n = min(budget, len(s.prompt) - 1 - s.fed)
-        chunk = s.prompt[s.fed : s.fed + n]
+    def _prefill_plan(self) -> list[tuple[list[Sequence], int]]:
+        """This step's prompt chunks, ``prefill_step_size`` tokens in all, the prompts with
+        the fewest tokens left first: ``(sequences, n)``, the sequences that feed ``n``
+        tokens after as many tokens fed (one pass for them all)."""
+        budget, groups = self.prefill_step_size, {}
+        waiting = [s for s in self.active if not s.prefilled]
+        for s in sorted(waiting, key=lambda s: len(s.prompt) - s.fed):
+            if budget <= 0:
+                break
+            n = min(budget, len(s.prompt) - 1 - s.fed)
+            groups.setdefault((s.fed, n), []).append(s)
+            budget -= n
+        return [(group, n) for (_, n), group in groups.items()]
+
+    def _prefill(self, group: list[Sequence], n: int):
+        chunks = [s.prompt[s.fed : s.fed + n] for s in group]
         if self.peers:
-            self.peers.send(PREFILL, [s.key], chunk)
-        prefill(self.model, s.cache, chunk)
-        s.fed += n
-        return n
+            self.peers.send(PREFILL, [s.key for s in group], [t for c in chunks for t in c])
+        prefill(self.model, [s.cache for s in group], chunks)
+        for s in group:
+            s.fed += n
 
     def _decode(self, ready: list[Sequence]):
         self.batch.arrange(ready, self._own_cache)

@@ -8,6 +8,7 @@ import pytest
 from mlx_lm import stream_generate
 
 import kimi_k3
+from kimi_k3 import serving
 from kimi_k3.serving import BatchLatents, Engine, PrefixCache, QueueFull, Sampling, Sequence
 
 PROMPTS = [
@@ -97,6 +98,27 @@ def test_joining_and_leaving_at_different_steps_equals_solo(tiny, prompts, monke
         e.submit(joiner)
         assert [first, *map(collect, seqs[1:])] == solo
         assert collect(joiner) == late_solo
+    finally:
+        e.stop()
+
+
+def test_prompts_prefilled_together_equal_solo(tiny, monkeypatch):
+    """Prompts of one length arriving together are prefilled in one pass per chunk (the
+    last chunk, cut by the step's budget, alone) and decode what each decodes alone."""
+    texts = [f"Client {i} asks about attention residuals." for i in range(4)]
+    ids = [tiny[1].encode(t) for t in texts]
+    assert len({len(p) for p in ids}) == 1
+    passes = []
+    prefill = serving.prefill
+    monkeypatch.setattr(
+        serving, "prefill", lambda m, c, chunks: (passes.append(len(c)), prefill(m, c, chunks))
+    )
+    e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=3 * len(ids[0]) - 4)
+    try:
+        solo = [run(e, [p])[0] for p in ids]
+        passes.clear()
+        assert run(e, ids) == solo
+        assert passes[0] == 2 and max(passes) == 2  # 2 whole prompts, then the rest
     finally:
         e.stop()
 
@@ -208,15 +230,15 @@ def test_prefix_cache_is_an_lru_bounded_in_bytes(tiny, prompts):
 def test_a_failed_step_ends_its_sequences_and_the_engine_goes_on(tiny, prompts, monkeypatch):
     """The server answers such a sequence with 503; later requests are served."""
     failed = []
-    prefill = Engine._prefill_chunk
+    prefill = Engine._prefill
 
-    def fail_once(self, s, budget):
+    def fail_once(self, group, n):
         if not failed:
-            failed.append(s)
+            failed.append(group)
             raise OSError("expert read failed")
-        return prefill(self, s, budget)
+        return prefill(self, group, n)
 
-    monkeypatch.setattr(Engine, "_prefill_chunk", fail_once)
+    monkeypatch.setattr(Engine, "_prefill", fail_once)
     e = Engine(tiny[0], reuse_bytes=0)
     try:
         s = sequence(prompts[0])
