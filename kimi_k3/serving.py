@@ -4,10 +4,10 @@ between decode steps, conversation prefixes reused from snapshots of the caches.
 One thread owns the model. Each step it prefills waiting prompts, up to
 ``prefill_step_size`` tokens in all, the prompt with the fewest tokens left first (so a
 short request is not held behind a long one, and a burst of short prompts is prefilled in
-one step), then decodes one token for every sequence whose prompt is in its cache, all in
-one batched forward pass (with streamed experts, the union of the batch's experts is read
-once). Sequences join the batch at step boundaries and leave it when they finish or are
-cancelled.
+one step; chunks of one length after as many tokens go through in one pass), then decodes
+one token for every sequence whose prompt is in its cache, all in one batched forward pass
+(with streamed experts, the union of the batch's experts is read once). Sequences join the
+batch at step boundaries and leave it when they finish or are cancelled.
 
 A prompt is prefilled into caches of its own (B = 1). Once it is in, the sequence joins the
 ``Batch``, whose caches hold every decoding sequence as a row and persist from step to step:
