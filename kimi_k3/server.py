@@ -628,19 +628,25 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             seq.cancel()  # a no-op once finished; stops the work of a vanished client
 
-    def events(self, seq):
-        """The sequence's events; cancels it when the client goes away."""
+    def events(self, seq, whole: bool = False):
+        """The sequence's events; cancels it when the client goes away. ``whole``: wait
+        for the end, then give them all (no wake-up per token)."""
+        while whole and not seq.ended.wait(0.2):
+            self._check_client(seq)
         while True:
             try:
                 kind, value = seq.out.get(timeout=0.2)
             except queue.Empty:
-                if self.client_gone():
-                    seq.cancel()
-                    raise ConnectionResetError("client disconnected") from None
+                self._check_client(seq)
                 continue
             yield kind, value
             if kind != "token":
                 return
+
+    def _check_client(self, seq):
+        if self.client_gone():
+            seq.cancel()
+            raise ConnectionResetError("client disconnected") from None
 
     def client_gone(self) -> bool:
         conn = self.connection
@@ -653,7 +659,7 @@ class Handler(BaseHTTPRequestHandler):
     def collect(self, job: Job, seq) -> Outcome:
         reply = ReplyText(job, self.state.tokenizer)
         finish = "length"
-        for kind, value in self.events(seq):
+        for kind, value in self.events(seq, whole=not job.stop):
             if kind == "error":
                 raise ApiError(503, f"generation failed: {value}")
             if kind == "done":

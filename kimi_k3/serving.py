@@ -89,7 +89,9 @@ class Sampling:
 class Sequence:
     """One request to the engine. Events arrive on ``out``: ``("token", id)`` for each
     generated token (stop tokens excluded), then one ``("done", reason)`` with reason
-    ``"stop"``, ``"length"`` or ``"cancelled"``, or ``("error", message)``.
+    ``"stop"``, ``"length"`` or ``"cancelled"``, or ``("error", message)``, after which
+    ``ended`` is set (a reader that needs only the whole reply waits on it instead of
+    waking at every token).
 
     ``processors``: mlx-lm logits processors of this sequence (``(tokens, logits) ->
     logits``), after the engine's shared ones."""
@@ -101,6 +103,7 @@ class Sequence:
     stop_ids: frozenset = frozenset()
     out: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
     cache: list | None = None  # its own caches while its prompt is prefilled
     key: int = -1  # the engine's number for it (what the other ranks know it by)
     fed: int = 0  # prompt tokens in the cache
@@ -110,6 +113,11 @@ class Sequence:
 
     def cancel(self):
         self.cancelled.set()
+
+    def end(self, kind: str, value: str):
+        """The last event: ``("done", reason)`` or ``("error", message)``."""
+        self.out.put((kind, value))
+        self.ended.set()
 
     @property
     def prefilled(self) -> bool:
@@ -558,14 +566,14 @@ class Engine:
             except Exception as e:  # a failed step ends its sequences; the engine lives on
                 log.exception("generation step failed")
                 for s in self.active:
-                    s.out.put(("error", f"{type(e).__name__}: {e}"))
+                    s.end("error", f"{type(e).__name__}: {e}")
                 self._leave(list(self.active))
 
     def _admit(self):
         while self.waiting and len(self.active) < self.max_batch:
             s = self.waiting.popleft()
             if s.cancelled.is_set():
-                s.out.put(("done", "cancelled"))
+                s.end("done", "cancelled")
                 continue
             s.key, self.keys = self.keys, self.keys + 1
             s.reused, snap = self.prefixes.longest(s.prompt)
@@ -579,7 +587,7 @@ class Engine:
         cancelled = [s for s in self.active if s.cancelled.is_set()]
         self._leave(cancelled)
         for s in cancelled:
-            s.out.put(("done", "cancelled"))
+            s.end("done", "cancelled")
         for group, n in self._prefill_plan():
             self._prefill(group, n)
         ready = [s for s in self.active if s.prefilled]
@@ -619,7 +627,7 @@ class Engine:
         ends = [(s, reason) for s, t in zip(rows, picks.tolist()) if (reason := self._emit(s, t))]
         self._leave([s for s, _ in ends])
         for s, reason in ends:
-            s.out.put(("done", reason))
+            s.end("done", reason)
 
     @staticmethod
     def _own_cache(s: Sequence) -> list:
