@@ -597,13 +597,16 @@ class Engine:
     def _prefill_plan(self) -> list[tuple[list[Sequence], int]]:
         """This step's prompt chunks, ``prefill_step_size`` tokens in all, the prompts with
         the fewest tokens left first: ``(sequences, n)``, the sequences that feed ``n``
-        tokens after as many tokens fed (one pass for them all)."""
+        tokens after as many tokens fed (one pass for them all). A prompt that the budget
+        would cut waits for the next step when another at the same point got its whole
+        chunk (so the two go in one pass there, not in two uneven ones)."""
         budget, groups = self.prefill_step_size, {}
         waiting = [s for s in self.active if not s.prefilled]
         for s in sorted(waiting, key=lambda s: len(s.prompt) - s.fed):
-            if budget <= 0:
-                break
-            n = min(budget, len(s.prompt) - 1 - s.fed)
+            left = len(s.prompt) - 1 - s.fed
+            if budget <= 0 or (budget < left and (s.fed, left) in groups):
+                continue
+            n = min(budget, left)
             groups.setdefault((s.fed, n), []).append(s)
             budget -= n
         return [(group, n) for (_, n), group in groups.items()]
