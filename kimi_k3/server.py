@@ -828,7 +828,7 @@ LIMIT_FLAGS = [
     ("--max-body-mb", float, 1.0, "largest request body, in MB"),
     ("--max-batch", int, 8, "sequences decoded together"),
     ("--max-waiting", int, 32, "requests queued beyond the batch (then 429)"),
-    ("--prefill-step-size", int, 512, "prompt tokens per prefill chunk"),
+    ("--prefill-step-size", int, 512, "prompt tokens prefilled per step, in all"),
     (
         "--prompt-cache-gb",
         float,

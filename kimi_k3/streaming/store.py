@@ -400,10 +400,10 @@ class Streamer:
     def _grouped(self, store, z, ids, uniq, weights, ahead) -> mx.array:
         """A chunk needing more experts than the layer has slots: groups of at most
         ``slots`` experts (``_groups``: the cached ones first), each evaluated before the
-        next overwrites slots. Each group runs on the kernel that one call of the whole chunk would take
-        (``dispatch.expert_glu_kernel`` on the chunk's pairs, else the reference), with
-        weights of one applied after (every kernel scales a pair's output by its weight in
-        one multiply), and the pairs are added up as that call adds them
+        next overwrites slots. Each group runs on the kernel that one call of the whole
+        chunk would take (``dispatch.expert_glu_kernel`` on the chunk's pairs, else the
+        reference), with weights of one applied after (every kernel scales a pair's output
+        by its weight in one multiply), and the pairs are added up as that call adds them
         (``dispatch.expert_sum_in_order``): the bits of one call, as with every expert in
         the cache."""
         from kimi_k3.kernels import dispatch
