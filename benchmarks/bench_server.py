@@ -9,7 +9,9 @@ experts streamed into a cache of a quarter of their bytes (``--cache-fraction``)
 Everything goes over HTTP:
 
 - throughput: N clients (1, 4, 8) each send one completion of ``--tokens`` tokens at once;
-  aggregate tokens/s is every reply's tokens over the wall time of the slowest;
+  aggregate tokens/s is every reply's tokens over the wall time of the slowest; ``--rounds``
+  interleaved rounds of 1, 4 and 8 clients, the median and range of each, and each N's
+  median against 1 client's;
 - time to first token: a one-token request's latency, alone and while a ``--long``-token
   prompt prefills; a follow-up chat turn's latency after the first turn (its prefix comes
   from the snapshot) and for a conversation of the same length that shares no prefix;
@@ -204,20 +206,30 @@ def load_test(server: Server, requests: int, limit_s: float) -> dict:
     return counts
 
 
-def throughput_table(server: Server, tokens: int) -> str:
+CLIENTS = (1, 4, 8)
+
+
+def throughput_table(server: Server, tokens: int, rounds: int) -> str:
     completion(server, "warm up", 2)
-    rows, base = [], None
-    for n in (1, 4, 8):
-        tps, made = throughput(server, n, tokens)
-        base = base or tps
-        rows.append([n, made, f"{tps:.1f}", f"{tps / base:.2f}x"])
-    return timing.markdown_table(["clients", "tokens", "aggregate tok/s", "vs 1 client"], rows)
+    runs = {n: [] for n in CLIENTS}
+    for _ in range(rounds):  # interleaved: a slow spell of the machine hits every N alike
+        for n in CLIENTS:
+            runs[n].append(throughput(server, n, tokens))
+    base = statistics.median(tps for tps, _ in runs[1])
+    rows = []
+    for n, results in runs.items():
+        tps = [t for t, _ in results]
+        mid = statistics.median(tps)
+        spread = f"{min(tps):.1f}-{max(tps):.1f}"
+        rows.append([n, results[0][1], f"{mid:.1f}", spread, f"{mid / base:.2f}x"])
+    header = ["clients", "tokens", "aggregate tok/s", "range", "vs 1 client"]
+    return timing.markdown_table(header, rows)
 
 
 def measure(path: Path, a) -> str:
     out = []
     with Server(path, a.cache_fraction, "--prefill-step-size", a.prefill_step) as server:
-        out.append("Experts streamed:\n\n" + throughput_table(server, a.tokens))
+        out.append("Experts streamed:\n\n" + throughput_table(server, a.tokens, a.rounds))
         alone, beside = ttft_beside_long_prefill(server, a.long, a.rounds)
         rows = [
             ["alone", f"{alone:.3f}"],
@@ -236,7 +248,7 @@ def measure(path: Path, a) -> str:
     rows = [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in counts.items()]
     out.append(timing.markdown_table([f"{a.requests} requests, 16 threads", "count"], rows))
     with Server(path, None) as server:
-        out.append("Experts resident:\n\n" + throughput_table(server, a.tokens))
+        out.append("Experts resident:\n\n" + throughput_table(server, a.tokens, a.rounds))
     return "\n".join(out)
 
 
@@ -245,7 +257,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny preset, small counts (tests)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per completion (throughput)")
     p.add_argument("--long", type=int, default=12000, help="tokens of the long prompt")
-    p.add_argument("--rounds", type=int, default=3, help="short requests timed per setting")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="throughput rounds, and short requests timed per setting",
+    )
     p.add_argument("--system-words", type=int, default=200, help="length of the chat's system note")
     p.add_argument("--requests", type=int, default=100, help="requests in the load test")
     p.add_argument("--limit-s", type=float, default=120.0, help="time limit of one request")

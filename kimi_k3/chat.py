@@ -22,8 +22,10 @@ element ``message`` followed by ``<|end_of_msg|>``. Choices where KIMI_K3.md is 
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -446,40 +448,309 @@ def parse_reply(reply: str | Sequence[int], tokenizer=None, thinking: bool = Tru
     )
 
 
+class FieldText:
+    """One text field of a streamed reply, held as pieces: appending costs the piece, not
+    the text. Readers that need to know whether text they have seen is still there
+    ``watch`` it under a name; ``rewritten(name)`` is the lowest index changed other than
+    by appending since that name last asked (None: only appends). ``cut`` truncates it
+    for good: later text is ignored."""
+
+    def __init__(self):
+        self.pieces: list[str] = []
+        self.length = 0
+        self.frozen = False
+        self.marks: dict[str, int | None] = {}
+        self._joined: str | None = ""
+
+    def __str__(self) -> str:
+        if self._joined is None:
+            self._joined = "".join(self.pieces)
+            self.pieces = [self._joined] if self._joined else []
+        return self._joined
+
+    def watch(self, name: str):
+        self.marks[name] = None
+
+    def rewritten(self, name: str) -> int | None:
+        low, self.marks[name] = self.marks[name], None
+        return low
+
+    def _rewrite(self, at: int):
+        for name, low in self.marks.items():
+            self.marks[name] = at if low is None else min(low, at)
+
+    def edit(self, drop: int, add: str):
+        """Drop the last ``drop`` characters, then append ``add``."""
+        if self.frozen or not (drop or add):
+            return
+        if drop:
+            self._rewrite(self.length - drop)
+            self.length -= drop
+            while drop:
+                last = self.pieces.pop()
+                if len(last) > drop:
+                    self.pieces.append(last[:-drop])
+                drop = max(drop - len(last), 0)
+        if add:
+            self.pieces.append(add)
+            self.length += len(add)
+        self._joined = None
+
+    def set(self, text: str):
+        """Replace the whole text (a rewrite from index 0)."""
+        if not self.frozen:
+            self.edit(self.length, text)
+
+    def cut(self, at: int):
+        """Keep the first ``at`` characters only, from now on."""
+        self.edit(self.length - at, "")
+        self.frozen = True
+
+    def since(self, start: int) -> str:
+        """The text from index ``start`` on, in work proportional to its length."""
+        parts, need = [], self.length - start
+        for piece in reversed(self.pieces):
+            if need <= 0:
+                break
+            parts.append(piece)
+            need -= len(piece)
+        text = "".join(reversed(parts))
+        return text[len(text) - (self.length - start) :]
+
+
+class _ByteRun:
+    """A text run's decoding from its tokens' bytes, one token at a time: the text is what
+    ``decode`` gives for the run so far (an unfinished UTF-8 character at its end reads
+    as one U+FFFD until its last byte arrives, as ``decode`` renders it)."""
+
+    def __init__(self, token_bytes: list[bytes]):
+        self.token_bytes = token_bytes
+        self.reset()
+
+    def reset(self):
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.partial = False
+
+    def push(self, token: int) -> tuple[int, str]:
+        """``(drop, add)``: characters to drop from the run's end, then text to append."""
+        data = self.token_bytes[token] if token < len(self.token_bytes) else b""
+        add = self.decoder.decode(data)
+        drop = 1 if self.partial else 0
+        self.partial = bool(self.decoder.getstate()[0])
+        return drop, add + ("\ufffd" if self.partial else "")
+
+
+class _WholeRun:
+    """A text run decoded again in full at each token: for tokenizers without a byte
+    table (``_ByteRun`` needs one)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.reset()
+
+    def reset(self):
+        self.ids: list[int] = []
+        self.length = 0
+
+    def push(self, token: int) -> tuple[int, str]:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        drop, self.length = self.length, len(text)
+        return drop, text
+
+
+def _run_decoder(tokenizer):
+    table = getattr(getattr(tokenizer, "detokenizer", None), "token_bytes", None)
+    return _ByteRun(table) if table is not None else _WholeRun(tokenizer)
+
+
+SECTIONS = {"think": "reasoning", "response": "content"}
+
+
 class ReplyStream:
-    """A reply parsed from its token ids as they arrive.
+    """A reply parsed from its token ids as they arrive, in work per token that does not
+    grow with the reply.
 
     ``reasoning``, ``content`` and ``tool_calls`` so far: with ``chat`` the think and
     response sections of ``parse_reply`` (markers only where the ids are markers), else
     the decoded text. Special ids other than the markers (``[BOS]``, reserved ids) are
-    not text and are dropped.
+    not text and are dropped. ``add`` runs ``parse_segments``' rules one segment at a time:
+    a text run is decoded token by token (``_ByteRun``) and goes to the innermost open
+    element, a marker waits for the tag head and ``<|sep|>`` it needs; the fields
+    (``field(name)``) grow at their end, and only text for a section nested in an earlier
+    one of its kind (which the chat format never writes) makes a field be joined again.
     """
 
     def __init__(self, tokenizer, thinking: bool = True, chat: bool = True):
         self.tokenizer, self.thinking, self.chat = tokenizer, thinking, chat
         specials = set(getattr(tokenizer, "added_tokens_decoder", {}))
-        self.hidden = specials - set(marker_ids(tokenizer).values()) if chat else specials
+        self.markers = {i: m for m, i in marker_ids(tokenizer).items()} if chat else {}
+        self.hidden = specials - set(self.markers)
         self.ids: list[int] = []
-        self.reasoning, self.content, self.tool_calls = "", "", []
-        self.finished = False
+        self.fields = {"reasoning": FieldText(), "content": FieldText()}
+        self.run = _run_decoder(tokenizer)
+        self._start()
+
+    def _start(self):
+        for f in self.fields.values():
+            f.frozen = False
+            f.set("")
+        self.tool_calls: list[dict] = []
+        self.run.reset()
+        self._run: list[str] = []  # the text run being read
+        self._run_tokens = 0
+        self._done = False  # <|end_of_msg|> seen
+        self._msg_open = False
+        self._pending = None  # an <|open|> or <|close|> waiting for its head and <|sep|>
+        self._head: str | None = None  # that head, once a text run followed the marker
+        self._root = Element("")
+        self._stack = [self._root]
+        self._on_stack: Counter = Counter()  # tags of the open elements
+        # Elements inside the message, by id (``Element`` compares by value), in order.
+        self._sections = {tag: [] for tag in SECTIONS}
+        self._in_section: set[int] = set()
+        self._calls: dict[int, int] = {}  # id(call) -> its position
+        self._parsed: dict[int, dict] = {}  # position -> the call, once closed and valid
+        self._msg = self._open("message", {})
+        self._msg_open = True
+        self._open("think" if self.thinking else "response", {})
+
+    @property
+    def reasoning(self) -> str:
+        return str(self.fields["reasoning"])
+
+    @property
+    def content(self) -> str:
+        return str(self.fields["content"])
+
+    @property
+    def finished(self) -> bool:
+        return self._msg.closed or self._root.closed
+
+    def field(self, name: str) -> FieldText:
+        """``"reasoning"`` or ``"content"``."""
+        return self.fields[name]
 
     def add(self, token: int):
         self.ids.append(token)
         if token not in self.hidden:
-            self.update()
+            self._feed(token)
+        self.changed()
 
     def update(self):
-        """Parse ``ids`` again (``add`` does it; after appending to ``ids`` directly, call
-        this once)."""
-        ids = [i for i in self.ids if i not in self.hidden]
-        if self.chat:
-            r = parse_reply(ids, self.tokenizer, self.thinking)
-            self.reasoning, self.content, self.tool_calls = r.thinking, r.response, r.tool_calls
-            self.finished = r.finished
+        """Parse ``ids`` again from the start (``add`` keeps the parse current; after
+        appending to ``ids`` directly, call this once)."""
+        self._start()
+        for token in self.ids:
+            if token not in self.hidden:
+                self._feed(token)
+        self.changed()
+
+    def changed(self):
+        """Called after every ``add`` and ``update``; subclasses act on the new text."""
+
+    def _feed(self, token: int):
+        if not self.chat:
+            self.fields["content"].edit(*self.run.push(token))
+        elif self._done:
+            return
+        elif token in self.markers:
+            self._marker(self.markers[token])
         else:
-            self.content = self.tokenizer.decode(ids)
+            self._text(*self.run.push(token))
+
+    # The parse (parse_segments, one segment at a time).
+
+    def _text(self, drop: int, add: str):
+        self._run_tokens += 1
+        _edit_pieces(self._run, drop, add)
+        if self._pending is not None:
+            return  # a tag head: never text
+        top = self._stack[-1]
+        name = SECTIONS.get(top.tag)
+        if name is None or id(top) not in self._in_section:
+            return
+        if top is self._sections[top.tag][-1]:
+            self.fields[name].edit(drop, add)
+        else:  # text inside an earlier section than the last of its kind
+            live = "".join(self._run)
+            texts = (e.text() + (live if e is top else "") for e in self._sections[top.tag])
+            self.fields[name].set("".join(texts))
+
+    def _end_run(self) -> str | None:
+        """The finished run's text (None if there was none); the run starts over."""
+        if not self._run_tokens:
+            return None
+        text = "".join(self._run)
+        self._run, self._run_tokens = [], 0
+        self.run.reset()
+        return text
+
+    def _marker(self, marker: str):
+        text = self._end_run()
+        if self._pending is None and text is not None:
+            self._stack[-1].children.append(text)
+        if self._pending is not None:
+            head, kind = text, self._pending
+            self._pending = None
+            if head is not None and marker == SEP:
+                self._tag(kind, head)
+                return
+        if marker == END:
+            self._root.closed = self._done = True
+        elif marker != SEP:
+            self._pending = marker
+
+    def _tag(self, kind: str, head: str):
+        tag, attrs = _parse_head(head)
+        if kind == OPEN:
+            self._open(tag, attrs)
+        elif self._on_stack[tag]:
+            while (e := self._stack.pop()).tag != tag:
+                self._popped(e)
+            self._popped(e)
+            e.closed = True
+            if id(e) in self._calls:
+                self._call_closed(e)
+
+    def _open(self, tag: str, attrs: dict) -> Element:
+        e = Element(tag, attrs)
+        self._stack[-1].children.append(e)
+        self._stack.append(e)
+        self._on_stack[tag] += 1
+        if self._msg_open and tag in SECTIONS:  # created inside the message: part of it
+            self._sections[tag].append(e)
+            self._in_section.add(id(e))
+        elif self._msg_open and tag == "call":
+            self._calls[id(e)] = len(self._calls)
+        return e
+
+    def _popped(self, e: Element):
+        self._on_stack[e.tag] -= 1
+        if e is self._msg:
+            self._msg_open = False
+
+    def _call_closed(self, e: Element):
+        try:
+            parsed = _call(e)
+        except (json.JSONDecodeError, KeyError):
+            return
+        if parsed is None or not isinstance(parsed["arguments"], dict):
+            return
+        self._parsed[self._calls[id(e)]] = parsed
+        self.tool_calls = [self._parsed[i] for i in sorted(self._parsed)]
 
     @staticmethod
     def stable(text: str) -> str:
         """``text`` without a trailing unfinished UTF-8 character (it may still change)."""
         return text.rstrip("\ufffd")
+
+
+def _edit_pieces(pieces: list[str], drop: int, add: str):
+    while drop:
+        last = pieces.pop()
+        if len(last) > drop:
+            pieces.append(last[:-drop])
+        drop = max(drop - len(last), 0)
+    if add:
+        pieces.append(add)

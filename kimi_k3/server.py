@@ -65,6 +65,7 @@ DEMO_MODEL_ID = "kimi-k3-demo"
 ROLES = ("system", "user", "assistant", "tool")
 LOG_PREFIX = 200  # characters of a request line or body quoted in a log line
 MAX_STOP = 4
+MAX_SEED = 2**63 - 1  # OpenAI's seed is a 64-bit integer; MLX keys take it unsigned
 
 
 class ApiError(Exception):
@@ -210,6 +211,7 @@ def common_fields(body: dict, limits: Limits) -> dict:
             min_p=number_field(body, "min_p", limits.min_p, 0, 1),
             presence_penalty=number_field(body, "presence_penalty", 0.0, -2, 2),
             frequency_penalty=number_field(body, "frequency_penalty", 0.0, -2, 2),
+            seed=number_field(body, "seed", None, 0, MAX_SEED, integer=True),
         ),
         logit_bias=logit_bias_field(body, limits.vocab),
         stop=stop_field(body),
@@ -339,19 +341,41 @@ def tool_call_json(calls: list[dict]) -> list[dict]:
 
 
 class ReplyText(ReplyStream):
-    """``ReplyStream`` with the request's stop strings cutting ``content``; ``stable`` also
-    holds back text that may be the start of a stop string."""
+    """``ReplyStream`` with the request's stop strings cutting ``content`` (at the first
+    place one occurs, for good); ``stable`` also holds back text that may be the start of
+    a stop string. Each token's text is searched where a new occurrence can be: from the
+    longest stop string's length before the new text."""
 
     def __init__(self, job: Job, tokenizer):
-        super().__init__(tokenizer, job.thinking, job.chat)
         self.stop = job.stop
+        self.longest = max(map(len, self.stop), default=0)
         self.stopped = False
+        self.checked = 0  # content before this index holds no stop string
+        super().__init__(tokenizer, job.thinking, job.chat)
+        self.field("content").watch("stop")
+
+    def changed(self):
+        content = self.field("content")
+        low = content.rewritten("stop")
+        if self.stopped or not self.stop:
+            return
+        if low is not None:
+            self.checked = min(self.checked, low)
+        start = max(0, self.checked - self.longest + 1)
+        text = content.since(start)
+        cut = None
+        for s in self.stop:  # each in what the ones before it left
+            if (at := text[:cut].find(s)) >= 0:
+                cut = at
+        if cut is None:
+            self.checked = content.length
+        else:
+            content.cut(start + cut)
+            self.stopped = True
 
     def update(self):
+        self.stopped, self.checked = False, 0
         super().update()
-        for s in self.stop:
-            if (at := self.content.find(s)) >= 0:
-                self.content, self.stopped = self.content[:at], True
 
     def stable(self, text: str) -> str:
         if self.stopped:
@@ -420,7 +444,6 @@ class ServerState:
     max_body: int
     allowed_hosts: set[str] | None
     allowed_origins: set[str]
-    never_sample: object = None  # the logits processor that keeps reserved ids out of replies
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -606,19 +629,25 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             seq.cancel()  # a no-op once finished; stops the work of a vanished client
 
-    def events(self, seq):
-        """The sequence's events; cancels it when the client goes away."""
+    def events(self, seq, whole: bool = False):
+        """The sequence's events; cancels it when the client goes away. ``whole``: wait
+        for the end, then give them all (no wake-up per token)."""
+        while whole and not seq.ended.wait(0.2):
+            self._check_client(seq)
         while True:
             try:
                 kind, value = seq.out.get(timeout=0.2)
             except queue.Empty:
-                if self.client_gone():
-                    seq.cancel()
-                    raise ConnectionResetError("client disconnected") from None
+                self._check_client(seq)
                 continue
             yield kind, value
             if kind != "token":
                 return
+
+    def _check_client(self, seq):
+        if self.client_gone():
+            seq.cancel()
+            raise ConnectionResetError("client disconnected") from None
 
     def client_gone(self) -> bool:
         conn = self.connection
@@ -631,7 +660,7 @@ class Handler(BaseHTTPRequestHandler):
     def collect(self, job: Job, seq) -> Outcome:
         reply = ReplyText(job, self.state.tokenizer)
         finish = "length"
-        for kind, value in self.events(seq):
+        for kind, value in self.events(seq, whole=not job.stop):
             if kind == "error":
                 raise ApiError(503, f"generation failed: {value}")
             if kind == "done":
@@ -688,7 +717,7 @@ class StreamChunks:
         self.job, self.model_id = job, model_id
         self.id = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.sent = {"reasoning_content": "", "content": ""}
+        self.sent = {"reasoning_content": Sent(), "content": Sent()}
 
     def _chunk(self, choice: dict | None, **extra) -> dict:
         return {
@@ -708,11 +737,9 @@ class StreamChunks:
 
     def deltas(self, reply: ReplyText, final: bool = False) -> list[dict]:
         out = []
-        for key, value in (("reasoning_content", reply.reasoning), ("content", reply.content)):
-            value = value if final else reply.stable(value)
-            sent = self.sent[key]
-            if len(value) > len(sent) and value.startswith(sent):
-                piece, self.sent[key] = value[len(sent) :], value
+        for key, name in (("reasoning_content", "reasoning"), ("content", "content")):
+            piece = self.sent[key].next(reply, name, final)
+            if piece:
                 out.append(self.chat({key: piece}) if self.job.chat else self.text(piece))
         return out
 
@@ -729,21 +756,59 @@ class StreamChunks:
         return out
 
 
-def make_sequence(job: Job, state: ServerState):
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+class Sent:
+    """What a stream has sent of one reply field. A delta is the field's stable text
+    (``ReplyText.stable``; all of it at the end) past what was sent, when that extends
+    what was sent. While the field only grows, that needs only its text since the sent
+    part (less the longest stop string, which ``stable`` looks back over); after a
+    rewrite below the sent part, the whole text is compared."""
 
-    from kimi_k3.serving import Sequence
+    def __init__(self):
+        self.pieces: list[str] = []
+        self.length = 0
+        self.suspect = False  # the field was rewritten before the sent part's end
+        self.watching = None
+
+    def next(self, reply: ReplyText, name: str, final: bool) -> str:
+        field = reply.field(name)
+        if self.watching is not field:
+            field.watch("stream")
+            self.watching = field
+        low = field.rewritten("stream")
+        self.suspect = self.suspect or (low is not None and low < self.length)
+        start = 0 if self.suspect else max(0, self.length - max(reply.longest - 1, 0))
+        text = field.since(start)
+        value = text if final else reply.stable(text)
+        if len(value) <= self.length - start:
+            return ""
+        if self.suspect:
+            if not value.startswith("".join(self.pieces)):
+                return ""
+            self.suspect = False
+        piece = value[self.length - start :]
+        self.pieces.append(piece)
+        self.length += len(piece)
+        return piece
+
+
+def make_sequence(job: Job, state: ServerState):
+    """The engine's sequence for ``job`` (the engine keeps reserved ids out of every reply:
+    ``serve_model``)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from kimi_k3.serving import Sampling, Sequence
 
     s = job.sampling
     processors = make_logits_processors(
         logit_bias=job.logit_bias or None,
         presence_penalty=s["presence_penalty"] or None,
         frequency_penalty=s["frequency_penalty"] or None,
-    ) + [state.never_sample]
+    )
+    sampling = Sampling(s["temp"], s["top_p"], s["min_p"], s["top_k"], s["seed"])
     return Sequence(
         prompt=job.prompt,
         max_tokens=job.max_tokens,
-        sampler=make_sampler(s["temp"], top_p=s["top_p"], min_p=s["min_p"], top_k=s["top_k"]),
+        sampling=sampling,
         processors=processors,
         stop_ids=frozenset(state.tokenizer.eos_token_ids),
     )
@@ -764,7 +829,7 @@ LIMIT_FLAGS = [
     ("--max-body-mb", float, 1.0, "largest request body, in MB"),
     ("--max-batch", int, 8, "sequences decoded together"),
     ("--max-waiting", int, 32, "requests queued beyond the batch (then 429)"),
-    ("--prefill-step-size", int, 512, "prompt tokens per prefill chunk"),
+    ("--prefill-step-size", int, 512, "prompt tokens prefilled per step, in all"),
     (
         "--prompt-cache-gb",
         float,
@@ -889,6 +954,7 @@ def serve_model(args, httpd, plan=None) -> ServerState:
         reuse_bytes=int(args.prompt_cache_gb * 1e9),
         start=False,
         group=plan.group if plan else None,
+        processors=[never_sample(tokenizer)],
     )
     limits = Limits(
         context=context_limit(model, args.max_context)[0],
@@ -910,7 +976,6 @@ def serve_model(args, httpd, plan=None) -> ServerState:
         max_body=int(args.max_body_mb * 1e6),
         allowed_hosts=allowed_hosts(httpd.server_address[0], args.allowed_hosts),
         allowed_origins=set(args.allowed_origins),
-        never_sample=never_sample(tokenizer),
     )
 
 

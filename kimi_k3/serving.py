@@ -1,22 +1,33 @@
 """The serving engine: many sequences decoded together, long prompts prefilled in chunks
 between decode steps, conversation prefixes reused from snapshots of the caches.
 
-One thread owns the model. Each step it prefills one chunk of the waiting prompt with the
-fewest tokens left (so a short request is not held behind a long one), then decodes one
-token for every sequence whose prompt is in its cache, all in one batched forward pass
-(with streamed experts, the union of the batch's experts is read once). Sequences join
-the batch at step boundaries and leave it when they finish or are cancelled.
+One thread owns the model. Each step it prefills waiting prompts, up to
+``prefill_step_size`` tokens in all, the prompt with the fewest tokens left first (so a
+short request is not held behind a long one, and a burst of short prompts is prefilled in
+one step; chunks of one length after as many tokens go through in one pass), then decodes
+one token for every sequence whose prompt is in its cache, all in one batched forward pass
+(with streamed experts, the union of the batch's experts is read once). Sequences join the
+batch at step boundaries and leave it when they finish or are cancelled.
 
-Each sequence keeps its own per-layer caches (B = 1). A batched step stacks them: the KDA
-conv windows and states side by side, the MLA latents left-padded to the longest with a
-mask over the padding (``PaddedLatents``); afterwards each sequence takes its row back.
-Batching is exact up to floating-point summation order: a greedy sequence decodes the same
-tokens alone or in a batch.
+A prompt is prefilled into caches of its own (B = 1). Once it is in, the sequence joins the
+``Batch``, whose caches hold every decoding sequence as a row and persist from step to step:
+the KDA conv windows and states stacked, the MLA latents right-aligned at a common end
+(shorter rows left-padded, with a mask over the padding). A step appends one token to every
+row in place; nothing is copied per step but what the model writes. Joining copies the
+sequence's caches in, leaving copies the other rows out. Batching is exact up to
+floating-point summation order: a greedy sequence decodes the same tokens alone or in a
+batch.
+
+Sampling: the engine's shared logits processors run on the whole batch's logits; the greedy
+rows without processors of their own take one argmax; a sampling row draws with its own
+random key when it has a ``seed`` (``Sampling``), so a seeded sequence gives the same
+tokens whatever else is in the batch.
 
 Across ranks (``kimi_k3.distributed``'s splits) every rank must run every forward pass. Rank
 0's engine sends each pass to the others before it runs it (``Peers``: the kind, the
-sequences and their input tokens, by all-sum), and the other ranks repeat it on caches of
-their own (``follow``); only rank 0 samples. Prefix reuse is off there.
+sequences and their input tokens, by all-sum), and the other ranks repeat it on a batch of
+their own (``follow``), which takes the same rows in the same order; only rank 0 samples.
+Prefix reuse is off there.
 """
 
 from __future__ import annotations
@@ -38,27 +49,75 @@ class QueueFull(Exception):
     """The engine's waiting queue is full; try again later."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class Sampling:
+    """How a sequence picks its tokens: the likeliest at ``temp`` 0; else a draw at ``temp``
+    from the distribution cut by ``top_p``, ``min_p`` and ``top_k`` (mlx-lm's filters, in
+    ``make_sampler``'s order). With ``seed`` the draws come from a key of the sequence's
+    own (``mx.random.key(seed)``, split at every token); without, from MLX's generator."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def key(self) -> mx.array | None:
+        """The sequence's first random key (None: MLX's generator)."""
+        return None if self.greedy or self.seed is None else mx.random.key(self.seed)
+
+    def pick(self, logprobs: mx.array, key: mx.array | None) -> mx.array:
+        """Shapes: logprobs [1, V] -> [1] int."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        if self.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        if 0 < self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return mx.random.categorical(logprobs * (1.0 / self.temp), key=key)
+
+
+@dataclass(eq=False)
 class Sequence:
     """One request to the engine. Events arrive on ``out``: ``("token", id)`` for each
     generated token (stop tokens excluded), then one ``("done", reason)`` with reason
-    ``"stop"``, ``"length"`` or ``"cancelled"``, or ``("error", message)``."""
+    ``"stop"``, ``"length"`` or ``"cancelled"``, or ``("error", message)``, after which
+    ``ended`` is set (a reader that needs only the whole reply waits on it instead of
+    waking at every token).
+
+    ``processors``: mlx-lm logits processors of this sequence (``(tokens, logits) ->
+    logits``), after the engine's shared ones."""
 
     prompt: list[int]
     max_tokens: int
-    sampler: Callable
+    sampling: Sampling = Sampling()
     processors: list = field(default_factory=list)
     stop_ids: frozenset = frozenset()
     out: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    cache: list | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
+    cache: list | None = None  # its own caches while its prompt is prefilled
     key: int = -1  # the engine's number for it (what the other ranks know it by)
     fed: int = 0  # prompt tokens in the cache
     tokens: list[int] = field(default_factory=list)
     reused: int = 0  # prompt tokens restored from a snapshot
+    rng: mx.array | None = None  # the next random key (seeded sampling)
 
     def cancel(self):
         self.cancelled.set()
+
+    def end(self, kind: str, value: str):
+        """The last event: ``("done", reason)`` or ``("error", message)``."""
+        self.out.put((kind, value))
+        self.ended.set()
 
     @property
     def prefilled(self) -> bool:
@@ -69,7 +128,7 @@ def fresh_cache(model) -> list:
     """Per-layer caches of one sequence with zero KDA state (the state of an empty prefix)."""
     args = model.args
     P, K = args.kda_heads * args.kda_head_dim, args.kda_head_dim
-    dtype = model.layers[0].input_layernorm.weight.dtype  # the activations' dtype
+    dtype = activation_dtype(model)
     caches = model.make_cache()
     for c in caches:
         if isinstance(c, ArraysCache):
@@ -78,83 +137,201 @@ def fresh_cache(model) -> list:
     return caches
 
 
-class PaddedLatents:
-    """The MLA caches of a batch for one decode step: latents left-padded to the longest
-    sequence, with ``mask`` [B, 1, 1, L+1] true on real positions (the layer reads it)."""
+def activation_dtype(model):
+    return model.layers[0].input_layernorm.weight.dtype
 
-    def __init__(self, caches: list[KVCache]):
-        self.offset = max(c.offset for c in caches)
-        self.new = None
+
+# The batch.
+
+
+class BatchLatents:
+    """One MLA layer's cache for a batch: ``keys`` [B, 1, cap, rank] (latents) and
+    ``values`` [B, 1, cap, pe] (shared key parts), every row's tokens ending at column
+    ``end``, shorter rows left-padded with zeros. ``GatedMLA`` reads ``mask`` [B, 1, 1, n]
+    (true on real positions of the ``n`` columns ``update_and_fetch`` returns); ``Batch``
+    sets it and ``span`` (the longest row after the step) before each step."""
+
+    STEP = 256  # columns added at a time
+
+    def __init__(self, rank: int, pe: int, dtype):
+        self.dims, self.dtype = (rank, pe), dtype
         self.keys = self.values = self.mask = None
-        if self.offset == 0:
-            return
-        ref = next(c for c in caches if c.offset > 0)
-        self.keys = mx.concatenate([self._padded(c, c.keys, ref.keys) for c in caches])
-        self.values = mx.concatenate([self._padded(c, c.values, ref.values) for c in caches])
-        starts = mx.array([self.offset - c.offset for c in caches])
-        self.mask = (mx.arange(self.offset + 1)[None] >= starts[:, None])[:, None, None, :]
+        self.end = self.span = 0
 
-    def _padded(self, c: KVCache, a: mx.array | None, ref: mx.array) -> mx.array:
-        pad = mx.zeros((1, ref.shape[1], self.offset - c.offset, ref.shape[3]), ref.dtype)
-        if c.offset == 0:
-            return pad
-        return mx.concatenate([pad, a[..., : c.offset, :]], axis=2)
+    @property
+    def offset(self) -> int:
+        return self.end
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.new = (keys, values)
-        if self.keys is None:
-            return keys, values
-        return (
-            mx.concatenate([self.keys, keys.astype(self.keys.dtype)], axis=2),
-            mx.concatenate([self.values, values.astype(self.values.dtype)], axis=2),
+        """Write one token per row at column ``end``; the last ``span`` columns."""
+        if self.end >= self.keys.shape[2]:
+            self.keys, self.values = (self._room(a, self.end) for a in self.arrays)
+        self.keys[..., self.end : self.end + 1, :] = keys.astype(self.dtype)
+        self.values[..., self.end : self.end + 1, :] = values.astype(self.dtype)
+        self.end += 1
+        lo = self.end - self.span
+        return self.keys[..., lo : self.end, :], self.values[..., lo : self.end, :]
+
+    def _room(self, a: mx.array, used: int) -> mx.array:
+        """``a``'s first ``used`` columns with room after them (zeros), up to a multiple of
+        ``STEP`` above ``used``."""
+        cap = (used // self.STEP + 1) * self.STEP
+        zeros = mx.zeros((*a.shape[:2], cap - used, a.shape[3]), self.dtype)
+        return mx.concatenate([a[..., :used, :], zeros], axis=2)
+
+    def _padded(self, a: mx.array | None, rows: int, dim: int, n: int, end: int) -> mx.array:
+        """``rows`` rows whose ``n`` columns ``a`` (None: 0) end at ``end``."""
+        pad = mx.zeros((rows, 1, end - n, dim), self.dtype)
+        return pad if n == 0 else mx.concatenate([pad, a[..., :n, :].astype(self.dtype)], axis=2)
+
+    def add(self, caches: list[KVCache]):
+        """Rows for the sequences' own caches (B = 1), after the rows held."""
+        ns = [c.offset for c in caches]
+        end = max([self.end, *ns])
+        parts = [[], []]
+        for j, dim in enumerate(self.dims):
+            if self.keys is not None:
+                held = self.arrays[j][..., : self.end, :]
+                parts[j].append(self._padded(held, held.shape[0], dim, self.end, end))
+            for c, n in zip(caches, ns):
+                own = (c.keys, c.values)[j] if n else None
+                parts[j].append(self._padded(own, 1, dim, n, end))
+        self.keys, self.values = (self._room(mx.concatenate(p), end) for p in parts)
+        self.end = end
+
+    def take(self, rows: list[int], span: int):
+        """Keep ``rows``, whose longest holds ``span`` tokens (columns before it go)."""
+        if not rows:
+            self.keys = self.values = None
+            self.end = 0
+            return
+        idx = mx.array(rows)
+        lo = self.end - span
+        self.keys, self.values = (
+            self._room(a[idx][..., lo : self.end, :], span) for a in self.arrays
         )
+        self.end = span
+
+    def row(self, i: int, n: int) -> tuple[mx.array | None, mx.array | None]:
+        """Row ``i``'s ``n`` tokens, copied: [1, 1, n, rank], [1, 1, n, pe]."""
+        if n == 0:
+            return None, None
+        idx = mx.array([i])
+        return tuple(mx.take(a[..., self.end - n : self.end, :], idx, axis=0) for a in self.arrays)
 
 
-def batch_caches(caches: list[list]) -> list:
-    """One batched cache per layer from the per-sequence caches ``caches[seq][layer]``."""
-    out = []
-    for layer in zip(*caches):
-        if isinstance(layer[0], ArraysCache):
-            b = ArraysCache(2)
-            b[0] = mx.concatenate([c[0] for c in layer])
-            b[1] = mx.concatenate([c[1] for c in layer])
-        else:
-            b = PaddedLatents(layer)
-        out.append(b)
-    return out
+class Batch:
+    """The caches of the sequences being decoded, one row each, kept from step to step.
 
+    ``members[i]`` owns row i (a ``Sequence`` on rank 0, its key on the other ranks) and
+    ``lengths[i]`` is the tokens in it. Per layer: an ``ArraysCache`` of KDA conv windows
+    [B, W-1, 3P] and states [B, H, K, K], or a ``BatchLatents``.
+    """
 
-def unbatch_caches(batched: list, caches: list[list]):
-    """Give each sequence its row of the batched caches after a step."""
-    for layer, b in enumerate(batched):
-        for i, seq in enumerate(caches):
-            if isinstance(b, ArraysCache):
-                seq[layer][0], seq[layer][1] = b[0][i : i + 1], b[1][i : i + 1]
+    def __init__(self, model):
+        self.model = model
+        args = model.args
+        self.dims = (args.kv_lora_rank, args.qk_rope_head_dim)
+        self.members: list = []
+        self.lengths: list[int] = []
+        self.caches = self._empty()
+
+    def _empty(self) -> list:
+        dtype = activation_dtype(self.model)
+        return [
+            ArraysCache(2) if isinstance(c, ArraysCache) else BatchLatents(*self.dims, dtype)
+            for c in self.model.make_cache()
+        ]
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Every array the caches hold (to evaluate after a step)."""
+        out = []
+        for c in self.caches:
+            out += [c[0], c[1]] if isinstance(c, ArraysCache) else c.arrays
+        return [a for a in out if a is not None]
+
+    def arrange(self, members: list, own_cache: Callable):
+        """Rows for exactly ``members``: the rows of those held stay in their order, the
+        rows of those not held are added after them, in ``members``' order, from
+        ``own_cache(member)`` (its B = 1 caches, which it no longer needs)."""
+        wanted = set(members)
+        self.leave([m for m in self.members if m not in wanted])
+        held = set(self.members)
+        new = [m for m in members if m not in held]
+        if new:
+            self._add(new, [own_cache(m) for m in new])
+
+    def _add(self, members: list, caches: list[list]):
+        for layer, c in enumerate(self.caches):
+            own = [cache[layer] for cache in caches]
+            if isinstance(c, BatchLatents):
+                c.add(own)
+                continue
+            for j in (0, 1):
+                arrays = ([c[j]] if self.members else []) + [o[j] for o in own]
+                c[j] = mx.concatenate(arrays)
+        self.members += members
+        self.lengths += [_tokens_held(cache) for cache in caches]
+
+    def leave(self, members: list):
+        """Drop the rows of ``members`` (ones not held are ignored)."""
+        gone = set(members)
+        keep = [i for i, m in enumerate(self.members) if m not in gone]
+        if len(keep) == len(self.members):
+            return
+        self.members = [self.members[i] for i in keep]
+        self.lengths = [self.lengths[i] for i in keep]
+        if not keep:
+            self.caches = self._empty()
+            return
+        idx = mx.array(keep)
+        for c in self.caches:
+            if isinstance(c, BatchLatents):
+                c.take(keep, max(self.lengths))
             else:
-                k, v = b.new
-                seq[layer].update_and_fetch(k[i : i + 1], v[i : i + 1])
+                c[0], c[1] = c[0][idx], c[1][idx]
+
+    def step(self, tokens: list[int]) -> mx.array:
+        """One decode pass: ``tokens[i]`` after row i. Returns logits [B, V] (unevaluated)."""
+        lengths = [n + 1 for n in self.lengths]
+        span = max(lengths)
+        starts = mx.array([span - n for n in lengths])
+        mask = (mx.arange(span)[None] >= starts[:, None])[:, None, None, :]
+        for c in self.caches:
+            if isinstance(c, BatchLatents):
+                c.mask, c.span = mask, span
+        logits = self.model(mx.array(tokens)[:, None], cache=self.caches)[:, -1]
+        self.lengths = lengths
+        return logits
+
+    def snapshot(self, member) -> list:
+        """``member``'s row as a snapshot (``restore`` reads it), copied out of the batch."""
+        i = self.members.index(member)
+        idx = mx.array([i])
+        out = []
+        for c in self.caches:
+            if isinstance(c, BatchLatents):
+                out.append(("mla", *c.row(i, self.lengths[i])))
+            else:
+                out.append(("kda", mx.take(c[0], idx, axis=0), mx.take(c[1], idx, axis=0)))
+        return out
+
+
+def _tokens_held(cache: list) -> int:
+    """Tokens in a sequence's own caches (its MLA latents; 0 where this rank has none)."""
+    return next((c.offset for c in cache if isinstance(c, KVCache)), 0)
 
 
 # Snapshots and prefix reuse.
 
 
-def snapshot(caches: list) -> list:
-    """The caches' contents as arrays (MLX arrays are immutable: nothing is copied)."""
-    out = []
-    for c in caches:
-        if isinstance(c, ArraysCache):
-            out.append(("kda", c[0], c[1]))
-        else:
-            k, v = (
-                (None, None)
-                if c.offset == 0
-                else (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
-            )
-            out.append(("mla", k, v))
-    return out
-
-
 def restore(model, snap: list) -> list:
+    """A sequence's own caches holding what the snapshot ``snap`` holds."""
     caches = model.make_cache()
     for c, (kind, a, b) in zip(caches, snap):
         if kind == "kda":
@@ -233,27 +410,52 @@ class Peers:
         return kind, body[:nk], body[nk:]
 
 
-def forward(model, caches: list[list], tokens: list[int]):
-    """One decode pass: token ``tokens[i]`` after ``caches[i]``; the last position's logits,
-    with the caches evaluated."""
-    inputs = mx.array(tokens)[:, None]
+def prefill(model, caches: list[list], chunks: list[list[int]]):
+    """Feed ``chunks[i]`` to the sequence whose own caches (B = 1) are ``caches[i]``, all
+    in one pass: the chunks are of one length and the caches hold as many tokens each.
+    Shapes: chunks [B][T]."""
     if len(caches) == 1:
-        logits = model(inputs, cache=caches[0])[:, -1]
-    else:
-        batched = batch_caches(caches)
-        logits = model(inputs, cache=batched)[:, -1]
-        unbatch_caches(batched, caches)
-    return logits
+        model(mx.array(chunks), cache=caches[0])
+        mx.eval([c.state for c in caches[0]])
+        return
+    stacked = [_stacked(layer) for layer in zip(*caches)]
+    model(mx.array(chunks), cache=stacked)
+    for i, cache in enumerate(caches):
+        idx = mx.array([i])
+        for own, c in zip(cache, stacked):
+            rows = [mx.take(a, idx, axis=0) for a in _contents(c)]
+            if isinstance(c, ArraysCache):
+                own[0], own[1] = rows
+            else:
+                own.keys, own.values = rows
+                own.offset = c.offset
+    mx.eval([c.state for cache in caches for c in cache])
 
 
-def prefill(model, cache: list, tokens: list[int]):
-    model(mx.array(tokens)[None], cache=cache)
-    mx.eval([c.state for c in cache])
+def _contents(c) -> list[mx.array]:
+    """A cache's arrays: KDA conv window and state, or the MLA latents in use."""
+    if isinstance(c, ArraysCache):
+        return [c[0], c[1]]
+    return [] if c.keys is None else [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+
+
+def _stacked(layer: tuple):
+    """One layer's caches of several sequences (as many tokens each) side by side."""
+    arrays = [mx.concatenate(parts) for parts in zip(*map(_contents, layer))]
+    if isinstance(layer[0], ArraysCache):
+        out = ArraysCache(2)
+        out[0], out[1] = arrays
+        return out
+    out = KVCache()
+    if arrays:
+        out.keys, out.values = arrays
+        out.offset = layer[0].offset
+    return out
 
 
 def follow(model, group):
     """A rank other than 0: repeat rank 0's forward passes until it stops."""
-    peers, caches = Peers(group), {}
+    peers, caches, batch = Peers(group), {}, Batch(model)
     while True:
         kind, keys, tokens = peers.receive()
         if kind == STOP:
@@ -261,13 +463,14 @@ def follow(model, group):
         if kind == DROP:
             for k in keys:
                 caches.pop(k, None)
-            continue
-        held = [caches.setdefault(k, fresh_cache(model)) for k in keys]
-        if kind == PREFILL:
-            prefill(model, held[0], tokens)
+            batch.leave(keys)
+        elif kind == PREFILL:
+            held = [caches.setdefault(k, fresh_cache(model)) for k in keys]
+            n = len(tokens) // len(keys)
+            prefill(model, held, [tokens[i * n : (i + 1) * n] for i in range(len(keys))])
         else:
-            logits = forward(model, held, tokens)
-            mx.eval(logits, [c.state for cache in held for c in cache])
+            batch.arrange(keys, lambda k: caches.pop(k, None) or fresh_cache(model))
+            mx.eval(batch.step(tokens), batch.state)
 
 
 # The engine.
@@ -277,11 +480,13 @@ class Engine:
     """Runs sequences on ``model`` in a thread of its own; see the module docstring.
 
     ``max_batch`` sequences are decoded together; up to ``max_waiting`` more wait (then
-    ``submit`` raises ``QueueFull``); ``prefill_step_size`` prompt tokens per prefill chunk;
-    ``reuse_bytes`` bounds the prefix snapshots (0 turns reuse off). With ``start`` the
-    loop runs in a thread of its own; otherwise the caller runs ``run()`` (the server runs
-    it in the main thread: MLX's compiled functions used from another thread abort the
-    process at exit).
+    ``submit`` raises ``QueueFull``); ``prefill_step_size`` prompt tokens per step, in
+    chunks of one prompt each; ``reuse_bytes`` bounds the prefix snapshots (0 turns reuse
+    off); ``processors``: logits processors applied to every sequence's logits, before its
+    own, on the whole batch at once (they get ``None`` for the tokens and must not need
+    them). With ``start`` the loop runs in a thread of its own; otherwise the caller runs
+    ``run()`` (the server runs it in the main thread: MLX's compiled functions used from
+    another thread abort the process at exit).
     """
 
     def __init__(
@@ -293,12 +498,15 @@ class Engine:
         reuse_bytes: int = 1 << 30,
         start: bool = True,
         group=None,
+        processors: list | None = None,
     ):
         self.model = model
         self.max_batch, self.max_waiting = max_batch, max_waiting
         self.prefill_step_size = prefill_step_size
+        self.processors = list(processors or [])
         self.peers = Peers(group) if group is not None and group.size() > 1 else None
         self.prefixes = PrefixCache(0 if self.peers else reuse_bytes)
+        self.batch = Batch(model)
         self.keys = 0
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
@@ -335,9 +543,14 @@ class Engine:
         if self.peers:
             self.peers.send(STOP)
 
-    def _drop(self, seqs: list[Sequence]):
-        if self.peers and seqs:
+    def _leave(self, seqs: list[Sequence]):
+        """Take ``seqs`` out of the batch (and out of the other ranks' batches)."""
+        if not seqs:
+            return
+        if self.peers:
             self.peers.send(DROP, [s.key for s in seqs])
+        self.batch.leave(seqs)
+        self.active = [s for s in self.active if s not in seqs]
 
     def run(self):
         """Steps until ``stop()``."""
@@ -353,79 +566,124 @@ class Engine:
             except Exception as e:  # a failed step ends its sequences; the engine lives on
                 log.exception("generation step failed")
                 for s in self.active:
-                    s.out.put(("error", f"{type(e).__name__}: {e}"))
-                self._drop(self.active)
-                self.active = []
+                    s.end("error", f"{type(e).__name__}: {e}")
+                self._leave(list(self.active))
 
     def _admit(self):
         while self.waiting and len(self.active) < self.max_batch:
             s = self.waiting.popleft()
             if s.cancelled.is_set():
-                s.out.put(("done", "cancelled"))
+                s.end("done", "cancelled")
                 continue
             s.key, self.keys = self.keys, self.keys + 1
             s.reused, snap = self.prefixes.longest(s.prompt)
             s.cache = fresh_cache(self.model) if snap is None else restore(self.model, snap)
             s.fed = s.reused
+            s.rng = s.sampling.key()
             self.active.append(s)
 
     def step(self):
-        """One prefill chunk (if any prompt is waiting for one), then one decode step."""
-        dropped = [s for s in self.active if self._dropped(s)]
-        self._drop(dropped)
-        self.active = [s for s in self.active if s not in dropped]
-        prefilling = [s for s in self.active if not s.prefilled]
-        if prefilling:
-            self._prefill_chunk(min(prefilling, key=lambda s: len(s.prompt) - s.fed))
+        """Prompt chunks (``_prefill_plan``), then one decode step."""
+        cancelled = [s for s in self.active if s.cancelled.is_set()]
+        self._leave(cancelled)
+        for s in cancelled:
+            s.end("done", "cancelled")
+        for group, n in self._prefill_plan():
+            self._prefill(group, n)
         ready = [s for s in self.active if s.prefilled]
         if ready:
             self._decode(ready)
 
-    def _dropped(self, s: Sequence) -> bool:
-        if s.cancelled.is_set():
-            s.out.put(("done", "cancelled"))
-            return True
-        return False
+    def _prefill_plan(self) -> list[tuple[list[Sequence], int]]:
+        """This step's prompt chunks, ``prefill_step_size`` tokens in all, the prompts with
+        the fewest tokens left first: ``(sequences, n)``, the sequences that feed ``n``
+        tokens after as many tokens fed (one pass for them all). A prompt that the budget
+        would cut waits for the next step when another at the same point got its whole
+        chunk (so the two go in one pass there, not in two uneven ones)."""
+        budget, groups = self.prefill_step_size, {}
+        waiting = [s for s in self.active if not s.prefilled]
+        for s in sorted(waiting, key=lambda s: len(s.prompt) - s.fed):
+            left = len(s.prompt) - 1 - s.fed
+            if budget <= 0 or (budget < left and (s.fed, left) in groups):
+                continue
+            n = min(budget, left)
+            groups.setdefault((s.fed, n), []).append(s)
+            budget -= n
+        return [(group, n) for (_, n), group in groups.items()]
 
-    def _prefill_chunk(self, s: Sequence):
-        n = min(self.prefill_step_size, len(s.prompt) - 1 - s.fed)
-        chunk = s.prompt[s.fed : s.fed + n]
+    def _prefill(self, group: list[Sequence], n: int):
+        chunks = [s.prompt[s.fed : s.fed + n] for s in group]
         if self.peers:
-            self.peers.send(PREFILL, [s.key], chunk)
-        prefill(self.model, s.cache, chunk)
-        s.fed += n
+            self.peers.send(PREFILL, [s.key for s in group], [t for c in chunks for t in c])
+        prefill(self.model, [s.cache for s in group], chunks)
+        for s in group:
+            s.fed += n
 
     def _decode(self, ready: list[Sequence]):
-        tokens = [s.tokens[-1] if s.tokens else s.prompt[-1] for s in ready]
+        self.batch.arrange(ready, self._own_cache)
+        rows = self.batch.members
+        tokens = [s.tokens[-1] if s.tokens else s.prompt[-1] for s in rows]
         if self.peers:
-            self.peers.send(DECODE, [s.key for s in ready], tokens)
-        logits = forward(self.model, [s.cache for s in ready], tokens)
-        picks = [self._sample(s, logits[i : i + 1]) for i, s in enumerate(ready)]
-        mx.eval(picks, [c.state for s in ready for c in s.cache])
-        for s, pick in zip(ready, picks):
-            self._emit(s, pick.item())
+            self.peers.send(DECODE, [s.key for s in rows], tokens)
+        picks = self._sample(rows, self.batch.step(tokens))
+        mx.eval(picks, self.batch.state)
+        ends = [(s, reason) for s, t in zip(rows, picks.tolist()) if (reason := self._emit(s, t))]
+        self._leave([s for s, _ in ends])
+        for s, reason in ends:
+            s.end("done", reason)
 
-    def _sample(self, s: Sequence, logits: mx.array) -> mx.array:
+    @staticmethod
+    def _own_cache(s: Sequence) -> list:
+        cache, s.cache = s.cache, None  # its rows now live in the batch
+        return cache
+
+    def _sample(self, rows: list[Sequence], logits: mx.array) -> mx.array:
+        """One token per row: [B] int. Rows with processors of their own or sampling
+        parameters are picked one by one, the rest by one argmax."""
+        for p in self.processors:
+            logits = p(None, logits)
+        alone = [i for i, s in enumerate(rows) if s.processors or not s.sampling.greedy]
+        if not alone:
+            return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+        picks = [None] * len(rows)
+        rest = sorted(set(range(len(rows))) - set(alone))
+        if rest:
+            sub = logits[mx.array(rest)]
+            chosen = mx.argmax(sub - mx.logsumexp(sub, axis=-1, keepdims=True), axis=-1)
+            for j, i in enumerate(rest):
+                picks[i] = chosen[j : j + 1]
+        for i in alone:
+            picks[i] = self._pick(rows[i], logits[i : i + 1])
+        return mx.concatenate(picks)
+
+    @staticmethod
+    def _pick(s: Sequence, logits: mx.array) -> mx.array:
         if s.processors:
             context = mx.array(s.prompt + s.tokens)
             for p in s.processors:
                 logits = p(context, logits)
-        return s.sampler(logits - mx.logsumexp(logits, keepdims=True))
+        key = None
+        if s.rng is not None:
+            s.rng, key = mx.random.split(s.rng)
+        return s.sampling.pick(logits - mx.logsumexp(logits, keepdims=True), key)
 
-    def _emit(self, s: Sequence, token: int):
-        if not s.tokens and self.prefixes.max_bytes:  # the cache holds exactly the prompt
-            self.prefixes.put(s.prompt, snapshot(s.cache))
+    def _emit(self, s: Sequence, token: int) -> str | None:
+        """Hand ``token`` to ``s``; the reason it ends (``"stop"``, ``"length"``), if it does."""
+        if not s.tokens:  # its row holds exactly the prompt
+            self._keep(s, s.prompt)
         s.tokens.append(token)
         if token in s.stop_ids:
-            self._finish(s, "stop")
-            return
-        s.out.put(("token", token))
-        if len(s.tokens) >= s.max_tokens:
-            self._finish(s, "length")
+            reason = "stop"
+        else:
+            s.out.put(("token", token))
+            reason = "length" if len(s.tokens) >= s.max_tokens else None
+        if reason and len(s.tokens) > 1:  # its row holds the prompt and all but the last
+            self._keep(s, s.prompt + s.tokens[:-1])
+        return reason
 
-    def _finish(self, s: Sequence, reason: str):
-        if len(s.tokens) > 1 and self.prefixes.max_bytes:  # prompt + all tokens but the last
-            self.prefixes.put(s.prompt + s.tokens[:-1], snapshot(s.cache))
-        self.active.remove(s)
-        self._drop([s])
-        s.out.put(("done", reason))
+    def _keep(self, s: Sequence, tokens: list[int]):
+        """Snapshot ``s``'s row, which holds ``tokens``, for prefix reuse."""
+        if self.prefixes.max_bytes:
+            snap = self.batch.snapshot(s)
+            mx.eval([a for _, *arrays in snap for a in arrays if a is not None])
+            self.prefixes.put(tokens, snap)

@@ -297,7 +297,7 @@ class ByteStreamingDetokenizer(StreamingDetokenizer):
     """
 
     def __init__(self, token_bytes: list[bytes]):
-        self._token_bytes = token_bytes
+        self.token_bytes = token_bytes
         self.reset()
 
     def reset(self):
@@ -308,8 +308,8 @@ class ByteStreamingDetokenizer(StreamingDetokenizer):
 
     def add_token(self, token):
         self.tokens.append(token)
-        if token < len(self._token_bytes):
-            self.text += self._decoder.decode(self._token_bytes[token])
+        if token < len(self.token_bytes):
+            self.text += self._decoder.decode(self.token_bytes[token])
 
     def finalize(self):
         self.text += self._decoder.decode(b"", final=True)

@@ -459,3 +459,82 @@ def test_reply_stream_keeps_forged_tool_calls_as_text(tok):
     for i in real:
         stream.add(i)
     assert [c["name"] for c in stream.tool_calls] == ["rm"]
+
+
+class NoDecode:
+    """A tokenizer whose ``decode`` fails: what ``ReplyStream.add`` must never need."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __getattr__(self, name):
+        if name == "decode":
+            raise AssertionError("the reply was decoded again")
+        return getattr(self.tok, name)
+
+
+def random_reply(tok, rng, n):
+    """Ids a model could write: tag words, markers, bytes that split or break UTF-8
+    characters, hidden specials, arbitrary ids."""
+    from kimi_k3.chat import marker_ids
+
+    markers = list(marker_ids(tok).values())
+    table = tok.detokenizer.token_bytes
+    byte_id = {b[0]: i for i, b in enumerate(table) if len(b) == 1}
+    words = [
+        encode_segments(tok, [(w, False)])
+        for w in ("think", "response", 'call tool="f"', 'argument key="k"', "message", " hi 中")
+    ]
+    pool = markers * 2 + [byte_id[b] for b in (0xE4, 0xB8, 0xAD, 0xC3, 0xFF)]
+    pool += sorted(tok.added_tokens_decoder)[:4] + [rng.randrange(len(table)) for _ in range(8)]
+    ids = []
+    while len(ids) < n:
+        ids += rng.choice(words) if rng.random() < 0.4 else [rng.choice(pool)]
+    return ids[:n]
+
+
+def test_reply_stream_parses_as_it_grows(tok):
+    """Fed one id at a time, a reply's reasoning, content, tool calls and end equal
+    ``parse_reply`` of the ids so far at every step, without decoding the reply again;
+    ``update`` from all the ids gives the same."""
+    import random
+
+    from kimi_k3.chat import ReplyStream
+
+    rng = random.Random(0)
+    hidden = set(tok.added_tokens_decoder) - set(marker_ids_of(tok))
+    calls = encode_segments(tok, split_markers(TOOL_REPLY))
+    for trial in range(24):
+        thinking = trial % 2 == 0
+        ids = random_reply(tok, rng, 40)
+        if trial % 3 == 0:  # a well-formed reply with a call, ids of a random one inside
+            at = rng.randrange(len(calls))
+            ids = calls[:at] + ids[: trial % 7] + calls[at:]
+        if trial % 3 == 1:  # text for a section after a section nested in it closed
+            tag = "think" if thinking else "response"
+            nested = f"a<|open|>{tag}<|sep|>b<|close|>{tag}<|sep|>c 中"
+            ids = encode_segments(tok, split_markers(nested)) + ids[:8]
+        stream = ReplyStream(NoDecode(tok), thinking)
+        for k, token in enumerate(ids):
+            stream.add(token)
+            want = parse_reply([i for i in ids[: k + 1] if i not in hidden], tok, thinking)
+            got = (stream.reasoning, stream.content, stream.tool_calls, stream.finished)
+            assert got == (want.thinking, want.response, want.tool_calls, want.finished), ids
+        again = ReplyStream(tok, thinking)
+        again.ids = list(ids)
+        again.update()
+        assert (again.reasoning, again.content, again.tool_calls) == got[:3]
+
+
+TOOL_REPLY = (
+    "plan 中文<|close|>think<|sep|><|open|>response<|sep|>ok é<|close|>response<|sep|>"
+    '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+    '<|open|>argument key="a" type="integer"<|sep|>5<|close|>argument<|sep|>'
+    "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"
+)
+
+
+def marker_ids_of(tok):
+    from kimi_k3.chat import marker_ids
+
+    return marker_ids(tok).values()

@@ -168,9 +168,12 @@ def test_generate_cli_stats_per_rank(tiny_ckpt):
 
 def test_server_two_ranks(per_rank):
     """``python -m kimi_k3.server --split expert`` on 2 ranks: rank 0 answers a completion
-    (the other rank repeats its forward passes) and only rank 0 logs."""
+    (the other rank repeats its forward passes), then three at once (two prompts of one
+    length prefilled in one pass, all three decoded in one batch) as it answers each
+    alone; only rank 0 logs."""
     import os
     import signal
+    import threading
     import time
     import urllib.request
 
@@ -192,15 +195,31 @@ def test_server_two_ranks(per_rank):
                 break
             except OSError:
                 time.sleep(0.5)
-        body = json.dumps({"prompt": "Hi", "max_tokens": 4}).encode()
-        req = urllib.request.Request(
-            url + "/v1/completions", body, {"Content-Type": "application/json"}
-        )
-        reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+        def complete(prompt):
+            body = json.dumps({"prompt": prompt, "max_tokens": 4}).encode()
+            req = urllib.request.Request(
+                url + "/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+        prompts = ["Hi", "Client 1 asks.", "Client 2 asks."]
+        alone = [complete(p) for p in prompts]
+        together = [None] * 3
+        threads = [
+            threading.Thread(target=lambda i=i: together.__setitem__(i, complete(prompts[i])))
+            for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         log = proc.communicate(timeout=30)[0]
-    assert reply["usage"]["completion_tokens"] == 4
+    assert [r["usage"]["completion_tokens"] for r in alone] == [4, 4, 4]
+    texts = [r["choices"][0]["text"] for r in alone]
+    assert [r and r["choices"][0]["text"] for r in together] == texts, log
     assert log.count("serving ") == 1 and log.count("loaded ") == 1, log
 
 

@@ -184,6 +184,10 @@ BAD_CHAT = [
     ({"messages": MESSAGES, "max_tokens": 10**9}, "max_tokens", "from 1 to"),
     ({"messages": MESSAGES, "n": 2}, "n", "must be 1"),
     ({"messages": MESSAGES, "stop": [1]}, "stop", "string"),
+    ({"messages": MESSAGES, "seed": -1}, "seed", "an integer from 0 to"),
+    ({"messages": MESSAGES, "seed": 2**64}, "seed", "an integer from 0 to"),
+    ({"messages": MESSAGES, "seed": 1.5}, "seed", "an integer from 0 to"),
+    ({"messages": MESSAGES, "seed": "7"}, "seed", "an integer from 0 to"),
 ]
 
 
@@ -306,6 +310,47 @@ def test_concurrent_clients_equal_solo_runs(client):
     assert together == solo
 
 
+def test_seed_draws_the_same_reply_alone_and_beside_others(client):
+    """At temperature 1 a seeded request gets the same reply alone and while other
+    requests share its decode steps; another seed gets another reply."""
+
+    def ask(seed, prompt="Once upon"):
+        extra = {} if seed is None else {"seed": seed}
+        reply = client.completions.create(
+            model=MODEL_ID, prompt=prompt, max_tokens=12, temperature=1.0, **extra
+        )
+        return reply.choices[0].text
+
+    alone = ask(11)
+    asks = [lambda: ask(11), lambda: ask(11), lambda: ask(None, "x"), lambda: ask(12)]
+    together = [None] * len(asks)
+    threads = [
+        threading.Thread(target=lambda i=i, f=f: together.__setitem__(i, f()))
+        for i, f in enumerate(asks)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert together[0] == together[1] == alone
+    assert together[3] != alone
+
+
+def test_streamed_reply_equals_the_whole_reply(client, tok):
+    """A reply of 64 tokens (stop tokens biased away) streamed, parsed as it grows, adds
+    up to the same reply sent whole: reasoning and content (longer replies, without a
+    server: ``test_stream_deltas_add_up_to_the_whole_reply``)."""
+    never = {str(i): -100 for i in tok.eos_token_ids}
+    whole = chat(client, max_tokens=64, logit_bias=never)
+    chunks = list(chat(client, max_tokens=64, logit_bias=never, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    message = whole.choices[0].message
+    assert "".join(d.content or "" for d in deltas) == message.content
+    reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert reasoning == message.model_extra["reasoning_content"]
+    assert whole.usage.completion_tokens == 64
+
+
 def test_disconnect_stops_the_work(server, tok):
     """A client that goes away mid-stream frees its place in the batch (the stop tokens
     are biased away, so only the disconnect can end the reply early)."""
@@ -389,3 +434,45 @@ def test_bad_flags_exit_2(argv, flag, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {flag} ")
+
+
+# Streamed replies, without a server.
+
+
+class NoDecode:
+    """A tokenizer whose ``decode`` fails: streaming must never decode the reply again."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __getattr__(self, name):
+        if name == "decode":
+            raise AssertionError("the reply was decoded again")
+        return getattr(self.tok, name)
+
+
+@pytest.mark.parametrize("stop", [[], ["zz q"], ["q", "zz q"], ["中文", "nowhere"]])
+def test_stream_deltas_add_up_to_the_whole_reply(tok, stop):
+    """A 4000-token chat reply streamed id by id (``StreamChunks`` over ``ReplyText``, no
+    re-decoding) gives the reasoning and content the reply parsed whole gives, with
+    stop strings cutting the content as they do there."""
+    from kimi_k3.chat import encode_segments, split_markers
+    from kimi_k3.server import Job, Outcome, ReplyText, StreamChunks
+
+    words = "think 中文 é a b c zz " * 60
+    text = f"{words}<|close|>think<|sep|><|open|>response<|sep|>{words * 3}zz q {words}"
+    ids = encode_segments(tok, split_markers(text))
+    assert len(ids) > 4000
+    job = Job(ids, len(ids), {}, {}, stop, stream=True, include_usage=False, chat=True)
+    reply, chunks, sent = ReplyText(job, NoDecode(tok)), StreamChunks(job, MODEL_ID), []
+    for token in ids:
+        reply.add(token)
+        sent += chunks.deltas(reply)
+    sent += chunks.final(Outcome(reply, "length", len(ids), 0))
+    whole = ReplyText(job, tok)
+    whole.ids = list(ids)
+    whole.update()
+    deltas = [c["choices"][0]["delta"] for c in sent if c["choices"]]
+    assert "".join(d.get("content", "") for d in deltas) == whole.content
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == whole.reasoning
+    assert whole.stopped == bool(stop) and len(whole.reasoning) > 500

@@ -1,13 +1,15 @@
-"""``kimi_k3.serving``: batched decoding equals solo decoding, chunked prefill lets short
-requests through, cancellation, prefix reuse equals a cold run, the snapshot LRU."""
+"""``kimi_k3.serving``: batched decoding equals solo decoding (sequences joining and leaving
+the batch at different steps too), seeded sampling is the same in a batch, chunked prefill
+lets short requests through, cancellation, prefix reuse equals a cold run, the snapshot
+LRU."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm import stream_generate
-from mlx_lm.sample_utils import make_sampler
 
 import kimi_k3
-from kimi_k3.serving import Engine, PrefixCache, QueueFull, Sequence, snapshot
+from kimi_k3 import serving
+from kimi_k3.serving import BatchLatents, Engine, PrefixCache, QueueFull, Sampling, Sequence
 
 PROMPTS = [
     "Hello there, how are you doing today, my friend?",
@@ -28,8 +30,8 @@ def prompts(tiny):
     return [tiny[1].encode(p) for p in PROMPTS]
 
 
-def sequence(prompt, n=10):
-    return Sequence(prompt, n, make_sampler(0.0))
+def sequence(prompt, n=10, sampling=None):
+    return Sequence(prompt, n, sampling or Sampling())
 
 
 def collect(seq, timeout=120):
@@ -74,6 +76,76 @@ def test_batched_equals_solo(tiny, prompts, monkeypatch):
         assert max(sizes) == len(prompts)  # all four in one step
     finally:
         e.stop()
+
+
+def test_joining_and_leaving_at_different_steps_equals_solo(tiny, prompts, monkeypatch):
+    """Rows leave at different steps (the longest first, so the batch's latents are cut
+    to the rows left) and a sequence joins a batch whose rows are longer and shorter
+    than it, while the latents grow 4 columns at a time: every sequence decodes what it
+    decodes alone."""
+    monkeypatch.setattr(BatchLatents, "STEP", 4)
+    e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=5)
+    try:
+        lengths = [3, 20, 9, 14]
+        solo = [run(e, [p], n)[0] for p, n in zip(prompts, lengths)]
+        late = prompts[0] + prompts[1]
+        late_solo = run(e, [late], 8)[0]
+        seqs = [sequence(p, n) for p, n in zip(prompts, lengths)]
+        for s in seqs:
+            e.submit(s)
+        first = collect(seqs[0])
+        joiner = sequence(late, 8)
+        e.submit(joiner)
+        assert [first, *map(collect, seqs[1:])] == solo
+        assert collect(joiner) == late_solo
+    finally:
+        e.stop()
+
+
+def test_prompts_prefilled_together_equal_solo(tiny, monkeypatch):
+    """Prompts of one length arriving together are prefilled in one pass per step (as
+    many whole prompts as the step's budget holds, the others in the next step, rather
+    than one cut to fit) and decode what each decodes alone."""
+    texts = [f"Client {i} asks about attention residuals." for i in range(4)]
+    ids = [tiny[1].encode(t) for t in texts]
+    assert len({len(p) for p in ids}) == 1
+    passes = []
+    prefill = serving.prefill
+    monkeypatch.setattr(
+        serving, "prefill", lambda m, c, chunks: (passes.append(len(c)), prefill(m, c, chunks))
+    )
+    e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=3 * len(ids[0]) - 4)
+    try:
+        solo = [run(e, [p])[0] for p in ids]
+        passes.clear()
+        assert run(e, ids) == solo
+        assert passes == [2, 2]
+    finally:
+        e.stop()
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny, prompts):
+    """A seeded sequence draws from a key of its own: the same tokens alone, beside greedy
+    and other seeded sequences, and again; another seed draws others."""
+    hot = Sampling(temp=1.0, top_p=0.95, seed=1234)
+    e = Engine(tiny[0], reuse_bytes=0)
+    try:
+        alone = run_with(e, [(prompts[1], hot)])[0]
+        mixed = [(prompts[0], Sampling()), (prompts[1], hot), (prompts[2], Sampling(1.0, seed=7))]
+        together = run_with(e, mixed)
+        assert together[1] == alone
+        assert run_with(e, mixed) == together
+        other = run_with(e, [(prompts[1], Sampling(temp=1.0, top_p=0.95, seed=4321))])[0]
+        assert other != alone
+    finally:
+        e.stop()
+
+
+def run_with(e, pairs, n=16):
+    seqs = [sequence(p, n, sampling) for p, sampling in pairs]
+    for s in seqs:
+        e.submit(s)
+    return [collect(s) for s in seqs]
 
 
 def test_short_request_overtakes_a_long_prefill(tiny, prompts):
@@ -136,13 +208,12 @@ def test_follow_up_reuses_the_prefix_and_matches_a_cold_run(tiny, prompts):
 
 
 def test_prefix_cache_is_an_lru_bounded_in_bytes(tiny, prompts):
-    model = tiny[0]
-    e = Engine(model, reuse_bytes=0)
+    e = Engine(tiny[0])
     try:
         s = sequence(prompts[0], n=2)
         e.submit(s)
         collect(s)
-        snap = snapshot(s.cache)
+        snap = e.prefixes.longest(prompts[0] + [0])[1]
     finally:
         e.stop()
     size = sum(a.nbytes for _, *arrays in snap for a in arrays if a is not None)
@@ -160,15 +231,15 @@ def test_prefix_cache_is_an_lru_bounded_in_bytes(tiny, prompts):
 def test_a_failed_step_ends_its_sequences_and_the_engine_goes_on(tiny, prompts, monkeypatch):
     """The server answers such a sequence with 503; later requests are served."""
     failed = []
-    prefill = Engine._prefill_chunk
+    prefill = Engine._prefill
 
-    def fail_once(self, s):
+    def fail_once(self, group, n):
         if not failed:
-            failed.append(s)
+            failed.append(group)
             raise OSError("expert read failed")
-        return prefill(self, s)
+        return prefill(self, group, n)
 
-    monkeypatch.setattr(Engine, "_prefill_chunk", fail_once)
+    monkeypatch.setattr(Engine, "_prefill", fail_once)
     e = Engine(tiny[0], reuse_bytes=0)
     try:
         s = sequence(prompts[0])

@@ -213,6 +213,7 @@ class Streamer:
         for layer, moe in moes.items():
             moe.experts = self.stores[layer] = StreamedExperts(self, layer, slots, act)
             moe.route_hook = self.note_input if opts.prefetch else None
+        self.plans: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> _where's answer
         self.x: dict[int, mx.array] = {}  # MoE input per layer, for the prefetch prediction
         self.predicted: dict[int, np.ndarray] = {}
         max_read = max(e.nbytes for e in source.extents(self.order[0], self.held.start))
@@ -298,12 +299,22 @@ class Streamer:
             waits += list(zip(new.tolist(), jobs, strict=True))
         return slots, waits
 
+    def _where(self, layer: int, expert: int) -> tuple:
+        """``(extents, checksum)`` of an expert (by checkpoint number), worked out once: a
+        batch's step reads dozens of experts, and the index lookups cost more than a read
+        of a small expert from the page cache."""
+        key = (layer, expert)
+        if key not in self.plans:
+            verify = self.opts.verify_checksums
+            checksum = self.source.checksum(layer, expert) if verify else None
+            self.plans[key] = (self.source.extents(layer, expert), checksum)
+        return self.plans[key]
+
     def _jobs(self, store, experts, slots) -> list[ReadJob]:
         jobs = []
         for e, s in zip(experts.tolist(), slots.tolist(), strict=True):
             e += self.held.start
-            checksum = self.source.checksum(store.layer, e) if self.opts.verify_checksums else None
-            extents = self.source.extents(store.layer, e)
+            extents, checksum = self._where(store.layer, e)
             dest = store.pool.dest(s)
             job = ReadJob(store.layer, e, extents, dest, checksum, store.pool.place)
             store.cache.jobs[s] = job
@@ -390,11 +401,11 @@ class Streamer:
 
     def _grouped(self, store, z, ids, uniq, weights, ahead) -> mx.array:
         """A chunk needing more experts than the layer has slots: groups of at most
-        ``slots`` experts (resident ones first), each evaluated before the next overwrites
-        slots. Each group runs on the kernel that one call of the whole chunk would take
-        (``dispatch.expert_glu_kernel`` on the chunk's pairs, else the reference), with
-        weights of one applied after (every kernel scales a pair's output by its weight in
-        one multiply), and the pairs are added up as that call adds them
+        ``slots`` experts (``_groups``: the cached ones first), each evaluated before the
+        next overwrites slots. Each group runs on the kernel that one call of the whole
+        chunk would take (``dispatch.expert_glu_kernel`` on the chunk's pairs, else the
+        reference), with weights of one applied after (every kernel scales a pair's output
+        by its weight in one multiply), and the pairs are added up as that call adds them
         (``dispatch.expert_sum_in_order``): the bits of one call, as with every expert in
         the cache."""
         from kimi_k3.kernels import dispatch
@@ -404,11 +415,8 @@ class Streamer:
         call = dispatch.expert_glu_kernel(z, store.pool.w, mx.array(ids.astype(np.int32)))
         in_order = call is not None and dispatch.expert_sum_in_order(ids)
         call = call or expert_glu_reference
-        resident = store.cache.lookup(uniq) >= 0
-        order = np.concatenate([uniq[resident], uniq[~resident]])
         Y = mx.zeros((N * k, z.shape[-1]), mx.float32)
-        for i in range(0, len(order), store.cache.slots):
-            group = np.sort(order[i : i + store.cache.slots])
+        for i, group in enumerate(self._groups(store, uniq)):
             slots = self._fetch(store, group, ahead if i == 0 else None)
             rows = np.flatnonzero(np.isin(flat, group))
             sl = slots[np.searchsorted(group, flat[rows])].astype(np.int32)[:, None]
@@ -428,6 +436,18 @@ class Streamer:
         for j in range(k):
             y = y + parts[:, j]
         return y
+
+    @staticmethod
+    def _groups(store, experts: np.ndarray) -> list[np.ndarray]:
+        """``experts`` (sorted) in groups of at most the layer's slots: the ones in the
+        cache first, on their own (they need no read), then the others. Keeping the cached
+        ones apart leaves every slot but theirs free for the first reads, so the reads take
+        as few rounds as the misses need: ``ceil(misses / slots)``, not
+        ``ceil(experts / slots)``."""
+        cached = store.cache.lookup(experts) >= 0
+        missing, size = experts[~cached], store.cache.slots
+        groups = [experts[cached]] if cached.any() else []
+        return groups + [missing[i : i + size] for i in range(0, len(missing), size)]
 
     def snapshot(self) -> dict:
         """The counters (``StreamStats.snapshot``) and whether reads bypass the page cache."""
