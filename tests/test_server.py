@@ -15,6 +15,7 @@ import urllib.request
 
 import openai
 import pytest
+from test_chat import NoDecode
 
 from kimi_k3.chat import encode_chat
 
@@ -437,18 +438,6 @@ def test_bad_flags_exit_2(argv, flag, capsys):
 
 
 # Streamed replies, without a server.
-
-
-class NoDecode:
-    """A tokenizer whose ``decode`` fails: streaming must never decode the reply again."""
-
-    def __init__(self, tok):
-        self.tok = tok
-
-    def __getattr__(self, name):
-        if name == "decode":
-            raise AssertionError("the reply was decoded again")
-        return getattr(self.tok, name)
 
 
 @pytest.mark.parametrize("stop", [[], ["zz q"], ["q", "zz q"], ["中文", "nowhere"]])
