@@ -128,10 +128,7 @@ def raw_read(files: list[Path], threads: int, block: int = 16 << 20) -> float:
 
 
 def _streamed(path: Path, slots: int, **opts):
-    args = ModelArgs.from_path(path)
-    layers = args.num_hidden_layers - args.first_k_dense_replace
-    gb = slots * layers * expert_bytes(expert_layout(args)) / 1e9
-    return load_model(path, dtype=mx.float32, expert_cache_gb=gb, **opts)
+    return load_model(path, dtype=mx.float32, expert_cache_gb=_budget_gb(path, slots), **opts)
 
 
 def _calls(E: int, layers: list[int], pattern: str, calls: int) -> list[list[tuple]]:
@@ -572,6 +569,7 @@ def trained_run(slots: int, prompt: int, tokens: int, **opts) -> dict:
 
 
 def _budget_gb(path: Path, slots: int) -> float:
+    """The budget that gives every MoE layer of ``path`` ``slots`` slots."""
     args = ModelArgs.from_path(path)
     layers = args.num_hidden_layers - args.first_k_dense_replace
     return slots * layers * expert_bytes(expert_layout(args)) / 1e9
