@@ -164,6 +164,19 @@ class SlotCache:
                 self.release(s)
 
 
+def call_groups(cache: SlotCache, experts: np.ndarray) -> list[np.ndarray]:
+    """A call's ``experts`` (sorted) in groups of at most the layer's slots, for a call
+    needing more experts than slots: the ones in the cache first, on their own (they need no
+    read), then the others. Keeping the cached ones apart leaves every slot but theirs free
+    for the first reads, so the reads take as few rounds as the misses need:
+    ``ceil(misses / slots)``, not ``ceil(experts / slots)``. The streamer and the simulator
+    both group so."""
+    cached = cache.lookup(experts) >= 0
+    missing, size = experts[~cached], cache.slots
+    groups = [experts[cached]] if cached.any() else []
+    return groups + [missing[i : i + size] for i in range(0, len(missing), size)]
+
+
 def slots_per_layer(
     budget_bytes: int, expert_bytes: int, layers: int, top_k: int, num_experts: int
 ) -> int:

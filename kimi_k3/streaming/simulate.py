@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from kimi_k3.streaming.cache import POLICIES, SlotCache, make_policy
+from kimi_k3.streaming.cache import POLICIES, SlotCache, call_groups, make_policy
 
 PHASES = ("prefill", "decode")
 
@@ -160,21 +160,18 @@ def replay(calls: Sequence[np.ndarray], slots: int, policy) -> np.ndarray:
 
 
 def _grouped(cache: SlotCache, experts: np.ndarray) -> np.ndarray:
-    """More experts than slots (``Streamer._grouped``): groups of at most ``slots``
-    experts, resident ones first, each group in id order."""
-    resident = cache.lookup(experts) >= 0
-    order = np.concatenate([experts[resident], experts[~resident]])
+    """More experts than slots: the store's groups (``cache.call_groups``), in turn."""
     out = np.zeros(2, np.int64)
-    for i in range(0, len(order), cache.slots):
-        out += _fetch(cache, np.sort(order[i : i + cache.slots]))
+    for group in call_groups(cache, experts):
+        out += _fetch(cache, group)
     return out
 
 
 def _oversized_optimum(cache: SlotCache, experts: np.ndarray, policy: Belady) -> np.ndarray:
     """A call needing more experts than slots, for the optimum: its resident experts hit
     and the rest miss, as in the store, and afterwards the layer holds the ``slots``
-    experts of the call needed soonest. The store's fixed group order (resident first,
-    then by id) may not leave those, so this is a bound no policy under the store's rules
+    experts of the call needed soonest. The store's fixed group order (cached first, then
+    the rest by id) may not leave those, so this is a bound no policy under the store's rules
     beats, not a state the store can always reach."""
     hits = int((cache.lookup(experts) >= 0).sum())
     keep = experts[np.lexsort((experts, policy.next[experts]))[: cache.slots]]

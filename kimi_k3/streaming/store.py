@@ -22,7 +22,14 @@ from kimi_k3 import trimming
 from kimi_k3.checkpoint import CheckpointIndex
 from kimi_k3.experts import EXPERT_TENSORS, expert_glu, expert_glu_reference, store_layout
 from kimi_k3.kernels import expert_layout as tiles
-from kimi_k3.streaming.cache import GB, POLICIES, SlotCache, make_policy, slots_per_layer
+from kimi_k3.streaming.cache import (
+    GB,
+    POLICIES,
+    SlotCache,
+    call_groups,
+    make_policy,
+    slots_per_layer,
+)
 from kimi_k3.streaming.io import ALIGN, PREFETCH, ExpertReadError, FileTable, ReadJob, ReadPool
 from kimi_k3.streaming.sources import SOURCES, expert_bytes, expert_layout, open_source
 from kimi_k3.streaming.stats import StreamStats
@@ -251,7 +258,10 @@ class Streamer:
         self.stats.add(pairs=int(trimming.kept(ids).sum()))
         uniq = np.unique(ids)
         self._score(layer, uniq)
-        ahead = (nxt, _kept_choices(np.array(pred))) if pred is not None else None
+        ahead = None
+        if pred is not None:  # a dropped choice repeats its token's first: count it once
+            pred = np.array(pred)
+            ahead = (nxt, pred[trimming.kept(pred)])
         if len(uniq) <= store.cache.slots:
             slots = self._fetch(store, uniq, ahead, z)
             slot_inds = mx.array(slots[np.searchsorted(uniq, ids)].astype(np.int32))
@@ -401,7 +411,7 @@ class Streamer:
 
     def _grouped(self, store, z, ids, uniq, weights, ahead) -> mx.array:
         """A chunk needing more experts than the layer has slots: groups of at most
-        ``slots`` experts (``_groups``: the cached ones first), each evaluated before the
+        ``slots`` experts (``cache.call_groups``: the cached ones first), each evaluated before the
         next overwrites slots. Each group runs on the kernel that one call of the whole
         chunk would take (``dispatch.expert_glu_kernel`` on the chunk's pairs, else the
         reference), with weights of one applied after (every kernel scales a pair's output
@@ -416,7 +426,7 @@ class Streamer:
         in_order = call is not None and dispatch.expert_sum_in_order(ids)
         call = call or expert_glu_reference
         Y = mx.zeros((N * k, z.shape[-1]), mx.float32)
-        for i, group in enumerate(self._groups(store, uniq)):
+        for i, group in enumerate(call_groups(store.cache, uniq)):
             slots = self._fetch(store, group, ahead if i == 0 else None)
             rows = np.flatnonzero(np.isin(flat, group))
             sl = slots[np.searchsorted(group, flat[rows])].astype(np.int32)[:, None]
@@ -436,18 +446,6 @@ class Streamer:
         for j in range(k):
             y = y + parts[:, j]
         return y
-
-    @staticmethod
-    def _groups(store, experts: np.ndarray) -> list[np.ndarray]:
-        """``experts`` (sorted) in groups of at most the layer's slots: the ones in the
-        cache first, on their own (they need no read), then the others. Keeping the cached
-        ones apart leaves every slot but theirs free for the first reads, so the reads take
-        as few rounds as the misses need: ``ceil(misses / slots)``, not
-        ``ceil(experts / slots)``."""
-        cached = store.cache.lookup(experts) >= 0
-        missing, size = experts[~cached], store.cache.slots
-        groups = [experts[cached]] if cached.any() else []
-        return groups + [missing[i : i + size] for i in range(0, len(missing), size)]
 
     def snapshot(self) -> dict:
         """The counters (``StreamStats.snapshot``) and whether reads bypass the page cache."""
@@ -472,12 +470,6 @@ class Streamer:
 
     def close(self):
         self.io.close()
-
-
-def _kept_choices(ids: np.ndarray) -> np.ndarray:
-    """The choices of routing ``ids`` [N, k] that a trimmed router keeps (all when untrimmed),
-    flat: a dropped choice repeats its token's first expert and must not count twice."""
-    return ids[trimming.kept(ids)]
 
 
 def moe_blocks(model) -> dict:
