@@ -11,10 +11,15 @@ Everything goes over HTTP:
 - throughput: N clients (1, 4, 8) each send one completion of ``--tokens`` tokens at once;
   aggregate tokens/s is every reply's tokens over the wall time of the slowest; ``--rounds``
   interleaved rounds of 1, 4 and 8 clients, the median and range of each, and each N's
-  median against 1 client's;
+  median against 1 client's. Beside it, in the same run, the limit any server has: the
+  model's own batched forward with no server (``forward_alone``: the same prompts prefilled
+  and ``--tokens`` greedy decode steps on the engine's ``Batch``, in this process, while
+  the server idles), N rows against 1;
 - time to first token: a one-token request's latency, alone and while a ``--long``-token
   prompt prefills; a follow-up chat turn's latency after the first turn (its prefix comes
   from the snapshot) and for a conversation of the same length that shares no prefix;
+- the overflow area: ``max(CLIENTS)`` clients on the server's default overflow area
+  against ``--expert-overflow 0``, two servers, rounds interleaved;
 - load: ``--requests`` requests from 16 threads, each with a time limit, against a server
   that runs 4 sequences and queues 4 more; every request must be answered (200) or
   refused (429), and the server must answer ``/health`` and one more request afterwards.
@@ -47,6 +52,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cache_dir(path: Path) -> Path:
+    """Where the benchmark's processes keep what they record once (checksums): beside the
+    temporary checkpoint, not in the user's cache."""
+    return path.parent / "cache"
+
+
 class Server:
     """``python -m kimi_k3.server`` on a free localhost port, for a ``with`` block."""
 
@@ -58,7 +69,7 @@ class Server:
         if cache_fraction is not None:
             cache_gb = cache_fraction * expert_bytes(path) / 1e9
             argv += ["--expert-cache-gb", f"{cache_gb:.9g}"]
-        env = {**os.environ, "KIMI_K3_CACHE": str(path.parent / "cache")}
+        env = {**os.environ, "KIMI_K3_CACHE": str(cache_dir(path))}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kimi_k3.server", *map(str, argv)],
             stdout=subprocess.DEVNULL,
@@ -122,9 +133,13 @@ def in_threads(fns) -> list:
     return results
 
 
+def client_prompts(clients: int) -> list[str]:
+    return [f"Client {i} asks about attention residuals." for i in range(clients)]
+
+
 def throughput(server: Server, clients: int, tokens: int) -> tuple[float, int]:
     """(aggregate tokens/s, tokens) of ``clients`` completions sent together."""
-    prompts = [f"Client {i} asks about attention residuals." for i in range(clients)]
+    prompts = client_prompts(clients)
     t0 = time.perf_counter()
     replies = in_threads([lambda p=p: completion(server, p, tokens) for p in prompts])
     seconds = time.perf_counter() - t0
@@ -209,27 +224,133 @@ def load_test(server: Server, requests: int, limit_s: float) -> dict:
 CLIENTS = (1, 4, 8)
 
 
-def throughput_table(server: Server, tokens: int, rounds: int) -> str:
+class ForwardAlone:
+    """The model loaded in this process as the server loads it, decoding batches with no
+    server: the limit of the server's aggregate tokens/s for N clients."""
+
+    def __init__(self, path: Path, cache_fraction: float | None, rows: int = 8):
+        """``rows``: the server's ``--max-batch``, for the overflow area it sizes."""
+        import kimi_k3
+        from kimi_k3.streaming.store import find_streamer, overflow_for_batch
+
+        gb = None if cache_fraction is None else cache_fraction * expert_bytes(path) / 1e9
+        before = os.environ.get("KIMI_K3_CACHE")
+        os.environ["KIMI_K3_CACHE"] = str(cache_dir(path))  # the server's, not the user's
+        try:
+            self.model, self.tokenizer = kimi_k3.load(path, expert_cache_gb=gb)
+        finally:
+            if before is None:
+                del os.environ["KIMI_K3_CACHE"]
+            else:
+                os.environ["KIMI_K3_CACHE"] = before
+        if (streamer := find_streamer(self.model)) is not None:  # as the server sizes it
+            streamer.set_overflow(overflow_for_batch(streamer, rows))
+
+    def rate(self, rows: int, tokens: int) -> float:
+        """Tokens/s of ``rows`` client prompts prefilled (equal lengths in one pass, as the
+        engine does) and decoded ``tokens`` greedy steps together on the engine's
+        ``Batch``, prefill included, as a client's aggregate includes it."""
+        import mlx.core as mx
+
+        from kimi_k3.serving import Batch, fresh_cache, prefill
+
+        model = self.model
+        prompts = [self.tokenizer.encode(p) for p in client_prompts(rows)]
+        t0 = time.perf_counter()
+        caches = [fresh_cache(model) for _ in prompts]
+        by_length: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_length.setdefault(len(p), []).append(i)
+        for same in by_length.values():
+            prefill(model, [caches[i] for i in same], [prompts[i][:-1] for i in same])
+        batch = Batch(model)
+        batch.arrange(list(range(rows)), caches.__getitem__)
+        last = [p[-1] for p in prompts]
+        for _ in range(tokens):
+            picks = mx.argmax(batch.step(last), axis=-1)
+            mx.eval(picks, batch.state)
+            last = picks.tolist()
+        return rows * tokens / (time.perf_counter() - t0)
+
+
+def throughput_table(
+    server: Server, forward: ForwardAlone, tokens: int, rounds: int
+) -> tuple[str, dict]:
+    """The server's aggregate tokens/s by clients beside the forward alone's by rows, in
+    interleaved rounds; the table and ``{N: (server median, forward median)}``."""
     completion(server, "warm up", 2)
+    forward.rate(1, 2)
     runs = {n: [] for n in CLIENTS}
+    alone = {n: [] for n in CLIENTS}
     for _ in range(rounds):  # interleaved: a slow spell of the machine hits every N alike
         for n in CLIENTS:
             runs[n].append(throughput(server, n, tokens))
+            alone[n].append(forward.rate(n, tokens))
     base = statistics.median(tps for tps, _ in runs[1])
-    rows = []
+    base_alone = statistics.median(alone[1])
+    rows, medians = [], {}
     for n, results in runs.items():
         tps = [t for t, _ in results]
-        mid = statistics.median(tps)
+        mid, mid_alone = statistics.median(tps), statistics.median(alone[n])
+        medians[n] = (mid, mid_alone)
         spread = f"{min(tps):.1f}-{max(tps):.1f}"
-        rows.append([n, results[0][1], f"{mid:.1f}", spread, f"{mid / base:.2f}x"])
-    header = ["clients", "tokens", "aggregate tok/s", "range", "vs 1 client"]
+        rows.append(
+            [
+                n,
+                results[0][1],
+                f"{mid:.1f}",
+                spread,
+                f"{mid / base:.2f}x",
+                f"{mid_alone:.1f}",
+                f"{mid_alone / base_alone:.2f}x",
+                f"{mid / mid_alone:.2f}",
+            ]
+        )
+    header = [
+        "clients",
+        "tokens",
+        "aggregate tok/s",
+        "range",
+        "vs 1 client",
+        "forward alone tok/s",
+        "forward vs 1 row",
+        "server / forward",
+    ]
+    return timing.markdown_table(header, rows), medians
+
+
+def overflow_effect(path: Path, a) -> str:
+    """Aggregate tokens/s of ``max(CLIENTS)`` clients on two servers up at once, streamed
+    alike, one with the overflow area the server sizes by default and one with
+    ``--expert-overflow 0`` (a step whose experts outnumber the slots reads in rounds);
+    ``--rounds`` rounds, the two interleaved."""
+    n, flags = max(CLIENTS), ("--prefill-step-size", a.prefill_step)
+    runs = {"default (max-batch x top-k less the slots)": [], "0 (rounds of the slots)": []}
+    with (
+        Server(path, a.cache_fraction, *flags) as on,
+        Server(path, a.cache_fraction, *flags, "--expert-overflow", 0) as off,
+    ):
+        servers = dict(zip(runs, (on, off), strict=True))
+        for server in servers.values():
+            completion(server, "warm up", 2)
+        for _ in range(a.rounds):
+            for name, server in servers.items():
+                runs[name].append(throughput(server, n, a.tokens)[0])
+    rows = [
+        [name, f"{statistics.median(tps):.1f}", f"{min(tps):.1f}-{max(tps):.1f}"]
+        for name, tps in runs.items()
+    ]
+    header = ["--expert-overflow", f"{n} clients: aggregate tok/s", "range"]
     return timing.markdown_table(header, rows)
 
 
 def measure(path: Path, a) -> str:
     out = []
     with Server(path, a.cache_fraction, "--prefill-step-size", a.prefill_step) as server:
-        out.append("Experts streamed:\n\n" + throughput_table(server, a.tokens, a.rounds))
+        forward = ForwardAlone(path, a.cache_fraction)
+        table, _ = throughput_table(server, forward, a.tokens, a.rounds)
+        del forward
+        out.append("Experts streamed:\n\n" + table)
         alone, beside = ttft_beside_long_prefill(server, a.long, a.rounds)
         rows = [
             ["alone", f"{alone:.3f}"],
@@ -243,12 +364,14 @@ def measure(path: Path, a) -> str:
         ]
         header = ["chat request", "prompt tokens", "reused", "first token s"]
         out.append(timing.markdown_table(header, rows))
+    out.append(overflow_effect(path, a))
     with Server(path, a.cache_fraction, "--max-batch", 4, "--max-waiting", 4) as server:
         counts = load_test(server, a.requests, a.limit_s)
     rows = [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in counts.items()]
     out.append(timing.markdown_table([f"{a.requests} requests, 16 threads", "count"], rows))
     with Server(path, None) as server:
-        out.append("Experts resident:\n\n" + throughput_table(server, a.tokens, a.rounds))
+        table, _ = throughput_table(server, ForwardAlone(path, None), a.tokens, a.rounds)
+        out.append("Experts resident:\n\n" + table)
     return "\n".join(out)
 
 

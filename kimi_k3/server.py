@@ -847,6 +847,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     add_model_arguments(p)
     p.add_argument(
+        "--expert-overflow",
+        type=int,
+        default=None,
+        help="streamed experts: experts a batch's step may read past a layer's cache slots in "
+        "one round, into working memory beside the expert cache (default: what --max-batch "
+        "sequences can need; 0: none, such a step reads in rounds of the slots)",
+    )
+    p.add_argument(
         "--host",
         default="127.0.0.1",
         help="address to bind; another than loopback exposes an unauthenticated server",
@@ -910,6 +918,8 @@ def check_arguments(args):
         raise UserError(f"--max-body-mb must be above 0, got {args.max_body_mb}")
     if not args.prompt_cache_gb >= 0:
         raise UserError(f"--prompt-cache-gb must be at least 0, got {args.prompt_cache_gb}")
+    if args.expert_overflow is not None and args.expert_overflow < 0:
+        raise UserError(f"--expert-overflow must be at least 0, got {args.expert_overflow}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be from 0 to 65535, got {args.port}")
 
@@ -931,6 +941,25 @@ def bind(host: str, port: int) -> ThreadingHTTPServer:
         raise UserError(f"--host {host} --port {port}: the address {why}") from None
 
 
+def size_overflow(model, args):
+    """Give streamed experts the overflow area ``--expert-overflow`` asks for (default: what
+    ``--max-batch`` sequences can need, ``overflow_for_batch``), announced on stderr."""
+    from kimi_k3.streaming.store import find_streamer, overflow_for_batch
+
+    streamer = find_streamer(model)
+    if streamer is None:
+        return
+    n = args.expert_overflow
+    streamer.set_overflow(overflow_for_batch(streamer, args.max_batch) if n is None else n)
+    info = streamer.stats.info
+    if info["overflow_experts"]:
+        print(
+            f"expert overflow area: {info['overflow_experts']} experts "
+            f"({info['overflow_bytes'] / 1e6:.3g} MB) beside the cache",
+            file=sys.stderr,
+        )
+
+
 def make_handler(state: ServerState) -> type:
     return type("KimiHandler", (Handler,), {"state": state})
 
@@ -946,6 +975,7 @@ def serve_model(args, httpd, plan=None) -> ServerState:
     model, tokenizer = load_for_cli(
         args.model, args.expert_cache_gb, args.verify, plan=plan, **trimming_options(args)
     )
+    size_overflow(model, args)
     engine = Engine(
         model,
         max_batch=args.max_batch,
@@ -1023,6 +1053,7 @@ def follow_rank(args, plan) -> int:
         pass
     path, budget = resolve_model(args.model, args.expert_cache_gb)
     model, _ = load_for_cli(path, budget, args.verify, plan, **trimming_options(args))
+    size_overflow(model, args)
     try:
         follow(model, plan.group)
     except KeyboardInterrupt:

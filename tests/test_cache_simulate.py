@@ -162,17 +162,28 @@ def test_record_chunks_like_the_generator(small, tmp_path):
         record(model, prompts, prefill_step_size=0)
 
 
+@pytest.mark.parametrize("overflow", [0, 14], ids=["rounds", "overflow-area"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_replay_matches_the_streamer(small, policy):
+def test_replay_matches_the_streamer(small, policy, overflow):
     """A streamed run (prefill in chunks of 8 tokens needing more experts than the 9 slots,
-    so in groups, then 6 greedy steps) and the replay of its recorded routing through the
-    same policy count the same hits and misses."""
-    model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 9), policy=policy)
+    so in groups, or with an overflow area partly in one round, then 6 greedy steps) and
+    the replay of its recorded routing through the same policy count the same hits and
+    misses."""
+    model = load_model(
+        small,
+        dtype=mx.float32,
+        expert_cache_gb=budget_gb(small, 9),
+        policy=policy,
+        overflow_experts=overflow,
+    )
     prompt = np.random.default_rng(5).integers(0, 1500, 25).tolist()
     trace = record(model, [prompt], prefill_step_size=8, decode_tokens=6)
     stats = get_stats(model)
-    assert max(len(c) for c in trace.runs[0].calls(1)) > 9  # grouped calls happened
-    got = counts(trace, policy, 9)
+    sizes = [len(c) for c in trace.runs[0].calls(1)]
+    assert max(sizes) > 9  # grouped calls happened
+    if overflow:  # a call of at most 9 + 14 experts always fits the area; some are larger
+        assert min(n for n in sizes if n > 9) <= 9 + overflow < max(sizes)
+    got = counts(trace, policy, 9, overflow)
     assert got["prefill"][1] > 0 and got["decode"][1] > 0 and got["decode"][0] > 0
     assert (stats["hits"], stats["misses"]) == tuple(got["prefill"] + got["decode"])
 

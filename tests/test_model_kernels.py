@@ -29,15 +29,22 @@ def test_streamed_in_groups_gives_the_resident_bits_on_the_kernels(
     from test_streaming import budget_gb
 
     from kimi_k3.loader import load_model
+    from kimi_k3.streaming import get_stats
 
     monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
     monkeypatch.delenv("KIMI_K3_REFERENCE", raising=False)
     path = ckpt_factory("tiny", num_experts_per_token=4, **KERNEL_SHAPES)
     prompt = mx.array(np.random.default_rng(0).integers(0, 700, (1, prompt_len)))
     want = run(load_model(path, dtype=mx.float32), prompt, 2)
-    for slots in (4, 5):
-        model = load_model(path, dtype=mx.float32, expert_cache_gb=budget_gb(path, slots))
-        assert mx.array_equal(run(model, prompt, 2), want).item(), slots
+    for slots, overflow in ((4, 0), (5, 0), (4, 60)):  # (4, 60): the overflow area's groups
+        model = load_model(
+            path,
+            dtype=mx.float32,
+            expert_cache_gb=budget_gb(path, slots),
+            overflow_experts=overflow,
+        )
+        assert mx.array_equal(run(model, prompt, 2), want).item(), (slots, overflow)
+        assert (get_stats(model)["overflow_misses"] > 0) == (overflow > 0)
 
 
 def test_trimmed_routing_on_the_kernels(ckpt_factory, monkeypatch):

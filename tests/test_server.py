@@ -427,6 +427,7 @@ def test_bad_model_fails_before_listening(tmp_path, capsys):
         (["--expert-cache-gb", "-1"], "--expert-cache-gb"),
         (["--expert-top-p", "1.5"], "--expert-top-p"),
         (["--expert-min-weight", "-1"], "--expert-min-weight"),
+        (["--expert-overflow", "-1"], "--expert-overflow"),
     ],
 )
 def test_bad_flags_exit_2(argv, flag, capsys):

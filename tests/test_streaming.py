@@ -167,10 +167,8 @@ def test_counters_match_a_cache_simulation(small, policy, slots):
     _check_accounting(stats)
 
 
-@pytest.mark.parametrize("slots", [64, 4])
-def test_prefill_reads_each_distinct_expert_once(small, slots):
-    """A cold 16-token prefill reads every distinct expert of each layer exactly once, also
-    when the chunk needs more experts than the layer's slots (groups)."""
+def _distinct_in_prefill(path) -> list[int]:
+    """Distinct experts per MoE layer of the resident model's pass over ``PROMPT``."""
     glu, seen = kimi_k3.experts.expert_glu, []
 
     def record(z, w, inds, weights, beta, cap):
@@ -179,15 +177,87 @@ def test_prefill_reads_each_distinct_expert_once(small, slots):
 
     kimi_k3.experts.expert_glu = record
     try:
-        mx.eval(load_model(small, dtype=mx.float32)(PROMPT))
+        mx.eval(load_model(path, dtype=mx.float32)(PROMPT))
     finally:
         kimi_k3.experts.expert_glu = glu
+    return seen
+
+
+@pytest.mark.parametrize("slots", [64, 4])
+def test_prefill_reads_each_distinct_expert_once(small, slots):
+    """A cold 16-token prefill reads every distinct expert of each layer exactly once, also
+    when the chunk needs more experts than the layer's slots (groups)."""
+    seen = _distinct_in_prefill(small)
     model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, slots))
     mx.eval(model(PROMPT))
     stats = get_stats(model)
     assert max(seen) > 4 * 4  # a chunk needs more experts than 4 slots hold
     assert (stats["hits"], stats["misses"]) == (0, sum(seen))
     _check_accounting(stats)
+
+
+@pytest.mark.parametrize("overflow", [0, 6, 60])
+def test_overflow_area_gives_the_resident_bits(small, reference, overflow):
+    """Top-k slots and an overflow area: too small for the prefill's misses (6: rounds
+    of slots) or holding them (60: one round, two groups); the resident logits bit for
+    bit, every distinct expert of the prefill read once, and the area's bytes reported."""
+    model = load_model(
+        small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 4), overflow_experts=overflow
+    )
+    mx.eval(model(PROMPT))
+    cold = get_stats(model)
+    assert (cold["hits"], cold["misses"]) == (0, sum(_distinct_in_prefill(small)))
+    assert (cold["overflow_misses"] > 0) == (overflow == 60)  # 6 is too few: rounds
+    clear_cache(model)
+    reset_stats(model)
+    assert mx.array_equal(greedy(model, PROMPT, STEPS), reference).item()
+    stats = get_stats(model)
+    assert stats["overflow_experts"] == overflow
+    assert stats["overflow_bytes"] == overflow * stats["expert_bytes"]
+    _check_accounting(stats)
+
+
+def test_overflow_area_in_a_batch_decode(small):
+    """Four rows decoded together (a step needs up to 16 experts of a layer, the cache
+    holds 4): with an overflow area of 12 every step reads its experts in one round, and
+    the logits equal the resident model's bit for bit (slots written through views, or by
+    MLX assignment, or holding CUDA's tiles); the same without the area."""
+    prompt = mx.array(np.random.default_rng(11).integers(0, 1500, (4, 6)))
+    want = greedy(load_model(small, dtype=mx.float32), prompt, 4)
+    for overflow, mode, layout in (
+        (12, "auto", "mlx"),
+        (12, "mlx", "mlx"),
+        (12, "auto", "tiled"),
+        (0, "auto", "mlx"),
+    ):
+        model = load_model(
+            small,
+            dtype=mx.float32,
+            expert_cache_gb=budget_gb(small, 4),
+            overflow_experts=overflow,
+            write_mode=mode,
+            expert_layout=layout,
+        )
+        assert get_stats(model)["expert_layout"] == layout
+        assert mx.array_equal(greedy(model, prompt, 4), want).item(), (overflow, mode, layout)
+        assert (get_stats(model)["overflow_misses"] > 0) == (overflow > 0)
+
+
+def test_overflow_sizing_and_bad_values(small):
+    from kimi_k3.streaming.store import StreamOptions, find_streamer, overflow_for_batch
+
+    model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 9))
+    streamer = find_streamer(model)
+    # top-4 of 64 experts, 9 slots: one row needs at most 4, eight rows 32, 20 rows 64
+    assert [overflow_for_batch(streamer, r) for r in (1, 2, 3, 8, 20)] == [0, 0, 3, 23, 55]
+    streamer.set_overflow(1000)  # at most the experts streamed
+    assert get_stats(model)["overflow_experts"] == 64
+    streamer.set_overflow(0)
+    assert get_stats(model)["overflow_bytes"] == 0
+    with pytest.raises(ValueError, match="overflow_experts=-1"):
+        streamer.set_overflow(-1)
+    with pytest.raises(ValueError, match="overflow_experts"):
+        StreamOptions(overflow_experts=-1)
 
 
 def test_stats_api(small, tiny_ckpt):

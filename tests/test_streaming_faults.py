@@ -16,7 +16,7 @@ from kimi_k3.checkpoint import CheckpointIndex
 from kimi_k3.config import ModelArgs
 from kimi_k3.expert_pack import write_pack
 from kimi_k3.loader import load_model
-from kimi_k3.streaming import ExpertReadError, attach_streamer, clear_cache
+from kimi_k3.streaming import ExpertReadError, attach_streamer, clear_cache, get_stats
 from kimi_k3.streaming.sources import expert_bytes, expert_layout
 
 PROMPT = mx.array(np.random.default_rng(5).integers(0, 700, (1, 8)))
@@ -119,6 +119,45 @@ def test_stuck_read_times_out_and_later_recovers(tiny_ckpt, reference, monkeypat
     monkeypatch.setattr(sio, "_pread_into", real)
     gate.set()
     _recovers(model, reference)
+
+
+@pytest.mark.parametrize("fault", ["failed", "stuck"])
+def test_overflow_area_read_faults(tiny_ckpt, reference, monkeypatch, fault):
+    """Reads into the overflow area (top-k slots, the prefill's other misses in the area)
+    that fail or never answer: the call raises the read's error; a stuck read keeps the
+    area out of use (calls read in rounds, bit-exact) until it ends; then the area serves
+    again, bit-exact."""
+    model = load_model(tiny_ckpt, dtype=mx.float32)
+    args = model.args
+    streamer = attach_streamer(
+        model, tiny_ckpt, None, _min_gb(args), read_timeout=0.5, overflow_experts=args.num_experts
+    )
+    area = list(streamer.overflow.views.values())
+    gate, real = threading.Event(), sio.read_job
+
+    def faulty(job, *rest):
+        if any(np.shares_memory(d, a) for d in job.dest.values() for a in area):
+            if fault == "stuck":
+                gate.wait(30)
+            else:
+                raise ExpertReadError(f"{job.extents[0].file}: reading {job.what} failed")
+        return real(job, *rest)
+
+    monkeypatch.setattr(sio, "read_job", faulty)
+    want = rf"failed|no answer after 0\.5 s reading {WHO}"
+    with pytest.raises(ExpertReadError, match=want):
+        mx.eval(model(PROMPT))
+    if fault == "stuck":
+        served = get_stats(model)["overflow_misses"]
+        _recovers(model, reference)  # in rounds: the area waits for its read
+        assert not streamer._overflow_free()
+        assert get_stats(model)["overflow_misses"] == served
+        gate.set()
+        assert all(j.done.wait(5) for j in streamer.overflow_reads)
+    monkeypatch.setattr(sio, "read_job", real)
+    served = get_stats(model)["overflow_misses"]
+    _recovers(model, reference)
+    assert streamer._overflow_free() and get_stats(model)["overflow_misses"] > served
 
 
 def _flip_in_place(file, offsets):

@@ -177,6 +177,23 @@ def call_groups(cache: SlotCache, experts: np.ndarray) -> list[np.ndarray]:
     return groups + [missing[i : i + size] for i in range(0, len(missing), size)]
 
 
+def overflow_split(
+    cache: SlotCache, experts: np.ndarray, overflow: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A call's ``experts`` (sorted, more than the layer's slots) split for a store with an
+    overflow area of ``overflow`` experts: ``(first, over)``, ``first`` the experts in the
+    cache and as many misses as the slots not holding them take (lowest ids first), read
+    into the cache; ``over`` the other misses, read into the overflow area and not cached.
+    None where ``over`` would not fit there (the call then runs in ``call_groups``). The
+    streamer and the simulator both split so."""
+    cached = cache.lookup(experts) >= 0
+    room = cache.slots - int(cached.sum())
+    over = experts[~cached][room:]
+    if not 0 < len(over) <= overflow:
+        return None
+    return experts[~np.isin(experts, over)], over
+
+
 def slots_per_layer(
     budget_bytes: int, expert_bytes: int, layers: int, top_k: int, num_experts: int
 ) -> int:

@@ -7,7 +7,9 @@ of distinct experts its tokens chose. ``replay`` runs one layer's calls through 
 per distinct expert), those already resident are pinned while the misses take free slots
 and then the policy's victims, the policy is told of the use afterwards, and a call that
 needs more experts than the layer's slots runs in groups of at most ``slots`` experts,
-resident ones first. ``Belady`` is the offline optimum: it evicts the resident expert
+resident ones first (``cache.call_groups``), or, given an overflow area that holds the
+misses the slots cannot, in one round whose extra misses are not cached
+(``cache.overflow_split``). ``Belady`` is the offline optimum: it evicts the resident expert
 whose next use is farthest in the future. Where every call fits in the slots (decode:
 top-k <= slots) that is the optimum under the streamer's rules; a call larger than the
 slots counts its hits and misses as the store does and then leaves the experts of the call
@@ -27,7 +29,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from kimi_k3.streaming.cache import POLICIES, SlotCache, call_groups, make_policy
+from kimi_k3.streaming.cache import (
+    POLICIES,
+    SlotCache,
+    call_groups,
+    make_policy,
+    overflow_split,
+)
 
 PHASES = ("prefill", "decode")
 
@@ -136,12 +144,13 @@ def _next_uses(calls: Sequence[np.ndarray], never: int) -> list[np.ndarray]:
     return out
 
 
-def replay(calls: Sequence[np.ndarray], slots: int, policy) -> np.ndarray:
+def replay(calls: Sequence[np.ndarray], slots: int, policy, overflow: int = 0) -> np.ndarray:
     """Hits and misses of each call through one layer's cache of ``slots`` experts.
 
     ``calls``: sorted distinct expert ids per call. ``policy``: an instance of a
     ``cache.py`` policy, or ``Belady`` built on the same calls; a policy with an ``at``
     method is told each call's index before the call (``Belady`` reads the future so).
+    ``overflow``: the store's overflow area, in experts (``StreamOptions.overflow_experts``).
     Shapes: returns int64 [calls, 2] (hits, misses).
     """
     cache = SlotCache(slots, policy)
@@ -154,6 +163,11 @@ def replay(calls: Sequence[np.ndarray], slots: int, policy) -> np.ndarray:
             out[t] = _fetch(cache, experts)
         elif isinstance(policy, Belady):
             out[t] = _oversized_optimum(cache, experts, policy)
+        elif (split := overflow_split(cache, experts, overflow)) is not None:
+            first, over = split
+            out[t] = _fetch(cache, first)
+            out[t, 1] += len(over)
+            cache.policy.use(over)
         else:
             out[t] = _grouped(cache, experts)
     return out
@@ -201,8 +215,11 @@ def new_policy(name: str, calls: Sequence[np.ndarray], num_experts: int, slots: 
     return make_policy(name, num_experts, slots, **kw)
 
 
-def counts(trace: RoutingTrace, policy: str, slots: int, **kw) -> dict[str, np.ndarray]:
-    """Hits and misses per phase, summed over runs and layers, each run from an empty cache.
+def counts(
+    trace: RoutingTrace, policy: str, slots: int, overflow: int = 0, **kw
+) -> dict[str, np.ndarray]:
+    """Hits and misses per phase, summed over runs and layers, each run from an empty cache
+    (``overflow``: the store's overflow area, in experts; ``kw`` go to ``make_policy``).
 
     Returns ``{"prefill": [hits, misses], "decode": [hits, misses]}`` (int64 [2] each).
     """
@@ -214,7 +231,7 @@ def counts(trace: RoutingTrace, policy: str, slots: int, **kw) -> dict[str, np.n
         for layer in run.routing:
             calls = run.calls(layer)
             per_call = replay(
-                calls, slots, new_policy(policy, calls, trace.num_experts, slots, **kw)
+                calls, slots, new_policy(policy, calls, trace.num_experts, slots, **kw), overflow
             )
             for p in PHASES:
                 total[p] += per_call[phase == p].sum(axis=0)

@@ -2,9 +2,10 @@
 
 Counted per MoE call over distinct experts (a prefill chunk needing expert 7 for ten tokens
 counts it once). A *hit* is an expert needing no demand read: resident, or already being
-read ahead by the prefetcher. A *pass* is one model call (it starts at the first MoE layer).
-*Pairs* are the (token, expert) choices the MoE layers kept: k per token and layer, fewer
-where trimming (``kimi_k3.trimming``) dropped some.
+read ahead by the prefetcher; *overflow misses* are the misses read into the overflow area
+(``StreamOptions.overflow_experts``), counted in the misses too. A *pass* is one model call
+(it starts at the first MoE layer). *Pairs* are the (token, expert) choices the MoE layers
+kept: k per token and layer, fewer where trimming (``kimi_k3.trimming``) dropped some.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import Counter
 _COUNTS = (
     "hits",
     "misses",
+    "overflow_misses",
     "prefetch_issued",
     "prefetch_hits",
     "prefetch_bytes",

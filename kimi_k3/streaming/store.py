@@ -5,6 +5,13 @@ slots, read the misses in parallel into free or evicted slots, then run ``expert
 the slot pool with slot indices. The pool is six stacked arrays per layer (the layout the
 kernels read); a miss is written into its slot in place through a numpy view of the MLX
 buffer, so a hit costs no copy, a miss at most one, and a slot update never copies the pool.
+
+A call needing more experts than the layer's slots (a batch's decode step, a prefill chunk)
+runs in groups of at most ``slots`` experts, one round of reads each; with an overflow area
+(``StreamOptions.overflow_experts``: working memory beside the cache budget, shared by the
+layers, which run one at a time) the misses the slots cannot take are read into it in the
+same round and are not cached, so a batch's step reads its experts at once and runs two
+groups. Either way the output has the bits of one call over resident experts.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from kimi_k3.streaming.cache import (
     SlotCache,
     call_groups,
     make_policy,
+    overflow_split,
     slots_per_layer,
 )
 from kimi_k3.streaming.io import ALIGN, PREFETCH, ExpertReadError, FileTable, ReadJob, ReadPool
@@ -48,6 +56,11 @@ class StreamOptions:
     overlap: evaluate the latent ``z`` while this layer's misses are read.
     io_threads: reader threads (reads in flight). direct_io: ``O_DIRECT``/``F_NOCACHE``.
     read_timeout: seconds to wait for one call's reads before raising.
+    overflow_experts: experts a call needing more than its layer's slots may read past them
+        in one round, into an area shared by the layers and not cached (0: none; such a call
+        then reads in rounds of ``slots``). Working memory beside ``expert_cache_gb``
+        (``get_stats()["overflow_bytes"]``); the server sizes it for its batch
+        (``overflow_for_batch``).
     source: ``"auto"``, ``"shards"``, ``"pack"`` or ``"mlx-lm"``.
     verify_checksums: check every expert read against its crc32 (the expert pack's per
         record, else the checkpoint's recorded checksums, ``kimi_k3.checksums``), in the
@@ -71,6 +84,7 @@ class StreamOptions:
     write_mode: str = "auto"
     lfu_half_life: int | None = None
     expert_layout: str | None = None
+    overflow_experts: int = 0
 
     def __post_init__(self):
         for key, ok in (
@@ -79,6 +93,7 @@ class StreamOptions:
             ("write_mode", self.write_mode in ("auto", "view", "mlx")),
             ("io_threads", self.io_threads >= 1),
             ("read_timeout", self.read_timeout > 0),
+            ("overflow_experts", self.overflow_experts >= 0),
             ("lfu_half_life", self.lfu_half_life is None or self.lfu_half_life >= 1),
             ("expert_layout", self.expert_layout is None or self.expert_layout in tiles.LAYOUTS),
         ):
@@ -95,7 +110,7 @@ class SlotPool:
     """
 
     def __init__(self, layout: dict, slots: int, write_mode: str, tiled: bool = False):
-        self.tiled = tiled
+        self.tiled, self.slots = tiled, slots
         self.arrays = {
             n: mx.zeros((slots, *shape), dtype=_MX[dt]) for n, (shape, dt) in layout.items()
         }
@@ -240,7 +255,23 @@ class Streamer:
             "overhead_bytes": opts.io_threads * (max_read + 2 * ALIGN) if opts.direct_io else 0,
         }
         self.stats = StreamStats(self.io.meter, info)
+        self.overflow: SlotPool | None = None
+        self.overflow_reads: list[ReadJob] = []  # the area's reads that may still write
+        self.set_overflow(opts.overflow_experts)
         weakref.finalize(self, self.io.close, 1.0)
+
+    def set_overflow(self, experts: int):
+        """Give the store an overflow area of ``experts`` experts (at most the experts
+        streamed; 0 removes it); see ``StreamOptions.overflow_experts``."""
+        if experts < 0:
+            raise ValueError(f"overflow_experts={experts}: expected at least 0")
+        experts = min(experts, self.num_experts)
+        self.overflow = None
+        if experts:
+            tiled = self.expert_layout == "tiled"
+            self.overflow = SlotPool(self.layout, experts, self.opts.write_mode, tiled)
+        self.stats.info["overflow_experts"] = experts
+        self.stats.info["overflow_bytes"] = self.overflow.nbytes if self.overflow else 0
 
     def note_input(self, moe, x: mx.array):
         """``LatentMoE.route_hook``: keep layer L's MoE input to predict layer L+1."""
@@ -272,9 +303,12 @@ class Streamer:
         self.stats.end_call()
         return y
 
-    def _fetch(self, store, experts: np.ndarray, ahead, z=None) -> np.ndarray:
-        """Make ``experts`` resident (reading misses) and return their slots."""
+    def _fetch(self, store, experts: np.ndarray, ahead, z=None, then=None) -> np.ndarray:
+        """Make ``experts`` resident (reading misses) and return their slots; ``then()``
+        runs once their reads are submitted (more reads, queued behind them)."""
         slots, waits = self._request(store, experts)
+        if then is not None:
+            then()
         if ahead is not None:
             self._prefetch(*ahead)
         if self.opts.overlap and z is not None and waits:
@@ -410,14 +444,16 @@ class Streamer:
                     cache.release(slot)
 
     def _grouped(self, store, z, ids, uniq, weights, ahead) -> mx.array:
-        """A chunk needing more experts than the layer has slots: groups of at most
-        ``slots`` experts (``cache.call_groups``: the cached ones first), each evaluated before the
-        next overwrites slots. Each group runs on the kernel that one call of the whole
-        chunk would take (``dispatch.expert_glu_kernel`` on the chunk's pairs, else the
-        reference), with weights of one applied after (every kernel scales a pair's output
-        by its weight in one multiply), and the pairs are added up as that call adds them
-        (``dispatch.expert_sum_in_order``): the bits of one call, as with every expert in
-        the cache."""
+        """A chunk needing more experts than the layer has slots: with room in the overflow
+        area, the experts ``cache.overflow_split`` puts in the cache as one group and the
+        rest, read into the area in the same round, as another; else groups of at most
+        ``slots`` experts (``cache.call_groups``: the cached ones first), each evaluated
+        before the next overwrites slots. Each group runs on the kernel that one call of the
+        whole chunk would take (``dispatch.expert_glu_kernel`` on the chunk's pairs, else
+        the reference), with weights of one applied after (every kernel scales a pair's
+        output by its weight in one multiply), and the pairs are added up as that call adds
+        them (``dispatch.expert_sum_in_order``): the bits of one call, as with every expert
+        in the cache."""
         from kimi_k3.kernels import dispatch
 
         N, k = ids.shape
@@ -426,26 +462,78 @@ class Streamer:
         in_order = call is not None and dispatch.expert_sum_in_order(ids)
         call = call or expert_glu_reference
         Y = mx.zeros((N * k, z.shape[-1]), mx.float32)
-        for i, group in enumerate(call_groups(store.cache, uniq)):
-            slots = self._fetch(store, group, ahead if i == 0 else None)
+
+        def run(group: np.ndarray, w, slots: np.ndarray) -> mx.array:
             rows = np.flatnonzero(np.isin(flat, group))
             sl = slots[np.searchsorted(group, flat[rows])].astype(np.int32)[:, None]
-            out = call(
-                z[mx.array(rows // k)],
-                store.pool.w,
-                mx.array(sl),
-                mx.ones(sl.shape, mx.float32),
-                *store.act,
-            )
-            Y = Y.at[mx.array(rows)].add(out)
-            mx.eval(Y)
+            ones = mx.ones(sl.shape, mx.float32)
+            out = call(z[mx.array(rows // k)], w, mx.array(sl), ones, *store.act)
+            return Y.at[mx.array(rows)].add(out)
+
+        split = None
+        if self.overflow is not None and self._overflow_free():
+            split = overflow_split(store.cache, uniq, self.overflow.slots)
+        if split is not None:
+            first, over = split
+            read_over = lambda: self._overflow_read(store, over)  # noqa: E731
+            Y = run(first, store.pool.w, self._fetch(store, first, ahead, then=read_over))
+            mx.async_eval(Y)  # the cache's group computes while the area's reads land
+            self._overflow_wait()
+            store.cache.policy.use(over)
+            Y = run(over, self.overflow.w, np.arange(len(over)))
+        else:
+            for i, group in enumerate(call_groups(store.cache, uniq)):
+                Y = run(group, store.pool.w, self._fetch(store, group, ahead if i == 0 else None))
+                mx.eval(Y)
         parts = Y.reshape(N, k, -1) * weights.astype(mx.float32)[..., None]
         if not in_order:
-            return parts.sum(axis=1)
-        y = mx.zeros((N, z.shape[-1]), mx.float32)
-        for j in range(k):
-            y = y + parts[:, j]
+            y = parts.sum(axis=1)
+        else:
+            y = mx.zeros((N, z.shape[-1]), mx.float32)
+            for j in range(k):
+                y = y + parts[:, j]
+        if split is not None:
+            self.overflow.last_out = y  # evaluated before the area is written again
         return y
+
+    def _overflow_free(self) -> bool:
+        """Whether no read into the overflow area is left from a call that gave up on it
+        (a read that timed out may still write there)."""
+        self.overflow_reads = [j for j in self.overflow_reads if not j.done.is_set()]
+        return not self.overflow_reads
+
+    def _overflow_read(self, store, experts: np.ndarray):
+        """Submit reads of ``experts`` (by store number) into the overflow area's slots
+        0, 1, ...; counted as misses."""
+        area = self.overflow
+        area.settle()
+        jobs = []
+        for slot, e in enumerate(experts.tolist()):
+            e += self.held.start
+            extents, checksum = self._where(store.layer, e)
+            jobs.append(ReadJob(store.layer, e, extents, area.dest(slot), checksum, area.place))
+        self.io.submit(jobs)
+        self.overflow_reads = jobs
+        self.stats.add(misses=len(jobs), overflow_misses=len(jobs))
+
+    def _overflow_wait(self):
+        """Wait for the overflow area's reads and put them in place; raises the first
+        failure once every read has answered or timed out."""
+        jobs = self.overflow_reads
+        t0 = time.perf_counter()
+        deadline = t0 + self.opts.read_timeout
+        error = None
+        for job in jobs:
+            try:
+                job.wait(deadline - time.perf_counter())
+            except ExpertReadError as e:
+                error = error or e
+        self.stats.waited(time.perf_counter() - t0)
+        if error is not None:
+            raise error
+        self.overflow_reads = []
+        for slot, job in enumerate(jobs):
+            self.overflow.commit(slot, job.dest)
 
     def snapshot(self) -> dict:
         """The counters (``StreamStats.snapshot``) and whether reads bypass the page cache."""
@@ -463,7 +551,8 @@ class Streamer:
         self._fetch(store, experts, None)
 
     def clear(self):
-        """Empty every layer's cache (reads in flight finish first)."""
+        """Empty every layer's cache (reads in flight finish first; the overflow area holds
+        nothing between calls)."""
         for store in self.stores.values():
             self._wait(store, list(store.cache.jobs.items()))
             store.cache.clear()
@@ -521,6 +610,14 @@ def attach_streamer(
     if old is not None:
         old.close()
     return Streamer(source, layout, moes, slots, opts, budget, args, held)
+
+
+def overflow_for_batch(streamer: Streamer, rows: int) -> int:
+    """The overflow area (experts) that a step of ``rows`` sequences can need: the most
+    distinct experts it can choose in a layer (``rows`` x top-k, at most the experts
+    streamed) less the layer's slots; 0 where the slots hold them."""
+    most = min(rows * streamer.top_k, streamer.num_experts)
+    return max(most - streamer.stats.info["slots_per_layer"], 0)
 
 
 def find_streamer(model) -> Streamer | None:

@@ -35,7 +35,8 @@ def test_model_with_a_tiled_store(ckpt_factory, monkeypatch):
     the MLX layout's logits bit for bit, resident and streamed alike (streamed with every
     expert in the cache, and with fewer slots than a chunk's experts, where the streamer runs
     the chunk in groups on the kernel one call of the whole chunk takes, so bit for bit
-    too); against the reference path as the test above (fp32)."""
+    too, also with the overflow area's two groups); against the reference path as the test
+    above (fp32)."""
     import numpy as np
     from model_kernel_check import run
     from test_streaming import budget_gb
@@ -54,11 +55,17 @@ def test_model_with_a_tiled_store(ckpt_factory, monkeypatch):
     out = run(tiled, prompt, 8)
     plain = run(load_model(path, dtype=mx.float32, expert_layout="mlx"), prompt, 8)
     assert mx.array_equal(out, plain).item()
-    for slots in (8, 3):
-        streamed = load_model(path, dtype=mx.float32, expert_cache_gb=budget_gb(path, slots))
+    for slots, overflow in ((8, 0), (3, 0), (3, 8)):  # (3, 8): the overflow area's groups
+        streamed = load_model(
+            path,
+            dtype=mx.float32,
+            expert_cache_gb=budget_gb(path, slots),
+            overflow_experts=overflow,
+        )
         got = run(streamed, prompt, 8)
         assert get_stats(streamed)["expert_layout"] == "tiled"
-        assert mx.array_equal(got, out).item(), slots
+        assert mx.array_equal(got, out).item(), (slots, overflow)
+        assert (get_stats(streamed)["overflow_misses"] > 0) == (overflow > 0)
     out, ref, counts = compare(monkeypatch, path, "cuda", mx.float32, prompt_len=200, steps=8)
     assert counts["experts"] > 0 and rel_err(out, ref) < 1e-4
 
