@@ -18,8 +18,8 @@ Everything goes over HTTP:
 - time to first token: a one-token request's latency, alone and while a ``--long``-token
   prompt prefills; a follow-up chat turn's latency after the first turn (its prefix comes
   from the snapshot) and for a conversation of the same length that shares no prefix;
-- the overflow area: ``max(CLIENTS)`` clients on the server's default overflow area
-  against ``--expert-overflow 0``, two servers, rounds interleaved;
+- the overflow area: the streamed forward alone at 1 and 8 rows with the area the server
+  sizes and without one (``--expert-overflow 0``), rounds interleaved;
 - load: ``--requests`` requests from 16 threads, each with a time limit, against a server
   that runs 4 sequences and queues 4 more; every request must be answered (200) or
   refused (429), and the server must answer ``/health`` and one more request afterwards.
@@ -319,28 +319,28 @@ def throughput_table(
     return timing.markdown_table(header, rows), medians
 
 
-def overflow_effect(path: Path, a) -> str:
-    """Aggregate tokens/s of ``max(CLIENTS)`` clients on two servers up at once, streamed
-    alike, one with the overflow area the server sizes by default and one with
-    ``--expert-overflow 0`` (a step whose experts outnumber the slots reads in rounds);
-    ``--rounds`` rounds, the two interleaved."""
-    n, flags = max(CLIENTS), ("--prefill-step-size", a.prefill_step)
-    runs = {"default (max-batch x top-k less the slots)": [], "0 (rounds of the slots)": []}
-    with (
-        Server(path, a.cache_fraction, *flags) as on,
-        Server(path, a.cache_fraction, *flags, "--expert-overflow", 0) as off,
-    ):
-        servers = dict(zip(runs, (on, off), strict=True))
-        for server in servers.values():
-            completion(server, "warm up", 2)
-        for _ in range(a.rounds):
-            for name, server in servers.items():
-                runs[name].append(throughput(server, n, a.tokens)[0])
-    rows = [
-        [name, f"{statistics.median(tps):.1f}", f"{min(tps):.1f}-{max(tps):.1f}"]
-        for name, tps in runs.items()
-    ]
-    header = ["--expert-overflow", f"{n} clients: aggregate tok/s", "range"]
+def overflow_effect(forward: ForwardAlone, tokens: int, rounds: int) -> str:
+    """The streamed forward alone (``forward``) at 1 and ``max(CLIENTS)`` rows with the
+    overflow area the server sizes and without one (a step whose experts outnumber the
+    slots reads in rounds): tokens/s, ``rounds`` rounds, the settings interleaved."""
+    from kimi_k3.streaming.store import find_streamer
+
+    streamer = find_streamer(forward.model)
+    sized = streamer.stats.info["overflow_experts"]
+    n = max(CLIENTS)
+    settings = {f"{sized} experts (the server's default)": sized, "none (rounds)": 0}
+    runs = {(name, rows): [] for name in settings for rows in (1, n)}
+    for _ in range(rounds):
+        for name, experts in settings.items():
+            streamer.set_overflow(experts)
+            for rows in (1, n):
+                runs[name, rows].append(forward.rate(rows, tokens))
+    streamer.set_overflow(sized)
+    rows = []
+    for name in settings:
+        one, many = (statistics.median(runs[name, r]) for r in (1, n))
+        rows.append([name, f"{one:.1f}", f"{many:.1f}", f"{many / one:.2f}x"])
+    header = ["overflow area", "1 row tok/s", f"{n} rows tok/s", f"{n} rows vs 1"]
     return timing.markdown_table(header, rows)
 
 
@@ -349,8 +349,9 @@ def measure(path: Path, a) -> str:
     with Server(path, a.cache_fraction, "--prefill-step-size", a.prefill_step) as server:
         forward = ForwardAlone(path, a.cache_fraction)
         table, _ = throughput_table(server, forward, a.tokens, a.rounds)
-        del forward
         out.append("Experts streamed:\n\n" + table)
+        out.append(overflow_effect(forward, a.tokens, a.rounds))
+        del forward
         alone, beside = ttft_beside_long_prefill(server, a.long, a.rounds)
         rows = [
             ["alone", f"{alone:.3f}"],
@@ -364,7 +365,6 @@ def measure(path: Path, a) -> str:
         ]
         header = ["chat request", "prompt tokens", "reused", "first token s"]
         out.append(timing.markdown_table(header, rows))
-    out.append(overflow_effect(path, a))
     with Server(path, a.cache_fraction, "--max-batch", 4, "--max-waiting", 4) as server:
         counts = load_test(server, a.requests, a.limit_s)
     rows = [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in counts.items()]
@@ -383,7 +383,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds",
         type=int,
-        default=3,
+        default=5,
         help="throughput rounds, and short requests timed per setting",
     )
     p.add_argument("--system-words", type=int, default=200, help="length of the chat's system note")

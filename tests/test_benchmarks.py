@@ -276,14 +276,15 @@ def test_profile_kernels_quick(monkeypatch):
 def test_bench_server_quick():
     """Every table of the server benchmark, and the load test lost nothing: each request
     was answered (200) or refused (429), and the server answered afterwards."""
-    throughput, ttft, turns, overflow, load, resident = tables(bench_server.main(["--quick"]))
+    throughput, overflow, ttft, turns, load, resident = tables(bench_server.main(["--quick"]))
     for table in (throughput, resident):
         assert [r["clients"] for r in table] == ["1", "4", "8"]
         for r in table:
             assert number(r["aggregate tok/s"]) > 0 and number(r["forward alone tok/s"]) > 0
             assert number(r["server / forward"]) > 0
-    assert [r["--expert-overflow"][0] for r in overflow] == ["d", "0"]
-    assert all(number(r["8 clients: aggregate tok/s"]) > 0 for r in overflow)
+    assert overflow[0]["overflow area"].endswith("(the server's default)")
+    assert overflow[1]["overflow area"] == "none (rounds)"
+    assert all(number(r["8 rows tok/s"]) > 0 < number(r["1 row tok/s"]) for r in overflow)
     assert len(ttft) == 2 and all(number(r["seconds (median)"]) > 0 for r in ttft)
     assert int(turns[1]["reused"]) >= int(turns[0]["prompt tokens"])
     assert int(turns[2]["reused"]) == 0
