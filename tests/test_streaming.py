@@ -80,6 +80,8 @@ def test_streamed_logits_equal_resident(small, reference, slots):
         {"direct_io": False},
         {"io_threads": 1},
         {"prefetch": True, "policy": "lfu"},
+        {"overflow_experts": 48, "prefetch": True},
+        {"overflow_experts": 48, "io_threads": 1},
     ],
     ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
 )
@@ -93,6 +95,7 @@ def test_options_never_change_the_output(small, reference, opts):
         assert 0.0 < stats["prediction_recall"] <= 1.0
     else:
         assert stats["prefetch_issued"] == 0 and stats["prediction_recall"] is None
+    assert (stats["overflow_misses"] > 0) == ("overflow_experts" in opts)  # the prefill's
 
 
 def _routing_trace(model, tokens) -> list[list[np.ndarray]]:
