@@ -95,7 +95,7 @@ def test_options_never_change_the_output(small, reference, opts):
         assert 0.0 < stats["prediction_recall"] <= 1.0
     else:
         assert stats["prefetch_issued"] == 0 and stats["prediction_recall"] is None
-    assert (stats["overflow_misses"] > 0) == ("overflow_experts" in opts)  # the prefill's
+    assert (stats["overflow_misses"] > 0) == ("overflow_experts" in opts)  # the prefill chunk
 
 
 def _routing_trace(model, tokens) -> list[list[np.ndarray]]:
