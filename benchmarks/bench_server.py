@@ -12,7 +12,7 @@ Everything goes over HTTP:
   aggregate tokens/s is every reply's tokens over the wall time of the slowest; ``--rounds``
   interleaved rounds of 1, 4 and 8 clients, the median and range of each, and each N's
   median against 1 client's. Beside it, in the same run, the limit any server has: the
-  model's own batched forward with no server (``forward_alone``: the same prompts prefilled
+  model's own batched forward with no server (``ForwardAlone``: the same prompts prefilled
   and ``--tokens`` greedy decode steps on the engine's ``Batch``, in this process, while
   the server idles), N rows against 1;
 - time to first token: a one-token request's latency, alone and while a ``--long``-token
@@ -247,9 +247,9 @@ class ForwardAlone:
             streamer.set_overflow(overflow_for_batch(streamer, rows))
 
     def rate(self, rows: int, tokens: int) -> float:
-        """Tokens/s of ``rows`` client prompts prefilled (equal lengths in one pass, as the
-        engine does) and decoded ``tokens`` greedy steps together on the engine's
-        ``Batch``, prefill included, as a client's aggregate includes it."""
+        """Tokens/s of ``rows`` client prompts prefilled (those of one length in one pass)
+        and decoded ``tokens`` greedy steps together on the engine's ``Batch``, prefill
+        included, as a client's aggregate includes it."""
         import mlx.core as mx
 
         from kimi_k3.serving import Batch, fresh_cache, prefill
@@ -273,11 +273,9 @@ class ForwardAlone:
         return rows * tokens / (time.perf_counter() - t0)
 
 
-def throughput_table(
-    server: Server, forward: ForwardAlone, tokens: int, rounds: int
-) -> tuple[str, dict]:
+def throughput_table(server: Server, forward: ForwardAlone, tokens: int, rounds: int) -> str:
     """The server's aggregate tokens/s by clients beside the forward alone's by rows, in
-    interleaved rounds; the table and ``{N: (server median, forward median)}``."""
+    interleaved rounds."""
     completion(server, "warm up", 2)
     forward.rate(1, 2)
     runs = {n: [] for n in CLIENTS}
@@ -288,11 +286,10 @@ def throughput_table(
             alone[n].append(forward.rate(n, tokens))
     base = statistics.median(tps for tps, _ in runs[1])
     base_alone = statistics.median(alone[1])
-    rows, medians = [], {}
+    rows = []
     for n, results in runs.items():
         tps = [t for t, _ in results]
         mid, mid_alone = statistics.median(tps), statistics.median(alone[n])
-        medians[n] = (mid, mid_alone)
         spread = f"{min(tps):.1f}-{max(tps):.1f}"
         rows.append(
             [
@@ -316,7 +313,7 @@ def throughput_table(
         "forward vs 1 row",
         "server / forward",
     ]
-    return timing.markdown_table(header, rows), medians
+    return timing.markdown_table(header, rows)
 
 
 def overflow_effect(forward: ForwardAlone, tokens: int, rounds: int) -> str:
@@ -348,7 +345,7 @@ def measure(path: Path, a) -> str:
     out = []
     with Server(path, a.cache_fraction, "--prefill-step-size", a.prefill_step) as server:
         forward = ForwardAlone(path, a.cache_fraction)
-        table, _ = throughput_table(server, forward, a.tokens, a.rounds)
+        table = throughput_table(server, forward, a.tokens, a.rounds)
         out.append("Experts streamed:\n\n" + table)
         out.append(overflow_effect(forward, a.tokens, a.rounds))
         del forward
@@ -370,7 +367,7 @@ def measure(path: Path, a) -> str:
     rows = [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in counts.items()]
     out.append(timing.markdown_table([f"{a.requests} requests, 16 threads", "count"], rows))
     with Server(path, None) as server:
-        table, _ = throughput_table(server, ForwardAlone(path, None), a.tokens, a.rounds)
+        table = throughput_table(server, ForwardAlone(path, None), a.tokens, a.rounds)
         out.append("Experts resident:\n\n" + table)
     return "\n".join(out)
 
