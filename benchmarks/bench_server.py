@@ -52,6 +52,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cache_gb(path: Path, fraction: float | None) -> float | None:
+    """The expert cache holding ``fraction`` of ``path``'s expert bytes, in GB (None:
+    experts resident)."""
+    return None if fraction is None else fraction * expert_bytes(path) / 1e9
+
+
 def cache_dir(path: Path) -> Path:
     """Where the benchmark's processes keep what they record once (checksums): beside the
     temporary checkpoint, not in the user's cache."""
@@ -67,8 +73,7 @@ class Server:
         self.url = f"http://127.0.0.1:{free_port()}"
         argv = ["--model", path, "--port", self.url.rsplit(":", 1)[1], *flags]
         if cache_fraction is not None:
-            cache_gb = cache_fraction * expert_bytes(path) / 1e9
-            argv += ["--expert-cache-gb", f"{cache_gb:.9g}"]
+            argv += ["--expert-cache-gb", f"{cache_gb(path, cache_fraction):.9g}"]
         env = {**os.environ, "KIMI_K3_CACHE": str(cache_dir(path))}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kimi_k3.server", *map(str, argv)],
@@ -233,7 +238,7 @@ class ForwardAlone:
         import kimi_k3
         from kimi_k3.streaming.store import find_streamer, overflow_for_batch
 
-        gb = None if cache_fraction is None else cache_fraction * expert_bytes(path) / 1e9
+        gb = cache_gb(path, cache_fraction)
         before = os.environ.get("KIMI_K3_CACHE")
         os.environ["KIMI_K3_CACHE"] = str(cache_dir(path))  # the server's, not the user's
         try:

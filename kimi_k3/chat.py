@@ -485,15 +485,8 @@ class FieldText:
             return
         if drop:
             self._rewrite(self.length - drop)
-            self.length -= drop
-            while drop:
-                last = self.pieces.pop()
-                if len(last) > drop:
-                    self.pieces.append(last[:-drop])
-                drop = max(drop - len(last), 0)
-        if add:
-            self.pieces.append(add)
-            self.length += len(add)
+        _edit_pieces(self.pieces, drop, add)
+        self.length += len(add) - drop
         self._joined = None
 
     def set(self, text: str):
@@ -747,6 +740,7 @@ class ReplyStream:
 
 
 def _edit_pieces(pieces: list[str], drop: int, add: str):
+    """Drop the last ``drop`` characters of the text ``pieces`` hold, then append ``add``."""
     while drop:
         last = pieces.pop()
         if len(last) > drop:

@@ -632,7 +632,7 @@ def _expert_stats(model) -> str:
     rate = "no" if rate is None else f"{rate:.1%}"
     text = f"experts: {rate} hit rate, {stats['bytes_read'] / 1e9:.3f} GB read"
     kept = stats["experts_per_token"]
-    if kept is not None and trimming.expert_trimming(model) != trimming.OFF:
+    if kept is not None and trimming.is_on(*trimming.expert_trimming(model)):
         text += f", {kept:.2f} of {model.args.num_experts_per_token} a token"
     return text
 

@@ -84,13 +84,20 @@ class QuantizedRouter(Router):
         )
 
 
-@mx.compile
-def _route(logits, bias, top_k: int, scale: float, renormalize: bool):
+def select_experts(logits, bias, top_k: int) -> tuple[mx.array, mx.array]:
+    """The router's choice: the ``top_k`` experts by sigmoid score plus the correction
+    bias, and their sigmoid scores without it. Shapes: logits [..., E] -> (inds [..., k]
+    int32, scores [..., k] fp32)."""
     scores = mx.sigmoid(logits.astype(mx.float32))
     biased = scores + bias.astype(mx.float32)
     inds = mx.argpartition(-biased, kth=top_k - 1, axis=-1)[..., :top_k]
     inds = mx.stop_gradient(inds).astype(mx.int32)
-    w = mx.take_along_axis(scores, inds, axis=-1)
+    return inds, mx.take_along_axis(scores, inds, axis=-1)
+
+
+@mx.compile
+def _route(logits, bias, top_k: int, scale: float, renormalize: bool):
+    inds, w = select_experts(logits, bias, top_k)
     if renormalize:
         w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
     return inds, w * scale

@@ -476,6 +476,12 @@ def follow(model, group):
 # The engine.
 
 
+def _greedy(logits: mx.array) -> mx.array:
+    """Each row's likeliest token, as ``Sampling.pick`` takes it (on the log-probabilities):
+    [B, V] -> [B] int."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+
+
 class Engine:
     """Runs sequences on ``model`` in a thread of its own; see the module docstring.
 
@@ -644,12 +650,11 @@ class Engine:
             logits = p(None, logits)
         alone = [i for i, s in enumerate(rows) if s.processors or not s.sampling.greedy]
         if not alone:
-            return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+            return _greedy(logits)
         picks = [None] * len(rows)
         rest = sorted(set(range(len(rows))) - set(alone))
         if rest:
-            sub = logits[mx.array(rest)]
-            chosen = mx.argmax(sub - mx.logsumexp(sub, axis=-1, keepdims=True), axis=-1)
+            chosen = _greedy(logits[mx.array(rest)])
             for j, i in enumerate(rest):
                 picks[i] = chosen[j : j + 1]
         for i in alone:

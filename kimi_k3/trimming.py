@@ -69,13 +69,12 @@ def route_trimmed(
     Shapes: logits [..., E] -> (inds [..., k] int32, weights [..., k] fp32), by decreasing
     weight; a dropped choice is the first one's expert with weight 0.
     """
-    scores = mx.sigmoid(logits.astype(mx.float32))
-    biased = scores + bias.astype(mx.float32)
-    inds = mx.argpartition(-biased, kth=top_k - 1, axis=-1)[..., :top_k]
-    s = mx.take_along_axis(scores, inds, axis=-1)
+    from kimi_k3.moe import select_experts  # moe imports this module
+
+    inds, s = select_experts(logits, bias, top_k)
     r = s / (s.sum(axis=-1, keepdims=True) + 1e-20)
     order = mx.argsort(-r, axis=-1)
-    inds = mx.stop_gradient(mx.take_along_axis(inds, order, axis=-1)).astype(mx.int32)
+    inds = mx.take_along_axis(inds, order, axis=-1)
     s, r = mx.take_along_axis(s, order, axis=-1), mx.take_along_axis(r, order, axis=-1)
     before = mx.cumsum(r, axis=-1, inclusive=False)
     keep = ((before < top_p) & (r >= min_weight)) | (mx.arange(top_k) == 0)

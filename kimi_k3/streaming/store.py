@@ -354,14 +354,16 @@ class Streamer:
             self.plans[key] = (self.source.extents(layer, expert), checksum)
         return self.plans[key]
 
+    def _job(self, layer: int, expert: int, pool: SlotPool, slot: int) -> ReadJob:
+        """The read of ``expert`` (by store number) of ``layer`` into ``pool``'s ``slot``."""
+        expert += self.held.start
+        extents, checksum = self._where(layer, expert)
+        return ReadJob(layer, expert, extents, pool.dest(slot), checksum, pool.place)
+
     def _jobs(self, store, experts, slots) -> list[ReadJob]:
         jobs = []
         for e, s in zip(experts.tolist(), slots.tolist(), strict=True):
-            e += self.held.start
-            extents, checksum = self._where(store.layer, e)
-            dest = store.pool.dest(s)
-            job = ReadJob(store.layer, e, extents, dest, checksum, store.pool.place)
-            store.cache.jobs[s] = job
+            job = store.cache.jobs[s] = self._job(store.layer, e, store.pool, s)
             jobs.append(job)
         return jobs
 
@@ -394,25 +396,33 @@ class Streamer:
                 predicted_needed=len(needed), predicted_right=len(np.intersect1d(needed, pred))
             )
 
-    def _wait(self, store, waits: list):
-        """Wait for reads; a failed read frees its slot, a timed-out one holds it."""
+    def _await(self, jobs: list[ReadJob]) -> list[ExpertReadError | None]:
+        """Wait for ``jobs``, all within one ``read_timeout``: each one's error, None where
+        it was read (counted as time waited)."""
         t0 = time.perf_counter()
         deadline = t0 + self.opts.read_timeout
-        error = None
-        for slot, job in waits:
+        errors = []
+        for job in jobs:
             try:
                 job.wait(deadline - time.perf_counter())
-            except ExpertReadError as e:  # keep the first, settle every slot
-                error = error or e
-                if job.done.is_set():
-                    store.cache.release(slot)
-                else:
-                    store.cache.hold(slot, job)
-                continue
-            self._landed(store, slot, job)
+                errors.append(None)
+            except ExpertReadError as e:
+                errors.append(e)
         self.stats.waited(time.perf_counter() - t0)
-        if error is not None:
-            raise error
+        return errors
+
+    def _wait(self, store, waits: list):
+        """Wait for reads; a failed read frees its slot, a timed-out one holds it; then
+        raises the first failure."""
+        errors = self._await([job for _, job in waits])
+        for (slot, job), error in zip(waits, errors, strict=True):
+            if error is None:
+                self._landed(store, slot, job)
+            elif job.done.is_set():
+                store.cache.release(slot)
+            else:
+                store.cache.hold(slot, job)
+        _raise_first(errors)
 
     def _make_room(self, store, pinned: set, need: int):
         """Slots are held by reads ahead or by reads that timed out: let them end."""
@@ -507,11 +517,7 @@ class Streamer:
         0, 1, ...; counted as misses."""
         area = self.overflow
         area.settle()
-        jobs = []
-        for slot, e in enumerate(experts.tolist()):
-            e += self.held.start
-            extents, checksum = self._where(store.layer, e)
-            jobs.append(ReadJob(store.layer, e, extents, area.dest(slot), checksum, area.place))
+        jobs = [self._job(store.layer, e, area, slot) for slot, e in enumerate(experts.tolist())]
         self.io.submit(jobs)
         self.overflow_reads = jobs
         self.stats.add(misses=len(jobs), overflow_misses=len(jobs))
@@ -520,17 +526,7 @@ class Streamer:
         """Wait for the overflow area's reads and put them in place; raises the first
         failure once every read has answered or timed out."""
         jobs = self.overflow_reads
-        t0 = time.perf_counter()
-        deadline = t0 + self.opts.read_timeout
-        error = None
-        for job in jobs:
-            try:
-                job.wait(deadline - time.perf_counter())
-            except ExpertReadError as e:
-                error = error or e
-        self.stats.waited(time.perf_counter() - t0)
-        if error is not None:
-            raise error
+        _raise_first(self._await(jobs))
         self.overflow_reads = []
         for slot, job in enumerate(jobs):
             self.overflow.commit(slot, job.dest)
@@ -610,6 +606,12 @@ def attach_streamer(
     if old is not None:
         old.close()
     return Streamer(source, layout, moes, slots, opts, budget, args, held)
+
+
+def _raise_first(errors: list):
+    """Raise the first error of ``errors`` (None where there was none)."""
+    if (error := next((e for e in errors if e is not None), None)) is not None:
+        raise error
 
 
 def overflow_for_batch(streamer: Streamer, rows: int) -> int:
