@@ -11,7 +11,10 @@ next-token distributions, the reference being the checkpoint as given, computed 
 Variants: the same checkpoint computed in bf16, with its dense weights quantized to 8 and
 4 bits (MLX affine, group 64; experts, AttnRes and conv kernels untouched), the fp32 model
 before MXFP4 and bf16 rounding (``--state``), and a random-weight model of the same
-shape.
+shape. Ablations say what the parts of the MoE carry: every routed expert's output zeroed
+(the shared experts alone), the shared experts zeroed, and each token's routed experts
+cut to the top half of its choices (``top_k // 2``, weights renormalised as the router
+does).
 
 Routing, per MoE layer, over the held-out windows: the load (share of routed choices per
 expert: max and min over the mean), its entropy over ``log(num_experts)`` (1 = uniform),
@@ -26,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -52,10 +56,13 @@ def _logprobs(model: Model, x: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def compare(reference: Model, variants: dict, wins: np.ndarray, batch: int = 4) -> dict[str, dict]:
+def compare(
+    reference: Model, variants: dict, wins: np.ndarray, batch: int = 4, progress=None
+) -> dict[str, dict]:
     """Perplexity of the reference and of each variant, and each variant's mean per-token
     KL from the reference. ``variants`` maps names to models. Returns
-    ``{name: {"ppl": ..., "kl": ...}}`` with the reference first (KL 0)."""
+    ``{name: {"ppl": ..., "kl": ...}}`` with the reference first (KL 0). ``progress``, if
+    given, is called as ``progress(done, total)`` in windows after each batch."""
     nll = {name: 0.0 for name in ["reference", *variants]}
     kl = dict.fromkeys(nll, 0.0)
     count = 0
@@ -70,6 +77,8 @@ def compare(reference: Model, variants: dict, wins: np.ndarray, batch: int = 4) 
             nll[name] += _nll_sum(lp, y)
             kl[name] += (pr * (ref - lp)).sum().item()
         count += y.size
+        if progress is not None:
+            progress(min(i + batch, len(wins)), len(wins))
     return {n: {"ppl": math.exp(nll[n] / count), "kl": kl[n] / count} for n in nll}
 
 
@@ -109,6 +118,37 @@ def routing_choices(model: Model, wins: np.ndarray, batch: int = 4) -> dict[int,
     return {
         layer: np.concatenate([np.array(c) for c in chunks]).reshape(-1, seq, chunks[0].shape[-1])
         for layer, chunks in seen.items()
+    }
+
+
+def moe_output_rms(model: Model, wins: np.ndarray, batch: int = 4) -> dict[int, dict]:
+    """Per MoE layer, the root mean square over tokens and channels of the two parts the
+    block adds: the routed part (``up(RMSNorm(routed sum))``, whose size the latent norm
+    bounds) and the shared experts' output. Returns ``{layer: {"routed", "shared"}}``."""
+    sums: dict[int, list] = {}
+    moes = [layer.ffn for layer in model.layers if "block_sparse_moe" in layer]
+
+    def hook(moe, flat):
+        inds, weights = moe.gate(flat)
+        y = moe.experts(moe.routed_expert_down_proj(flat), inds, weights)
+        routed = moe.routed_expert_up_proj(moe.routed_expert_norm(y.astype(flat.dtype)))
+        parts = [mx.square(t.astype(mx.float32)).sum() for t in (routed, moe.shared_experts(flat))]
+        acc = sums.setdefault(moe.layer_index, [0.0, 0.0, 0])
+        acc[0] += parts[0].item()
+        acc[1] += parts[1].item()
+        acc[2] += flat.size
+
+    for moe in moes:
+        moe.route_hook = hook
+    try:
+        for i in range(0, len(wins), batch):
+            mx.eval(model(mx.array(wins[i : i + batch, :-1])))
+    finally:
+        for moe in moes:
+            del moe.route_hook
+    return {
+        layer: {"routed": math.sqrt(r / n), "shared": math.sqrt(s / n)}
+        for layer, (r, s, n) in sorted(sums.items())
     }
 
 
@@ -167,9 +207,59 @@ def variants(path: str | Path, state: str | Path | None = None, random: bool = T
     out["bf16 compute"] = load_model(path, dtype=mx.bfloat16)
     out["8-bit dense"] = quantized_dense(path, 8)
     out["4-bit dense"] = quantized_dense(path, 4)
+    out["routed experts zeroed (shared only)"] = without_routed_experts(
+        load_model(path, dtype=mx.float32)
+    )
+    out["shared experts zeroed"] = without_shared_experts(load_model(path, dtype=mx.float32))
+    half = load_model(path, dtype=mx.float32)
+    k = set_top_k(half, max(1, half.args.num_experts_per_token // 2))
+    out[f"top-k halved ({half.args.num_experts_per_token} -> {k})"] = half
     if random:
         out["random weights"] = random_model(path)
     return out
+
+
+class _ZeroRouted(nn.Module):
+    """An expert store whose every expert outputs zero: the routed sum is zero, and so
+    is the latent norm's output (``RMSNorm(0) = 0``), so the MoE block gives its shared
+    experts' output alone."""
+
+    def __call__(self, z: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
+        return mx.zeros(z.shape, mx.float32)
+
+
+class _ZeroShared(nn.Module):
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.zeros_like(x)
+
+
+def _moe_blocks(model: Model):
+    return [layer.block_sparse_moe for layer in model.layers if "block_sparse_moe" in layer]
+
+
+def without_routed_experts(model: Model) -> Model:
+    """``model`` with every routed expert's output zeroed (in place): the shared experts
+    alone. What the routed experts carry is the NLL this costs."""
+    for moe in _moe_blocks(model):
+        moe.experts = _ZeroRouted()
+    return model
+
+
+def without_shared_experts(model: Model) -> Model:
+    """``model`` with every MoE layer's shared experts zeroed (in place)."""
+    for moe in _moe_blocks(model):
+        moe.shared_experts = _ZeroShared()
+    return model
+
+
+def set_top_k(model: Model, k: int) -> int:
+    """Route each token to its ``k`` best experts instead of ``num_experts_per_token`` (in
+    place; the router renormalises the kept weights as it does at full ``k``). Returns k."""
+    if not 1 <= k <= model.args.num_experts:
+        raise ValueError(f"top-k {k} is outside 1..{model.args.num_experts}")
+    for moe in _moe_blocks(model):
+        moe.gate.top_k = k
+    return k
 
 
 def _mxfp4_experts(model: Model) -> Model:
@@ -234,6 +324,18 @@ def format_routing(stats: dict[str, dict[int, dict]]) -> str:
     return "\n".join(rows)
 
 
+def format_moe_parts(parts: dict[int, dict]) -> str:
+    rows = [
+        "| layer | routed part RMS | shared experts RMS | routed / shared |",
+        "|---:|---:|---:|---:|",
+    ]
+    rows += [
+        f"| {layer} | {p['routed']:.3f} | {p['shared']:.3f} | {p['routed'] / p['shared']:.2f} |"
+        for layer, p in parts.items()
+    ]
+    return "\n".join(rows)
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory (default: the embedded default)")
@@ -256,7 +358,12 @@ def main(argv=None):
     wins = windows(heldout_ids(args.model, args.text), args.seq, args.tokens)
     models = variants(args.model, args.state, random=not args.no_random)
     reference = models.pop("reference")
-    results = compare(reference, models, wins)
+    print(
+        f"scoring {wins.size - len(wins)} tokens with the reference and {len(models)} variants",
+        file=sys.stderr,
+        flush=True,
+    )
+    results = compare(reference, models, wins, progress=_progress)
     print(f"{wins.size - len(wins)} held-out tokens in windows of {args.seq}\n")
     print(format_table(results))
     E = reference.args.num_experts
@@ -265,8 +372,16 @@ def main(argv=None):
         routing["random weights"] = _routing(models["random weights"], wins, E)
     print()
     print(format_routing(routing))
+    parts = moe_output_rms(reference, wins)
+    print()
+    print(format_moe_parts(parts))
     if args.json:
-        Path(args.json).write_text(json.dumps({"perplexity": results, "routing": routing}))
+        out = {"perplexity": results, "routing": routing, "moe_output_rms": parts}
+        Path(args.json).write_text(json.dumps(out))
+
+
+def _progress(done: int, total: int):
+    print(f"  {done}/{total} windows", file=sys.stderr, flush=True)
 
 
 def _routing(model: Model, wins: np.ndarray, num_experts: int) -> dict[int, dict]:
