@@ -9,7 +9,7 @@ import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kimi_k3.checkpoint import load_json
+from kimi_k3.checkpoint import MAX_CONFIG_BYTES, load_json, read_capped
 
 INT_MAX = 2**31 - 1  # MLX shapes are int32
 # Config values by kind: what each must be (checked before anything uses them).
@@ -278,9 +278,11 @@ def read_config_json(path: str | Path) -> dict:
     the file: ``FileNotFoundError`` without one, else ``ConfigError``."""
     file = Path(path) / "config.json"
     try:
-        config = load_json(file.read_bytes())
-    except (FileNotFoundError, IsADirectoryError):
+        raw = read_capped(file, MAX_CONFIG_BYTES)
+    except FileNotFoundError:
         raise FileNotFoundError(f"{file}: no config.json (not a model directory?)") from None
+    try:
+        config = load_json(raw)
     except ValueError as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
