@@ -46,13 +46,13 @@ NP_DTYPE = {
 MAX_HEADER = 100 * 1024 * 1024
 MAX_JSON_DEPTH = 64  # far below the recursion limit json's parser would hit
 # The most bytes each kind of checkpoint file may hold, checked before it is read, so no
-# allocation grows with a hostile file's size. A config (K3's ``config.json`` is a few KB,
-# ``tokenizer_config.json`` with its 256 special tokens about 30 KB) gets 4 MiB. A listing
-# with one entry per tensor (the shard index, the checksums manifest, the expert pack's
-# index: about 80 MB for K3's 92 MoE layers x 896 experts x 6 expert tensors at ~110 bytes
-# an entry) gets 256 MiB. The tokenizer's rank file (K2's 163,840 ranks are 2.4 MB) gets
-# 64 MiB. Safetensors shards are opened the same way (regular files only); their header
-# is bounded by ``MAX_HEADER``.
+# allocation grows with a hostile file's size (docs/checkpoints.md#files). A config (the
+# demo's ``config.json`` is 2 KB, its ``tokenizer_config.json`` with 256 special tokens
+# 22 KB) gets 4 MiB. A listing with one entry per tensor (the shard index, the checksums
+# manifest, the expert pack's index: about 80 MB for K3's 92 MoE layers x 896 experts x 6
+# expert tensors at ~110 bytes an entry) gets 256 MiB. The tokenizer's rank file (about
+# 17 bytes a rank: ~3 MB for 163,840 ranks) gets 64 MiB. Safetensors shards are opened the
+# same way (regular files only); their header is bounded by ``MAX_HEADER``.
 MAX_CONFIG_BYTES = 4 << 20
 MAX_LISTING_BYTES = 256 << 20
 MAX_RANK_FILE_BYTES = 64 << 20
