@@ -223,11 +223,11 @@ def write_pack(out: str | Path, experts: dict[int, list[dict]], file_bytes: int 
 
 
 def is_pack_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a converted model directory (or its ``experts`` dir) with a pack."""
+    """Whether ``path`` is a converted model directory (or its ``experts`` dir) with a pack
+    (an index there that is not a regular file still counts: ``ExpertPack`` refuses it by
+    name)."""
     path = Path(path)
-    return (path / PACK_DIR / INDEX).is_file() or (
-        path.name == PACK_DIR and (path / INDEX).is_file()
-    )
+    return (path / PACK_DIR / INDEX).exists() or (path.name == PACK_DIR and (path / INDEX).exists())
 
 
 class ExpertPack:
@@ -239,7 +239,7 @@ class ExpertPack:
 
     def __init__(self, path: str | Path):
         path = Path(path)
-        self.dir = path / PACK_DIR if (path / PACK_DIR / INDEX).is_file() else path
+        self.dir = path / PACK_DIR if (path / PACK_DIR / INDEX).exists() else path
         file = self.dir / INDEX
         try:
             raw = read_capped(file, MAX_LISTING_BYTES)
