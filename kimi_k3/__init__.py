@@ -63,8 +63,9 @@ def cache_dir() -> Path:
 def check_checkpoint(path: str | Path) -> dict:
     """The ``config.json`` of a Kimi K3 checkpoint directory, or a clear error.
 
-    Raises ``FileNotFoundError`` (no such directory, no config.json) or ``ConfigError``
-    (not UTF-8 JSON, not an object, or another model family) naming the path.
+    Raises ``FileNotFoundError`` (no such directory, no config.json), ``CheckpointError``
+    (config.json is not a regular file, or larger than ``MAX_CONFIG_BYTES``) or
+    ``ConfigError`` (not UTF-8 JSON, not an object, or another model family) naming the path.
     ``load_model`` and ``load`` start with it.
     """
     from kimi_k3.config import ConfigError, read_config_json

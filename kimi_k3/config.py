@@ -275,7 +275,8 @@ class ModelArgs:
 
 def read_config_json(path: str | Path) -> dict:
     """The ``config.json`` of a checkpoint directory (a JSON object), with errors that name
-    the file: ``FileNotFoundError`` without one, else ``ConfigError``."""
+    the file: ``FileNotFoundError`` without one, ``CheckpointError`` when it is not a
+    regular file of at most ``MAX_CONFIG_BYTES`` (``read_capped``), else ``ConfigError``."""
     file = Path(path) / "config.json"
     try:
         raw = read_capped(file, MAX_CONFIG_BYTES)
