@@ -43,14 +43,17 @@ from kimi_k3 import checksums
 from kimi_k3 import expert_pack as ep
 from kimi_k3.checkpoint import (
     DTYPE_SIZE,
+    MAX_CONFIG_BYTES,
     NON_TEXT_PREFIXES,
     NP_DTYPE,
     CheckpointError,
     CheckpointIndex,
     TensorInfo,
+    open_regular,
+    read_capped,
     write_text_atomic,
 )
-from kimi_k3.config import ConfigError, ModelArgs
+from kimi_k3.config import ConfigError, ModelArgs, read_config_json
 from kimi_k3.layouts import detect
 from kimi_k3.model import Model, sanitize_weights
 
@@ -396,7 +399,7 @@ class _Run:
         with self.lock:
             fd = self.fds.get(file)
             if fd is None:
-                fd = self.fds[file] = os.open(file, os.O_RDONLY)
+                fd = self.fds[file] = open_regular(file)[0]
         data = os.pread(fd, n, offset)
         if len(data) != n:
             raise CheckpointError(f"{file}: short read at byte {offset} (file truncated?)")
@@ -529,7 +532,7 @@ class _Run:
         )
         self._pack_index()
         self._checksums()
-        config = json.loads((hf_path / "config.json").read_text())
+        config = read_config_json(hf_path)
         if self.plan.quantization:
             config["quantization"] = self.plan.quantization
         write_text_atomic(self.out / "config.json", json.dumps(config, indent=1))
@@ -683,8 +686,8 @@ def convert(
             f"{hf_path}: is in the {layout!r} layout; convert from the published "
             "checkpoint (the converted and mlx-lm layouts load directly)"
         )
-    config_text = (hf_path / "config.json").read_text()
     args = ModelArgs.from_path(hf_path)
+    config_text = read_capped(hf_path / "config.json", MAX_CONFIG_BYTES).decode("utf-8")
     src = CheckpointIndex(hf_path)
     fp = fingerprint(src, config_text, settings)
     status = _check_out(out, fp)

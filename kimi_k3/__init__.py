@@ -3,6 +3,7 @@
 ``import kimi_k3`` stays cheap: MLX, mlx-lm and the tokenizer are imported on first use.
 
     model, tokenizer = kimi_k3.load("path/to/Kimi-K3", expert_cache_gb=64)
+    model, tokenizer = kimi_k3.load(kimi_k3.ensure_default_model())  # the embedded demo
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ __all__ = [
     "trace",
     "check_checkpoint",
     "cache_dir",
+    "ensure_default_model",
+    "reserved_token_mask",
     "set_expert_trimming",
     "expert_trimming",
 ]
@@ -31,6 +34,7 @@ _LAZY = {
     "trace": "kimi_k3.trace",
     "set_expert_trimming": "kimi_k3.trimming",
     "expert_trimming": "kimi_k3.trimming",
+    "ensure_default_model": "kimi_k3.default_model",
 }
 
 # model_config keys that change no tensor shape, so they can be set on a built model.
@@ -59,8 +63,9 @@ def cache_dir() -> Path:
 def check_checkpoint(path: str | Path) -> dict:
     """The ``config.json`` of a Kimi K3 checkpoint directory, or a clear error.
 
-    Raises ``FileNotFoundError`` (no such directory, no config.json) or ``ConfigError``
-    (not UTF-8 JSON, not an object, or another model family) naming the path.
+    Raises ``FileNotFoundError`` (no such directory, no config.json), ``CheckpointError``
+    (config.json is not a regular file, or larger than ``MAX_CONFIG_BYTES``) or
+    ``ConfigError`` (not UTF-8 JSON, not an object, or another model family) naming the path.
     ``load_model`` and ``load`` start with it.
     """
     from kimi_k3.config import ConfigError, read_config_json
@@ -77,6 +82,18 @@ def check_checkpoint(path: str | Path) -> dict:
             f"{file}: model_type is {kind!r}, not 'kimi_k3': this is not a Kimi K3 checkpoint"
         )
     return config
+
+
+def reserved_token_mask(tokenizer):
+    """An mlx-lm logits processor, ``(tokens, logits) -> logits``, that gives the special
+    ids no reply may contain (the reserved slots, ``[BOS]``, ``[PAD]`` and ``[UNK]`` of
+    ``tokenizer``) a logit of ``-inf`` and leaves every other logit as it is: stop tokens
+    and the chat markers stay. The command line and the server sample through it; pass it
+    to mlx-lm as ``stream_generate(..., logits_processors=[reserved_token_mask(tokenizer)])``.
+    """
+    from kimi_k3.generate import never_sample
+
+    return never_sample(tokenizer)
 
 
 def load(

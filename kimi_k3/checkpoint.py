@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,18 @@ NP_DTYPE = {
 }
 MAX_HEADER = 100 * 1024 * 1024
 MAX_JSON_DEPTH = 64  # far below the recursion limit json's parser would hit
+# The most bytes each kind of checkpoint file may hold, checked before it is read, so no
+# allocation grows with a hostile file's size (docs/checkpoints.md#files). A config (the
+# demo's ``config.json`` is 2 KB, its ``tokenizer_config.json`` with 256 special tokens
+# 22 KB) gets 4 MiB. A listing with one entry per tensor (the shard index, the checksums
+# manifest, the expert pack's index: about 80 MB for K3's 92 MoE layers x 896 experts x 6
+# expert tensors at ~110 bytes an entry) gets 256 MiB. The tokenizer's rank file (about
+# 17 bytes a rank: ~3 MB for 163,840 ranks) gets 64 MiB. Safetensors shards are opened the
+# same way (regular files only); their header is bounded by ``MAX_HEADER``.
+MAX_CONFIG_BYTES = 4 << 20
+MAX_LISTING_BYTES = 256 << 20
+MAX_RANK_FILE_BYTES = 64 << 20
+_DEPTH_CHUNK = 1 << 20  # bytes scanned at a time for JSON nesting depth
 # What each kind of tensor may hold. Float weights are one 16-bit float type per checkpoint
 # (F16 and BF16 bits differ, so a relabelled tensor must not pass) or F32.
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -59,13 +72,68 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read as it claims to be."""
 
 
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _check_regular(file: Path, st: os.stat_result):
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _FILE_KINDS if test(st.st_mode)), "not a plain file")
+        link = f" (a link to {os.path.realpath(file)})" if os.path.islink(file) else ""
+        raise CheckpointError(f"{file}: {kind}{link}, not a regular file")
+
+
+def open_regular(file: str | Path, max_bytes: int | None = None) -> tuple[int, int]:
+    """``(fd, size)`` of ``file`` opened read-only, or ``CheckpointError`` naming it when it
+    is not a regular file (a directory, FIFO, device or socket, also through a symlink) or
+    holds more than ``max_bytes``. The type is checked before opening (a device is never
+    opened) and again with ``fstat`` on the descriptor, which is opened non-blocking so a
+    FIFO swapped in between cannot block. ``FileNotFoundError`` and other ``OSError`` pass
+    through. The caller closes ``fd``."""
+    file = Path(file)
+    _check_regular(file, os.stat(file))
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(file, flags)
+    try:
+        st = os.fstat(fd)
+        _check_regular(file, st)
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise CheckpointError(
+                f"{file}: {st.st_size} bytes, more than this kind of file may hold "
+                f"({max_bytes} bytes); refused before reading"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_capped(file: str | Path, max_bytes: int) -> bytes:
+    """The bytes of regular file ``file`` of at most ``max_bytes`` (``open_regular``); one
+    that grows past its size while it is read is refused."""
+    fd, size = open_regular(file, max_bytes)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(size + 1)
+    if len(data) > size:
+        raise CheckpointError(f"{file}: grew while it was read (was {size} bytes)")
+    return data
+
+
 def load_json(raw: bytes | str) -> object:
     """Parse JSON (UTF-8) refusing what no checkpoint file holds: nesting deeper than
     ``MAX_JSON_DEPTH`` (so the parser's recursion limit is never reached) and repeated keys.
     Raises ``ValueError`` with the reason; callers add the file name."""
     text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
     brackets = np.frombuffer(_JSON_STRING.sub("", text).encode(), np.uint8)
-    depth = int(np.cumsum(_DEPTH[brackets], dtype=np.int64).max(initial=0))
+    depth = level = 0
+    for i in range(0, len(brackets), _DEPTH_CHUNK):  # bounded scratch memory
+        levels = np.cumsum(_DEPTH[brackets[i : i + _DEPTH_CHUNK]], dtype=np.int64) + level
+        depth, level = max(depth, int(levels.max())), int(levels[-1])
     if depth > MAX_JSON_DEPTH:
         raise ValueError(f"nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
     return json.loads(text, object_pairs_hook=_unique_keys)
@@ -100,21 +168,21 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     back to back, no overlap, ending at the end of the file)."""
     file = Path(file)
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{file}: truncated ({size} bytes, no safetensors header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise CheckpointError(
-                    f"{file}: corrupted safetensors header (length {n}, file {size} bytes)"
-                )
-            raw = f.read(n)
+        fd, size = open_regular(file)
     except FileNotFoundError:
         raise CheckpointError(f"{file}: shard file is missing") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{file}: a directory, not a safetensors file") from None
+    with os.fdopen(fd, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file}: truncated ({size} bytes, no safetensors header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise CheckpointError(
+                f"{file}: corrupted safetensors header (length {n}, file {size} bytes)"
+            )
+        raw = f.read(n)
+    if len(raw) < n:
+        raise CheckpointError(f"{file}: truncated while its header was read")
     try:
         header = load_json(raw)
     except ValueError as e:
@@ -223,11 +291,15 @@ def read_index(path: Path) -> dict[str, str] | None:
     """The ``weight_map`` of ``path/model.safetensors.index.json`` (None without an index),
     checked: tensor names to plain ``*.safetensors`` file names in ``path``."""
     file = Path(path) / "model.safetensors.index.json"
-    if not file.exists():
-        return None
     try:
-        doc = load_json(file.read_bytes())
-    except (OSError, ValueError) as e:
+        raw = read_capped(file, MAX_LISTING_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot be read ({e.strerror})") from None
+    try:
+        doc = load_json(raw)
+    except ValueError as e:
         raise CheckpointError(f"{file}: not a valid shard index ({e})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -313,7 +385,8 @@ class CheckpointIndex:
     def read_numpy(self, name: str) -> np.ndarray:
         """One tensor as numpy (BF16 as its raw uint16 bits)."""
         t = self[name]
-        with open(t.file, "rb") as f:
+        fd, _ = open_regular(t.file)
+        with os.fdopen(fd, "rb") as f:
             f.seek(t.start)
             buf = f.read(t.nbytes)
         if len(buf) != t.nbytes:

@@ -24,11 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from kimi_k3.checkpoint import (
+    MAX_LISTING_BYTES,
     NON_TEXT_PREFIXES,
     CheckpointError,
     CheckpointIndex,
     TensorInfo,
     load_json,
+    open_regular,
+    read_capped,
 )
 
 NAME = "kimi_k3_checksums.json"
@@ -118,7 +121,7 @@ def record_file(file: Path, tensors: list[TensorInfo]) -> dict:
     """``{"bytes", "mtime_ns", "tensors"}`` of one file, read once; a file that changes
     while it is read is refused."""
     before = stamp(file)
-    fd = os.open(file, os.O_RDONLY)
+    fd, _ = open_regular(file)
     try:
         crcs = {t.name: _tensor_crc(fd, t) for t in sorted(tensors, key=lambda t: t.start)}
     finally:
@@ -163,8 +166,9 @@ def write_manifest(file: Path, sums: Checksums):
 
 
 def read_manifest(file: Path) -> Checksums:
+    why = "wrong format or version"
     try:
-        doc = load_json(file.read_bytes())
+        doc = load_json(read_capped(file, MAX_LISTING_BYTES))
         ok = (
             isinstance(doc, dict)
             and (doc.get("format"), doc.get("version")) == (FORMAT, VERSION)
@@ -172,11 +176,11 @@ def read_manifest(file: Path) -> Checksums:
             and all(_valid_entry(e) for e in doc["files"].values())
         )
     except (OSError, ValueError) as e:
-        ok, doc = False, e
+        ok, why = False, str(e)
     if not ok:
         raise CheckpointError(
-            f"{file}: not a {FORMAT} version {VERSION} manifest; delete it to record the "
-            "checksums anew"
+            f"{file}: not a {FORMAT} version {VERSION} manifest ({why}); delete it to record "
+            "the checksums anew"
         )
     return Checksums(doc["files"], file)
 

@@ -9,7 +9,7 @@ import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kimi_k3.checkpoint import load_json
+from kimi_k3.checkpoint import MAX_CONFIG_BYTES, load_json, read_capped
 
 INT_MAX = 2**31 - 1  # MLX shapes are int32
 # Config values by kind: what each must be (checked before anything uses them).
@@ -275,12 +275,15 @@ class ModelArgs:
 
 def read_config_json(path: str | Path) -> dict:
     """The ``config.json`` of a checkpoint directory (a JSON object), with errors that name
-    the file: ``FileNotFoundError`` without one, else ``ConfigError``."""
+    the file: ``FileNotFoundError`` without one, ``CheckpointError`` when it is not a
+    regular file of at most ``MAX_CONFIG_BYTES`` (``read_capped``), else ``ConfigError``."""
     file = Path(path) / "config.json"
     try:
-        config = load_json(file.read_bytes())
-    except (FileNotFoundError, IsADirectoryError):
+        raw = read_capped(file, MAX_CONFIG_BYTES)
+    except FileNotFoundError:
         raise FileNotFoundError(f"{file}: no config.json (not a model directory?)") from None
+    try:
+        config = load_json(raw)
     except ValueError as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
     if not isinstance(config, dict):

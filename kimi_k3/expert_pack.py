@@ -31,7 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_k3.checkpoint import CheckpointError, write_text_atomic
+from kimi_k3.checkpoint import (
+    MAX_LISTING_BYTES,
+    CheckpointError,
+    load_json,
+    open_regular,
+    read_capped,
+    write_text_atomic,
+)
 
 ALIGN = 4096
 PACK_DIR = "experts"
@@ -216,11 +223,11 @@ def write_pack(out: str | Path, experts: dict[int, list[dict]], file_bytes: int 
 
 
 def is_pack_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a converted model directory (or its ``experts`` dir) with a pack."""
+    """Whether ``path`` is a converted model directory (or its ``experts`` dir) with a pack
+    (an index there that is not a regular file still counts: ``ExpertPack`` refuses it by
+    name)."""
     path = Path(path)
-    return (path / PACK_DIR / INDEX).is_file() or (
-        path.name == PACK_DIR and (path / INDEX).is_file()
-    )
+    return (path / PACK_DIR / INDEX).exists() or (path.name == PACK_DIR and (path / INDEX).exists())
 
 
 class ExpertPack:
@@ -232,14 +239,18 @@ class ExpertPack:
 
     def __init__(self, path: str | Path):
         path = Path(path)
-        self.dir = path / PACK_DIR if (path / PACK_DIR / INDEX).is_file() else path
+        self.dir = path / PACK_DIR if (path / PACK_DIR / INDEX).exists() else path
         file = self.dir / INDEX
         try:
-            doc = json.loads(file.read_text())
+            raw = read_capped(file, MAX_LISTING_BYTES)
         except FileNotFoundError:
             raise PackError(f"{file}: no expert pack index (not a converted model?)") from None
-        except json.JSONDecodeError as e:
+        try:
+            doc = load_json(raw)
+        except ValueError as e:
             raise PackError(f"{file}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise PackError(f"{file}: not a JSON object (got {type(doc).__name__})")
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:
             raise PackError(
                 f"{file}: format {doc.get('format')!r} version "
@@ -319,7 +330,7 @@ class ExpertPack:
         fd = self._fds.get(f)
         if fd is None:
             try:
-                fd = os.open(self.files[f], os.O_RDONLY)
+                fd, _ = open_regular(self.files[f])
             except FileNotFoundError:
                 raise PackError(f"{self.files[f]}: expert pack file is missing") from None
             fd = self._fds.setdefault(f, fd)

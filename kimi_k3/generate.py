@@ -110,7 +110,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         dest="chat",
         action="store_false",
         help="encode the prompt as is (special-token names become special ids) and print "
-        "every generated token, special ones included (default: off)",
+        "every generated token, special ones included (default for the demo model, which "
+        "has no chat training, when neither --chat nor --raw is given; off for --model)",
     )
     p.add_argument(
         "--thinking",

@@ -52,8 +52,7 @@ def detect(path: str | Path) -> str:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such model directory")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path / 'config.json'}: no config.json (not a model directory?)")
+    read_config_json(path)  # FileNotFoundError without one, else a regular JSON object
     if is_pack_dir(path):
         return "pack"
     if any(m in n for n in tensor_names(path) for m in _MLX_LM_MARKS):

@@ -38,6 +38,13 @@ from transformers import PreTrainedTokenizerFast
 
 from kimi_k3 import cache_dir
 from kimi_k3.chat import encode_chat, parse_tool_calls, render_text
+from kimi_k3.checkpoint import (
+    MAX_CONFIG_BYTES,
+    MAX_RANK_FILE_BYTES,
+    CheckpointError,
+    load_json,
+    read_capped,
+)
 
 RANK_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -112,26 +119,35 @@ def special_token_ids(n_ranks: int) -> dict[str, int]:
     return {name: n_ranks + off for name, off in SPECIAL_OFFSETS.items()}
 
 
-def read_ranks(path: str | Path) -> list[bytes]:
-    """Token bytes by rank from a tiktoken rank file; ranks must be exactly 0..n-1."""
+def read_rank_file(path: str | Path) -> bytes:
+    """The bytes of a tiktoken rank file: a regular file of at most ``MAX_RANK_FILE_BYTES``
+    (``kimi_k3.checkpoint.read_capped``), else ``CheckpointError`` naming it."""
+    try:
+        return read_capped(path, MAX_RANK_FILE_BYTES)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"tokenizer rank file not found: {path}") from None
+
+
+def read_ranks(path: str | Path, data: bytes | None = None) -> list[bytes]:
+    """Token bytes by rank from a tiktoken rank file (its bytes ``data`` when given, else
+    ``read_rank_file(path)``); ranks must be exactly 0..n-1."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"tokenizer rank file not found: {path}")
+    if data is None:
+        data = read_rank_file(path)
     by_rank: dict[int, bytes] = {}
     seen: dict[bytes, int] = {}
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            token, rank = _parse_rank_line(line, path, lineno)
-            if rank in by_rank:
-                raise ValueError(f"{path}:{lineno}: duplicate rank {rank}")
-            if token in seen:
-                raise ValueError(
-                    f"{path}:{lineno}: duplicate token {token!r} (also rank {seen[token]})"
-                )
-            by_rank[rank] = token
-            seen[token] = rank
+    for lineno, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        token, rank = _parse_rank_line(line, path, lineno)
+        if rank in by_rank:
+            raise CheckpointError(f"{path}:{lineno}: duplicate rank {rank}")
+        if token in seen:
+            raise CheckpointError(
+                f"{path}:{lineno}: duplicate token {token!r} (also rank {seen[token]})"
+            )
+        by_rank[rank] = token
+        seen[token] = rank
     _check_ranks(by_rank, path)
     return [by_rank[r] for r in range(len(by_rank))]
 
@@ -139,29 +155,31 @@ def read_ranks(path: str | Path) -> list[bytes]:
 def _parse_rank_line(line: bytes, path: Path, lineno: int) -> tuple[bytes, int]:
     fields = line.split()
     if len(fields) != 2:
-        raise ValueError(f"{path}:{lineno}: expected 'base64 rank', got {line[:80]!r}")
+        raise CheckpointError(f"{path}:{lineno}: expected 'base64 rank', got {line[:80]!r}")
     try:
         token = base64.b64decode(fields[0], validate=True)
     except (binascii.Error, ValueError) as e:
-        raise ValueError(f"{path}:{lineno}: bad base64 {fields[0][:80]!r}: {e}") from None
+        raise CheckpointError(f"{path}:{lineno}: bad base64 {fields[0][:80]!r}: {e}") from None
     if not fields[1].isdigit():
-        raise ValueError(f"{path}:{lineno}: bad rank {fields[1][:80]!r}")
+        raise CheckpointError(f"{path}:{lineno}: bad rank {fields[1][:80]!r}")
     if not token:
-        raise ValueError(f"{path}:{lineno}: empty token")
+        raise CheckpointError(f"{path}:{lineno}: empty token")
     return token, int(fields[1])
 
 
 def _check_ranks(by_rank: dict[int, bytes], path: Path) -> None:
     if not by_rank:
-        raise ValueError(f"{path}: no ranks")
+        raise CheckpointError(f"{path}: no ranks")
     n = len(by_rank)
     if max(by_rank) != n - 1:
         missing = next(r for r in range(n) if r not in by_rank)
-        raise ValueError(f"{path}: ranks must be 0..{n - 1} without gaps; {missing} is missing")
+        raise CheckpointError(
+            f"{path}: ranks must be 0..{n - 1} without gaps; {missing} is missing"
+        )
     singles = {t for t in by_rank.values() if len(t) == 1}
     if len(singles) != 256:
         absent = [b for b in range(256) if bytes([b]) not in singles]
-        raise ValueError(f"{path}: single-byte tokens missing for bytes {absent[:16]}")
+        raise CheckpointError(f"{path}: single-byte tokens missing for bytes {absent[:16]}")
 
 
 def read_special_tokens(path: str | Path, n_ranks: int) -> list[str]:
@@ -172,26 +190,33 @@ def read_special_tokens(path: str | Path, n_ranks: int) -> list[str]:
     """
     path = Path(path)
     names = [reserved_name(n_ranks + i) for i in range(NUM_SPECIAL_TOKENS)]
-    if not path.is_file():
+    try:
+        raw = read_capped(path, MAX_CONFIG_BYTES)
+    except FileNotFoundError:
         for name, off in SPECIAL_OFFSETS.items():
             names[off] = name
         return names
     try:
-        decoder = json.loads(path.read_text(encoding="utf-8")).get("added_tokens_decoder", {})
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
+        doc = load_json(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: not a JSON object (got {type(doc).__name__})")
+    decoder = doc.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise CheckpointError(f"{path}: added_tokens_decoder must be an object")
     for key, entry in decoder.items():
         if not key.isdigit() or not isinstance(entry, dict) or "content" not in entry:
-            raise ValueError(f"{path}: bad added_tokens_decoder entry {key!r}: {entry!r}")
+            raise CheckpointError(f"{path}: bad added_tokens_decoder entry {key!r}: {entry!r}")
         token_id = int(key)
         if not n_ranks <= token_id < n_ranks + NUM_SPECIAL_TOKENS:
-            raise ValueError(
+            raise CheckpointError(
                 f"{path}: added token id {token_id} is outside the special range "
                 f"{n_ranks}..{n_ranks + NUM_SPECIAL_TOKENS - 1}"
             )
         names[token_id - n_ranks] = entry["content"]
     if len(set(names)) != len(names):
-        raise ValueError(f"{path}: special token names are not unique")
+        raise CheckpointError(f"{path}: special token names are not unique")
     return names
 
 
@@ -269,11 +294,12 @@ def load_backend(path: str | Path, cache: bool = True) -> tuple[Tokenizer, list[
     hash of the rank file and the special names; the checkpoint dir is never written.
     """
     path = Path(path)
-    ranks = read_ranks(path / RANK_FILE)
+    rank_bytes = read_rank_file(path / RANK_FILE)
+    ranks = read_ranks(path / RANK_FILE, rank_bytes)
     specials = read_special_tokens(path / CONFIG_FILE, len(ranks))
     if not cache:
         return build_backend(ranks, specials), ranks, specials
-    cached = cache_dir() / f"tokenizer-{_cache_key((path / RANK_FILE).read_bytes(), specials)}.json"
+    cached = cache_dir() / f"tokenizer-{_cache_key(rank_bytes, specials)}.json"
     if cached.is_file():
         try:
             return Tokenizer.from_file(str(cached)), ranks, specials

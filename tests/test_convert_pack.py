@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import numpy as np
 import pytest
 
+from kimi_k3.checkpoint import CheckpointError
 from kimi_k3.expert_pack import (
     ALIGN,
     TENSORS,
@@ -150,3 +153,40 @@ def test_bad_index_and_lookups(tmp_path, experts):
         ExpertPack(tmp_path)
     with pytest.raises(PackError, match="no expert pack index"):
         ExpertPack(tmp_path / "elsewhere")
+
+
+def _within(seconds: float, fn):
+    """``fn()``'s exception (or None), failing the test if it blocks (run in a daemon
+    thread, so a blocked open cannot hang the suite)."""
+    out = []
+
+    def run():
+        try:
+            fn()
+            out.append(None)
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"blocked for {seconds} s"
+    return out[0]
+
+
+def test_index_and_pack_files_must_be_regular(tmp_path, experts):
+    """A FIFO as the pack's index or as a pack file: refused by name, without blocking."""
+    write_pack(tmp_path, experts)
+    pack_file, _, _ = ExpertPack(tmp_path).record(1, 0)
+    pack_file.unlink()
+    os.mkfifo(pack_file)
+    e = _within(10, lambda: ExpertPack(tmp_path).read(1, 0))
+    assert isinstance(e, CheckpointError), e
+    assert str(e) == f"{pack_file}: a named pipe (FIFO), not a regular file"
+    index = tmp_path / "experts" / "index.json"
+    index.unlink()
+    os.mkfifo(index)
+    assert is_pack_dir(tmp_path)
+    e = _within(10, lambda: ExpertPack(tmp_path))
+    assert isinstance(e, CheckpointError), e
+    assert str(e) == f"{index}: a named pipe (FIFO), not a regular file"

@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import kimi_k3
-from kimi_k3.checkpoint import CheckpointError
+from kimi_k3.checkpoint import CheckpointError, load_json, read_capped
 from kimi_k3.config import ConfigError
 from kimi_k3.generate import main as generate_main
 from kimi_k3.loader import load_model
@@ -385,3 +387,99 @@ def test_cli_names_a_relabelled_tensor(work, capsys):
     errors = [line for line in out.err.splitlines() if line.startswith("error:")]
     assert out.out == "" and len(errors) == 1, out.err
     assert f"{shard}: tensor {name} is I32" in errors[0]
+
+
+REPORT_RSS = (
+    "import resource, sys; from kimi_k3.generate import main; code = main(sys.argv[1:]); "
+    "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); "
+    "sys.exit(code)"
+)
+
+
+def _cli(path, tmp_path, timeout=60) -> tuple[int, list[str], int]:
+    """``(exit status, error: lines, peak RSS in KB)`` of the command line on ``path``, run
+    as a subprocess so a hang fails (``TimeoutExpired``) instead of blocking the suite."""
+    argv = ["--model", str(path), "--prompt", "Hi", "--max-tokens", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-c", REPORT_RSS, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "KIMI_K3_CACHE": str(tmp_path / "cache")},
+    )
+    lines = proc.stderr.splitlines()
+    assert lines and lines[-1].startswith("maxrss_kb"), proc.stderr
+    kb = int(lines[-1].split()[1]) // (1024 if sys.platform == "darwin" else 1)
+    return proc.returncode, [line for line in lines if line.startswith("error:")], kb
+
+
+def _fifo(file):
+    os.mkfifo(file)
+
+
+def _dev_zero(file):
+    os.symlink("/dev/zero", file)
+
+
+def _directory(file):
+    file.mkdir()
+
+
+def _sparse_2gb(file):
+    with open(file, "wb") as f:
+        f.truncate(2 << 30)  # a hole: no disk used, 2 GiB of zeros when read
+
+
+SHARD = "model-00001-of-00001.safetensors"
+FILE_CASES = [  # (file replaced, what it becomes, the reason the error gives)
+    ("config.json", _fifo, "a named pipe (FIFO), not a regular file"),
+    (INDEX, _fifo, "a named pipe (FIFO), not a regular file"),
+    (SHARD, _fifo, "a named pipe (FIFO), not a regular file"),
+    ("tokenizer_config.json", _fifo, "a named pipe (FIFO), not a regular file"),
+    ("tiktoken.model", _fifo, "a named pipe (FIFO), not a regular file"),
+    ("config.json", _dev_zero, "a character device (a link to /dev/zero)"),
+    (INDEX, _dev_zero, "a character device (a link to /dev/zero)"),
+    ("config.json", _directory, "a directory, not a regular file"),
+    ("config.json", _sparse_2gb, f"{2 << 30} bytes, more than this kind of file may hold"),
+]
+
+
+@pytest.mark.parametrize(
+    "name,make,reason", FILE_CASES, ids=[f"{n}-{m.__name__[1:]}" for n, m, _ in FILE_CASES]
+)
+def test_cli_refuses_files_that_are_not_regular_or_too_big(tiny_ckpt, tmp_path, name, make, reason):
+    """A FIFO, a device, a directory or a 2 GiB config in place of a checkpoint file: one
+    ``error:`` line naming it, exit status 1, no hang, and nothing read from it (the peak
+    RSS stays far below the 2 GiB the sparse file would take)."""
+    path = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    assert (path / name).is_file()
+    (path / name).unlink()
+    make(path / name)
+    code, errors, rss_kb = _cli(path, tmp_path)
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: {path / name}: {reason}"), errors
+    assert rss_kb < 1 << 20, rss_kb  # under 1 GiB
+
+
+def test_read_capped_reads_regular_files_through_links(tmp_path):
+    """A symlink to a regular file (a Hugging Face cache snapshot) reads as the file."""
+    (tmp_path / "blob").write_bytes(b'{"a": 1}')
+    (tmp_path / "config.json").symlink_to(tmp_path / "blob")
+    assert read_capped(tmp_path / "config.json", 8) == b'{"a": 1}'
+    with pytest.raises(CheckpointError, match=r"config.json: 8 bytes, more than .* \(7 bytes\)"):
+        read_capped(tmp_path / "config.json", 7)
+    with pytest.raises(FileNotFoundError):
+        read_capped(tmp_path / "absent.json", 7)
+
+
+def test_json_depth_is_counted_across_chunks(monkeypatch):
+    """``load_json`` scans nesting depth in bounded chunks; depth carries over a boundary."""
+    import kimi_k3.checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "_DEPTH_CHUNK", 7)
+    deep = "[" * (ckpt.MAX_JSON_DEPTH + 1) + "]" * (ckpt.MAX_JSON_DEPTH + 1)
+    with pytest.raises(ValueError, match=f"nested {ckpt.MAX_JSON_DEPTH + 1} levels deep"):
+        load_json(deep)
+    ok = '{"a": [' * 20 + "1" + "]}" * 20
+    assert load_json(ok) == json.loads(ok)
