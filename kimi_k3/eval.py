@@ -275,12 +275,12 @@ def _mxfp4_experts(model: Model) -> Model:
 
 def random_model(path: str | Path, seed: int = 0) -> Model:
     """A random-weight model of the same shape as the checkpoint at ``path`` (seeded)."""
+    from kimi_k3.config import read_config_json
     from kimi_k3.convert.synth import write_checkpoint
     from kimi_k3.loader import load_model
     from kimi_k3.train import PRESET
 
-    config = json.loads((Path(path) / "config.json").read_text())
-    text = config["text_config"]
+    text = read_config_json(path)["text_config"]
     preset = {k: text[k] for k in PRESET if k in text}
     preset["full"] = text["linear_attn_config"]["full_attn_layers"]
     preset["kda_heads"] = text["linear_attn_config"]["num_heads"]
@@ -348,8 +348,26 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None):
-    args = setup_arg_parser().parse_args(argv)
+def main(argv=None) -> int:
+    """Returns the exit status: 0, or 1 after one ``error:`` line for a checkpoint, text or
+    state file that cannot be used (bad flags exit 2 through argparse)."""
+    from kimi_k3.checkpoint import CheckpointError
+    from kimi_k3.config import ConfigError
+
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    for flag in ("tokens", "seq"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    try:
+        _evaluate(args)
+    except (CheckpointError, ConfigError, OSError, UnicodeDecodeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _evaluate(args):
     os.environ.setdefault("KIMI_K3_REFERENCE", "1")
     if args.model is None:
         from kimi_k3.default_model import ensure_default_model
@@ -390,4 +408,4 @@ def _routing(model: Model, wins: np.ndarray, num_experts: int) -> dict[int, dict
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

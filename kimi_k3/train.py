@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -175,12 +176,15 @@ def encode_texts(tokenizer, texts: list[str], separator: str) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
-def batches(tokens: np.ndarray, batch: int, seq: int, seed: int):
-    """Endless random windows of ``seq + 1`` tokens. Yields int32 [batch, seq + 1]."""
-    rng = np.random.default_rng(seed)
+def batches(tokens: np.ndarray, batch: int, seq: int, seed: int, start: int = 0):
+    """Endless random windows of ``seq + 1`` tokens, from step ``start`` on. Step ``i``'s
+    windows depend on ``(seed, i)`` alone, so a resumed run reads what an uninterrupted
+    one would. Yields int32 [batch, seq + 1]."""
+    step = start
     while True:
-        starts = rng.integers(0, len(tokens) - seq - 1, batch)
+        starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - seq - 1, batch)
         yield mx.array(np.stack([tokens[s : s + seq + 1] for s in starts]))
+        step += 1
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
@@ -192,6 +196,10 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def make_optimizer(lr: float) -> optim.AdamW:
+    return optim.AdamW(learning_rate=lr, weight_decay=0.1)
+
+
 def train(
     model: Model,
     data,
@@ -201,21 +209,34 @@ def train(
     bias_rate: float = 1e-3,
     deadline: float | None = None,
     on_step=None,
+    *,
+    optimizer: optim.Optimizer | None = None,
+    start_step: int = 0,
+    seconds: float | None = None,
+    elapsed: float = 0.0,
 ) -> list[float]:
-    """AdamW over ``steps`` batches from ``data``; the router biases balance after each step.
-    With a ``deadline`` (``time.time()``) the run ends there or after ``steps``, whichever
-    comes first, and the learning rate decays over the wall time. ``on_step(step, loss,
-    loads)`` is called after every step. Returns the losses."""
+    """AdamW over steps ``start_step .. steps - 1``, a batch from ``data`` each; the router
+    biases balance after each step. The learning rate follows ``lr_at`` over the whole run:
+    its progress is the larger of ``step / steps`` and, with a training-time budget
+    ``seconds``, ``(elapsed + this call's time) / seconds``. The run stops after the last
+    step, when ``data`` ends, when the training time reaches ``seconds``, or at ``deadline``
+    (a ``time.time()``:
+    this call's own limit, which leaves the schedule alone). ``optimizer`` and ``elapsed``
+    carry a resumed run's state (``load_state``). ``on_step(step, loss, loads)`` is called
+    after every step. Returns this call's losses."""
     trainable(model).train()
     start = time.time()
-    opt = optim.AdamW(learning_rate=lr, weight_decay=0.1)
+    opt = optimizer if optimizer is not None else make_optimizer(lr)
     step_fn = nn.value_and_grad(model, loss_fn)
     losses = []
-    for step in range(steps):
-        batch = next(data)
+    for step in range(start_step, steps):
+        batch = next(data, None)
+        if batch is None:  # a finite ``data`` ends the call
+            break
         progress = step / steps
-        if deadline is not None:
-            progress = max(progress, (time.time() - start) / (deadline - start))
+        spent = elapsed + time.time() - start
+        if seconds is not None:
+            progress = max(progress, spent / seconds)
         opt.learning_rate = lr_at(step, progress, lr, warmup)
         loss, grads = step_fn(model, batch[:, :-1], batch[:, 1:])
         grads, _ = optim.clip_grad_norm(grads, 1.0)
@@ -225,24 +246,61 @@ def train(
         losses.append(loss.item())
         if on_step is not None:
             on_step(step, losses[-1], loads)
-        if deadline is not None and time.time() > deadline:
+        now = time.time()
+        if seconds is not None and elapsed + now - start >= seconds:
+            break
+        if deadline is not None and now >= deadline:
             break
     return losses
 
 
-def save_state(model: Model, path: Path):
-    """Every parameter (float experts and router biases included), fp32, atomically."""
+OPTIMIZER_PREFIX = "optimizer."
+
+
+def save_state(
+    model: Model, path: Path, optimizer: optim.Optimizer | None = None, info: dict | None = None
+):
+    """Every parameter (float experts and router biases included), fp32, atomically; with
+    ``optimizer`` its state too (``optimizer.*`` tensors), and ``info`` (JSON) in the
+    file's metadata: what ``load_state`` needs to resume."""
+    tensors = dict(tree_flatten(model.parameters()))
+    if optimizer is not None:
+        tensors.update((OPTIMIZER_PREFIX + k, v) for k, v in tree_flatten(optimizer.state))
+    metadata = {"kimi_k3_train": json.dumps(info)} if info is not None else None
     tmp = path.with_suffix(".tmp.safetensors")
-    mx.save_safetensors(str(tmp), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(tmp), tensors, metadata=metadata)
     os.replace(tmp, path)
 
 
 def load_state(path: str | Path, preset: dict = PRESET) -> Model:
-    """A model from ``save_state``'s file."""
+    """A model from ``save_state``'s file (its optimizer state, if any, left aside)."""
+    return load_training(path, preset)[0]
+
+
+def load_training(path: str | Path, preset: dict = PRESET):
+    """``(model, optimizer state or None, info or None)`` from ``save_state``'s file."""
+    from kimi_k3.checkpoint import CheckpointError
+
+    try:
+        tensors, metadata = mx.load(str(path), return_metadata=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable training state ({e})") from e
+    params = {k: v for k, v in tensors.items() if not k.startswith(OPTIMIZER_PREFIX)}
+    opt = [(k[len(OPTIMIZER_PREFIX) :], v) for k, v in tensors.items() if k not in params]
     model = init_model(preset)
-    model.update(tree_unflatten(list(mx.load(str(path)).items())))
+    want = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    have = {k: tuple(v.shape) for k, v in params.items()}
+    if have != want:
+        wrong = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])
+        raise CheckpointError(
+            f"{path}: parameters do not match the training preset (missing "
+            f"{sorted(want.keys() - have.keys())[:3]}, unexpected "
+            f"{sorted(have.keys() - want.keys())[:3]}, other shapes {wrong[:3]})"
+        )
+    model.update(tree_unflatten(list(params.items())))
     mx.eval(model.parameters())
-    return model
+    info = json.loads(metadata["kimi_k3_train"]) if "kimi_k3_train" in metadata else None
+    return model, (tree_unflatten(opt) if opt else None), info
 
 
 def quantize_mxfp4(w: mx.array) -> tuple[np.ndarray, np.ndarray]:
@@ -348,38 +406,110 @@ def prepare(out: Path, vocab_size: int):
     return tok, train_ids, heldout_ids
 
 
+# The flags a resumed run must share with the run it continues.
+RUN_FLAGS = ("steps", "minutes", "batch", "seq", "lr", "warmup", "bias_rate", "seed")
+
+
 def run(args) -> Path:
+    """``train run``: a fresh run in an empty ``OUT``, or with ``--resume`` the run whose
+    state ``OUT`` holds, continued where it stopped (same flags)."""
     os.environ.setdefault("KIMI_K3_REFERENCE", "1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    state_file = out / STATE_FILE
+    flags = {k: getattr(args, k) for k in RUN_FLAGS}
+    if state_file.exists() and not args.resume:
+        raise RunError(
+            f"{state_file} exists: pass --resume to continue that run, or choose another OUT"
+        )
+    if args.resume and not state_file.exists():
+        raise RunError(f"--resume: {state_file} does not exist")
+    if args.resume:
+        model, opt_state, info = load_training(state_file)
+        if info is None or opt_state is None:
+            raise RunError(f"--resume: {state_file} holds no optimizer state to resume from")
+        saved = info.get("flags", {})
+        changed = [k for k in RUN_FLAGS if saved.get(k) != flags[k]]
+        if changed:
+            raise RunError(
+                "--resume: "
+                + ", ".join(
+                    f"--{k.replace('_', '-')} {flags[k]} differs from the run's {saved.get(k)}"
+                    for k in changed
+                )
+            )
+        opt = make_optimizer(args.lr)
+        opt.state = opt_state
+        start_step, elapsed = info["step"], info["elapsed_s"]
+        _truncate_log(out / LOG_FILE, start_step)
+        print(f"resuming at step {start_step} after {elapsed:.0f} s of training")
+    else:
+        model, opt = init_model(seed=args.seed), make_optimizer(args.lr)
+        start_step, elapsed = 0, 0.0
     t0 = time.time()
     _, train_ids, heldout_ids = prepare(out, PRESET["vocab_size"])
     np.save(out / "heldout_ids.npy", heldout_ids)
     print(f"corpus: {len(train_ids):,} train tokens, {len(heldout_ids):,} held-out tokens")
-    model = init_model(seed=args.seed)
     log = open(out / LOG_FILE, "a")
     started = time.time()
-    deadline = started + 60 * args.minutes if args.minutes else None
+    seconds = 60 * args.minutes if args.minutes else None
+    deadline = started + 60 * args.segment_minutes if args.segment_minutes else None
+
+    def save(step: int):
+        info = {"step": step, "elapsed_s": elapsed + time.time() - started, "flags": flags}
+        save_state(model, state_file, opt, info)
 
     def on_step(step, loss, loads):
         rec = {"step": step + 1, "loss": round(loss, 4), "elapsed_s": round(time.time() - t0, 1)}
+        rec["train_s"] = round(elapsed + time.time() - started, 1)
         rec["max_load_ratio"] = round(max(float(ld.max() / ld.mean()) for ld in loads), 2)
         log.write(json.dumps(rec) + "\n")
         log.flush()
         if (step + 1) % args.log_every == 0:
-            tps = (step + 1) * args.batch * args.seq / (time.time() - started)
+            tps = (step + 1 - start_step) * args.batch * args.seq / (time.time() - started)
             print(f"step {step + 1}  loss {loss:.4f}  {tps:.0f} tok/s", flush=True)
         if (step + 1) % args.save_every == 0:
-            save_state(model, out / STATE_FILE)
+            save(step + 1)
 
-    data = batches(train_ids, args.batch, args.seq, args.seed)
-    losses = train(model, data, args.steps, args.lr, args.warmup, args.bias_rate, deadline, on_step)
-    save_state(model, out / STATE_FILE)
+    data = batches(train_ids, args.batch, args.seq, args.seed, start=start_step)
+    losses = train(
+        model,
+        data,
+        args.steps,
+        args.lr,
+        args.warmup,
+        args.bias_rate,
+        deadline,
+        on_step,
+        optimizer=opt,
+        start_step=start_step,
+        seconds=seconds,
+        elapsed=elapsed,
+    )
+    save(start_step + len(losses))
+    done = start_step + len(losses)
+    finished = done >= args.steps or (
+        seconds is not None and elapsed + time.time() - started >= seconds
+    )
+    if losses:
+        print(f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", end=", ")
     print(
-        f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-        f"{time.time() - started:.0f} s training, {time.time() - t0:.0f} s in all"
+        f"{time.time() - started:.0f} s training, {time.time() - t0:.0f} s in all; step {done}"
+        + ("" if finished else " (the run's budget is not spent: --resume continues it)")
     )
     return out
+
+
+def _truncate_log(path: Path, step: int):
+    """Drop the log records after ``step`` (those of steps a stopped run took after its last
+    save, which the resumed run takes again)."""
+    if path.exists():
+        kept = [line for line in open(path) if json.loads(line)["step"] <= step]
+        write_text_atomic(path, "".join(kept))
+
+
+class RunError(Exception):
+    """A ``train run`` that cannot start as asked; printed as one ``error:`` line."""
 
 
 def export(args) -> Path:
@@ -387,17 +517,22 @@ def export(args) -> Path:
     from kimi_k3.default_model import HELDOUT_FILE
 
     out = Path(args.out)
-    model = load_state(out / STATE_FILE)
+    model, _, state = load_training(out / STATE_FILE)
     log = [json.loads(line) for line in open(out / LOG_FILE)]
+    steps = state["step"] if state else len(log)
+    batch, seq = (
+        (state["flags"]["batch"], state["flags"]["seq"]) if state else (args.batch, args.seq)
+    )
+    last = [rec for rec in log if rec["step"] <= steps][-1]
     train_ids = encode_texts(*_tokenizer_and_train(out))
     info = dict(
         trained=True,
         corpus=CORPUS_NAME,
         train_tokens=int(train_ids.size),
-        steps=len(log),
-        tokens_seen=len(log) * args.batch * args.seq,
-        final_loss=log[-1]["loss"],
-        wall_time_s=log[-1]["elapsed_s"],
+        steps=steps,
+        tokens_seen=steps * batch * seq,
+        final_loss=last["loss"],
+        wall_time_s=last.get("train_s", last["elapsed_s"]),
     )
     dest = export_checkpoint(model, args.checkpoint, out / "tokenizer", info)
     heldout = corpus.read_split()[1]
@@ -435,7 +570,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="train; the state and log go to OUT")
     r.add_argument("out")
     r.add_argument("--steps", type=int, default=100000)
-    r.add_argument("--minutes", type=float, default=None, help="stop after this wall time")
+    r.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="the run's training time (the learning rate decays over it), across resumes",
+    )
+    r.add_argument(
+        "--segment-minutes",
+        type=float,
+        default=None,
+        help="stop this process after this wall time, the state saved; --resume continues",
+    )
+    r.add_argument("--resume", action="store_true", help="continue the run whose state OUT holds")
     r.add_argument("--batch", type=int, default=8)
     r.add_argument("--seq", type=int, default=256)
     r.add_argument("--lr", type=float, default=3e-3)
@@ -453,10 +600,17 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None):
+def main(argv=None) -> int:
+    from kimi_k3.checkpoint import CheckpointError
+
     args = setup_arg_parser().parse_args(argv)
-    (run if args.command == "run" else export)(args)
+    try:
+        (run if args.command == "run" else export)(args)
+    except (RunError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

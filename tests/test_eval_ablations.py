@@ -94,3 +94,13 @@ def test_moe_output_rms_matches_the_parts(tiny):
         for i, name in enumerate(("routed", "shared")):
             want = math.sqrt(np.mean([np.square(np.array(p[i])).mean() for p in parts]))
             assert got[layer][name] == pytest.approx(want, rel=1e-5)
+
+
+def test_cli_bad_model_and_flags(tmp_path, capsys):
+    assert k3eval.main(["--model", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "missing" in err[0]
+    with pytest.raises(SystemExit) as e:
+        k3eval.main(["--tokens", "0"])
+    assert e.value.code == 2
+    assert "--tokens must be at least 1" in capsys.readouterr().err

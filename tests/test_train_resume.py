@@ -1,0 +1,139 @@
+"""``kimi_k3.train``: a run stopped and resumed from its saved state (parameters, optimizer
+state, step) reaches the same weights as one run straight through; ``train run`` refuses
+to overwrite a state without ``--resume`` and to resume with other flags. Tiny config, a
+few seconds on 2 CPU cores."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from kimi_k3 import train
+from kimi_k3.checkpoint import CheckpointError
+from kimi_k3.convert.synth import PRESETS
+
+PRESET = dict(PRESETS["tiny"], num_experts=8, num_experts_per_token=2)
+
+
+def _tokens():
+    return np.random.default_rng(0).integers(0, 700, 2000).astype(np.int32)
+
+
+def _params(model) -> dict:
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+def test_batches_depend_on_seed_and_step_only():
+    tokens = _tokens()
+    whole = train.batches(tokens, 3, 16, seed=5)
+    seq = [np.array(next(whole)) for _ in range(4)]
+    resumed = train.batches(tokens, 3, 16, seed=5, start=2)
+    assert np.array_equal(np.array(next(resumed)), seq[2])
+    assert np.array_equal(np.array(next(resumed)), seq[3])
+    assert not np.array_equal(seq[0], seq[1])
+
+
+def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    tokens, steps = _tokens(), 6
+    kw = dict(lr=3e-3, warmup=2)
+    straight = train.init_model(PRESET, seed=1)
+    train.train(straight, train.batches(tokens, 4, 32, seed=0), steps, **kw)
+
+    first = train.init_model(PRESET, seed=1)
+    opt = train.make_optimizer(kw["lr"])
+    # data for 3 of the 6 steps: the call stops there, on the 6-step run's schedule
+    data = itertools.islice(train.batches(tokens, 4, 32, seed=0), 3)
+    done = train.train(first, data, steps, **kw, optimizer=opt)
+    assert len(done) == 3
+    path = tmp_path / "state.safetensors"
+    info = {"step": 3, "elapsed_s": 1.0}
+    train.save_state(first, path, opt, info)
+
+    model, opt_state, got = train.load_training(path, PRESET)
+    assert got == info
+    opt2 = train.make_optimizer(kw["lr"])
+    opt2.state = opt_state
+    train.train(
+        model,
+        train.batches(tokens, 4, 32, seed=0, start=3),
+        steps,
+        **kw,
+        optimizer=opt2,
+        start_step=3,
+    )
+    want, have = _params(straight), _params(model)
+    assert want.keys() == have.keys()
+    for k in want:
+        np.testing.assert_array_equal(have[k], want[k], err_msg=k)
+
+
+def test_schedule_spans_the_whole_run():
+    """Stopping a 6-step run after 3 steps keeps the 6-step schedule: the learning rates
+    the first call used are the first three of the uninterrupted run's."""
+    seen = []
+
+    class Recorder(train.optim.AdamW):
+        def apply_gradients(self, gradients, parameters):
+            seen.append(float(self.learning_rate))
+            return super().apply_gradients(gradients, parameters)
+
+    tokens = _tokens()
+    model = train.init_model(PRESET, seed=1)
+    train.train(
+        model,
+        train.batches(tokens, 2, 16, seed=0),
+        3,
+        lr=1e-2,
+        warmup=1,
+        optimizer=Recorder(learning_rate=1e-2),
+    )
+    short = list(seen)
+    seen.clear()
+    model = train.init_model(PRESET, seed=1)
+    train.train(
+        model,
+        train.batches(tokens, 2, 16, seed=0),
+        6,
+        lr=1e-2,
+        warmup=1,
+        optimizer=Recorder(learning_rate=1e-2),
+    )
+    assert short != seen[:3]  # a 3-step run decays faster than the first half of a 6-step one
+    assert seen[:3] == pytest.approx([train.lr_at(i, i / 6, 1e-2, 1) for i in range(3)])
+
+
+def test_load_training_names_a_bad_file(tmp_path):
+    bad = tmp_path / "train_state.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="train_state.safetensors"):
+        train.load_training(bad, PRESET)
+    other = tmp_path / "other.safetensors"
+    train.save_state(train.init_model(PRESET, seed=0), other)
+    with pytest.raises(CheckpointError, match="do not match the training preset"):
+        train.load_training(other, dict(PRESET, num_experts=4))
+
+
+def test_run_refuses_to_overwrite_or_resume_with_other_flags(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    flags = ["--steps", "10", "--batch", "2", "--seq", "16"]
+    state = out / train.STATE_FILE
+    train.save_state(train.init_model(seed=0), state)
+    assert train.main(["run", str(out), *flags]) == 1
+    assert "pass --resume" in capsys.readouterr().err
+    # a state with no optimizer state cannot be resumed
+    assert train.main(["run", str(out), "--resume", *flags]) == 1
+    assert "no optimizer state" in capsys.readouterr().err
+    model = train.init_model(seed=0)
+    info = {"step": 4, "elapsed_s": 2.0, "flags": {k: None for k in train.RUN_FLAGS}}
+    opt = train.make_optimizer(3e-3)
+    opt.init(model.trainable_parameters())
+    train.save_state(model, state, opt, info)
+    assert train.main(["run", str(out), "--resume", *flags]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--batch 2 differs from the run's None" in err[0]
+    assert train.main(["run", str(tmp_path / "fresh"), "--resume"]) == 1
+    assert "does not exist" in capsys.readouterr().err
