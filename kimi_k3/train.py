@@ -200,6 +200,27 @@ def make_optimizer(lr: float) -> optim.AdamW:
     return optim.AdamW(learning_rate=lr, weight_decay=0.1)
 
 
+def make_step(model: Model, opt: optim.Optimizer, bias_rate: float, compiled: bool = False):
+    """One training step as a function ``step(x, y) -> (loss, loads)``: the loss and its
+    gradients, clipped to norm 1, the optimizer's update, then the routers' balancing
+    (``update_router_bias``). With ``compiled`` the whole step is one ``mx.compile``d
+    function over the model's and the optimizer's state (the learning rate, set on the
+    optimizer between steps, is part of that state). Shapes: x, y int32 [B, T]."""
+    value_and_grad = nn.value_and_grad(model, loss_fn)
+
+    def step(x, y):
+        loss, grads = value_and_grad(model, x, y)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        return loss, update_router_bias(model, bias_rate)
+
+    if not compiled:
+        return step
+    opt.init(model.trainable_parameters())  # keeps state already there (a resumed run's)
+    state = [model.state, opt.state]
+    return mx.compile(step, inputs=state, outputs=state)
+
+
 def train(
     model: Model,
     data,
@@ -214,6 +235,7 @@ def train(
     start_step: int = 0,
     seconds: float | None = None,
     elapsed: float = 0.0,
+    compiled: bool = False,
 ) -> list[float]:
     """AdamW over steps ``start_step .. steps - 1``, a batch from ``data`` each; the router
     biases balance after each step. The learning rate follows ``lr_at`` over the whole run:
@@ -222,12 +244,13 @@ def train(
     step, when ``data`` ends, when the training time reaches ``seconds``, or at ``deadline``
     (a ``time.time()``:
     this call's own limit, which leaves the schedule alone). ``optimizer`` and ``elapsed``
-    carry a resumed run's state (``load_state``). ``on_step(step, loss, loads)`` is called
+    carry a resumed run's state (``load_state``); ``compiled`` runs each step as one
+    ``mx.compile``d function (``make_step``). ``on_step(step, loss, loads)`` is called
     after every step. Returns this call's losses."""
     trainable(model).train()
     start = time.time()
     opt = optimizer if optimizer is not None else make_optimizer(lr)
-    step_fn = nn.value_and_grad(model, loss_fn)
+    step_fn = make_step(model, opt, bias_rate, compiled)
     losses = []
     for step in range(start_step, steps):
         batch = next(data, None)
@@ -238,10 +261,7 @@ def train(
         if seconds is not None:
             progress = max(progress, spent / seconds)
         opt.learning_rate = lr_at(step, progress, lr, warmup)
-        loss, grads = step_fn(model, batch[:, :-1], batch[:, 1:])
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt.update(model, grads)
-        loads = update_router_bias(model, bias_rate)
+        loss, loads = step_fn(batch[:, :-1], batch[:, 1:])
         mx.eval(model.parameters(), opt.state, loss, loads)
         losses.append(loss.item())
         if on_step is not None:
@@ -485,6 +505,7 @@ def run(args) -> Path:
         start_step=start_step,
         seconds=seconds,
         elapsed=elapsed,
+        compiled=args.compile,
     )
     save(start_step + len(losses))
     done = start_step + len(losses)
@@ -583,6 +604,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="stop this process after this wall time, the state saved; --resume continues",
     )
     r.add_argument("--resume", action="store_true", help="continue the run whose state OUT holds")
+    r.add_argument(
+        "--compile", action="store_true", help="run each step as one mx.compile'd function"
+    )
     r.add_argument("--batch", type=int, default=8)
     r.add_argument("--seq", type=int, default=256)
     r.add_argument("--lr", type=float, default=3e-3)

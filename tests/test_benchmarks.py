@@ -16,6 +16,7 @@ from benchmarks import (
     bench_server,
     bench_streaming,
     bench_trace,
+    bench_train,
     bench_trim,
     bf16_drift,
     profile_kernels,
@@ -338,3 +339,44 @@ def test_project_k3_quick():
     assert [p["tok/s"] for p in peers] == ["0.28", "0.36", "0.18"]
     with pytest.raises(SystemExit):
         project_k3.main(["--read-efficiency", "1.5"])
+
+
+def test_bench_train_quick():
+    (rows,) = tables(bench_train.main(["--quick", "--peak-tflops", "1"]))
+    assert [r["path"] for r in rows] == ["eager (train run)", "compiled (train run --compile)"]
+    for r in rows:
+        assert float(r["tokens/s"].replace(",", "")) > 0
+        assert float(r["MFU (of 1 TFLOP/s)"].rstrip("%")) > 0
+
+
+def test_model_flops_per_token_counts_each_part():
+    """The count against the model's parts, summed another way: the linear layers' weights,
+    the routed experts at their top-k share, the MLA context term growing with the window."""
+    import mlx.nn as nn
+
+    from kimi_k3 import train
+
+    preset = bench_train.QUICK
+    model = train.init_model(preset)
+    args = model.args
+    linear = sum(
+        m.weight.size
+        for _, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m is not model.language_model.model.embed_tokens
+    )
+    experts = sum(
+        layer.block_sparse_moe.experts.w1.size * 3
+        for layer in model.layers
+        if "block_sparse_moe" in layer
+    )
+    f1 = bench_train.model_flops_per_token(model, 1)
+    f3 = bench_train.model_flops_per_token(model, 3)
+    mla = sum(not layer.is_linear for layer in model.layers)
+    qkv = args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
+    # one more token of mean context (seq 1 -> 3) per MLA layer, forward and backward
+    assert f3 - f1 == pytest.approx(3 * 2 * args.num_attention_heads * qkv * mla)
+    share = args.num_experts_per_token / args.num_experts
+    assert f1 > 3 * 2 * (linear + share * experts)
+    more_k = train.init_model(dict(preset, num_experts_per_token=4))
+    grown = bench_train.model_flops_per_token(more_k, 1) - f1
+    assert grown == pytest.approx(3 * 2 * (2 / args.num_experts) * experts)
