@@ -164,8 +164,13 @@ def kda_inputs(B: int, T: int, H: int, K: int, seed: int = 1, W: int = 4) -> tup
         return mx.array(r.standard_normal(shape).astype(np.float32) * scale)
 
     x = [normal((B, T, P)) for _ in range(4)]
-    return (*x, normal((B, T, H)), normal((B, T, P)), normal((B, W - 1, 3 * P)),
-            normal((B, H, K, K), 0.1))  # fmt: skip
+    return (
+        *x,
+        normal((B, T, H)),
+        normal((B, T, P)),
+        normal((B, W - 1, 3 * P)),
+        normal((B, H, K, K), 0.1),
+    )
 
 
 def kda_case(name: str, backend: str, B: int, T: int, H: int, K: int) -> Case:
@@ -302,7 +307,7 @@ def reference_cases(k3: bool = True) -> list[Case]:
     the same maths: the KDA mixer over T tokens at once against T decode steps through
     ``kda_mix`` (the compiled one-token step), carrying the state; the experts' quantized
     matmuls (``gather_qmm``) against dequantized weights in dense fp32 matmuls."""
-    shapes = [(1, 2, 64, 2, 16, 96, 64, 8, 4)]
+    shapes = [(1, 2, 64, 16, 16, 128, 128, 8, 4)]
     if k3:
         shapes.append((1, 96, 128, 64, 32, 3584, 3072, 4, 16))
     out = []
@@ -326,8 +331,13 @@ def _kda_steps_case(B: int, T: int, H: int, K: int) -> Case:
         return mx.concatenate(ys, axis=1), conv, state
 
     shape = f"B={B} T={T} H={H} K={K}"
-    return Case("kda reference: T steps vs all T", shape, steps,
-                lambda: kda_mix_reference(p, *args), KDA_TOL)  # fmt: skip
+    return Case(
+        "kda reference: T steps vs all T",
+        shape,
+        steps,
+        lambda: kda_mix_reference(p, *args),
+        KDA_TOL,
+    )
 
 
 def _dense_experts_case(E: int, D: int, I: int, N: int, k: int) -> Case:
@@ -357,6 +367,10 @@ def _dense_experts_case(E: int, D: int, I: int, N: int, k: int) -> Case:
         return mx.stack(rows)
 
     shape = f"N={N} k={k} D={D} I={I} E={E}"
-    return Case("experts reference: gather_qmm vs dense", shape,
-                lambda: expert_glu_reference(z, w, inds, wts, BETA, CAP), dense,
-                EXPERT_TOL)  # fmt: skip
+    return Case(
+        "experts reference: gather_qmm vs dense",
+        shape,
+        lambda: expert_glu_reference(z, w, inds, wts, BETA, CAP),
+        dense,
+        EXPERT_TOL,
+    )

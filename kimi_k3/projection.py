@@ -17,6 +17,7 @@ overlapped bound ``max`` of the two beside it:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,30 @@ RESERVE_GB = 16.0  # OS, KV cache, activations
 HOP_US = 10.0  # one RDMA link hop of an all-sum
 COLIBRI_KEPT = 8 / 16  # colibri's top-p trimming on K3: about 8 of 16 experts, +0.043 nats
 KERNEL_EFFICIENCY = 0.63  # MXFP4 decode kernels' share of memory bandwidth (H200)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What a model's decode reads: MoE layers, experts a layer, top-k, bytes an expert,
+    and the dense weights' GB."""
+
+    moe_layers: int
+    experts: int
+    top_k: int
+    expert_bytes: int
+    dense_gb: float
+
+    @property
+    def token_gb(self) -> float:
+        """Routed-expert GB one token touches."""
+        return self.moe_layers * self.top_k * self.expert_bytes / 1e9
+
+    @property
+    def experts_gb(self) -> float:
+        return self.moe_layers * self.experts * self.expert_bytes / 1e9
+
+
+K3 = Sizes(MOE_LAYERS, EXPERTS, TOP_K, EXPERT_BYTES, DENSE_GB)
 
 
 @dataclass(frozen=True)
@@ -63,14 +88,16 @@ def project(
     eff: float,
     kernel_eff: float,
     budget: float | None = None,
+    sizes: Sizes = K3,
 ) -> dict:
-    """One configuration's decode time per token and tokens/s (module docstring);
-    ``budget`` defaults to ``expert_budget_gb(mac.ram_gb)``."""
+    """One configuration's decode time per token and tokens/s (module docstring), for a
+    model of ``sizes`` (K3's by default); ``budget`` defaults to
+    ``expert_budget_gb(mac.ram_gb)``."""
     budget = expert_budget_gb(mac.ram_gb) if budget is None else budget
-    ssd_gb = (1.0 - h) * TOKEN_GB * kept / n
+    ssd_gb = (1.0 - h) * sizes.token_gb * kept / n
     ssd_s = ssd_gb / (mac.ssd_gbps * eff)
-    compute_s = (DENSE_GB + TOKEN_GB * kept / n) / (mac.memory_gbps * kernel_eff)
-    link_s = MOE_LAYERS * 2 * (n - 1) * HOP_US / 1e6
+    compute_s = (sizes.dense_gb + sizes.token_gb * kept / n) / (mac.memory_gbps * kernel_eff)
+    link_s = sizes.moe_layers * 2 * (n - 1) * HOP_US / 1e6
     serial = ssd_s + compute_s + link_s
     return {
         "budget": budget,
@@ -82,21 +109,10 @@ def project(
     }
 
 
-def recommended_budget(
-    mac: Mac, kept: float, eff: float, kernel_eff: float, within: float = 0.05
-) -> float:
-    """The smallest expert cache (whole GB) whose projected tokens/s, with flat routing
-    (h = f), is within ``within`` of the largest budget's: more memory buys less than that.
-    0 where no budget fits."""
-    top = expert_budget_gb(mac.ram_gb)
-    if top <= 0:
-        return 0.0
-
-    def tok_s(b):
-        return project(mac, 1, min(1.0, b / EXPERTS_GB), kept, eff, kernel_eff, b)["tok_s"]
-
-    best = tok_s(top)
-    for b in range(1, int(top) + 1):
-        if tok_s(b) >= (1.0 - within) * best:
-            return float(b)
-    return float(top)
+def recommended_budget(ram_gb: float, io_threads: int = 16, read_bytes: int = EXPERT_BYTES) -> int:
+    """The ``--expert-cache-gb`` to give K3 on a machine of ``ram_gb``: the largest budget
+    that leaves room for the dense weights and the reserve (``expert_budget_gb``), less the
+    streamer's direct-I/O read buffers (one expert read and two pages per reader thread,
+    outside the budget), in whole GB; 0 where nothing is left."""
+    buffers = io_threads * (read_bytes + 2 * 4096) / 1e9
+    return max(0, math.floor(expert_budget_gb(ram_gb) - buffers))

@@ -127,5 +127,9 @@ def streamer_read(source, layout: dict, calls: list[list], threads: int, direct:
         direct_io = files.direct_io
     finally:
         readers.close()
-    return {"gb": done / 1e9, "wall_gbps": done / 1e9 / wall, "direct_io": direct_io,
-            "checked": sums}  # fmt: skip
+    return {
+        "gb": done / 1e9,
+        "wall_gbps": done / 1e9 / wall,
+        "direct_io": direct_io,
+        "checked": sums,
+    }
