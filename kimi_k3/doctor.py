@@ -203,6 +203,22 @@ def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -
     return results
 
 
+def first_use_line(backend: str) -> str:
+    """The time of the first-use check of every variant (its small case, as a model run
+    makes it), the kernels already built: what a run pays once per machine."""
+    from kimi_k3.kernels import checks
+
+    names = checks.KERNELS[backend]
+    t0 = time.perf_counter()
+    for name in names:
+        checks.run_case(checks.small_case(name, backend))
+    took = time.perf_counter() - t0
+    return (
+        f"first-use check of all {len(names)} variants (small cases, kernels built): "
+        f"{took:.2f} s (budget 2 s)"
+    )
+
+
 # --- the model directory --------------------------------------------------------------------
 
 
@@ -461,6 +477,8 @@ def main(argv=None) -> int:
         )
     else:
         lines.append(f"all {len(results)} checks pass")
+    if backend:
+        lines.append(first_use_line(backend))
     print("\n".join(lines), flush=True)
     if opts.model is not None:
         try:
