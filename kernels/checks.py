@@ -141,18 +141,9 @@ def kda_layer(H: int, K: int, seed: int = 0, W: int = 4) -> dict:
     def normal(shape, scale=1.0):
         return mx.array(r.standard_normal(shape).astype(np.float32) * scale)
 
-    return dict(
-        q_conv=normal((P, 1, W), 0.5),
-        k_conv=normal((P, 1, W), 0.5),
-        v_conv=normal((P, 1, W), 0.5),
-        A_log=normal((H,), 0.5),
-        dt_bias=normal((P,)),
-        o_norm=1 + normal((K,), 0.1),
-        heads=H,
-        head_dim=K,
-        lower_bound=-5.0,
-        eps=1e-5,
-    )
+    p = {n: normal((P, 1, W), 0.5) for n in ("q_conv", "k_conv", "v_conv")}
+    p.update(A_log=normal((H,), 0.5), dt_bias=normal((P,)), o_norm=1 + normal((K,), 0.1))
+    return {**p, "heads": H, "head_dim": K, "lower_bound": -5.0, "eps": 1e-5}
 
 
 def kda_inputs(B: int, T: int, H: int, K: int, seed: int = 1, W: int = 4) -> tuple:
@@ -192,17 +183,17 @@ def kda_case(name: str, backend: str, B: int, T: int, H: int, K: int) -> Case:
 
 
 def random_experts(E: int, D: int, I: int, seed: int = 0) -> dict:
-    """``E`` random MXFP4 experts in MLX's layout (``w1``/``w3`` [I, D], ``w2`` [D, I]),
-    every code equally likely, scales putting products near unit variance."""
+    """``E`` random MXFP4 experts in MLX's layout (``w1``/``w3`` [I, D], ``w2`` [D, I]):
+    every code equally likely, scales spread over 5 octaves around the one that puts a
+    row's products near unit variance."""
     r = np.random.default_rng(seed)
-
-    def quant(rows, cols):
-        q = r.integers(0, 2**32, (E, rows, cols // 8), dtype=np.uint32)
-        base = 127 - int(np.round(np.log2(np.sqrt(cols) * 2.9)))
-        s = r.integers(base - 2, base + 3, (E, rows, cols // 32)).astype(np.uint8)
-        return mx.array(q), mx.array(s)
-
-    return {"w1": quant(I, D), "w3": quant(I, D), "w2": quant(D, I)}
+    out = {}
+    for n, (rows, cols) in {"w1": (I, D), "w3": (I, D), "w2": (D, I)}.items():
+        mid = 127 - int(np.round(np.log2(np.sqrt(cols) * 2.9)))
+        codes = r.integers(0, 2**32, (E, rows, cols // 8), dtype=np.uint32)
+        scales = r.integers(mid - 2, mid + 3, (E, rows, cols // 32)).astype(np.uint8)
+        out[n] = (mx.array(codes), mx.array(scales))
+    return out
 
 
 def routing(N: int, E: int, k: int, seed: int = 1) -> tuple:
