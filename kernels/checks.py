@@ -301,7 +301,7 @@ def reference_cases(k3: bool = True) -> list[Case]:
     dequantized on the first call)."""
     shapes = [(1, 2, 64, 16, 16, 128, 128, 8, 4)]
     if k3:
-        shapes.append((1, 96, 128, 64, 32, 3584, 3072, 2, 16))
+        shapes.append((1, 96, 128, 64, 32, 3584, 3072, 1, 16))
     out = []
     for B, H, K, T, E, D, I, N, k in shapes:
         out.append(_kda_steps_case(B, T, H, K))

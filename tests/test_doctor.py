@@ -265,3 +265,23 @@ def test_projection_of_k3_sizes_is_the_default():
     assert projection.project(mac, 1, 0.1, 1.0, 1.0, 0.63, sizes=half) == projection.project(
         mac, 1, 0.1, 0.5, 1.0, 0.63
     )
+
+
+def test_streamer_and_raw_reads_make_the_same_reads(tiny_ckpt):
+    """The doctor's two read runs read the same bytes: every byte range of the plan's
+    experts, each once."""
+    from kimi_k3.config import ModelArgs
+    from kimi_k3.streaming import readrate
+    from kimi_k3.streaming.sources import expert_layout, open_source
+
+    args = ModelArgs.from_path(tiny_ckpt)
+    layers = list(range(args.first_k_dense_replace, args.num_hidden_layers))
+    source = open_source(tiny_ckpt, None, args, layers, "shards")
+    calls = readrate.plan(args.num_experts, layers, "decode", 3, args.num_experts_per_token)
+    calls = readrate.misses(calls)
+    assert all(len(set(c)) == len(c) for c in calls)
+    want = sum(e.nbytes for call in calls for c in call for e in source.extents(*c))
+    streamed = readrate.streamer_read(source, expert_layout(args), calls, 4, True)
+    raw = readrate.raw_read(source, calls, 4)
+    assert round(streamed["gb"] * 1e9) == round(raw["gb"] * 1e9) == want
+    assert streamed["wall_gbps"] > 0 and raw["wall_gbps"] > 0 and not streamed["checked"]
