@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .verdict import usable
+
 KDA_DTYPES = (mx.float32, mx.bfloat16)
 
 
@@ -20,8 +22,6 @@ def reference_forced(part: str) -> bool:
 def checked(name: str, backend: str, fn):
     """``fn`` (kernel variant ``name`` on ``backend``) where its verdict for this machine lets
     it serve, else None (the reference): ``verdict.usable``, checked on first use."""
-    from .verdict import usable
-
     return fn if usable(name, backend) else None
 
 

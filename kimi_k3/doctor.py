@@ -257,8 +257,12 @@ def read_rates(path: Path, kind: str, read_gb: float, reps: int, log) -> dict:
     layout = expert_layout(args)
     one = expert_bytes(layout)
     k = min(args.num_experts_per_token, args.num_experts)
-    calls = int(np.clip(read_gb * 1e9 / (one * k * len(layers)), 2, 64))
-    plan = readrate.misses(readrate.plan(args.num_experts, layers, "decode", calls, k))
+    # at most read_gb: two rounds over as many layers as that allows, more rounds (up to 64)
+    # where every layer fits
+    n = max(2, int(read_gb * 1e9 / (one * k)))
+    layers = layers[: max(1, min(len(layers), n // 2))]
+    rounds = int(np.clip(n // len(layers), 2, 64))
+    plan = readrate.misses(readrate.plan(args.num_experts, layers, "decode", rounds, k))
     opts = StreamOptions()
     got = {"streamer": [], "raw": []}
     for _ in range(reps):

@@ -285,3 +285,16 @@ def test_streamer_and_raw_reads_make_the_same_reads(tiny_ckpt):
     raw = readrate.raw_read(source, calls, 4)
     assert round(streamed["gb"] * 1e9) == round(raw["gb"] * 1e9) == want
     assert streamed["wall_gbps"] > 0 and raw["wall_gbps"] > 0 and not streamed["checked"]
+
+
+def test_the_read_test_keeps_to_its_budget(tiny_ckpt):
+    """Two layer calls of top-k experts at the least; otherwise no more than ``read_gb``."""
+    from kimi_k3.config import ModelArgs
+    from kimi_k3.streaming.sources import expert_bytes, expert_layout
+
+    args = ModelArgs.from_path(tiny_ckpt)
+    call = expert_bytes(expert_layout(args)) * args.num_experts_per_token / 1e9
+    least = doctor.read_rates(tiny_ckpt, "shards", 1e-12, 1, lambda _: None)
+    assert 0 < least["gb"] <= 2 * call + 1e-12
+    some = doctor.read_rates(tiny_ckpt, "shards", 5 * call, 1, lambda _: None)
+    assert least["gb"] < some["gb"] <= 5 * call + 1e-12
