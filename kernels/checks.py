@@ -109,7 +109,11 @@ def run_case(case: Case, reps: int = 0) -> Result:
     except Exception as e:  # a compile or launch failure is the verdict, not a crash
         res.verdict, res.detail = "error", f"{type(e).__name__}: {_first_line(e)}"
         return res
-    want, res.reference_ms = _timed(case.reference, reps)
+    try:
+        want, res.reference_ms = _timed(case.reference, reps)
+    except Exception as e:  # no verdict on the kernel without the reference's answer
+        res.verdict, res.detail = "error", f"the reference failed: {type(e).__name__}: {e}"
+        return res
     if len(out) != len(want) or any(o.shape != w.shape for o, w in zip(out, want)):
         got = [tuple(o.shape) for o in out]
         res.verdict = "mismatch"

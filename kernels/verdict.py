@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import re
 import sys
 import threading
 import time
@@ -41,7 +40,6 @@ REPORT = "to report it, run `python -m kimi_k3.doctor` and paste its report into
 _USABLE: dict = {}  # (variant, backend) -> bool, for this process
 _LOCK = threading.Lock()
 _HERE = Path(__file__).parent
-_IMPORT = re.compile(r"^\s*from \.(\w*) import ([\w, ()\n]+?)(?:\n\n|\n(?=\S))", re.M)
 
 
 def usable(name: str, backend: str) -> bool:
@@ -182,14 +180,18 @@ def source_hash(name: str, backend: str) -> str:
 
 
 def kernel_files(module: str, seen: set | None = None) -> set:
-    """``kernels/<module>.py`` and the kernel modules it imports, transitively."""
+    """``kernels/<module>.py`` and the kernel modules it imports (``from . import x``,
+    ``from .x import y``, anywhere in the file), transitively."""
+    import ast
+
     seen = set() if seen is None else seen
     path = _HERE / f"{module}.py"
     if path in seen or not path.exists():
         return seen
     seen.add(path)
-    for m in _IMPORT.finditer(path.read_text()):
-        names = [m.group(1)] if m.group(1) else re.findall(r"\w+", m.group(2))
-        for n in names:
-            kernel_files(n, seen)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module] if node.module else [a.name for a in node.names]
+            for n in names:
+                kernel_files(n.split(".")[0], seen)
     return seen

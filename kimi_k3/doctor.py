@@ -111,7 +111,9 @@ def machine_lines(model: Path | None, backend: str | None, emulate: bool) -> lis
     gpu = mx.metal.is_available() or mx.cuda.is_available()
     info = mx.device_info() if gpu else {}
     where = model if model is not None else cache_dir()
-    probe = where if where.exists() else where.parent
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
     free = shutil.disk_usage(probe).free / 1e9
     if backend is None:
         kernels = "none: no GPU, the pure-MLX reference serves every call"
