@@ -298,3 +298,32 @@ def test_the_read_test_keeps_to_its_budget(tiny_ckpt):
     assert 0 < least["gb"] <= 2 * call + 1e-12
     some = doctor.read_rates(tiny_ckpt, "shards", 5 * call, 1, lambda _: None)
     assert least["gb"] < some["gb"] <= 5 * call + 1e-12
+
+
+def test_a_recorded_failure_holds_in_a_later_process(machine, monkeypatch, tmp_path):
+    """A fresh process finds the failed verdict and uses the reference, checking nothing
+    (its kernel is sound: only the file says otherwise)."""
+    import os
+    import subprocess
+    import sys
+
+    inject(monkeypatch, "wrong", kda_decode, "kda_decode")
+    kda_call()()
+    recorded = machine.read_text()
+    script = (
+        "import numpy as np, os\n"
+        "from kimi_k3.kernels import checks\n"
+        "from kimi_k3.kda import kda_mix\n"
+        "p, a = checks.kda_layer(2, 64, seed=5), checks.kda_inputs(1, 1, 2, 64, seed=6)\n"
+        "got = np.array(kda_mix(p, *a)[0])\n"
+        "os.environ['KIMI_K3_REFERENCE'] = 'kda'\n"
+        "want = np.array(kda_mix(p, *a)[0])\n"
+        "print(np.array_equal(got, want))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=dict(os.environ)
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "True"
+    assert sum(WARNING in line for line in res.stderr.splitlines()) == 1
+    assert machine.read_text() == recorded  # nothing checked again
