@@ -190,8 +190,8 @@ def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -
         t0 = time.perf_counter()
         res = checks.run_case(case, reps)
         results.append(res)
-        log(f"  {res.kernel} {res.shape}: {res.verdict} ({time.perf_counter() - t0:.1f} s)")
         seconds = time.perf_counter() - t0
+        log(f"  {res.kernel} {res.shape}: {res.verdict} ({seconds:.1f} s)")
         first = per_variant.get(res.kernel)
         if first is None or (first[0].ok and not res.ok):
             per_variant[res.kernel] = (res, seconds)
@@ -476,10 +476,14 @@ def main(argv=None) -> int:
     lines.append("")
     if bad:
         names = sorted({r.kernel for r in bad})
+        then = (
+            f"Model runs use the reference for {'them' if len(names) > 1 else 'it'} on this "
+            "machine."
+            if backend
+            else "MLX's own operations disagree on this machine."
+        )
         lines.append(
-            f"FAILED: {', '.join(names)}. Model runs use the reference for "
-            f"{'them' if len(names) > 1 else 'it'} on this machine. Please report this "
-            "whole output in an issue."
+            f"FAILED: {', '.join(names)}. {then} Please report this whole output in an issue."
         )
     else:
         lines.append(f"all {len(results)} checks pass")

@@ -327,3 +327,15 @@ def test_a_recorded_failure_holds_in_a_later_process(machine, monkeypatch, tmp_p
     assert res.stdout.strip() == "True"
     assert sum(WARNING in line for line in res.stderr.splitlines()) == 1
     assert machine.read_text() == recorded  # nothing checked again
+
+
+def test_doctor_reports_a_reference_path_that_disagrees(monkeypatch, capsys):
+    import kimi_k3.experts as experts
+
+    real = experts.expert_glu_reference
+    monkeypatch.setattr(experts, "expert_glu_reference", lambda *a: real(*a) * 1.01)
+    monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "none")
+    assert doctor.main(["--small", "--reps", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "| experts reference: gather_qmm vs dense |" in out and "MISMATCH: error 1.0" in out
+    assert "MLX's own operations disagree on this machine" in out
