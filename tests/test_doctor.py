@@ -339,3 +339,13 @@ def test_doctor_reports_a_reference_path_that_disagrees(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "| experts reference: gather_qmm vs dense |" in out and "MISMATCH: error 1.0" in out
     assert "MLX's own operations disagree on this machine" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", checks.KERNELS["cuda"][2:])
+def test_cuda_variants_pass_their_first_use_case_on_the_emulator(name):
+    """CUDA's tensor-core variants have Metal renderings the emulator runs: their small
+    cases (what the first-use check runs on an NVIDIA GPU) must pass there, so that a sound
+    kernel is not turned off by its own check."""
+    res = checks.run_case(checks.small_case(name, "emulator"))
+    assert res.ok, res.detail
