@@ -23,12 +23,10 @@ import gc
 import json
 import mmap
 import os
-import queue
 import shutil
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,8 +37,8 @@ from benchmarks import timing
 from kimi_k3.config import ModelArgs
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.loader import load_model
-from kimi_k3.streaming import get_stats, reset_stats
-from kimi_k3.streaming.io import ALIGN, STAGES
+from kimi_k3.streaming import get_stats, readrate, reset_stats
+from kimi_k3.streaming.io import STAGES
 from kimi_k3.streaming.sources import expert_bytes, expert_layout, open_source
 from kimi_k3.streaming.store import SlotPool, find_streamer
 
@@ -131,30 +129,6 @@ def _streamed(path: Path, slots: int, **opts):
     return load_model(path, dtype=mx.float32, expert_cache_gb=_budget_gb(path, slots), **opts)
 
 
-def _calls(E: int, layers: list[int], pattern: str, calls: int) -> list[list[tuple]]:
-    """The (layer, expert) sets a read run makes resident, one list per layer call: every
-    expert of a layer at once (``all``), or 16 random experts a call (``decode``, K3's
-    per-layer decode need; with 16 slots, a call misses what the layer's last call lacked)."""
-    if pattern == "all":
-        return [[(layer, e) for e in range(E)] for layer in layers]
-    rng = np.random.default_rng(0)
-    return [
-        [(layer, int(e)) for e in rng.choice(E, 16, replace=False)]
-        for _ in range(calls)
-        for layer in layers
-    ]
-
-
-def _misses(plan: list[list[tuple]]) -> list[list[tuple]]:
-    """What each call of ``plan`` reads when a layer's slots hold exactly its last call."""
-    held, out = {}, []
-    for call in plan:
-        layer = call[0][0]
-        out.append([c for c in call if c not in held.get(layer, ())])
-        held[layer] = set(call)
-    return out
-
-
 def expert_read(path: Path, pattern: str, threads: int, direct: bool, calls: int = 6) -> dict:
     """Expert reads through the streamer (no compute), the calls of ``_calls``; GB/s over
     the run's wall time and the reader threads' seconds per stage."""
@@ -163,7 +137,7 @@ def expert_read(path: Path, pattern: str, threads: int, direct: bool, calls: int
     E = 64
     model = _streamed(path, E if pattern == "all" else 16, io_threads=threads, direct_io=direct)
     streamer = find_streamer(model)
-    plan = _calls(E, streamer.order, pattern, calls)
+    plan = readrate.plan(E, streamer.order, pattern, calls)
     t0 = time.perf_counter()
     for call in plan:
         streamer.preload(call[0][0], [e for _, e in call])
@@ -184,49 +158,17 @@ def expert_read(path: Path, pattern: str, threads: int, direct: bool, calls: int
 def raw_expert_read(path: Path, pattern: str, threads: int, calls: int = 6) -> dict:
     """The same expert reads as ``expert_read`` in the same order at the same queue depth
     (``threads`` reads in flight, a call's reads by file offset, all done before the next
-    call's start), as plain direct reads of each expert's byte range (rounded out to 4096)
-    into an aligned buffer per thread: no copy, no checksum, no cache. GB/s counts the
-    experts' own bytes."""
+    call's start), as plain direct reads of each expert's byte range
+    (``readrate.raw_read``). GB/s counts the experts' own bytes."""
     args = ModelArgs.from_path(path)
     layers = list(range(args.first_k_dense_replace, args.num_hidden_layers))
     source = open_source(path, None, args, layers)
-    plan = _calls(args.num_experts, layers, pattern, calls)
+    plan = readrate.plan(args.num_experts, layers, pattern, calls)
     if pattern == "decode":
-        plan = _misses(plan)
-    ranges = {c: source.extents(*c) for call in plan for c in call}
-    fds = {f: _open_direct(f) for f in source.files}
-    biggest = max(e.nbytes for ex in ranges.values() for e in ex) + 2 * ALIGN
-    free = queue.SimpleQueue()  # one aligned buffer per thread, touched before timing
-    for _ in range(threads):
-        buf = _aligned(biggest)
-        buf[::ALIGN] = 0
-        free.put(buf)
+        plan = readrate.misses(plan)
     gc.collect()
     drop_caches()
-
-    def read(ext):
-        buf = free.get()
-        start = ext.offset - ext.offset % ALIGN
-        end = -(-(ext.offset + ext.nbytes) // ALIGN) * ALIGN
-        os.preadv(fds[ext.file], [buf[: end - start]], start)
-        free.put(buf)
-
-    done = 0
-    with ThreadPoolExecutor(threads) as ex:
-        t0 = time.perf_counter()
-        for call in plan:
-            # in the streamer's order: by file and offset within a call
-            exts = sorted(
-                (e for c in call for e in ranges[c]), key=lambda e: (str(e.file), e.offset)
-            )
-            work = [ex.submit(read, e) for e in exts]
-            for w in work:
-                w.result()
-            done += sum(e.nbytes for e in exts)
-        wall = time.perf_counter() - t0
-    for fd in fds.values():
-        os.close(fd)
-    return {"gb": done / 1e9, "wall_gbps": done / 1e9 / wall}
+    return readrate.raw_read(source, plan, threads)
 
 
 def _slot_writes(layout: dict, src: np.ndarray, slots: int, mode: str) -> dict:

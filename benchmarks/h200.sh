@@ -16,6 +16,8 @@
 #                MLX, and prefetch on the trained default, three repetitions           (500)
 #   ptxas        profile_kernels --ptxas and --sass (registers, spills, loop costs)   (300)
 #   profile      profile_kernels under ncu: every dispatched kernel's time and bytes  (300)
+#   doctor       python -m kimi_k3.doctor over the CUDA kernels, then --model on a
+#                synthetic k3-layers checkpoint (written under $OUT)                   (500)
 #   all          every step above, in that order (longer than one 600 s call)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -39,7 +41,7 @@ run() {
 steps=()
 for s in "$@"; do
   case $s in
-    all) steps+=(kda_tests mxfp4_tests kda mxfp4 e2e streaming ptxas profile) ;;
+    all) steps+=(kda_tests mxfp4_tests kda mxfp4 e2e streaming ptxas profile doctor) ;;
     tests) steps+=(kda_tests mxfp4_tests) ;;
     *) steps+=("$s") ;;
   esac
@@ -68,6 +70,10 @@ for step in "${steps[@]}"; do
     profile)
       run profile 300 ncu --metrics gpu__time_duration.sum,dram__bytes.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
         python3 -m benchmarks.profile_kernels --rounds 1 ;;
+    doctor)
+      run doctor 400 python3 -m kimi_k3.doctor
+      [ -d "$OUT/k3-layers" ] || python3 -m kimi_k3.convert synth "$OUT/k3-layers" --preset k3-layers >>"$log" 2>&1
+      run doctor_model 100 python3 -m kimi_k3.doctor --small --model "$OUT/k3-layers" ;;
     *) echo "unknown step $step" | tee -a "$log" ;;
   esac
 done

@@ -3,15 +3,11 @@
     python -m benchmarks.project_k3 --out OUT.md
     python -m benchmarks.project_k3 --quick          # fewer prompts and tokens: seconds
 
-Decode time per token = SSD time + compute time (reads and compute in series: prefetch does
-not pay, ``docs/streaming.md``), with the overlapped bound ``max`` of the two beside it:
+The model (``kimi_k3.projection``): decode time per token = SSD time + compute time
+(reads and compute in series: prefetch does not pay, ``docs/streaming.md``), with the
+overlapped bound beside it. The MXFP4 decode kernels reach ``--kernel-efficiency`` of the
+memory bandwidth on the H200 (docs/benchmarks.md). Its inputs here:
 
-- SSD time = (1 - h) x 25.8 GB x kept / (SSD GB/s x read efficiency): the routed-expert
-  bytes one token touches (92 MoE layers x 16 experts x 17,547,264 bytes) times the share
-  of experts trimming keeps, of which the cache misses ``1 - h`` come from the SSD.
-- Compute time = (dense trunk 30 GB + 25.8 GB x kept) / (memory GB/s x kernel
-  efficiency): decode reads every weight it uses once, and the MXFP4 decode kernels reach
-  ``--kernel-efficiency`` of the memory bandwidth on the H200 (docs/benchmarks.md).
 - h, the hit rate at the cache fraction f = expert budget / 1.45 TB: replayed by
   ``kimi_k3.streaming.simulate`` from the trained default model's sampled decode routing
   (temperature 0.6; the shipped policy, and Belady's optimum beside it), read off the
@@ -22,39 +18,30 @@ not pay, ``docs/streaming.md``), with the overlapped bound ``max`` of the two be
   +0.043 nats), and at ``--top-p`` (default 0.25, the trained default's recommended
   setting; its quality cost does not transfer to K3, docs/streaming.md).
 - Expert parallel over N Macs: each caches its 1/N share of the experts (f = budget /
-  share), reads its share of the misses from its own SSD, runs the whole dense trunk, and
-  adds 92 all-sums of 2 (N - 1) link hops at 10 us (Thunderbolt 5 RDMA,
-  docs/benchmarks.md "Across machines").
+  share), with link hops of 10 us (Thunderbolt 5 RDMA, docs/benchmarks.md "Across
+  machines").
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 
 from benchmarks import timing
+from kimi_k3.projection import (
+    COLIBRI_KEPT,
+    EXPERTS_GB,
+    KERNEL_EFFICIENCY,
+    Mac,
+    expert_budget_gb,
+    hit_at,
+    project,
+)
 
-MOE_LAYERS, EXPERTS, TOP_K, EXPERT_BYTES = 92, 896, 16, 17_547_264
-TOKEN_GB = MOE_LAYERS * TOP_K * EXPERT_BYTES / 1e9  # 25.8
-EXPERTS_GB = MOE_LAYERS * EXPERTS * EXPERT_BYTES / 1e9  # 1,447
-DENSE_GB = 30.0  # the dense trunk at 4 bits
-RESERVE_GB = 16.0  # OS, KV cache, activations
-HOP_US = 10.0  # one RDMA link hop of an all-sum
 # Sampled decode: a small model's greedy output repeats itself, which inflates reuse
 DECODE_TEMP = 0.6
-COLIBRI_KEPT = 8 / 16  # colibri's top-p trimming on K3: about 8 of 16 experts, +0.043 nats
-
-
-@dataclass(frozen=True)
-class Mac:
-    name: str
-    ram_gb: float
-    ssd_gbps: float
-    memory_gbps: float
-
 
 # M5 Max: 13.5 GB/s SSD and 614 GB/s memory; M3 Ultra: 819 GB/s memory, SSD taken as
 # 7 GB/s (sources in docs/streaming.md "Projection for the full K3").
@@ -106,40 +93,11 @@ def measure(prompts: int, tokens: int, settings: dict, slot_step: int = 1) -> di
     return out
 
 
-def hit_at(curve: list[tuple[float, float]], f: float) -> float:
-    """The curve's hit rate at cache fraction ``f`` (linear between measured fractions;
-    below the first, that point's hit rate scaled by ``f``; 1 once everything fits)."""
-    fs, hs = np.array(curve).T
-    if f >= 1.0:
-        return 1.0
-    if f < fs[0]:
-        return float(hs[0] * f / fs[0])
-    return float(np.interp(f, fs, hs))
-
-
-def project(mac: Mac, n: int, h: float, kept: float, eff: float, kernel_eff: float) -> dict:
-    """One configuration's decode time per token and tokens/s (module docstring)."""
-    budget = mac.ram_gb - DENSE_GB - RESERVE_GB
-    ssd_gb = (1.0 - h) * TOKEN_GB * kept / n
-    ssd_s = ssd_gb / (mac.ssd_gbps * eff)
-    compute_s = (DENSE_GB + TOKEN_GB * kept / n) / (mac.memory_gbps * kernel_eff)
-    link_s = MOE_LAYERS * 2 * (n - 1) * HOP_US / 1e6
-    serial = ssd_s + compute_s + link_s
-    return {
-        "budget": budget,
-        "ssd_gb": ssd_gb,
-        "ssd_s": ssd_s,
-        "compute_s": compute_s + link_s,
-        "tok_s": 1.0 / serial,
-        "tok_s_overlap": 1.0 / (max(ssd_s, compute_s) + link_s),
-    }
-
-
 def rows(m: dict, eff: float, kernel_eff: float) -> list[dict]:
     out = []
     configs = [(M5_MAX, 1), (M3_ULTRA, 1), (M5_MAX, 2), (M5_MAX, 4)]
     for mac, n in configs:
-        budget = mac.ram_gb - DENSE_GB - RESERVE_GB
+        budget = expert_budget_gb(mac.ram_gb)
         f = min(1.0, budget / (EXPERTS_GB / n))
         for name, got in m.items():
             h = hit_at(got["curve"], f)
@@ -256,8 +214,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--kernel-efficiency",
         type=float,
-        default=0.63,
-        help="decode kernels' share of memory bandwidth (default 0.63)",
+        default=KERNEL_EFFICIENCY,
+        help=f"decode kernels' share of memory bandwidth (default {KERNEL_EFFICIENCY})",
     )
     ap.add_argument(
         "--quick",

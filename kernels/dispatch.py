@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .verdict import usable
+
 KDA_DTYPES = (mx.float32, mx.bfloat16)
 
 
@@ -17,12 +19,19 @@ def reference_forced(part: str) -> bool:
     return value in ("1", "all", part)
 
 
+def checked(name: str, backend: str, fn):
+    """``fn`` (kernel variant ``name`` on ``backend``) where its verdict for this machine lets
+    it serve, else None (the reference): ``verdict.usable``, checked on first use."""
+    return fn if usable(name, backend) else None
+
+
 def kda_mix_kernel(p, x_q, conv_state, state):
     """The kernel implementation of ``kimi_k3.kda.kda_mix`` for these inputs, or None.
     ``KIMI_K3_REFERENCE=1`` (or ``kda``) forces the reference.
 
     Metal or CUDA (``source.backend()``), activations in float32 or bfloat16: one decode
-    launch for T = 1, the chunk kernels for longer inputs; None (the reference) otherwise.
+    launch for T = 1, the chunk kernels for longer inputs; None (the reference) otherwise,
+    and where the kernel failed its check on this machine (``checked``).
     """
     from functools import partial
 
@@ -38,9 +47,9 @@ def kda_mix_kernel(p, x_q, conv_state, state):
     ):
         return None
     if x_q.shape[1] == 1 and kda_decode.eligible(heads, head_dim):
-        return partial(kda_decode.kda_decode, backend)
+        return checked("kda_decode", backend, partial(kda_decode.kda_decode, backend))
     if x_q.shape[1] > 1 and kda_prefill.eligible(heads, head_dim):
-        return partial(kda_prefill.kda_prefill, backend)
+        return checked("kda_prefill", backend, partial(kda_prefill.kda_prefill, backend))
     return None
 
 
@@ -99,7 +108,8 @@ def expert_glu_kernel(z, w, inds):
     out in shuffles), elsewhere the LUT GEMM of ``mxfp4_prefill``.
     Stacks in ``expert_layout``'s tiles (``TiledStacks``) are served by the tiled variants of
     CUDA's tensor-core kernels; where none applies, None (the reference, which untiles).
-    ``KIMI_K3_REFERENCE=1`` (or ``experts``) forces the reference.
+    ``KIMI_K3_REFERENCE=1`` (or ``experts``) forces the reference; a variant that failed its
+    check on this machine gives None too (``checked``).
     """
     from functools import partial
 
@@ -124,20 +134,25 @@ def expert_glu_kernel(z, w, inds):
     mma = backend == "cuda" and mxfp4_mma.eligible_dims(D, I)
     if tiled and not mma:
         return None
+    tail = "_tiled" if tiled else ""
     if inds.size <= EXPERT_DECODE_MAX_PAIRS:
         if mma:
             one = expert_decode_choice(inds.size) == "one"
             if one and mxfp4_one.agrees(backend, D, I):
                 fn = mxfp4_one.expert_glu_decode_tiled if tiled else mxfp4_one.expert_glu_decode
-                return partial(fn, backend=backend)
+                return checked("mxfp4_one" + tail, backend, partial(fn, backend=backend))
             fn = mxfp4_mma.expert_glu_decode_tiled if tiled else mxfp4_mma.expert_glu_decode
-            return partial(fn, backend=backend)
-        return partial(mxfp4_decode.expert_glu_decode, backend=backend)
+            return checked("mxfp4_mma" + tail, backend, partial(fn, backend=backend))
+        fn = partial(mxfp4_decode.expert_glu_decode, backend=backend)
+        return checked("mxfp4_decode", backend, fn)
     if expert_prefill_choice() == "reference":
         return None
     if backend == "cuda":
-        return partial(mxfp4_prefill_mma.expert_glu_prefill_mma, backend=backend, tiled=tiled)
-    return partial(mxfp4_prefill.expert_glu_prefill, backend=backend)
+        fn = partial(mxfp4_prefill_mma.expert_glu_prefill_mma, backend=backend, tiled=tiled)
+        return checked("mxfp4_prefill_mma" + tail, backend, fn)
+    return checked(
+        "mxfp4_prefill", backend, partial(mxfp4_prefill.expert_glu_prefill, backend=backend)
+    )
 
 
 def expert_sum_in_order(inds) -> bool:

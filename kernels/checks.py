@@ -1,0 +1,373 @@
+"""Each custom kernel against the pure-MLX reference, on this machine's own backend.
+
+A ``Case`` is one kernel variant at one shape: inputs built from a fixed seed, the kernel's
+call (through its module, as the dispatcher calls it) and the reference's, and a tolerance
+on the RMS-relative error of the kernel's outputs against the reference's. ``run_case``
+runs both and gives a ``Result``: the error, a verdict (``pass``; ``mismatch``;
+``non-finite`` for NaN or inf; ``error`` for a compile or launch failure) and, when asked,
+the time of each.
+
+``KERNELS`` names every kernel variant the dispatcher (``kimi_k3.kernels.dispatch``) can
+select, per backend; ``small_case(name, backend)`` is the quick case the first-use check
+runs (``kimi_k3.kernels.verdict``), ``cases(backend, k3=True)`` the doctor's list, with K3's
+shapes (``python -m kimi_k3.doctor``). ``reference_cases`` checks the reference paths
+against other pure-MLX renderings of the same maths (a machine without kernels).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+BETA, CAP = 4.0, 25.0  # SiTU's beta and the up branch's cap (K3's values are of this order)
+KDA_TOL = 1e-4  # RMS-relative, fp32: the kernels agree to about 1e-6 on the emulator
+EXPERT_TOL = 1e-4  # RMS-relative, fp32 accumulation on both sides
+
+# Variants per backend, in the order the dispatcher tries them. ``_tiled``: the kernel on
+# stacks in ``expert_layout``'s tiles (CUDA's stores hold those where the dims allow).
+KERNELS = {
+    "metal": ("kda_decode", "kda_prefill", "mxfp4_decode", "mxfp4_prefill"),
+    "emulator": ("kda_decode", "kda_prefill", "mxfp4_decode", "mxfp4_prefill"),
+    "cuda": (
+        "kda_decode",
+        "kda_prefill",
+        "mxfp4_one",
+        "mxfp4_one_tiled",
+        "mxfp4_mma",
+        "mxfp4_mma_tiled",
+        "mxfp4_prefill_mma",
+        "mxfp4_prefill_mma_tiled",
+    ),
+}
+
+# K3's shapes: KDA 96 heads of 128; experts of latent 3584 and hidden 3072, top-16. The
+# doctor's expert stacks hold 32 experts (560 MB): a call reads only the experts it routes to.
+K3_KDA = dict(H=96, K=128)
+K3_EXPERTS = dict(E=32, D=3584, I=3072, k=16)
+
+
+@dataclass
+class Case:
+    """One kernel variant at one shape (module docstring)."""
+
+    kernel: str
+    shape: str
+    run: Callable[[], list]  # the kernel's outputs
+    reference: Callable[[], list]  # the reference's outputs, the same structure
+    tol: float
+
+
+@dataclass
+class Result:
+    kernel: str
+    shape: str
+    verdict: str  # pass, mismatch, non-finite, error
+    err: float | None
+    tol: float
+    detail: str = ""
+    kernel_ms: float | None = None
+    reference_ms: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "pass"
+
+
+def rel_err(a: mx.array, b: mx.array) -> float:
+    """``||a - b|| / ||b||`` in float64."""
+    a = np.asarray(a.astype(mx.float32), dtype=np.float64)
+    b = np.asarray(b.astype(mx.float32), dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _outputs(out) -> list:
+    out = list(out) if isinstance(out, (list, tuple)) else [out]
+    mx.eval(out)
+    return out
+
+
+def _timed(fn: Callable, reps: int) -> tuple[list, float]:
+    """``fn``'s outputs, evaluated, and the median milliseconds of ``reps`` more calls."""
+    out = _outputs(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _outputs(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return out, float(np.median(times)) if times else None
+
+
+def run_case(case: Case, reps: int = 0) -> Result:
+    """Run ``case``'s kernel and reference (``reps`` timed calls of each after the first)."""
+    res = Result(case.kernel, case.shape, "pass", None, case.tol)
+    try:
+        out, res.kernel_ms = _timed(case.run, reps)
+    except Exception as e:  # a compile or launch failure is the verdict, not a crash
+        res.verdict, res.detail = "error", f"{type(e).__name__}: {_first_line(e)}"
+        return res
+    try:
+        want, res.reference_ms = _timed(case.reference, reps)
+    except Exception as e:  # no verdict on the kernel without the reference's answer
+        res.verdict, res.detail = "error", f"the reference failed: {type(e).__name__}: {e}"
+        return res
+    if len(out) != len(want) or any(o.shape != w.shape for o, w in zip(out, want)):
+        got = [tuple(o.shape) for o in out]
+        res.verdict = "mismatch"
+        res.detail = f"output shapes {got}, reference {[tuple(w.shape) for w in want]}"
+        return res
+    if not all(bool(mx.all(mx.isfinite(o.astype(mx.float32)))) for o in out):
+        res.verdict, res.detail = "non-finite", "NaN or inf in the kernel's output"
+        return res
+    res.err = max(rel_err(o, w) for o, w in zip(out, want))
+    if not res.err <= case.tol:
+        res.verdict = "mismatch"
+        res.detail = f"error {res.err:.2e} > tolerance {case.tol:.0e}"
+    return res
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+# --- KDA ---------------------------------------------------------------------------------
+
+
+def kda_layer(H: int, K: int, seed: int = 0, W: int = 4) -> dict:
+    """A KDA layer's constants (``kimi_k3.kda.kda_mix_reference``'s ``p``), random."""
+    r = np.random.default_rng(seed)
+    P = H * K
+
+    def normal(shape, scale=1.0):
+        return mx.array(r.standard_normal(shape).astype(np.float32) * scale)
+
+    p = {n: normal((P, 1, W), 0.5) for n in ("q_conv", "k_conv", "v_conv")}
+    p.update(A_log=normal((H,), 0.5), dt_bias=normal((P,)), o_norm=1 + normal((K,), 0.1))
+    return {**p, "heads": H, "head_dim": K, "lower_bound": -5.0, "eps": 1e-5}
+
+
+def kda_inputs(B: int, T: int, H: int, K: int, seed: int = 1, W: int = 4) -> tuple:
+    """``kda_mix``'s activations and carried state (a sequence already under way)."""
+    r = np.random.default_rng(seed)
+    P = H * K
+
+    def normal(shape, scale=1.0):
+        return mx.array(r.standard_normal(shape).astype(np.float32) * scale)
+
+    x = [normal((B, T, P)) for _ in range(4)]
+    return (
+        *x,
+        normal((B, T, H)),
+        normal((B, T, P)),
+        normal((B, W - 1, 3 * P)),
+        normal((B, H, K, K), 0.1),
+    )
+
+
+def kda_case(name: str, backend: str, B: int, T: int, H: int, K: int) -> Case:
+    """``kda_decode`` (T = 1) or ``kda_prefill`` against ``kda_mix_reference``."""
+    from kimi_k3.kda import kda_mix_reference
+
+    from . import kda_decode, kda_prefill
+
+    p, args = kda_layer(H, K), kda_inputs(B, T, H, K)
+    module = kda_decode if name == "kda_decode" else kda_prefill
+
+    def run():
+        return getattr(module, name)(backend, p, *args)
+
+    return Case(name, f"B={B} T={T} H={H} K={K}", run, lambda: kda_mix_reference(p, *args), KDA_TOL)
+
+
+# --- MXFP4 experts -----------------------------------------------------------------------
+
+
+def random_experts(E: int, D: int, I: int, seed: int = 0) -> dict:
+    """``E`` random MXFP4 experts in MLX's layout (``w1``/``w3`` [I, D], ``w2`` [D, I]):
+    every code equally likely, scales spread over 5 octaves around the one that puts a
+    row's products near unit variance."""
+    r = np.random.default_rng(seed)
+    out = {}
+    for n, (rows, cols) in {"w1": (I, D), "w3": (I, D), "w2": (D, I)}.items():
+        mid = 127 - int(np.round(np.log2(np.sqrt(cols) * 2.9)))
+        codes = r.integers(0, 2**32, (E, rows, cols // 8), dtype=np.uint32)
+        scales = r.integers(mid - 2, mid + 3, (E, rows, cols // 32)).astype(np.uint8)
+        out[n] = (mx.array(codes), mx.array(scales))
+    return out
+
+
+def routing(N: int, E: int, k: int, seed: int = 1) -> tuple:
+    """``k`` distinct experts per token, positive weights summing to one."""
+    r = np.random.default_rng(seed)
+    inds = np.stack([r.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
+    wts = r.random((N, k)) + 0.1
+    return mx.array(inds), mx.array((wts / wts.sum(axis=1, keepdims=True)).astype(np.float32))
+
+
+# variant -> (module, function); the grouped prefill kernels take more than
+# ``dispatch.EXPERT_DECODE_MAX_PAIRS`` pairs
+_EXPERT_FNS = {
+    "mxfp4_decode": ("mxfp4_decode", "expert_glu_decode"),
+    "mxfp4_prefill": ("mxfp4_prefill", "expert_glu_prefill"),
+    "mxfp4_one": ("mxfp4_one", "expert_glu_decode"),
+    "mxfp4_one_tiled": ("mxfp4_one", "expert_glu_decode_tiled"),
+    "mxfp4_mma": ("mxfp4_mma", "expert_glu_decode"),
+    "mxfp4_mma_tiled": ("mxfp4_mma", "expert_glu_decode_tiled"),
+    "mxfp4_prefill_mma": ("mxfp4_prefill_mma", "expert_glu_prefill_mma"),
+    "mxfp4_prefill_mma_tiled": ("mxfp4_prefill_mma", "expert_glu_prefill_mma"),
+}
+
+
+def expert_case(name: str, backend: str, E: int, D: int, I: int, N: int, k: int) -> Case:
+    """An MXFP4 expert kernel variant against ``expert_glu_reference`` (fp32 latents)."""
+    import importlib
+
+    from kimi_k3.experts import expert_glu_reference
+
+    from . import expert_layout
+
+    w = random_experts(E, D, I)
+    inds, wts = routing(N, E, k)
+    z = mx.array(np.random.default_rng(2).standard_normal((N, D)).astype(np.float32))
+    tiled = name.endswith("_tiled")
+    wk = expert_layout.tile(w) if tiled else w
+    mx.eval(z, inds, wts, w, wk)
+    module, fn = _EXPERT_FNS[name]
+    mod = importlib.import_module(f"{__package__}.{module}")
+    extra = {"tiled": tiled} if module == "mxfp4_prefill_mma" else {}
+
+    def run():
+        return getattr(mod, fn)(z, wk, inds, wts, BETA, CAP, backend=backend, **extra)
+
+    def reference():
+        return expert_glu_reference(z, w, inds, wts, BETA, CAP)
+
+    shape = f"N={N} k={k} ({N * k} pairs) D={D} I={I} E={E}"
+    return Case(name, shape, run, reference, EXPERT_TOL)
+
+
+def small_case(name: str, backend: str) -> Case:
+    """The first-use check's case for a variant: small shapes (a fraction of a second on a
+    GPU), the variant's own path (one chunk and a partial one for the chunked prefill;
+    more pairs than ``EXPERT_DECODE_MAX_PAIRS`` for the grouped prefill)."""
+    if name == "kda_decode":
+        return kda_case(name, backend, 1, 1, 2, 64)
+    if name == "kda_prefill":
+        return kda_case(name, backend, 1, 65, 2, 64)
+    if "prefill" in name:
+        return expert_case(name, backend, 8, 128, 128, 40, 4)
+    return expert_case(name, backend, 8, 128, 128, 2, 4)
+
+
+def cases(backend: str, k3: bool = True) -> list[Case]:
+    """The doctor's cases for every variant the dispatcher can select on ``backend``: the
+    small case, then (``k3``) K3's shapes at the sizes where the dispatcher picks each
+    variant: KDA decode at batch 1 and 4 and chunked prefill of 64 and 300 tokens; expert
+    decode at 1 and 2 tokens (the one-launch kernel's range on CUDA) and 8 (128 pairs, the
+    per-pair kernels' largest), the grouped prefill at 64 tokens (1024 pairs)."""
+    from . import dispatch
+
+    out = []
+    for name in KERNELS[backend]:
+        out.append(small_case(name, backend))
+        if not k3:
+            continue
+        if name.startswith("kda"):
+            sizes = [(1, 1), (4, 1)] if name == "kda_decode" else [(1, 64), (1, 300)]
+            out += [kda_case(name, backend, B, T, **K3_KDA) for B, T in sizes]
+            continue
+        E, D, I, k = (K3_EXPERTS[x] for x in "EDIk")
+        most = dispatch.EXPERT_DECODE_MAX_PAIRS // k
+        if "prefill" in name:
+            tokens = [64]
+        elif name.startswith("mxfp4_one"):
+            tokens = [1, dispatch.EXPERT_ONE_LAUNCH_MAX_PAIRS // k]
+        elif name.startswith("mxfp4_mma"):
+            tokens = [most]
+        else:
+            tokens = [1, most]
+        out += [expert_case(name, backend, E, D, I, N, k) for N in tokens]
+    return out
+
+
+# --- the reference paths (no kernels) -----------------------------------------------------
+
+
+def reference_cases(k3: bool = True) -> list[Case]:
+    """The pure-MLX paths a machine without kernels runs, each against another rendering of
+    the same maths: the KDA mixer over T tokens at once against T decode steps through
+    ``kda_mix`` (the compiled one-token step), carrying the state; the experts' quantized
+    matmuls (``gather_qmm``) against dequantized weights in dense fp32 matmuls (the weights
+    dequantized on the first call)."""
+    shapes = [(1, 2, 64, 16, 16, 128, 128, 8, 4)]
+    if k3:
+        shapes.append((1, 96, 128, 64, 32, 3584, 3072, 1, 16))
+    out = []
+    for B, H, K, T, E, D, I, N, k in shapes:
+        out.append(_kda_steps_case(B, T, H, K))
+        out.append(_dense_experts_case(E, D, I, N, k))
+    return out
+
+
+def _kda_steps_case(B: int, T: int, H: int, K: int) -> Case:
+    from kimi_k3.kda import kda_mix, kda_mix_reference
+
+    p, args = kda_layer(H, K), kda_inputs(B, T, H, K)
+
+    def steps():
+        x, (conv, state) = args[:6], args[6:]
+        ys = []
+        for t in range(T):
+            y, conv, state = kda_mix(p, *(a[:, t : t + 1] for a in x), conv, state)
+            ys.append(y)
+        return mx.concatenate(ys, axis=1), conv, state
+
+    shape = f"B={B} T={T} H={H} K={K}"
+    return Case(
+        "kda reference: T steps vs all T",
+        shape,
+        steps,
+        lambda: kda_mix_reference(p, *args),
+        KDA_TOL,
+    )
+
+
+def _dense_experts_case(E: int, D: int, I: int, N: int, k: int) -> Case:
+    from kimi_k3.experts import expert_glu_reference, situ_glu
+
+    w = random_experts(E, D, I)
+    inds, wts = routing(N, E, k)
+    z = mx.array(np.random.default_rng(2).standard_normal((N, D)).astype(np.float32))
+
+    deq = {}  # dequantized once: the other path is the dense products
+
+    def dense():
+        if not deq:
+            for e in sorted(set(np.array(inds).reshape(-1).tolist())):
+                deq[e] = {
+                    n: mx.dequantize(q[e], s[e], group_size=32, bits=4, mode="mxfp4")
+                    for n, (q, s) in w.items()
+                }
+            mx.eval(deq)
+        rows = []
+        for t in range(N):
+            acc = mx.zeros((D,), mx.float32)
+            for j in range(k):
+                d = deq[int(inds[t, j])]
+                h = situ_glu(d["w1"] @ z[t], d["w3"] @ z[t], BETA, CAP)
+                acc = acc + wts[t, j] * (d["w2"] @ h)
+            rows.append(acc)
+        return mx.stack(rows)
+
+    shape = f"N={N} k={k} D={D} I={I} E={E}"
+    return Case(
+        "experts reference: gather_qmm vs dense",
+        shape,
+        lambda: expert_glu_reference(z, w, inds, wts, BETA, CAP),
+        dense,
+        EXPERT_TOL,
+    )

@@ -1,0 +1,503 @@
+"""``python -m kimi_k3.doctor``: this machine's kernels checked, and how fast K3 would run.
+
+    python -m kimi_k3.doctor                 # the machine, every kernel against the reference
+    python -m kimi_k3.doctor --emulate       # the Metal kernels on the CPU emulator (g++)
+    python -m kimi_k3.doctor --model DIR     # also: DIR's expert read rate, K3's projection
+
+Prints MLX's version, the device, the kernel backend, memory and the free disk of the
+model directory (the user cache without ``--model``). Then, for every kernel variant the
+dispatcher can select on this backend (``kimi_k3.kernels.checks.KERNELS``), the variant
+against the pure-MLX reference at small shapes and at K3's: the error against the
+tolerance, the time of each, and a verdict; the verdicts are recorded for this machine
+(``kimi_k3.kernels.verdict``), so that a failed variant is not used. Without a GPU it says
+so and checks the reference paths instead. ``--model``: the read rate of DIR's expert files
+per format it holds, through the streamer's readers and as raw reads of the same ranges
+(``kimi_k3.streaming.readrate``), this machine's memory read rate, and from them the
+projection model (``kimi_k3.projection``): the expert cache to give K3, the largest that
+leaves room for the dense weights and the OS, and the tokens/s to expect per format and
+trimming setting; and the same model's tokens/s for DIR itself.
+
+Exit status: 0 when every check passes, 1 on a mismatch, NaN, compile or launch failure
+(the report above says which), 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from kimi_k3.generate import USAGE_ERROR, HelpFormatter, Parser, fail
+
+FORMATS = ("pack", "shards", "mlx-lm")
+
+
+def setup_arg_parser() -> Parser:
+    p = Parser(
+        prog="python -m kimi_k3.doctor",
+        description=__doc__.splitlines()[0].split(": ", 1)[1],
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--model", type=Path, help="a K3 model directory: read rates and projection")
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="run the Metal kernels through the CPU emulator (needs g++)",
+    )
+    p.add_argument("--small", action="store_true", help="small shapes only (skip K3's shapes)")
+    p.add_argument("--reps", type=int, default=3, help="timed calls of each case")
+    p.add_argument(
+        "--read-gb", type=float, default=2.0, help="GB of expert reads per read test, at most"
+    )
+    p.add_argument(
+        "--expert-cache-gb",
+        type=float,
+        help="DIR's expert cache for its own projected tokens/s (default: a quarter of its "
+        "experts, the demo model's share)",
+    )
+    p.add_argument("--no-record", action="store_true", help="do not record kernel verdicts")
+    return p
+
+
+def check_args(args) -> None:
+    from kimi_k3.generate import ArgumentError
+
+    if args.reps < 1:
+        raise ArgumentError(f"--reps {args.reps}: expected 1 or more")
+    if not args.read_gb > 0:
+        raise ArgumentError(f"--read-gb {args.read_gb}: expected a positive number")
+    if args.expert_cache_gb is not None and not args.expert_cache_gb >= 0:
+        raise ArgumentError(f"--expert-cache-gb {args.expert_cache_gb}: expected 0 or more")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        raise ArgumentError(f"--model {args.model}: not a model directory (no config.json)")
+    if args.emulate and shutil.which("g++") is None:
+        raise ArgumentError("--emulate: the emulator needs a C++ compiler (g++), none found")
+
+
+# --- the machine ----------------------------------------------------------------------------
+
+
+def ram_gb() -> float:
+    """Physical memory, GB (the GPU's share where MLX reports one)."""
+    info = mx.device_info() if (mx.metal.is_available() or mx.cuda.is_available()) else {}
+    if "memory_size" in info:
+        return info["memory_size"] / 1e9
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
+def memory_gbps(mb: int = 256, reps: int = 5) -> float:
+    """MLX's read rate of memory on the default device: the best of ``reps`` sums of
+    ``mb`` MB of float32."""
+    a = mx.ones((mb * 1024 * 1024 // 4,), mx.float32)
+    mx.eval(a)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(a.sum())
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / 1e9 / best
+
+
+def machine_lines(model: Path | None, backend: str | None, emulate: bool) -> list[str]:
+    from kimi_k3 import cache_dir
+    from kimi_k3.kernels import verdict
+
+    gpu = mx.metal.is_available() or mx.cuda.is_available()
+    info = mx.device_info() if gpu else {}
+    where = model if model is not None else cache_dir()
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free / 1e9
+    if backend is None:
+        kernels = "none: no GPU, the pure-MLX reference serves every call"
+    elif emulate:
+        kernels = "emulator (--emulate: the Metal kernels run on the CPU, for checking)"
+    else:
+        kernels = backend
+    lines = [
+        f"kimi_k3 doctor, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+        f"MLX {mx.__version__}; Python {platform.python_version()}; "
+        f"{platform.system()} {platform.release()} {platform.machine()}",
+        f"device: {mx.default_device()}, {verdict.device_name()}"
+        + (f" ({', '.join(f'{k}={v}' for k, v in sorted(info.items()))})" if info else ""),
+        f"kernel backend: {kernels}",
+        f"memory: {ram_gb():.1f} GB",
+        f"free disk at {where}: {free:.1f} GB",
+    ]
+    forced = os.environ.get("KIMI_K3_REFERENCE", "")
+    if forced not in ("", "0"):
+        lines.append(f"note: KIMI_K3_REFERENCE={forced} forces the reference in model runs")
+    if os.environ.get(verdict.CHECK_ENV) == "0":
+        lines.append(f"note: {verdict.CHECK_ENV}=0: model runs skip the first-use check")
+    return lines
+
+
+# --- the kernels ----------------------------------------------------------------------------
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def kernel_table(results: list, kernels: bool = True) -> list[str]:
+    """One row per result; ``kernels`` off: reference paths, each against another."""
+    times = ["kernel ms", "reference ms"] if kernels else ["path ms", "other path ms"]
+    head = ["kernel" if kernels else "path", "shape", "error", "tolerance", *times, "x", "verdict"]
+    rows = []
+    for r in results:
+        speed = (
+            f"{r.reference_ms / r.kernel_ms:.2f}"
+            if r.kernel_ms and r.reference_ms and r.ok
+            else "-"
+        )
+        err = "-" if r.err is None else f"{r.err:.1e}"
+        verdict = r.verdict if r.ok else f"{r.verdict.upper()}: {r.detail}"
+        rows.append(
+            [
+                r.kernel,
+                r.shape,
+                err,
+                f"{r.tol:.0e}",
+                _ms(r.kernel_ms),
+                _ms(r.reference_ms),
+                speed,
+                verdict,
+            ]
+        )
+    return markdown_table(head, rows)
+
+
+def markdown_table(head: list, rows: list) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -> list:
+    """Run every case; record one verdict per variant (all its cases pass, or the first
+    failure) unless ``record`` is off or there is no backend."""
+    from kimi_k3.kernels import checks, verdict
+
+    todo = checks.cases(backend, k3) if backend else checks.reference_cases(k3)
+    results, per_variant = [], {}
+    for case in todo:
+        t0 = time.perf_counter()
+        res = checks.run_case(case, reps)
+        results.append(res)
+        seconds = time.perf_counter() - t0
+        log(f"  {res.kernel} {res.shape}: {res.verdict} ({seconds:.1f} s)")
+        first = per_variant.get(res.kernel)
+        if first is None or (first[0].ok and not res.ok):
+            per_variant[res.kernel] = (res, seconds)
+    if backend and record:
+        verdict.record(
+            {
+                verdict.machine_key(name, backend): verdict.verdict_record(res, s, "doctor")
+                for name, (res, s) in per_variant.items()
+            }
+        )
+    return results
+
+
+def first_use_line(backend: str) -> str:
+    """The time of the first-use check of every variant (its small case, as a model run
+    makes it), the kernels already built: what a run pays once per machine."""
+    from kimi_k3.kernels import checks
+
+    names = checks.KERNELS[backend]
+    t0 = time.perf_counter()
+    for name in names:
+        checks.run_case(checks.small_case(name, backend))
+    took = time.perf_counter() - t0
+    return (
+        f"first-use check of all {len(names)} variants (small cases, kernels built): "
+        f"{took:.2f} s (budget 2 s)"
+    )
+
+
+# --- the model directory --------------------------------------------------------------------
+
+
+def formats(path: Path, args, layer: int) -> list[str]:
+    """The expert formats ``path`` holds, of ``FORMATS``."""
+    from kimi_k3.checkpoint import CheckpointIndex
+    from kimi_k3.expert_pack import is_pack_dir
+    from kimi_k3.layouts import mlx_lm_expert_names
+    from kimi_k3.model import expert_keys
+
+    out = ["pack"] if is_pack_dir(path) else []
+    if any(path.glob("*.safetensors")):
+        index = CheckpointIndex(path)
+        if expert_keys(layer, 0)[0] in index:
+            out.append("shards")
+        if mlx_lm_expert_names(layer)["w1.weight"] in index:
+            out.append("mlx-lm")
+    return out
+
+
+def read_rates(path: Path, kind: str, read_gb: float, reps: int, log) -> dict:
+    """Streamer and raw reads of ``kind``'s experts in ``path``, decode-shaped (top-k a layer
+    call, what the last call held not read again), interleaved ``reps`` times; medians."""
+    from kimi_k3 import checksums
+    from kimi_k3.config import ModelArgs
+    from kimi_k3.streaming import readrate
+    from kimi_k3.streaming.sources import expert_bytes, expert_layout, open_source
+    from kimi_k3.streaming.store import StreamOptions
+
+    args = ModelArgs.from_path(path)
+    layers = list(range(args.first_k_dense_replace, args.num_hidden_layers))
+    source = open_source(path, None, args, layers, kind)
+    if kind != "pack":
+        found = [f for f in checksums.manifest_paths(path) if f.is_file()]
+        source.sums = checksums.read_manifest(found[0]) if found else None
+    layout = expert_layout(args)
+    one = expert_bytes(layout)
+    k = min(args.num_experts_per_token, args.num_experts)
+    # at most read_gb: two rounds over as many layers as that allows, more rounds (up to 64)
+    # where every layer fits
+    n = max(2, int(read_gb * 1e9 / (one * k)))
+    layers = layers[: max(1, min(len(layers), n // 2))]
+    rounds = int(np.clip(n // len(layers), 2, 64))
+    plan = readrate.misses(readrate.plan(args.num_experts, layers, "decode", rounds, k))
+    opts = StreamOptions()
+    got = {"streamer": [], "raw": []}
+    for _ in range(reps):
+        got["streamer"].append(
+            readrate.streamer_read(source, layout, plan, opts.io_threads, opts.direct_io)
+        )
+        got["raw"].append(readrate.raw_read(source, plan, opts.io_threads))
+    s, r = got["streamer"][-1], got["raw"][-1]
+    out = {
+        "format": kind,
+        "gb": s["gb"],
+        "streamer": float(np.median([x["wall_gbps"] for x in got["streamer"]])),
+        "raw": float(np.median([x["wall_gbps"] for x in got["raw"]])),
+        "direct_io": s["direct_io"],
+        "checked": s["checked"],
+    }
+    log(
+        f"  {kind}: {r['gb']:.3f} GB a run, streamer {out['streamer']:.2f} GB/s, "
+        f"raw {out['raw']:.2f} GB/s"
+    )
+    return out
+
+
+def dir_sizes(path: Path):
+    """``projection.Sizes`` of the model in ``path`` (dense GB: its safetensors bytes that
+    are not routed experts)."""
+    from kimi_k3.checkpoint import CheckpointIndex
+    from kimi_k3.config import ModelArgs
+    from kimi_k3.projection import Sizes
+    from kimi_k3.streaming.sources import expert_bytes, expert_layout
+
+    args = ModelArgs.from_path(path)
+    index = CheckpointIndex(path)
+    dense = sum(t.nbytes for n, t in index.tensors.items() if ".experts." not in n)
+    dense -= sum(t.nbytes for n, t in index.tensors.items() if "switch_mlp" in n)
+    return Sizes(
+        args.num_hidden_layers - args.first_k_dense_replace,
+        args.num_experts,
+        args.num_experts_per_token,
+        expert_bytes(expert_layout(args)),
+        dense / 1e9,
+    )
+
+
+def model_lines(path: Path, opts, log) -> list[str]:
+    from kimi_k3.config import ModelArgs
+    from kimi_k3.projection import (
+        COLIBRI_KEPT,
+        DENSE_GB,
+        EXPERTS_GB,
+        KERNEL_EFFICIENCY,
+        RESERVE_GB,
+        Mac,
+        expert_budget_gb,
+        project,
+        recommended_budget,
+    )
+    from kimi_k3.streaming.store import StreamOptions
+
+    args = ModelArgs.from_path(path)
+    kinds = formats(path, args, args.first_k_dense_replace)
+    if not kinds:
+        raise ValueError(f"--model {path}: no routed experts found (no pack, shards or mlx-lm)")
+    log("read rates:")
+    rates = [read_rates(path, kind, opts.read_gb, opts.reps, log) for kind in kinds]
+    log("memory read rate ...")
+    mem = memory_gbps()
+    ram = ram_gb()
+    lines = [
+        f"## Expert reads of {path}",
+        "",
+        "Decode-shaped reads (top-k experts a layer call, the previous call's not read again), "
+        f"median of {opts.reps} interleaved runs; streamer: its reader threads, direct I/O, "
+        "checksums where the directory has them, into cache slots; raw: the same byte "
+        "ranges at the same depth into an aligned buffer.",
+        "",
+    ]
+    rows = []
+    for r in rates:
+        eff = r["streamer"] / r["raw"]
+        direct = {True: "direct", False: "buffered (page cache)", None: "-"}[r["direct_io"]]
+        rows.append(
+            [
+                r["format"],
+                f"{r['gb']:.3f}",
+                f"{r['streamer']:.2f}",
+                f"{r['raw']:.2f}",
+                f"{eff:.2f}",
+                direct,
+                "yes" if r["checked"] else "no",
+            ]
+        )
+    lines += markdown_table(
+        ["format", "GB a run", "streamer GB/s", "raw GB/s", "efficiency", "I/O", "checksums"],
+        rows,
+    )
+    if any(r["direct_io"] is False for r in rates):
+        lines += ["", "Buffered reads may come from the page cache: not the drive's rate."]
+    budget = expert_budget_gb(ram)
+    lines += [
+        "",
+        "## How fast K3 would run here",
+        "",
+        f"memory {ram:.1f} GB; MLX reads memory at {mem:.1f} GB/s (sum over 256 MB); the "
+        f"SSD rate is the raw rate above, the read efficiency streamer / raw (capped at 1).",
+        f"Largest expert cache that leaves room for K3's dense weights ({DENSE_GB:.0f} GB) "
+        f"and the OS, KV cache and activations ({RESERVE_GB:.0f} GB): {budget:.1f} GB.",
+        f"Recommended: --expert-cache-gb {recommended_budget(ram, StreamOptions().io_threads)} "
+        "(that, less the streamer's read buffers, in whole GB).",
+    ]
+    if budget <= 0:
+        lines.append(
+            f"K3 does not fit this machine's {ram:.1f} GB: it needs more than "
+            f"{DENSE_GB + RESERVE_GB:.0f} GB. The rows below are with no expert cache."
+        )
+    lines += [
+        f"Hit rate h = f, the cache's share of K3's {EXPERTS_GB:.0f} GB of experts (routing "
+        "with no reuse: a floor; benchmarks/project_k3.py reads h off traced routing). "
+        f"Kernels at {KERNEL_EFFICIENCY} of the memory rate (the MXFP4 decode kernels on "
+        "the H200).",
+        "",
+    ]
+    rows = []
+    for r in rates:
+        eff = min(1.0, r["streamer"] / r["raw"])
+        mac = Mac("here", ram, r["raw"], mem)
+        for setting, kept in (("exact", 1.0), ("trimmed to half (top-p 0.5)", COLIBRI_KEPT)):
+            b = max(budget, 0.0)
+            got = project(mac, 1, min(1.0, b / EXPERTS_GB), kept, eff, KERNEL_EFFICIENCY, b)
+            rows.append(
+                [
+                    r["format"],
+                    setting,
+                    f"{b:.1f}",
+                    f"{got['ssd_s']:.2f}",
+                    f"{got['compute_s']:.2f}",
+                    f"{got['tok_s']:.3f}",
+                    f"{got['tok_s_overlap']:.3f}",
+                ]
+            )
+    lines += markdown_table(
+        [
+            "format",
+            "experts",
+            "expert cache GB",
+            "SSD s",
+            "compute s",
+            "tok/s",
+            "tok/s, overlapped",
+        ],
+        rows,
+    )
+    lines += ["", *own_lines(path, rates, ram, mem, opts)]
+    return lines
+
+
+def own_lines(path: Path, rates: list, ram: float, mem: float, opts) -> list[str]:
+    """The projection for the directory's own model (to compare with a measured streamed
+    decode of it: ``python -m kimi_k3.generate --model DIR --expert-cache-gb GB``)."""
+    from kimi_k3.default_model import CACHE_FRACTION
+    from kimi_k3.projection import KERNEL_EFFICIENCY, Mac, project
+
+    sizes = dir_sizes(path)
+    gb = opts.expert_cache_gb
+    gb = CACHE_FRACTION * sizes.experts_gb if gb is None else gb
+    f = min(1.0, gb / sizes.experts_gb)
+    rows = []
+    for r in rates:
+        eff = min(1.0, r["streamer"] / r["raw"])
+        got = project(Mac("here", ram, r["raw"], mem), 1, f, 1.0, eff, KERNEL_EFFICIENCY, gb, sizes)
+        rows.append([r["format"], f"{got['ssd_gb'] * 1e3:.2f}", f"{got['tok_s']:.1f}"])
+    return [
+        f"## This directory's own model, streamed with --expert-cache-gb {gb:.4g}",
+        "",
+        f"{sizes.moe_layers} MoE layers of {sizes.experts} experts of "
+        f"{sizes.expert_bytes / 1e6:.3f} MB, top-{sizes.top_k}; dense {sizes.dense_gb:.3f} GB; "
+        f"h = f = {f:.2f}; the same model as above, exact. Memory-bound compute: a small "
+        "model's decode is bound by per-op overheads instead, so a measured decode is slower.",
+        "",
+        *markdown_table(["format", "SSD MB / token", "tok/s"], rows),
+    ]
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    opts = setup_arg_parser().parse_args(argv)
+    from kimi_k3.generate import UserError
+    from kimi_k3.kernels import source
+
+    try:
+        check_args(opts)
+        backend = "emulator" if opts.emulate else source.backend()
+    except (UserError, ValueError) as e:
+        return fail(str(e), USAGE_ERROR)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    out = machine_lines(opts.model, backend, opts.emulate)
+    print("\n".join(out) + "\n", flush=True)
+    log("checking kernels ..." if backend else "no GPU: checking the reference paths ...")
+    results = check_kernels(backend, not opts.small, opts.reps, not opts.no_record, log)
+    what = "kernel variants against the reference" if backend else "reference paths"
+    lines = [f"## {what} ({'small shapes' if opts.small else 'small and K3 shapes'})", ""]
+    lines += kernel_table(results, backend is not None)
+    bad = [r for r in results if not r.ok]
+    lines.append("")
+    if bad:
+        names = sorted({r.kernel for r in bad})
+        then = (
+            f"Model runs use the reference for {'them' if len(names) > 1 else 'it'} on this "
+            "machine."
+            if backend
+            else "MLX's own operations disagree on this machine."
+        )
+        lines.append(
+            f"FAILED: {', '.join(names)}. {then} Please report this whole output in an issue."
+        )
+    else:
+        lines.append(f"all {len(results)} checks pass")
+    if backend:
+        lines.append(first_use_line(backend))
+    print("\n".join(lines), flush=True)
+    if opts.model is not None:
+        try:
+            text = model_lines(opts.model, opts, log)
+        except (OSError, ValueError) as e:
+            return fail(str(e))
+        print("\n" + "\n".join(text), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
