@@ -14,11 +14,10 @@ in a row (an 8-group step of the decode kernels) are one 32-bit word. Index of r
                             o = 4 (4 g + tq) + 2 (b % 2) + h   (blocks 2i, 2i + 1: a word)
                             o = 2 (4 g + tq) + h               (the last block, where nb is odd)
 
-On the H200 the one-launch decode (``mxfp4_one``) took 0.0938-0.0979 ms a call on tiles
-against 0.104-0.108 ms on MLX's layout in the same processes (16 of 64 experts at K3 size,
-six processes; docs/benchmarks.md; the scale words gained about 2% of that), so
-the expert store holds tiles where CUDA's kernels serve it (``kimi_k3.experts.store_layout``,
-``kernels_read``). A stack in
+On the H200 the one-launch decode (``mxfp4_one``) is faster on tiles than on MLX's layout
+(docs/benchmarks.md#decode-the-tiled-store-against-mlxs-layout; the scale words:
+docs/benchmarks.md#mxfp4-decode-parameters), so the expert store holds tiles where CUDA's
+kernels serve it (``kimi_k3.experts.store_layout``, ``kernels_read``). A stack in
 this layout is a ``TiledStacks``: every consumer either reads tiles (``mxfp4_one``,
 ``mxfp4_mma``, ``mxfp4_prefill_mma``, each with its ``tiled`` variant) or calls ``untile``
 first (``expert_glu_reference``), so tiles are never read as MLX's layout by mistake.

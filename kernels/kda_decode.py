@@ -28,9 +28,9 @@ import mlx.core as mx
 from .source import VEC4_HELPERS, Instance, Kernel, as_dtype
 
 # R: threads per state column, each keeping K / R rows in registers (32 at K = 128: 512
-# threads, 96 registers). R = 8 (1024 threads, 16 rows, 56 registers) also runs, but took
-# 13.2 us against 7.2 us per launch on the H200 (its simdgroups read and write the state in
-# 16-byte pieces of a 32-byte sector), so 4 it is; R must be a power of two >= 4.
+# threads, 96 registers). R = 8 (1024 threads, 16 rows, 56 registers) also runs, but is
+# slower on the H200 (its simdgroups read and write the state in 16-byte pieces of a 32-byte
+# sector; docs/benchmarks.md#kda-decode-parameters), so 4 it is; R must be a power of two >= 4.
 ROW_GROUPS = 4
 
 BODY = """
@@ -103,8 +103,8 @@ BODY = """
     s_qka[(which == 3 ? 2 : which) * (K / 4) + t % K / 4] = FLOAT4(f, f1, f2, f3);
   }
   // The state: thread (v, r) keeps rows 4 (R m + r) + e of column v. Its loads go out only
-  // now: issued before the conv loads they delay those (about 1 us more per launch on the
-  // H200), while the barrier and the norms below still overlap them.
+  // now: issued before the conv loads they delay those (docs/benchmarks.md#kda-decode-parameters),
+  // while the barrier and the norms below still overlap them.
   const DEVICE float* S = state + (size_t)bh * K * K + v;
   float4 s[M];
 #pragma unroll

@@ -286,10 +286,9 @@ STAGING = "  const DEVICE T* xr = x + (size_t)(GLU ? p / K : p) * KD;\n" + stagi
 )
 
 # The epilogue's parameters (SiTU-GLU's beta and cap, or the pair's routing weight) go to
-# threadgroup memory s_par before the staging's barrier. Read from global memory in the
-# epilogue instead, gate/up streamed at 47% of DRAM peak where the same main loop ending in a
-# plain product reached 67%, and a decode call took 121-124 instead of 110-112 us as a chain
-# on the H200 (docs/kernels.md, "Tried, not kept").
+# threadgroup memory s_par before the staging's barrier: read from global memory in the
+# epilogue instead, they slowed gate/up's streaming and the decode call
+# (docs/benchmarks.md#mxfp4-decode-parameters).
 PARAMS = """\
   if (tid == 0) {
     s_par[0] = params[GLU ? 0 : p];
@@ -419,8 +418,7 @@ U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 # step (GW: 4 or 8), and whether a step's loads go out during the previous step (PP).
 LAUNCH = {"gate_up": (8, 1, 8, True), "down": (8, 1, 8, True)}
 # Code words loaded as read once (CS; LOAD_STREAM, CUDA's ld.global.cs) per projection: on
-# the H200 gate/up took 71.9 instead of 83.8 us with them, down 49.2 instead of 47.0
-# (docs/kernels.md).
+# the H200 they made gate/up faster and down slower (docs/benchmarks.md#mxfp4-decode-parameters).
 STREAM_LOADS = {"gate_up": True, "down": False}
 
 
@@ -429,11 +427,9 @@ STREAM_LOADS = {"gate_up": True, "down": False}
 # registers and runs alone on an SM; a bound of 2 caps it at 128 so two fit.
 MIN_BLOCKS = {"gate_up": 2, "down": 2}
 # How the codes become fp16 per projection: "byte permute" (kk_e2m1_pair_prmt,
-# byte_permute_decode) or "shift" (kk_e2m1_pair). H200, both bounded to 2 per SM
-# (docs/kernels.md): gate/up at one token 76.1-85.5
-# us with byte permutes (128 registers, no spill) against 83.6-89.4 with shifts (spill 16
-# bytes), faster in every round; down 55.5-57.7 against 53.4-59.8 at one token (a tie; it
-# spills 60 bytes against 20) and 228.6-247.8 against 241.7-273.9 at eight tokens.
+# byte_permute_decode) or "shift" (kk_e2m1_pair). With both bounded to 2 per SM, byte
+# permutes won for gate/up in every round (128 registers, no spill, where shifts spill) and
+# tied or won for down (docs/benchmarks.md#mxfp4-decode-parameters).
 DECODE = {"gate_up": "byte permute", "down": "byte permute"}
 DECODES = ("shift", "byte permute")
 

@@ -310,11 +310,9 @@ _TILED_WORDS = (
     ),
 )
 SCALES = {"halves": (_TILED_HALVES,), "words": _TILED_WORDS}
-# The scale loads a tiled stack's prefill takes, by pairs a tile (or one for all as a str).
-# H200, one K3 layer of 896 experts, two processes of three interleaved rounds
-# (docs/kernels.md): at 16 pairs (512 tokens) halves 14.23-14.34 ms, words 15.49-15.52
-# (MLX's layout 14.80-14.92); at 32 (4096 tokens) words 72.72, halves 78.57-78.64 (MLX's
-# layout 69.19-69.28). Words need 129 registers at 32 pairs (ptxas), yet win there.
+# The scale loads a tiled stack's prefill takes, by pairs a tile (or one for all as a str):
+# halves win at 16 pairs, words at 32, although words need 129 registers there (ptxas)
+# (docs/benchmarks.md#prefill-one-layer-of-896-experts).
 TILED_SCALES: dict | str = {16: "halves", 32: "words"}
 
 
@@ -380,8 +378,7 @@ def expert_glu_prefill_mma(
     backend = backend or default_backend()
     tiled = expert_layout.is_tiled(w) if tiled is None else tiled
     # The LUT kernel's rule (16 pairs while an expert's expected run fits, else 32) measured
-    # right for this kernel too on the H200 (K3 layer, 896 experts: 15.3 ms at 16 vs 23.4 at
-    # 32 for 512 tokens; 72.1 vs 69.1 ms for 4096; docs/benchmarks.md).
+    # right for this kernel too on the H200 (docs/benchmarks.md#mxfp4-prefill-parameters).
     tm = tile_tokens or tile_tokens_for(inds.size, w["w1"][0].shape[0])
     if tm not in LAUNCH:
         raise ValueError(f"mxfp4_grouped_mma: tile_tokens={tm} (takes {sorted(LAUNCH)})")

@@ -423,9 +423,9 @@ def swap(text: str, pairs, what: str) -> str:
 def derived(kernel: Kernel, tag: str, make) -> Kernel:
     """``make(kernel)`` (a variant of ``kernel`` built by rewriting its text), made once per
     kernel object and ``tag``: the rewrite, and the hashing of a new text that looking up
-    its variant takes, then cost nothing on the calls that dispatch it (a tiled one-launch
-    decode's lookup took 196 us a call with the rewrite, on the development machine). The
-    kernel is kept with its result, so that its ``id`` is never reused while cached."""
+    its variant takes, then cost nothing on the calls that dispatch it
+    (docs/benchmarks.md#kernel-variants). The kernel is kept with its result, so that its
+    ``id`` is never reused while cached."""
     key = (id(kernel), tag)
     hit = _DERIVED.get(key)
     if hit is None or hit[0] is not kernel:

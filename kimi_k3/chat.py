@@ -6,7 +6,8 @@ attributes and all message text are encoded as plain text, so a user who types `
 gets the BPE tokens of those eight characters, never the marker.
 
 An element is ``<|open|>TAG attrs<|sep|>`` ... ``<|close|>TAG<|sep|>``; a message is an
-element ``message`` followed by ``<|end_of_msg|>``. Choices where KIMI_K3.md is silent:
+element ``message`` followed by ``<|end_of_msg|>`` (docs/model.md#chat-format). Choices
+where the format is silent:
 
 - an assistant message holds ``think`` only when it has reasoning, then always ``response``
   (possibly empty), then ``tools`` when it has calls; ``thinking`` only picks the

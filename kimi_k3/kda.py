@@ -7,8 +7,9 @@ The recurrence, per head, with a fp32 state ``S`` of shape ``[K, V]``::
     o_t = S^T q_t
 
 ``alpha_t = exp(g_t)`` is a per-channel decay, ``g_t <= 0``. The chunked form computes the
-same function 64 tokens at a time (the WY/UT form of KIMI_K3.md), exponentiating only
-differences of in-chunk cumulative sums, each ``<= 0`` or bounded by one 16-token sub-block.
+same function 64 tokens at a time (the WY/UT form, docs/model.md#kimi-delta-attention),
+exponentiating only differences of in-chunk cumulative sums, each ``<= 0`` or bounded by one
+16-token sub-block.
 
 This module is the oracle for the custom kernels and the path used on the CPU. ``kda_mix``
 is the one dispatcher: it runs the whole token mixer after the projections (short conv,

@@ -1,6 +1,6 @@
 """An independent float64 numpy reference for every Kimi K3 block.
 
-Written from the formulas in ``docs/KIMI_K3.md`` ("The blocks", "MXFP4"), not from the MLX
+Written from the formulas in ``docs/model.md`` ("The blocks", "MXFP4"), not from the MLX
 code: the MLX modules are checked against it in ``test_blocks_numpy.py``. Everything works
 on one sequence (no batch axis) in float64; weights are dicts keyed by the checkpoint's
 tensor names relative to the block (``"q_proj.weight"``, ``"A_log"``, ...), so the same

@@ -1,6 +1,6 @@
 """The XTML chat format: golden renderings, marker-safe encoding and reply parsing.
 
-The golden strings are written by hand from the format in KIMI_K3.md.
+The golden strings are written by hand from the format in docs/model.md ("Chat format").
 """
 
 import json

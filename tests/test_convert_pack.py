@@ -51,7 +51,7 @@ def test_k3_record_is_page_aligned():
         "w3.weight_scale": (3072, 112),
     }
     lay = RecordLayout.from_published(shapes)
-    assert lay.data_bytes == lay.record_bytes == 17_547_264  # KIMI_K3.md: one expert
+    assert lay.data_bytes == lay.record_bytes == 17_547_264  # docs/model.md: one expert
     assert lay.tensors["w1.weight"]["shape"] == [3072, 448]  # uint32 view [I, D/8]
     assert lay.tensors["w2.scales"]["shape"] == [3584, 96]
     assert [t["offset"] for t in lay.tensors.values()] == sorted(
