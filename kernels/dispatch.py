@@ -53,17 +53,14 @@ def kda_mix_kernel(p, x_q, conv_state, state):
     return None
 
 
-# (token, choice) pairs up to which the per-pair decode kernels run. H200, K3 dims: at 128 pairs
-# (8 tokens x 16) decode 1.36 ms vs the grouped kernel 4.43 ms (docs/benchmarks.md).
+# (token, choice) pairs up to which the per-pair decode kernels run; the measurement behind it:
+# docs/benchmarks.md#dispatch-thresholds.
 EXPERT_DECODE_MAX_PAIRS = 128
 
 
 # (token, choice) pairs up to which CUDA's decode is one launch (``mxfp4_one``: gate/up, down
-# and the ordered sum in one grid; the same bits as ``mxfp4_mma``'s three launches). H200, K3
-# dims, chains of 10 to 160 dependent calls (the slope method of benchmarks/bench_mxfp4.py,
-# three runs): a call in steady state took 0.103-0.106 ms in one launch against 0.110-0.116 in three
-# at 16 pairs, 0.173-0.180 against 0.185-0.194 at 32; at 64 and 128 pairs three launches were
-# 1-3% faster.
+# and the ordered sum in one grid; the same bits as ``mxfp4_mma``'s three launches); the
+# measurement behind it: docs/benchmarks.md#dispatch-thresholds.
 EXPERT_ONE_LAUNCH_MAX_PAIRS = 32
 
 
@@ -86,9 +83,8 @@ def expert_prefill_choice() -> str:
     (mxfp4, sorted indices) is wrong at K3's scale: ``benchmarks/bench_mxfp4.py``'s oracle
     column measures it at relative error 1.06 against an fp32 dense oracle with flat
     routing over 896 experts, while the kernels agreed to 1e-6 (and all agree when only 16
-    experts are used). It is also slower than the tensor-core kernel that serves CUDA (29.4
-    vs 15.0 ms at 512 tokens of K3's 896-expert layer, docs/benchmarks.md); the LUT kernel
-    (Metal's) took 65.7 ms there.
+    experts are used). It is also slower than the tensor-core kernel that serves CUDA, as is
+    the LUT kernel (Metal's), there (docs/benchmarks.md#dispatch-thresholds).
     """
     from .source import env_choice
 
