@@ -284,6 +284,7 @@ class SourceReport:
     count)."""
 
     source: Source | None = None
+    archive_bytes: int = 0
     docs: list[Doc] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)
 
@@ -461,8 +462,9 @@ def verify(source: Source, path: str | Path) -> Path:
 
 def read_source(source: Source, corpus_dir: str | Path) -> SourceReport:
     """``source``'s selected files from its verified archive in ``corpus_dir``, filtered."""
-    files = archive_files(verify(source, Path(corpus_dir) / source.filename))
-    report = SourceReport(source)
+    archive = verify(source, Path(corpus_dir) / source.filename)
+    files = archive_files(archive)
+    report = SourceReport(source, archive.stat().st_size)
     for rel in sorted(files):
         kind = select_kind(source, rel)
         if kind is None:
@@ -670,44 +672,45 @@ def fetch(
 
 def stats_table(reports: dict[str, SourceReport], tokenizer=None) -> str:
     """A markdown table: files, characters (and tokens, with a tokenizer) per source, kind
-    and split, with totals per kind and overall."""
+    and split, with totals per kind and overall. A source's package, version, license,
+    archive size and skipped files are on its first row."""
     py = sys.version_info
-    cols = ["source", "version", "license", "kind", "train files", "train chars",
-            "held-out files", "held-out chars"] + (
-        ["train tokens", "held-out tokens"] if tokenizer else []) + ["skipped"]  # fmt: skip
-    rows = [cols, ["---"] * 3 + ["---"] + ["---:"] * (len(cols) - 5) + ["---"]]
-    totals: dict[str, Counter] = {}
+    numeric = ["train files", "train chars", "held-out files", "held-out chars"]
+    numeric += ["train tokens", "held-out tokens"] if tokenizer else []
+    cols = ["source", "package version", "license", "archive MB", "kind", *numeric, "skipped"]
+    rows = [cols, ["---"] * 3 + ["---:", "---"] + ["---:"] * len(numeric) + ["---"]]
+    totals = {kind: Counter() for kind in KINDS}
 
-    def counts(docs):
+    def counts(docs: list[Doc]) -> Counter:
         c = Counter()
         for d in docs:
-            split = "heldout" if d.heldout else "train"
-            c[split + "_files"] += 1
-            c[split + "_chars"] += len(d.text)
+            split = "held-out" if d.heldout else "train"
+            c[f"{split} files"] += 1
+            c[f"{split} chars"] += len(d.text)
             if tokenizer:
-                c[split + "_tokens"] += len(tokenizer.encode(d.text))
+                c[f"{split} tokens"] += len(tokenizer.encode(d.text))
         return c
-
-    def cells(c):
-        keys = ["train_files", "train_chars", "heldout_files", "heldout_chars"]
-        keys += ["train_tokens", "heldout_tokens"] if tokenizer else []
-        return [f"{c[k]:,}" for k in keys]
 
     for name, report in reports.items():
         src = report.source
-        version = src.version if src else f"{py.major}.{py.minor}.{py.micro}"
-        license = src.license if src else "PSF-2.0"
+        first = [
+            name,
+            f"{src.package} {src.version}" if src else f"Python {py.major}.{py.minor}.{py.micro}",
+            src.license if src else "PSF-2.0",
+            f"{report.archive_bytes / 1e6:.2f}" if src else "local",
+        ]
         skipped = ", ".join(f"{n} {r}" for r, n in sorted(report.skipped.items()))
         for kind in KINDS:
             docs = [d for d in report.docs if d.kind == kind]
             if docs:
                 c = counts(docs)
-                totals.setdefault(kind, Counter()).update(c)
-                rows.append([name, version, license, kind] + cells(c) + [skipped])
-                skipped = ""
-    for kind, c in totals.items():
-        rows.append(["**all**", "", "", kind] + cells(c) + [""])
-    rows.append(["**all**", "", "", "all"] + cells(sum(totals.values(), Counter())) + [""])
+                totals[kind].update(c)
+                rows.append(first + [kind] + [f"{c[k]:,}" for k in numeric] + [skipped])
+                first, skipped = [""] * 4, ""
+    archives = sum(r.archive_bytes for r in reports.values())
+    for kind, c in [*totals.items(), ("all", sum(totals.values(), Counter()))]:
+        size = f"{archives / 1e6:.2f}" if kind == "all" else ""
+        rows.append(["**all**", "", "", size, kind] + [f"{c[k]:,}" for k in numeric] + [""])
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 

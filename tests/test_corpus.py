@@ -282,19 +282,25 @@ def test_corpus_dir_builds_without_network(tmp_path, archives, tiny_stdlib, monk
         train.prepare(out, 512 + 256)
 
 
-def test_stats_table_counts(archives, tiny_stdlib, monkeypatch):
+def test_stats_table_counts(archives, tiny_stdlib):
     d, sources = archives
     reports = corpus.read_reports(d, sources)
-    table = corpus.stats_table(reports).splitlines()
-    demo_py = next(r for r in table if r.startswith("| demo | 1.0 | MIT | python |"))
-    cells = [c.strip() for c in demo_py.strip("|").split("|")]
+    table = [[c.strip() for c in row.strip("|").split("|")] for row in
+             corpus.stats_table(reports).splitlines()]  # fmt: skip
+    head = table[0]
+    demo = next(r for r in table if r[0] == "demo")
+    assert demo[1:5] == ["demo 1.0", "MIT", f"{(d / sources[0].filename).stat().st_size / 1e6:.2f}",
+                         "python"]  # fmt: skip
+    col = {name: demo[i] for i, name in enumerate(head)}
     py_docs = [x for x in reports["demo"].docs if x.kind == "python"]
-    assert int(cells[4]) + int(cells[6]) == len(py_docs) == 31
-    assert int(cells[5].replace(",", "")) == sum(len(x.text) for x in py_docs if not x.heldout)
-    assert "1 generated" in cells[-1]
-    total = [c.strip() for c in table[-1].strip("|").split("|")]
+    assert int(col["train files"]) + int(col["held-out files"]) == len(py_docs) == 31
+    train_chars = sum(len(x.text) for x in py_docs if not x.heldout)
+    assert int(col["train chars"].replace(",", "")) == train_chars
+    assert "1 generated" in col["skipped"] and "1 not UTF-8" in col["skipped"]
+    total = dict(zip(head, table[-1]))
     n = sum(len(r.docs) for r in reports.values())
-    assert total[3] == "all" and int(total[4].replace(",", "")) + int(total[6]) == n
+    assert total["kind"] == "all"
+    assert int(total["train files"].replace(",", "")) + int(total["held-out files"]) == n
 
 
 def test_declared_sources_are_well_formed():
