@@ -238,6 +238,14 @@ SOURCES: tuple[Source, ...] = (
         note="without src/c/libffi_*/ (a vendored libffi)",
     ),
     _pypi(
+        "zstandard", "zstandard", "0.25.0", "zstandard-0.25.0.tar.gz",
+        "7713e1179d162cf5c7906da876ec2ccb9c3a9dcbdffef0cc7f70c3667a205f0b",
+        "BSD-3-Clause", ("LICENSE",),
+        (("c-ext/*.c", C), ("c-ext/python-zstandard.h", C), ("zstandard/*.py", PY)),
+        note="its own bindings only: without the bundled zstd library (zstd/, dual-licensed "
+        "BSD-3-Clause OR GPL-2.0-only) and c-ext/pythoncapi_compat.h (vendored)",
+    ),
+    _pypi(
         "sqlite", "sqlean-py", "3.50.4.5", "sqlean_py-3.50.4.5.tar.gz",
         "9764b565e7ab430ab6e9e43cb2816199c2b39926dffc93c212a52f0019278459",
         "blessing", ("sqlite/sqlite3.h:1-10",),
