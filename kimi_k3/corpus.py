@@ -235,15 +235,15 @@ SOURCES: tuple[Source, ...] = (
         "MIT", ("LICENSE",),
         (("src/cffi/**/*.py", PY), ("src/c/*.c", C), ("src/c/*.h", C), ("src/cffi/*.h", C),
          ("doc/source/**/*.rst", PROSE)),
-        note="without src/c/libffi_*/ (a vendored libffi)",
+        note="without src/c/libffi_*/, a vendored libffi",
     ),
     _pypi(
         "zstandard", "zstandard", "0.25.0", "zstandard-0.25.0.tar.gz",
         "7713e1179d162cf5c7906da876ec2ccb9c3a9dcbdffef0cc7f70c3667a205f0b",
         "BSD-3-Clause", ("LICENSE",),
         (("c-ext/*.c", C), ("c-ext/python-zstandard.h", C), ("zstandard/*.py", PY)),
-        note="its own bindings only: without the bundled zstd library (zstd/, dual-licensed "
-        "BSD-3-Clause OR GPL-2.0-only) and c-ext/pythoncapi_compat.h (vendored)",
+        note="its own bindings only, without the bundled zstd library (zstd/: BSD-3-Clause "
+        "OR GPL-2.0-only) and the vendored c-ext/pythoncapi_compat.h",
     ),
     _pypi(
         "sqlite", "sqlean-py", "3.50.4.5", "sqlean_py-3.50.4.5.tar.gz",
@@ -252,8 +252,8 @@ SOURCES: tuple[Source, ...] = (
         (("sqlite/sqlite3.c", C), ("sqlite/sqlite3.h", C), ("sqlite/shell.c", C)),
         max_bytes=10_000_000,
         keep_generated=True,
-        note="SQLite's public-domain amalgamation, as bundled by the sqlean.py sdist; "
-        "its files say they are generated: concatenations of hand-written sources",
+        note="SQLite 3.50.4's public-domain amalgamation as the sqlean-py sdist bundles it; "
+        "its files say they are generated, being concatenations of hand-written sources",
     ),
     Source(
         "zlib", "debian", "zlib1g-dev", "1:1.2.13.dfsg-1+deb12u1",
@@ -505,7 +505,8 @@ def license_text(source: Source, corpus_dir: str | Path) -> str:
         if lines:
             first, last = (int(n) for n in lines.split("-"))
             text = "".join(text.splitlines(keepends=True)[first - 1 : last])
-        parts.append(f"{source.name} {source.version}: {rel}\n\n{text.rstrip()}\n")
+        where = f"{rel}, lines {lines}" if lines else rel
+        parts.append(f"{source.package} {source.version}: {where}\n\n{text.rstrip()}\n")
     return "\n\n".join(parts)
 
 
@@ -621,7 +622,7 @@ def write_licenses(dest: str | Path, corpus_dir=None, sources: Iterable[Source] 
         (dest / name).write_text(license_text(source, corpus_dir), encoding="utf-8")
         lines.append(
             f"- {source.package} {source.version} ({source.registry}: {source.filename}): "
-            f"{source.license}, {name}"
+            f"{source.license}, {name}" + (f"\n  ({source.note})" if source.note else "")
         )
     (dest / NOTICE_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
