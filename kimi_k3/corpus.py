@@ -111,7 +111,9 @@ class Source:
     a path segment, ``**`` any number of segments) to a kind in ``KINDS``: a file takes the
     kind of the first glob it matches, unless it matches ``exclude`` or ``DEFAULT_EXCLUDE``.
     ``license_files`` are the archive's own license texts, shipped with a model trained on
-    the source; ``license`` is their SPDX expression.
+    the source (``PATH:FIRST-LAST`` takes those lines of ``PATH``, for a license stated in a
+    source file's head); ``license`` is their SPDX expression. ``max_bytes`` caps a file's
+    size; ``note`` says what the source leaves out and why, for ``NOTICE``.
     """
 
     name: str

@@ -313,3 +313,17 @@ def test_declared_sources_are_well_formed():
     with pytest.raises(CorpusError, match="source bad: kind 'html'"):
         Source("bad", "pypi", "bad", "1", "bad-1.tar.gz", "0" * 64, "MIT", ("LICENSE",),
                (("*.html", "html"),))  # fmt: skip
+
+
+def test_stdlib_keeps_its_rules(tiny_stdlib):
+    (tiny_stdlib / "cp9999.py").write_text('""" Python Character Mapping Codec cp9999 """\n')
+    (tiny_stdlib / "latin.py").write_bytes("# caf\xe9\n".encode("latin-1"))
+    report = corpus.stdlib_report()
+    assert report.skipped == {"generated": 1, "not UTF-8": 1}
+    paths = [d.path for d in report.docs]
+    assert len(paths) == 40 and "test/test_m.py" not in paths
+    train_texts, heldout_texts = corpus.read_split()
+    held = [p for p in paths if corpus.is_heldout(p)]  # the path alone, no source prefix
+    assert held == ["m24.py"]
+    assert len(heldout_texts) == len(held) and len(train_texts) == 40 - len(held)
+    assert corpus.read_corpus() == report.docs  # without archives: the standard library alone
