@@ -609,16 +609,16 @@ def write_licenses(dest: str | Path, corpus_dir=None, sources: Iterable[Source] 
     source's ``LICENSE-<NAME>.txt`` from its archive, and ``NOTICE`` naming them all."""
     dest = Path(dest)
     py = sys.version_info
+    license = stdlib_root() / "LICENSE.txt"
+    if license.is_file():
+        shutil.copyfile(license, dest / "LICENSE-PSF.txt")
     lines = [
         "The model in this directory was trained on the following sources; each one's "
         "license text is in the file named.",
         "",
         f"- Python standard library {py.major}.{py.minor}.{py.micro} source: PSF-2.0, "
-        "LICENSE-PSF.txt",
+        + ("LICENSE-PSF.txt" if license.is_file() else f"(this interpreter has no {license})"),
     ]
-    license = stdlib_root() / "LICENSE.txt"
-    if license.is_file():
-        shutil.copyfile(license, dest / "LICENSE-PSF.txt")
     for source in _sources_of(corpus_dir, sources):
         name = f"LICENSE-{source.name.upper()}.txt"
         (dest / name).write_text(license_text(source, corpus_dir), encoding="utf-8")
