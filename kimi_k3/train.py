@@ -1,13 +1,15 @@
 """Train a small Kimi K3 from scratch, and write it in the published layout.
 
     python -m kimi_k3.train run OUT [--steps N] [--minutes M]     # train; state in OUT/
+    python -m kimi_k3.train run OUT --corpus-dir DIR              # ... on the larger corpus
     python -m kimi_k3.train export OUT CHECKPOINT                 # state -> published layout
 
 The model is Kimi K3's architecture at small width (``PRESET``): KDA and gated NoPE MLA in
 K3's 3:1 pattern, AttnRes blocks of 3 layers over 8 layers (two complete blocks and a third
 in progress), a dense SiTU-GLU first layer, then Stable LatentMoE layers with 64 routed
 experts, top-4, and two shared experts. The corpus and the tokenizer are
-``kimi_k3.corpus``'s (the Python standard library's source, PSF license).
+``kimi_k3.corpus``'s (the Python standard library's source, PSF license; with
+``--corpus-dir``, also the permissively licensed sources of ``kimi_k3.corpus.SOURCES``).
 
 Training runs in fp32 with the routed experts as float stacks (``FloatExperts``); gradients
 go through the reference paths (``KIMI_K3_REFERENCE=1``). The router's
@@ -410,13 +412,19 @@ def export_checkpoint(model: Model, out: str | Path, tokenizer_dir: str | Path, 
     return out
 
 
-def prepare(out: Path, vocab_size: int):
+def prepare(out: Path, vocab_size: int, corpus_dir: str | None = None):
     """Corpus split and tokenizer in ``out/tokenizer`` (trained once); returns the
-    tokenizer and the train and held-out token streams."""
+    tokenizer and the train and held-out token streams. With ``corpus_dir`` (fetched
+    archives, ``kimi_k3.corpus``) the corpus adds its sources to the standard library; the
+    held-out stream stays the standard library's, the other sources' held-out files go to
+    ``out/heldout-<kind>.txt``."""
     from kimi_k3 import corpus
     from kimi_k3.tokenizer import load_tokenizer
 
-    train_texts, heldout_texts = corpus.read_split()
+    corpus.record_manifest(out, corpus_dir)
+    docs = corpus.read_corpus(corpus_dir)
+    corpus.write_heldout_texts(out, docs)
+    train_texts, heldout_texts = corpus.split_texts(docs)
     tok_dir = out / "tokenizer"
     if not (tok_dir / "tiktoken.model").is_file():
         corpus.write_corpus_tokenizer(tok_dir, train_texts, vocab_size)
@@ -467,7 +475,7 @@ def run(args) -> Path:
         model, opt = init_model(seed=args.seed), make_optimizer(args.lr)
         start_step, elapsed = 0, 0.0
     t0 = time.time()
-    _, train_ids, heldout_ids = prepare(out, PRESET["vocab_size"])
+    _, train_ids, heldout_ids = prepare(out, PRESET["vocab_size"], args.corpus_dir)
     np.save(out / "heldout_ids.npy", heldout_ids)
     print(f"corpus: {len(train_ids):,} train tokens, {len(heldout_ids):,} held-out tokens")
     log = open(out / LOG_FILE, "a")
@@ -538,6 +546,7 @@ def export(args) -> Path:
     from kimi_k3.default_model import HELDOUT_FILE
 
     out = Path(args.out)
+    corpus_dir = corpus.recorded_dir(out, args.corpus_dir)
     model, _, state = load_training(out / STATE_FILE)
     log = [json.loads(line) for line in open(out / LOG_FILE)]
     steps = state["step"] if state else len(log)
@@ -545,10 +554,10 @@ def export(args) -> Path:
         (state["flags"]["batch"], state["flags"]["seq"]) if state else (args.batch, args.seq)
     )
     last = [rec for rec in log if rec["step"] <= steps][-1]
-    train_ids = encode_texts(*_tokenizer_and_train(out))
+    train_ids = encode_texts(*_tokenizer_and_train(out, corpus_dir))
     info = dict(
         trained=True,
-        corpus=CORPUS_NAME,
+        corpus=" + ".join(filter(None, [CORPUS_NAME, corpus.describe(corpus_dir)])),
         train_tokens=int(train_ids.size),
         steps=steps,
         tokens_seen=steps * batch * seq,
@@ -558,18 +567,17 @@ def export(args) -> Path:
     dest = export_checkpoint(model, args.checkpoint, out / "tokenizer", info)
     heldout = corpus.read_split()[1]
     write_text_atomic(dest / HELDOUT_FILE, heldout_sample(heldout, args.heldout_chars))
-    license = corpus.stdlib_root() / "LICENSE.txt"
-    if license.is_file():
-        shutil.copyfile(license, dest / "LICENSE-PSF.txt")
+    corpus.write_licenses(dest, corpus_dir)
     print(f"wrote {dest}")
     return dest
 
 
-def _tokenizer_and_train(out: Path):
+def _tokenizer_and_train(out: Path, corpus_dir: str | None):
     from kimi_k3 import corpus
     from kimi_k3.tokenizer import load_tokenizer
 
-    return load_tokenizer(out / "tokenizer"), corpus.read_split()[0], corpus.DOC_SEPARATOR
+    train_texts = corpus.split_texts(corpus.read_corpus(corpus_dir))[0]
+    return load_tokenizer(out / "tokenizer"), train_texts, corpus.DOC_SEPARATOR
 
 
 def heldout_sample(texts: list[str], max_chars: int) -> str:
@@ -615,12 +623,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--log-every", type=int, default=10)
     r.add_argument("--save-every", type=int, default=25)
+    corpus_help = "archives fetched by `python -m kimi_k3.corpus fetch DIR`: the corpus is "
+    corpus_help += "the standard library plus kimi_k3.corpus.SOURCES"
+    r.add_argument(
+        "--corpus-dir", default=None, help=corpus_help + "; default: the standard library alone"
+    )
     e = sub.add_parser("export", help="OUT's training state -> a published-layout checkpoint")
     e.add_argument("out")
     e.add_argument("checkpoint")
     e.add_argument("--batch", type=int, default=8, help="the run's batch (for tokens_seen)")
     e.add_argument("--seq", type=int, default=256, help="the run's window")
     e.add_argument("--heldout-chars", type=int, default=100_000)
+    e.add_argument("--corpus-dir", default=None, help=corpus_help + "; default: as OUT records")
     return parser
 
 
