@@ -4,7 +4,11 @@ between decode steps, conversation prefixes reused from snapshots of the caches.
 One thread owns the model. Each step it prefills waiting prompts, up to
 ``prefill_step_size`` tokens in all, the prompt with the fewest tokens left first (so a
 short request is not held behind a long one, and a burst of short prompts is prefilled in
-one step; chunks of one length after as many tokens go through in one pass), then decodes
+one step; chunks of one length after as many tokens go through in one pass). A prompt's
+chunk is also bounded in time: once a chunk of it has run, the next holds at most what
+its last pass's rate feeds in ``prefill_step_seconds`` (a long prompt's passes slow as its
+context grows, and a request that arrives meanwhile waits for the pass in flight), then
+it decodes
 one token for every sequence whose prompt is in its cache, all in one batched forward pass
 (with streamed experts, the union of the batch's experts is read once). Sequences join the
 batch at step boundaries and leave it when they finish or are cancelled.
@@ -35,6 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,6 +115,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     reused: int = 0  # prompt tokens restored from a snapshot
     rng: mx.array | None = None  # the next random key (seeded sampling)
+    prefill_rate: float | None = None  # prompt tokens a second in its last prefill pass
 
     def cancel(self):
         self.cancelled.set()
@@ -492,8 +498,11 @@ class Engine:
     own, on the whole batch at once (they get ``None`` for the tokens and must not need
     them). With ``start`` the loop runs in a thread of its own; otherwise the caller runs
     ``run()`` (the server runs it in the main thread: MLX's compiled functions used from
-    another thread abort the process at exit).
+    another thread abort the process at exit). ``prefill_step_seconds`` bounds a prompt's
+    chunk by its measured rate (at least ``MIN_CHUNK`` tokens; None: no bound).
     """
+
+    MIN_CHUNK = 16
 
     def __init__(
         self,
@@ -505,10 +514,13 @@ class Engine:
         start: bool = True,
         group=None,
         processors: list | None = None,
+        prefill_step_seconds: float | None = 0.5,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.model = model
         self.max_batch, self.max_waiting = max_batch, max_waiting
         self.prefill_step_size = prefill_step_size
+        self.prefill_step_seconds, self.clock = prefill_step_seconds, clock
         self.processors = list(processors or [])
         self.peers = Peers(group) if group is not None and group.size() > 1 else None
         self.prefixes = PrefixCache(0 if self.peers else reuse_bytes)
@@ -609,7 +621,7 @@ class Engine:
         budget, groups = self.prefill_step_size, {}
         waiting = [s for s in self.active if not s.prefilled]
         for s in sorted(waiting, key=lambda s: len(s.prompt) - s.fed):
-            left = len(s.prompt) - 1 - s.fed
+            left = min(len(s.prompt) - 1 - s.fed, self._chunk_cap(s))
             if budget <= 0 or (budget < left and (s.fed, left) in groups):
                 continue
             n = min(budget, left)
@@ -617,13 +629,23 @@ class Engine:
             budget -= n
         return [(group, n) for (_, n), group in groups.items()]
 
+    def _chunk_cap(self, s: Sequence) -> int:
+        """The most prompt tokens ``s`` feeds in one pass: what its last pass's rate feeds
+        in ``prefill_step_seconds``, at least ``MIN_CHUNK`` (no bound before its first)."""
+        if self.prefill_step_seconds is None or s.prefill_rate is None:
+            return self.prefill_step_size
+        return max(self.MIN_CHUNK, int(s.prefill_rate * self.prefill_step_seconds))
+
     def _prefill(self, group: list[Sequence], n: int):
         chunks = [s.prompt[s.fed : s.fed + n] for s in group]
         if self.peers:
             self.peers.send(PREFILL, [s.key for s in group], [t for c in chunks for t in c])
+        start = self.clock()
         prefill(self.model, [s.cache for s in group], chunks)
+        rate = n / max(self.clock() - start, 1e-9)
         for s in group:
             s.fed += n
+            s.prefill_rate = rate
 
     def _decode(self, ready: list[Sequence]):
         self.batch.arrange(ready, self._own_cache)

@@ -3,6 +3,8 @@ the batch at different steps too), seeded sampling is the same in a batch, chunk
 lets short requests through, cancellation, prefix reuse equals a cold run, the snapshot
 LRU."""
 
+import threading
+
 import mlx.core as mx
 import pytest
 from mlx_lm import stream_generate
@@ -158,6 +160,73 @@ def test_short_request_overtakes_a_long_prefill(tiny, prompts):
         e.submit(long)
         e.submit(short)
         assert short.out.get(timeout=120)[0] == "token"
+        assert long.fed < len(long.prompt) - 1
+        assert collect(long)[1] == "length"
+    finally:
+        e.stop()
+
+
+class PassClock:
+    """A clock that a prefill pass advances by ``per_token`` seconds a token fed: the
+    engine's measured rates are what the test sets, whatever the machine."""
+
+    def __init__(self, monkeypatch, per_token: float):
+        self.now, self.chunks = 0.0, []
+        prefill = serving.prefill
+
+        def timed(m, caches, chunks):
+            prefill(m, caches, chunks)
+            self.chunks.append(len(chunks[0]))
+            self.now += per_token * sum(map(len, chunks))
+
+        monkeypatch.setattr(serving, "prefill", timed)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_prefill_chunks_are_bounded_in_time(tiny, prompts, monkeypatch):
+    """After a prompt's first pass, its chunks hold what its measured rate feeds in
+    ``prefill_step_seconds`` (at least ``MIN_CHUNK``), and it decodes what it decodes
+    with whole chunks."""
+    clock = PassClock(monkeypatch, per_token=1 / 128)  # 128 tokens a second, exact in binary
+    long = prompts[0] * 12
+    e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=64, prefill_step_seconds=0.25)
+    e.clock = clock
+    try:
+        bounded = run(e, [long], n=4)
+        assert clock.chunks[0] == 64  # no rate before the first pass
+        assert set(clock.chunks[1:-1]) == {32}  # 128 tokens/s x 0.25 s
+        clock.chunks.clear()
+        e.prefill_step_seconds = 1 / 16  # 8 tokens: raised to MIN_CHUNK
+        assert run(e, [long], n=4) == bounded
+        assert set(clock.chunks[1:-1]) == {Engine.MIN_CHUNK}
+        clock.chunks.clear()
+        e.prefill_step_seconds = None
+        assert run(e, [long], n=4) == bounded
+        assert set(clock.chunks[:-1]) == {64}
+    finally:
+        e.stop()
+
+
+def test_a_request_arriving_mid_prefill_waits_one_bounded_pass(tiny, prompts, monkeypatch):
+    """A short request submitted while a long prompt is prefilling gets its first token
+    after a few of the long prompt's bounded passes, long before the long prompt is in."""
+    clock = PassClock(monkeypatch, per_token=1 / 128)
+    long, short = sequence(prompts[0] * 40, n=2), sequence(prompts[1], n=2)
+    e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=256, prefill_step_seconds=0.25)
+    e.clock = clock
+    try:
+        e.submit(long)
+        while long.fed < 256 + 32:  # its first pass and at least one bounded one
+            assert long.out.empty()
+            threading.Event().wait(0.01)
+        fed_at_submit = long.fed
+        e.submit(short)
+        assert short.out.get(timeout=120)[0] == "token"
+        # the pass in flight, the one that shares the short one's step, and one that may end
+        # between reading ``fed`` and submitting
+        assert long.fed - fed_at_submit <= 3 * 32
         assert long.fed < len(long.prompt) - 1
         assert collect(long)[1] == "length"
     finally:
