@@ -99,7 +99,16 @@ class Sequence:
     waking at every token).
 
     ``processors``: mlx-lm logits processors of this sequence (``(tokens, logits) ->
-    logits``), after the engine's shared ones."""
+    logits``), after the engine's shared ones.
+
+    ``logprobs`` (None: off) asks for each generated token's log-probability and the
+    ``logprobs`` likeliest alternatives (0: none), appended to ``token_logprobs`` before the
+    token's event is put (entry ``i`` is the ``i``-th generated token's; a stop token,
+    which gets no event, has the last); ``prompt_logprobs`` (None: off) the same for every prompt token
+    after the first, in ``prompt_token_logprobs`` once the prompt is in (its prefix is then
+    never restored from a snapshot: every position is computed). A log-probability is
+    taken from the distribution the token is drawn from before temperature and the
+    ``top_p`` / ``min_p`` / ``top_k`` cuts: the model's, after the logits processors."""
 
     prompt: list[int]
     max_tokens: int
@@ -116,6 +125,10 @@ class Sequence:
     reused: int = 0  # prompt tokens restored from a snapshot
     rng: mx.array | None = None  # the next random key (seeded sampling)
     prefill_rate: float | None = None  # prompt tokens a second in its last prefill pass
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    token_logprobs: list = field(default_factory=list)  # (logprob, [(id, logprob), ...])
+    prompt_token_logprobs: list = field(default_factory=list)  # the same, prompt[1:]
 
     def cancel(self):
         self.cancelled.set()
@@ -419,13 +432,14 @@ class Peers:
 def prefill(model, caches: list[list], chunks: list[list[int]]):
     """Feed ``chunks[i]`` to the sequence whose own caches (B = 1) are ``caches[i]``, all
     in one pass: the chunks are of one length and the caches hold as many tokens each.
+    Returns the logits, [B, T, V] (evaluated only if the caller evaluates them).
     Shapes: chunks [B][T]."""
     if len(caches) == 1:
-        model(mx.array(chunks), cache=caches[0])
+        logits = model(mx.array(chunks), cache=caches[0])
         mx.eval([c.state for c in caches[0]])
-        return
+        return logits
     stacked = [_stacked(layer) for layer in zip(*caches)]
-    model(mx.array(chunks), cache=stacked)
+    logits = model(mx.array(chunks), cache=stacked)
     for i, cache in enumerate(caches):
         idx = mx.array([i])
         for own, c in zip(cache, stacked):
@@ -436,6 +450,25 @@ def prefill(model, caches: list[list], chunks: list[list[int]]):
                 own.keys, own.values = rows
                 own.offset = c.offset
     mx.eval([c.state for cache in caches for c in cache])
+    return logits
+
+
+def token_logprobs(logprobs: mx.array, chosen: mx.array, top: int) -> list[tuple]:
+    """Each row's chosen token's log-probability and its ``top`` likeliest tokens:
+    ``[(logprob, [(id, logprob), ...]), ...]``, the alternatives likeliest first.
+    Shapes: logprobs [N, V] (normalised); chosen [N] int."""
+    picked = mx.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0]
+    if top > 0:
+        ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+        vals = mx.take_along_axis(logprobs, ids, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        ids, vals = mx.take_along_axis(ids, order, -1), mx.take_along_axis(vals, order, -1)
+        mx.eval(picked, ids, vals)
+        alts = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    else:
+        mx.eval(picked)
+        alts = [[] for _ in range(picked.shape[0])]
+    return list(zip(picked.tolist(), alts))
 
 
 def _contents(c) -> list[mx.array]:
@@ -594,7 +627,9 @@ class Engine:
                 s.end("done", "cancelled")
                 continue
             s.key, self.keys = self.keys, self.keys + 1
-            s.reused, snap = self.prefixes.longest(s.prompt)
+            s.reused, snap = (
+                self.prefixes.longest(s.prompt) if s.prompt_logprobs is None else (0, None)
+            )
             s.cache = fresh_cache(self.model) if snap is None else restore(self.model, snap)
             s.fed = s.reused
             s.rng = s.sampling.key()
@@ -641,8 +676,14 @@ class Engine:
         if self.peers:
             self.peers.send(PREFILL, [s.key for s in group], [t for c in chunks for t in c])
         start = self.clock()
-        prefill(self.model, [s.cache for s in group], chunks)
+        logits = prefill(self.model, [s.cache for s in group], chunks)
         rate = n / max(self.clock() - start, 1e-9)
+        for i, s in enumerate(group):
+            if s.prompt_logprobs is not None:  # position j predicts prompt[fed + j + 1]
+                lp = logits[i].astype(mx.float32)
+                lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+                nxt = mx.array(s.prompt[s.fed + 1 : s.fed + n + 1])
+                s.prompt_token_logprobs += token_logprobs(lp, nxt, s.prompt_logprobs)
         for s in group:
             s.fed += n
             s.prefill_rate = rate
@@ -653,8 +694,10 @@ class Engine:
         tokens = [s.tokens[-1] if s.tokens else s.prompt[-1] for s in rows]
         if self.peers:
             self.peers.send(DECODE, [s.key for s in rows], tokens)
-        picks = self._sample(rows, self.batch.step(tokens))
+        picks, logprobs = self._sample(rows, self.batch.step(tokens))
         mx.eval(picks, self.batch.state)
+        for i, lp in logprobs.items():
+            rows[i].token_logprobs += token_logprobs(lp, picks[i : i + 1], rows[i].logprobs)
         ends = [(s, reason) for s, t in zip(rows, picks.tolist()) if (reason := self._emit(s, t))]
         self._leave([s for s, _ in ends])
         for s, reason in ends:
@@ -665,14 +708,20 @@ class Engine:
         cache, s.cache = s.cache, None  # its rows now live in the batch
         return cache
 
-    def _sample(self, rows: list[Sequence], logits: mx.array) -> mx.array:
-        """One token per row: [B] int. Rows with processors of their own or sampling
-        parameters are picked one by one, the rest by one argmax."""
+    def _sample(self, rows: list[Sequence], logits: mx.array) -> tuple[mx.array, dict]:
+        """One token per row, [B] int, and ``{row: logprobs [1, V]}`` of the rows that ask
+        for log-probabilities. Rows with processors of their own or sampling parameters are
+        picked one by one, the rest by one argmax."""
         for p in self.processors:
             logits = p(None, logits)
         alone = [i for i, s in enumerate(rows) if s.processors or not s.sampling.greedy]
+        logprobs = {}
+        for i, s in enumerate(rows):
+            if s.logprobs is not None and i not in alone:
+                row = logits[i : i + 1].astype(mx.float32)
+                logprobs[i] = row - mx.logsumexp(row, axis=-1, keepdims=True)
         if not alone:
-            return _greedy(logits)
+            return _greedy(logits), logprobs
         picks = [None] * len(rows)
         rest = sorted(set(range(len(rows))) - set(alone))
         if rest:
@@ -680,11 +729,14 @@ class Engine:
             for j, i in enumerate(rest):
                 picks[i] = chosen[j : j + 1]
         for i in alone:
-            picks[i] = self._pick(rows[i], logits[i : i + 1])
-        return mx.concatenate(picks)
+            picks[i], lp = self._pick(rows[i], logits[i : i + 1])
+            if rows[i].logprobs is not None:
+                logprobs[i] = lp
+        return mx.concatenate(picks), logprobs
 
     @staticmethod
-    def _pick(s: Sequence, logits: mx.array) -> mx.array:
+    def _pick(s: Sequence, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """``s``'s token, [1], and the log-probabilities it was drawn from, [1, V]."""
         if s.processors:
             context = mx.array(s.prompt + s.tokens)
             for p in s.processors:
@@ -692,7 +744,8 @@ class Engine:
         key = None
         if s.rng is not None:
             s.rng, key = mx.random.split(s.rng)
-        return s.sampling.pick(logits - mx.logsumexp(logits, keepdims=True), key)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return s.sampling.pick(logprobs, key), logprobs
 
     def _emit(self, s: Sequence, token: int) -> str | None:
         """Hand ``token`` to ``s``; the reason it ends (``"stop"``, ``"length"``), if it does."""

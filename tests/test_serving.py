@@ -6,6 +6,7 @@ LRU."""
 import threading
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import stream_generate
 
@@ -229,6 +230,62 @@ def test_a_request_arriving_mid_prefill_waits_one_bounded_pass(tiny, prompts, mo
         assert long.fed - fed_at_submit <= 3 * 32
         assert long.fed < len(long.prompt) - 1
         assert collect(long)[1] == "length"
+    finally:
+        e.stop()
+
+
+def _top(vec, n):
+    ids = np.argsort(-vec, kind="stable")[:n]
+    return [(int(i), float(vec[i])) for i in ids]
+
+
+def test_token_logprobs_match_stream_generate(tiny, prompts):
+    """Each generated token's log-probability and its likeliest alternatives, greedy and
+    sampled rows decoded in one batch, against mlx-lm's ``stream_generate``'s
+    ``logprobs`` for the same tokens."""
+    e = Engine(tiny[0], reuse_bytes=0)
+    try:
+        greedy = Sequence(prompts[0], 6, logprobs=3)
+        hot = Sequence(prompts[3], 6, Sampling(temp=1.0, seed=3), logprobs=0)
+        plain = Sequence(prompts[1], 6)
+        for s in (greedy, hot, plain):
+            e.submit(s)
+        outs = [collect(s)[0] for s in (greedy, hot, plain)]
+        assert plain.token_logprobs == []
+        for s, tokens, n_top in ((greedy, outs[0], 3), (hot, outs[1], 0)):
+            assert len(s.token_logprobs) == len(tokens)
+            # the same tokens fed to mlx-lm: its logprobs at each step are the reference
+            for j, (lp, alts) in enumerate(s.token_logprobs):
+                context = s.prompt + tokens[:j]
+                logits = tiny[0](mx.array([context]))[0, -1].astype(mx.float32)
+                want = np.array(logits - mx.logsumexp(logits))
+                assert lp == pytest.approx(float(want[tokens[j]]), abs=1e-4)
+                assert [i for i, _ in alts] == [i for i, _ in _top(want, n_top)]
+                np.testing.assert_allclose(
+                    [v for _, v in alts], [v for _, v in _top(want, n_top)], atol=1e-4
+                )
+    finally:
+        e.stop()
+
+
+def test_prompt_logprobs_match_a_whole_forward_pass(tiny, prompts):
+    """Every prompt token after the first gets its log-probability given the tokens
+    before it, over several prefill chunks, and a prompt whose prefix is cached is still
+    computed whole."""
+    e = Engine(tiny[0], prefill_step_size=5)
+    try:
+        prompt = prompts[0] + prompts[3]
+        run(e, [prompt], n=2)  # its prefix is now in the snapshot cache
+        s = Sequence(prompt, 2, prompt_logprobs=2)
+        e.submit(s)
+        collect(s)
+        assert s.reused == 0
+        logits = tiny[0](mx.array([prompt]))[0].astype(mx.float32)
+        want = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        assert len(s.prompt_token_logprobs) == len(prompt) - 1
+        for j, (lp, alts) in enumerate(s.prompt_token_logprobs):
+            assert lp == pytest.approx(float(want[j, prompt[j + 1]]), abs=1e-4)
+            assert [i for i, _ in alts] == [i for i, _ in _top(want[j], 2)]
     finally:
         e.stop()
 
