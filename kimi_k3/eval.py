@@ -57,12 +57,20 @@ def _logprobs(model: Model, x: mx.array) -> mx.array:
 
 
 def compare(
-    reference: Model, variants: dict, wins: np.ndarray, batch: int = 4, progress=None
+    reference: Model,
+    variants: dict,
+    wins: np.ndarray,
+    batch: int = 4,
+    progress=None,
+    token_bytes: np.ndarray | None = None,
 ) -> dict[str, dict]:
     """Perplexity of the reference and of each variant, and each variant's mean per-token
     KL from the reference. ``variants`` maps names to models. Returns
-    ``{name: {"ppl": ..., "kl": ...}}`` with the reference first (KL 0). ``progress``, if
-    given, is called as ``progress(done, total)`` in windows after each batch."""
+    ``{name: {"ppl": ..., "kl": ...}}`` with the reference first (KL 0); with
+    ``token_bytes`` (each id's length in bytes, ``token_byte_lengths``) also
+    ``"nats_per_byte"``: the NLL over the bytes of the predicted text, which compares
+    models whose tokenizers differ. ``progress``, if given, is called as
+    ``progress(done, total)`` in windows after each batch."""
     nll = {name: 0.0 for name in ["reference", *variants]}
     kl = dict.fromkeys(nll, 0.0)
     count = 0
@@ -79,7 +87,23 @@ def compare(
         count += y.size
         if progress is not None:
             progress(min(i + batch, len(wins)), len(wins))
-    return {n: {"ppl": math.exp(nll[n] / count), "kl": kl[n] / count} for n in nll}
+    out = {n: {"ppl": math.exp(nll[n] / count), "kl": kl[n] / count} for n in nll}
+    if token_bytes is not None:
+        nbytes = int(token_bytes[wins[:, 1:]].sum())
+        for n in out:
+            out[n]["nats_per_byte"] = nll[n] / nbytes
+    return out
+
+
+def token_byte_lengths(path: str | Path, vocab_size: int) -> np.ndarray:
+    """Each token id's length in bytes under the tokenizer of the checkpoint at ``path``
+    (special and unused ids: 0, they stand for no text). Shapes: returns int64 [V]."""
+    from kimi_k3.tokenizer import RANK_FILE, read_ranks
+
+    lengths = np.zeros(vocab_size, np.int64)
+    ranks = read_ranks(Path(path) / RANK_FILE)
+    lengths[: len(ranks)] = [len(r) for r in ranks[:vocab_size]]
+    return lengths
 
 
 def _nll_sum(lp: mx.array, y: mx.array) -> float:
@@ -303,8 +327,12 @@ def heldout_ids(path: str | Path, text_file: str | Path | None = None) -> np.nda
 
 
 def format_table(results: dict[str, dict]) -> str:
-    rows = ["| variant | perplexity | KL from reference (nats/token) |", "|---|---:|---:|"]
-    rows += [f"| {n} | {r['ppl']:.2f} | {r['kl']:.4f} |" for n, r in results.items()]
+    per_byte = all("nats_per_byte" in r for r in results.values())
+    head = "| variant | perplexity | KL from reference (nats/token) |"
+    rows = [head + (" nats/byte |" if per_byte else ""), "|---|---:|---:|" + "---:|" * per_byte]
+    for n, r in results.items():
+        row = f"| {n} | {r['ppl']:.2f} | {r['kl']:.4f} |"
+        rows.append(row + (f" {r['nats_per_byte']:.4f} |" if per_byte else ""))
     return "\n".join(rows)
 
 
@@ -381,7 +409,8 @@ def _evaluate(args):
         file=sys.stderr,
         flush=True,
     )
-    results = compare(reference, models, wins, progress=_progress)
+    lengths = token_byte_lengths(args.model, reference.args.vocab_size)
+    results = compare(reference, models, wins, progress=_progress, token_bytes=lengths)
     print(f"{wins.size - len(wins)} held-out tokens in windows of {args.seq}\n")
     print(format_table(results))
     E = reference.args.num_experts

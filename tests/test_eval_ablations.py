@@ -104,3 +104,26 @@ def test_cli_bad_model_and_flags(tmp_path, capsys):
         k3eval.main(["--tokens", "0"])
     assert e.value.code == 2
     assert "--tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_nats_per_byte_scores_the_text_not_the_tokens(tiny):
+    """NLL per byte of predicted text: the per-token NLL times tokens over bytes, with each
+    id's bytes read from the tokenizer's rank file."""
+    from kimi_k3.tokenizer import load_tokenizer
+
+    model = load_model(tiny, dtype=mx.float32, verify_checksums=False)
+    tok = load_tokenizer(tiny)
+    text = "def read(path):\n    return open(path).read()\n" * 6
+    ids = np.asarray(tok.encode(text), np.int32)
+    wins = k3eval.windows(ids, 16)
+    lengths = k3eval.token_byte_lengths(tiny, model.args.vocab_size)
+    for i in set(ids.tolist()):
+        assert lengths[i] == len(tok.decode([i]).encode("utf-8"))
+    res = k3eval.compare(model, {}, wins, token_bytes=lengths)["reference"]
+    predicted = wins[:, 1:]
+    want = (
+        math.log(res["ppl"])
+        * predicted.size
+        / len("".join(tok.decode([int(t)]) for t in predicted.ravel()).encode())
+    )
+    assert res["nats_per_byte"] == pytest.approx(want, rel=1e-9)
