@@ -103,14 +103,15 @@ def tok(tiny_ckpt):
 
 
 def request(url, method="POST", body=None, headers=None, raw: bytes | None = None):
-    """``(status, headers, parsed JSON body)`` of one request, errors included."""
+    """``(status, headers (case-insensitive), parsed JSON body)`` of one request, errors
+    included."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     try:
         conn.request(method, parts.path, body=data, headers=headers or {})
         r = conn.getresponse()
-        return r.status, dict(r.getheaders()), json.loads(r.read() or b"null")
+        return r.status, r.headers, json.loads(r.read() or b"null")
     finally:
         conn.close()
 
@@ -175,7 +176,7 @@ def test_models_and_ids_agree(client):
 BAD_CHAT = [
     ({"messages": []}, "messages", "must not be empty"),
     ({"messages": "hi"}, "messages", "must be a list"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]", "unknown role"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "unknown role"),
     ({"messages": ["hi"]}, "messages[0]", "must be an object"),
     ({"messages": MESSAGES, "logit_bias": {"99999999": 1}}, "logit_bias", "not a token id"),
     ({"messages": MESSAGES, "logit_bias": {"1024": 1}}, "logit_bias", "not a token id"),
