@@ -31,6 +31,7 @@ from kimi_k3.openai_protocol import ApiError, quote
 log = logging.getLogger("kimi_k3.server")
 
 MAX_HEADER_BYTES = 64 * 1024  # a request line and headers larger than this are refused
+LINGER = 2.0  # seconds a refused connection reads (and drops) what the client still sends
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class Connection(H11Protocol):
         self.phase: str | None = None  # "headers" or "body" while a deadline runs
         self.deadline = None
         self.fresh = True  # no request has started on this connection
+        self.draining = False  # refused: what arrives is dropped until the close
         self.idle_since = self.loop.time()
 
     # The connection bound.
@@ -97,8 +99,8 @@ class Connection(H11Protocol):
         self._watch()
 
     def idle(self) -> bool:
-        """No request in progress: between requests, or still receiving headers."""
-        return self.cycle is None or self.cycle.response_complete
+        """No request in progress: between requests, still receiving headers, or refused."""
+        return self.draining or self.cycle is None or self.cycle.response_complete
 
     def _evict_idle(self, connections: list[Connection]) -> bool:
         idle = [c for c in connections if c is not self and c.idle()]
@@ -110,6 +112,10 @@ class Connection(H11Protocol):
         return True
 
     # Deadlines for a request's headers and body.
+
+    def data_received(self, data: bytes):
+        if not self.draining:
+            super().data_received(data)
 
     def handle_events(self):
         super().handle_events()
@@ -126,7 +132,7 @@ class Connection(H11Protocol):
 
     def _watch(self):
         """Start or stop the deadline for what the connection is receiving."""
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self.draining:
             return
         state = self.conn.their_state
         if state is not h11.IDLE:
@@ -151,7 +157,7 @@ class Connection(H11Protocol):
 
     def _expire(self, phase: str, seconds: float):
         self.deadline, self.phase = None, None
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self.draining:
             return
         answering = self.cycle is not None and self.cycle.response_started
         if (
@@ -175,14 +181,20 @@ class Connection(H11Protocol):
         self.refuse(ApiError(status, f"malformed HTTP request: {error or msg}"))
 
     def refuse(self, error: ApiError, headers: dict[str, str] | None = None):
-        """Answer ``error`` and close, whatever state the request is in."""
+        """Answer ``error`` and close, whatever state the request is in. The close waits
+        for the client's end (at most ``LINGER`` seconds), dropping what it still sends:
+        closing with unread data would reset the connection, and the client could lose
+        the answer."""
         log.info("refused (%d): %s", error.status, quote(error.message))
         self._set_deadline(None)
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the app's answer, if any, goes nowhere
             self.cycle.message_event.set()
         self.transport.write(error_response(error, headers))
-        self.transport.close()
+        self.draining = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER, self.transport.close)
 
 
 def protocol_class(limits: ConnectionLimits) -> type[Connection]:

@@ -580,7 +580,7 @@ def reserve_descriptors(max_connections: int):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
         if hard != resource.RLIM_INFINITY and hard < need:
-            raise UserError(
+            raise ArgumentError(
                 f"--max-connections {max_connections} needs {need} open files, but this "
                 f"process may open {hard} (ulimit -n); lower --max-connections"
             )

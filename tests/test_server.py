@@ -82,9 +82,9 @@ def server(served):
 
 @pytest.fixture(scope="module")
 def strict(tiny_ckpt, tmp_path_factory):
-    """A server with small limits: one sequence at a time, none waiting, 160 tokens
+    """A server with small limits: one sequence at a time, none waiting, 2000 tokens
     of context, 20 KB bodies."""
-    flags = ["--max-batch", 1, "--max-waiting", 0, "--max-context", 160, "--max-body-mb", 0.02]
+    flags = ["--max-batch", 1, "--max-waiting", 0, "--max-context", 2000, "--max-body-mb", 0.02]
     url, proc, log = start_server(tiny_ckpt, tmp_path_factory, *flags)
     yield url
     stop_server(proc, log)
@@ -114,6 +114,30 @@ def request(url, method="POST", body=None, headers=None, raw: bytes | None = Non
         return r.status, r.headers, json.loads(r.read() or b"null")
     finally:
         conn.close()
+
+
+def open_stream(url: str, body: dict, events: int = 1) -> tuple[socket.socket, bytes]:
+    """A raw-socket streamed request to ``/v1/chat/completions``, read until ``events``
+    server-sent events have arrived; returns the open socket and what was read."""
+    parts = urllib.parse.urlsplit(url)
+    data = json.dumps({**body, "stream": True}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.hostname}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=60)
+    sock.sendall(head.encode() + data)
+    received = b""
+    while received.count(b"data: ") < events:  # the headers may come in a packet of their own
+        chunk = sock.recv(4096)
+        assert chunk, received
+        received += chunk
+    return sock, received
+
+
+def never_stop(tok) -> dict:
+    """A logit_bias that keeps the stop tokens out: only max_tokens ends the reply."""
+    return {str(i): -100 for i in tok.eos_token_ids}
 
 
 def chat(client, **kw):
@@ -265,28 +289,25 @@ def test_limits(strict):
     url = f"{strict}/v1/chat/completions"
     status, _, reply = request(url, raw=b"{" + b" " * 30_000 + b"}")
     assert status == 413 and "20000" in reply["error"]["message"]
-    long = [{"role": "user", "content": "word " * 200}]
+    long = [{"role": "user", "content": "word " * 2500}]
     status, _, reply = request(url, body={"messages": long})
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
-    assert "160" in reply["error"]["message"]
+    assert "2000" in reply["error"]["message"]
 
 
-def test_queue_full_is_429(strict):
-    """With one sequence running and no room to wait, a second request is told to retry."""
-    body = {"messages": MESSAGES, "max_tokens": 40}
-    results = []
-    first = threading.Thread(
-        target=lambda: results.append(request(f"{strict}/v1/chat/completions", body=body))
-    )
-    first.start()
-    deadline = time.monotonic() + 30
-    while request(f"{strict}/health", "GET")[2]["running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    status, headers, reply = request(f"{strict}/v1/chat/completions", body=body)
-    first.join(timeout=60)
+def test_queue_full_is_429(strict, tok):
+    """With one sequence running and no room to wait, a second request is told to retry.
+    The first is a stream of 1900 tokens (stop tokens biased away) whose reply has begun:
+    it holds the batch, whatever the machine's speed, until its client leaves."""
+    first = {"messages": MESSAGES, "max_tokens": 1900, "logit_bias": never_stop(tok)}
+    sock, received = open_stream(strict, first)
+    with sock:
+        assert received.startswith(b"HTTP/1.1 200 ")
+        body = {"messages": MESSAGES, "max_tokens": 4}
+        status, headers, reply = request(f"{strict}/v1/chat/completions", body=body)
+        assert b"data: [DONE]" not in received + sock.recv(4096)
     assert status == 429 and headers["Retry-After"] == "1"
     assert reply["error"]["type"] == "rate_limit_error"
-    assert results[0][0] == 200
 
 
 # Concurrency and cancellation.
@@ -355,26 +376,21 @@ def test_streamed_reply_equals_the_whole_reply(client, tok):
 
 def test_disconnect_stops_the_work(server, tok):
     """A client that goes away mid-stream frees its place in the batch (the stop tokens
-    are biased away, so only the disconnect can end the reply early)."""
-    parts = urllib.parse.urlsplit(server)
-    never = {str(i): -100 for i in tok.eos_token_ids}
-    body = {"messages": MESSAGES, "max_tokens": 5000, "stream": True, "logit_bias": never}
-    body = json.dumps(body).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.hostname}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
-        sock.sendall(head.encode() + body)
-        received = b""
-        while b"data: " not in received:  # the headers may come in a packet of their own
-            chunk = sock.recv(4096)
-            assert chunk, received
-            received += chunk
+    are biased away, so only the disconnect can end the reply early). The bound is
+    relative to this run's speed: the first ``events`` events (each at least one token,
+    prefill included) took ``took``; the other 5000 - ``events`` tokens would take at least
+    ``(5000 / events - 1) * took``, and the reply must stop in a tenth of that."""
+    events = 20
+    body = {"messages": MESSAGES, "max_tokens": 5000, "logit_bias": never_stop(tok)}
+    start = time.monotonic()
+    sock, _ = open_stream(server, body, events=events)
+    with sock:
+        took = time.monotonic() - start
         health = request(f"{server}/health", "GET")[2]
         assert health["running"] + health["waiting"] == 1
-    deadline = time.monotonic() + 30
-    while request(f"{server}/health", "GET")[2]["running"] and time.monotonic() < deadline:
+    left = time.monotonic()
+    bound = (5000 / events - 1) * took / 10
+    while request(f"{server}/health", "GET")[2]["running"] and time.monotonic() < left + bound:
         time.sleep(0.05)
     assert request(f"{server}/health", "GET")[2]["running"] == 0
 
@@ -429,6 +445,11 @@ def test_bad_model_fails_before_listening(tmp_path, capsys):
         (["--expert-top-p", "1.5"], "--expert-top-p"),
         (["--expert-min-weight", "-1"], "--expert-min-weight"),
         (["--expert-overflow", "-1"], "--expert-overflow"),
+        (["--max-connections", "0"], "--max-connections"),
+        (["--max-connections", str(10**12)], "--max-connections"),
+        (["--timeout-headers", "0"], "--timeout-headers"),
+        (["--timeout-body", "nan"], "--timeout-body"),
+        (["--timeout-keep-alive", "-1"], "--timeout-keep-alive"),
     ],
 )
 def test_bad_flags_exit_2(argv, flag, capsys):
