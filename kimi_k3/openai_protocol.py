@@ -221,7 +221,7 @@ def _tool_choice(v):
     if v is None or v == "auto":
         return v
     if v == "none":
-        return v  # accepted without tools only (Request.check_tools)
+        return v  # accepted without tools only (ChatRequest.check_tools)
     raise invalid('is not supported: the model decides whether to call a tool ("auto")')
 
 
@@ -262,7 +262,7 @@ class TemplateOptions(Strict):
     enable_thinking: bool | None = None
 
 
-class Request(Strict):
+class GenerationRequest(Strict):
     """The fields both endpoints share."""
 
     model: str | None = None
@@ -284,7 +284,7 @@ class Request(Strict):
     top_logprobs: Unsupported("log probabilities are not returned", 0) = None
 
 
-class ChatRequest(Request):
+class ChatRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
     tools: list[dict[str, Any]] | None = None
     tool_choice: Annotated[Any, PlainValidator(_tool_choice)] = None
@@ -304,7 +304,7 @@ class ChatRequest(Request):
         return self
 
 
-class CompletionRequest(Request):
+class CompletionRequest(GenerationRequest):
     prompt: Annotated[Any, PlainValidator(_prompt)]
     logprobs: Unsupported("log probabilities are not returned") = None
     echo: Unsupported("the reply does not repeat the prompt", False) = None
@@ -348,7 +348,7 @@ def refusal(error: ValidationError) -> ApiError:
     return ApiError(400, f"{param}{space}{words}", param)
 
 
-def parse_request(model: type[Request], raw: bytes, limits: Limits) -> Request:
+def parse_request(model: type[GenerationRequest], raw: bytes, limits: Limits) -> GenerationRequest:
     """``raw`` (a request body) checked by ``model``; ``ApiError`` naming what is wrong."""
     try:
         text = raw.decode("utf-8")
@@ -378,7 +378,7 @@ class Job:
     thinking: bool = True
 
 
-def common_fields(req: Request, limits: Limits) -> dict:
+def common_fields(req: GenerationRequest, limits: Limits) -> dict:
     """Sampling, stop, stream and length fields shared by both endpoints (a field not
     given takes the server's default)."""
 

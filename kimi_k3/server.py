@@ -122,8 +122,9 @@ class Guard:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if len(path) > 1 and path.endswith("/"):  # /v1/models/ is /v1/models
+            scope = {**scope, "path": path.rstrip("/") or "/"}
         headers = {}
         for name, value in scope["headers"]:
             headers.setdefault(name, value.decode("latin-1"))
@@ -137,13 +138,14 @@ class Guard:
         if scope["method"] == "OPTIONS":
             return await self.preflight(origin, cors)(scope, receive, send)
 
-        async def send_with_cors(message):
-            if message["type"] == "http.response.start" and cors:
+        async def send_logged(message):
+            if message["type"] == "http.response.start":
+                log.info("%s %s -> %d", scope["method"], quote(scope["path"]), message["status"])
                 extra = [(k.encode(), v.encode()) for k, v in cors.items()]
                 message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
-        await self.app(scope, receive, send_with_cors)
+        await self.app(scope, receive, send_logged)
 
     def check(self, headers: dict, origin: str | None):
         if b"transfer-encoding" in headers and b"content-length" in headers:
@@ -726,6 +728,9 @@ def http_server_for(args, state: ServerState):
         loop="asyncio",
         lifespan="off",
         log_config=None,
+        access_log=False,  # Guard logs each request, its path quoted short
+        proxy_headers=False,
+        ws="none",  # no WebSocket upgrades: every connection stays on Connection
         timeout_keep_alive=args.timeout_keep_alive,
         server_header=False,
     )

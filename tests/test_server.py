@@ -135,6 +135,14 @@ def open_stream(url: str, body: dict, events: int = 1) -> tuple[socket.socket, b
     return sock, received
 
 
+def idle_within(url: str, seconds: float) -> bool:
+    """Whether the server at ``url`` has no sequence running within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while request(f"{url}/health", "GET")[2]["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return request(f"{url}/health", "GET")[2]["running"] == 0
+
+
 def never_stop(tok) -> dict:
     """A logit_bias that keeps the stop tokens out: only max_tokens ends the reply."""
     return {str(i): -100 for i in tok.eos_token_ids}
@@ -388,11 +396,7 @@ def test_disconnect_stops_the_work(server, tok):
         took = time.monotonic() - start
         health = request(f"{server}/health", "GET")[2]
         assert health["running"] + health["waiting"] == 1
-    left = time.monotonic()
-    bound = (5000 / events - 1) * took / 10
-    while request(f"{server}/health", "GET")[2]["running"] and time.monotonic() < left + bound:
-        time.sleep(0.05)
-    assert request(f"{server}/health", "GET")[2]["running"] == 0
+    assert idle_within(server, (5000 / events - 1) * took / 10)
 
 
 def test_follow_up_turn_reuses_the_prompt(client):

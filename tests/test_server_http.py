@@ -11,17 +11,27 @@ import time
 import urllib.parse
 
 import pytest
-from test_server import MESSAGES, never_stop, open_stream, request, start_server, stop_server
+from test_server import (
+    MESSAGES,
+    idle_within,
+    never_stop,
+    open_stream,
+    request,
+    start_server,
+    stop_server,
+)
 
 # Short deadlines so the tests wait little; three connections at most.
 TIGHT = ["--timeout-headers", 1, "--timeout-body", 1, "--timeout-keep-alive", 1]
 MAX_CONNECTIONS = 3
 HANG = 60  # seconds a socket read may wait before the test fails instead of hanging
+APP = "http://app.example"  # the one web origin allowed
 
 
 @pytest.fixture(scope="module")
 def tight(tiny_ckpt, tmp_path_factory):
     flags = [*TIGHT, "--max-connections", MAX_CONNECTIONS, "--log-level", "INFO"]
+    flags += ["--allowed-origins", APP]
     url, proc, log = start_server(tiny_ckpt, tmp_path_factory, *flags)
     yield url, proc, log
     stop_server(proc, log)
@@ -155,10 +165,7 @@ def test_connections_all_busy_get_503(server, tok):
     finally:
         for sock in busy:
             sock.close()
-    deadline = time.monotonic() + HANG
-    while request(f"{server}/health", "GET")[2]["running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert request(f"{server}/health", "GET")[2]["running"] == 0
+    assert idle_within(server, HANG)
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +213,22 @@ def test_unknown_path_and_method_are_json(server):
     assert status == 404 and "no such path" in body["error"]["message"]
     status, _, body = request(f"{server}/v1/chat/completions", "GET")
     assert status == 405 and body["error"]["type"] == "invalid_request_error"
+    status, _, body = request(f"{server}/v1/models/", "GET")  # a trailing slash is the same
+    assert status == 200 and body["object"] == "list"
+
+
+def test_an_allowed_origin_gets_cors_headers(server):
+    status, headers, _ = request(
+        f"{server}/v1/chat/completions", "OPTIONS", headers={"Origin": APP}
+    )
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == APP
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    status, headers, _ = request(f"{server}/health", "GET", headers={"Origin": APP})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == APP
+    other = {"Origin": "http://other.example"}
+    status, headers, body = request(f"{server}/health", "GET", headers=other)
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
+    assert "--allowed-origins" in body["error"]["message"]
 
 
 # Malformed bodies: each a 400 JSON error, the server still serving.
