@@ -26,7 +26,7 @@ from http import HTTPStatus
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kimi_k3.openai_protocol import ApiError, quote
+from kimi_k3.openai_protocol import LOG_PREFIX, ApiError, quote
 
 log = logging.getLogger("kimi_k3.server")
 
@@ -178,7 +178,8 @@ class Connection(H11Protocol):
         """h11 found the request malformed (uvicorn's ``msg`` says only that)."""
         error = self.conn.error
         status = error.error_status_hint if error is not None else 400
-        self.refuse(ApiError(status, f"malformed HTTP request: {error or msg}"))
+        what = str(error or msg)[:LOG_PREFIX]  # h11 may quote the request line whole
+        self.refuse(ApiError(status, f"malformed HTTP request: {what}"))
 
     def refuse(self, error: ApiError, headers: dict[str, str] | None = None):
         """Answer ``error`` and close, whatever state the request is in. The close waits
