@@ -594,8 +594,10 @@ def bind(host: str, port: int) -> socket.socket:
     the address cannot be bound. uvicorn serves it once the model is up."""
     sock = None
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        family, kind, proto = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][:3]
+        # proto named (TCP): asyncio then sets TCP_NODELAY on each connection, so a reply's
+        # body or a stream's event is not held back waiting for the client's delayed ACK
+        sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(128)
