@@ -5,6 +5,9 @@ limits a server exposed to clients it does not trust needs.
   (of the connection's opening, for its first request), and its body within ``body``
   seconds of its headers; past that the client gets a 408 and the connection closes. A
   connection idle between requests closes after uvicorn's keep-alive timeout.
+* A client that reads nothing for ``write`` seconds while a reply waits to be sent (its
+  socket's buffers full) is dropped: its reply is not held in memory, nor its connection
+  open, for ever.
 * At most ``max_connections`` connections are open. One more evicts the connection idle
   the longest (between requests, or still sending headers); when every connection has a
   request in progress, the new one is answered 503 and closed.
@@ -20,6 +23,7 @@ Every such refusal is OpenAI-style JSON (``kimi_k3.openai_protocol.ApiError``).
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -32,12 +36,17 @@ log = logging.getLogger("kimi_k3.server")
 
 MAX_HEADER_BYTES = 64 * 1024  # a request line and headers larger than this are refused
 LINGER = 2.0  # seconds a refused connection reads (and drops) what the client still sends
+# The kernel's send buffer of a connection (Linux doubles it): a reply is tokens of text, so
+# this holds seconds of any stream, and a client that reads nothing pins this much kernel
+# memory at most (not the autotuned 4 MB), until the write deadline drops it.
+SEND_BUFFER = 128 * 1024
 
 
 @dataclass(frozen=True)
 class ConnectionLimits:
     headers: float  # seconds for a request's line and headers
     body: float  # seconds for its body, once the headers are in
+    write: float  # seconds a reply may wait on a client that reads nothing
     max_connections: int
 
 
@@ -80,11 +89,17 @@ class Connection(H11Protocol):
         self.fresh = True  # no request has started on this connection
         self.draining = False  # refused: what arrives is dropped until the close
         self.idle_since = self.loop.time()
+        self.stalled = None  # the write deadline, while the client reads nothing
 
     # The connection bound.
 
     def connection_made(self, transport):
         super().connection_made(transport)
+        # pause (and start the write deadline) as soon as the socket takes no more
+        transport.set_write_buffer_limits(high=0)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         open_ = [c for c in self.connections if not c.transport.is_closing()]
         if len(open_) > self.limits.max_connections and not self._evict_idle(open_):
             self.refuse(
@@ -128,7 +143,27 @@ class Connection(H11Protocol):
 
     def connection_lost(self, exc):
         self._set_deadline(None)
+        if self.stalled is not None:
+            self.stalled.cancel()
         super().connection_lost(exc)
+
+    # The write deadline.
+
+    def pause_writing(self):
+        super().pause_writing()
+        if self.stalled is None:
+            self.stalled = self.loop.call_later(self.limits.write, self._drop_stalled)
+
+    def resume_writing(self):
+        if self.stalled is not None:
+            self.stalled.cancel()
+            self.stalled = None
+        super().resume_writing()
+
+    def _drop_stalled(self):
+        self.stalled = None
+        log.info("dropped a client that read nothing for %g s (--timeout-write)", self.limits.write)
+        self.transport.abort()
 
     def _watch(self):
         """Start or stop the deadline for what the connection is receiving."""

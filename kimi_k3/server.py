@@ -481,6 +481,12 @@ LIMIT_FLAGS = [
         30.0,
         "seconds a request's body may take to arrive after its headers (then 408, closed)",
     ),
+    (
+        "--timeout-write",
+        float,
+        30.0,
+        "seconds a reply may wait on a client that reads none of it (then the connection drops)",
+    ),
     ("--timeout-keep-alive", float, 5.0, "seconds an idle connection stays open between requests"),
 ]
 
@@ -569,7 +575,7 @@ def check_arguments(args):
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be from 0 to 65535, got {args.port}")
     positive(args, "max_connections")
-    for name in ("timeout_headers", "timeout_body", "timeout_keep_alive"):
+    for name in ("timeout_headers", "timeout_body", "timeout_write", "timeout_keep_alive"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise UserError(f"--{name.replace('_', '-')} must be above 0 seconds, got {value}")
@@ -722,6 +728,7 @@ def http_server_for(args, state: ServerState):
     limits = ConnectionLimits(
         headers=args.timeout_headers,
         body=args.timeout_body,
+        write=args.timeout_write,
         max_connections=args.max_connections,
     )
     config = uvicorn.Config(

@@ -23,6 +23,7 @@ from test_server import (
 
 # Short deadlines so the tests wait little; three connections at most.
 TIGHT = ["--timeout-headers", 1, "--timeout-body", 1, "--timeout-keep-alive", 1]
+TIGHT += ["--timeout-write", 1]
 MAX_CONNECTIONS = 3
 HANG = 60  # seconds a socket read may wait before the test fails instead of hanging
 APP = "http://app.example"  # the one web origin allowed
@@ -131,6 +132,32 @@ def test_idle_keep_alive_connection_is_closed(server):
         assert status == 200 and body["status"] == "ok"
         assert "close" not in headers.get("Connection", "")
         assert closed(sock)
+
+
+def test_a_client_that_reads_nothing_is_dropped(tight, tok):
+    """A stream whose client reads nothing (a small receive window) fills the server's
+    buffers; past --timeout-write the server drops the connection, so the client never
+    gets the whole reply however long it reads afterwards."""
+    url, _, log = tight
+    body = {"messages": MESSAGES, "max_tokens": 4000, "stream": True}
+    data = post(url, json.dumps({**body, "logit_bias": never_stop(tok)}).encode())
+    parts = urllib.parse.urlsplit(url)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(HANG)
+        sock.connect((parts.hostname, parts.port))
+        sock.sendall(data)
+        deadline = time.monotonic() + HANG
+        while "--timeout-write" not in open(log.name).read() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    assert received.startswith(b"HTTP/1.1 200 ")
+    assert b"data: [DONE]" not in received
 
 
 # The bound on open connections.
