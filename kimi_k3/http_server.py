@@ -13,11 +13,13 @@ limits a server exposed to clients it does not trust needs.
   request in progress, the new one is answered 503 and closed.
 * A request h11 cannot frame unambiguously (two different ``Content-Length`` values, an
   invalid one, two ``Host`` headers, a ``Transfer-Encoding`` other than ``chunked``,
-  headers over ``MAX_HEADER_BYTES``) is answered with h11's status and the connection
-  closes. ``Transfer-Encoding`` beside ``Content-Length``, which h11 frames by the former,
-  is refused by the app (``kimi_k3.server``), also closing the connection.
+  headers past ``MAX_HEADER_BYTES`` still unfinished) is answered with h11's status and
+  the connection closes. ``Transfer-Encoding`` beside ``Content-Length``, which h11 frames
+  by the former, is refused by the app (``kimi_k3.server``), also closing the connection.
 
-Every such refusal is OpenAI-style JSON (``kimi_k3.openai_protocol.ApiError``).
+Each refusal is OpenAI-style JSON (``kimi_k3.openai_protocol.ApiError``); only a
+connection opened and never written to, and one whose client reads nothing, close
+without an answer.
 """
 
 from __future__ import annotations

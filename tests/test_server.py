@@ -464,6 +464,7 @@ def test_bad_model_fails_before_listening(tmp_path, capsys):
         (["--timeout-headers", "0"], "--timeout-headers"),
         (["--timeout-body", "nan"], "--timeout-body"),
         (["--timeout-keep-alive", "-1"], "--timeout-keep-alive"),
+        (["--timeout-write", "0"], "--timeout-write"),
     ],
 )
 def test_bad_flags_exit_2(argv, flag, capsys):
