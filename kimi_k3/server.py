@@ -590,7 +590,8 @@ def reserve_descriptors(max_connections: int):
         if hard != resource.RLIM_INFINITY and hard < need:
             raise ArgumentError(
                 f"--max-connections {max_connections} needs {need} open files, but this "
-                f"process may open {hard} (ulimit -n); lower --max-connections"
+                f"process may open {hard} at most (its hard limit, which importing mlx-lm "
+                "sets to 4096); lower --max-connections"
             )
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
