@@ -211,6 +211,11 @@ class Connection(H11Protocol):
 
     # Refusals.
 
+    def _unsupported_upgrade_warning(self):
+        """An ``Upgrade`` header (WebSocket, h2c): the request is served as plain HTTP/1.1
+        (uvicorn's own warning would advise installing a WebSocket library)."""
+        log.info("served a request asking to upgrade the protocol as HTTP/1.1")
+
     def send_400_response(self, msg: str):
         """h11 found the request malformed (uvicorn's ``msg`` says only that)."""
         error = self.conn.error

@@ -371,3 +371,16 @@ def test_refusals_are_logged_without_tracebacks(tight):
     with open(log.name) as f:
         text = f.read()
     assert "refused (400)" in text and "Traceback" not in text
+
+
+def test_an_upgrade_request_is_served_as_http_1_1(server):
+    """No WebSocket (or h2c) upgrade: the request is answered as plain HTTP/1.1, within
+    the same deadlines and bound as any other."""
+    upgrade = (
+        "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    )
+    with connect(server) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host(server)}\r\n{upgrade}\r\n".encode())
+        status, _, body = response(sock)
+    assert status == 200 and body["status"] == "ok"
