@@ -228,6 +228,19 @@ def test_ambiguous_framing_is_refused_and_closed(server, headers, status, words)
         refused(sock, status, words)
 
 
+def test_one_content_length_repeated_is_that_length(server):
+    """``Content-Length: 2`` twice frames the body one way only (RFC 9110 lets a server
+    read it as one value): the request is served, and the next on the connection too."""
+    body = b"{}"
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host(server)}\r\nContent-Length: 2\r\n"
+    with connect(server) as sock:
+        then = f"GET /health HTTP/1.1\r\nHost: {host(server)}\r\n\r\n".encode()
+        sock.sendall(head.encode() + b"Content-Length: 2\r\n\r\n" + body + then)
+        status, _, reply = response(sock)
+        assert status == 400 and reply["error"]["param"] == "prompt"  # the body was {}
+        assert response(sock)[0] == 200  # GET /health, the next request
+
+
 def test_oversized_headers_are_refused(server):
     with connect(server) as sock:
         big = "X-Big: " + "a" * 70_000  # the headers never end
