@@ -468,11 +468,12 @@ def test_converted_layouts(layout, tiny_ckpt, tiny, tmp_path, capsys):
 def test_auto_budget_streams_what_does_not_fit(tiny_ckpt, monkeypatch, capsys):
     """Without --expert-cache-gb: resident when the checkpoint fits in free memory, else
     streamed, with a notice."""
+    import kimi_k3.cli as cli
     import kimi_k3.generate as gen
 
     assert gen.resolve_model(tiny_ckpt, None) == (tiny_ckpt, None)
-    monkeypatch.setattr(gen, "available_memory", lambda: 1000)
-    monkeypatch.setattr(gen, "default_cache_gb", lambda dense, reserve_gb: 0.5)
+    monkeypatch.setattr(cli, "available_memory", lambda: 1000)
+    monkeypatch.setattr(cli, "default_cache_gb", lambda dense, reserve_gb: 0.5)
     assert gen.resolve_model(tiny_ckpt, None) == (tiny_ckpt, 0.5)
     assert "do not fit in memory: streaming them through a 0.5 GB cache" in (
         capsys.readouterr().err

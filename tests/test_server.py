@@ -82,9 +82,9 @@ def server(served):
 
 @pytest.fixture(scope="module")
 def strict(tiny_ckpt, tmp_path_factory):
-    """A server with small limits: one sequence at a time, none waiting, 160 tokens
+    """A server with small limits: one sequence at a time, none waiting, 2000 tokens
     of context, 20 KB bodies."""
-    flags = ["--max-batch", 1, "--max-waiting", 0, "--max-context", 160, "--max-body-mb", 0.02]
+    flags = ["--max-batch", 1, "--max-waiting", 0, "--max-context", 2000, "--max-body-mb", 0.02]
     url, proc, log = start_server(tiny_ckpt, tmp_path_factory, *flags)
     yield url
     stop_server(proc, log)
@@ -103,16 +103,49 @@ def tok(tiny_ckpt):
 
 
 def request(url, method="POST", body=None, headers=None, raw: bytes | None = None):
-    """``(status, headers, parsed JSON body)`` of one request, errors included."""
+    """``(status, headers (case-insensitive), parsed JSON body)`` of one request, errors
+    included."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     try:
         conn.request(method, parts.path, body=data, headers=headers or {})
         r = conn.getresponse()
-        return r.status, dict(r.getheaders()), json.loads(r.read() or b"null")
+        return r.status, r.headers, json.loads(r.read() or b"null")
     finally:
         conn.close()
+
+
+def open_stream(url: str, body: dict, events: int = 1) -> tuple[socket.socket, bytes]:
+    """A raw-socket streamed request to ``/v1/chat/completions``, read until ``events``
+    server-sent events have arrived; returns the open socket and what was read."""
+    parts = urllib.parse.urlsplit(url)
+    data = json.dumps({**body, "stream": True}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.hostname}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=60)
+    sock.sendall(head.encode() + data)
+    received = b""
+    while received.count(b"data: ") < events:  # the headers may come in a packet of their own
+        chunk = sock.recv(4096)
+        assert chunk, received
+        received += chunk
+    return sock, received
+
+
+def idle_within(url: str, seconds: float) -> bool:
+    """Whether the server at ``url`` has no sequence running within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while request(f"{url}/health", "GET")[2]["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return request(f"{url}/health", "GET")[2]["running"] == 0
+
+
+def never_stop(tok) -> dict:
+    """A logit_bias that keeps the stop tokens out: only max_tokens ends the reply."""
+    return {str(i): -100 for i in tok.eos_token_ids}
 
 
 def chat(client, **kw):
@@ -175,7 +208,7 @@ def test_models_and_ids_agree(client):
 BAD_CHAT = [
     ({"messages": []}, "messages", "must not be empty"),
     ({"messages": "hi"}, "messages", "must be a list"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]", "unknown role"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "unknown role"),
     ({"messages": ["hi"]}, "messages[0]", "must be an object"),
     ({"messages": MESSAGES, "logit_bias": {"99999999": 1}}, "logit_bias", "not a token id"),
     ({"messages": MESSAGES, "logit_bias": {"1024": 1}}, "logit_bias", "not a token id"),
@@ -264,28 +297,25 @@ def test_limits(strict):
     url = f"{strict}/v1/chat/completions"
     status, _, reply = request(url, raw=b"{" + b" " * 30_000 + b"}")
     assert status == 413 and "20000" in reply["error"]["message"]
-    long = [{"role": "user", "content": "word " * 200}]
+    long = [{"role": "user", "content": "word " * 2500}]
     status, _, reply = request(url, body={"messages": long})
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
-    assert "160" in reply["error"]["message"]
+    assert "2000" in reply["error"]["message"]
 
 
-def test_queue_full_is_429(strict):
-    """With one sequence running and no room to wait, a second request is told to retry."""
-    body = {"messages": MESSAGES, "max_tokens": 40}
-    results = []
-    first = threading.Thread(
-        target=lambda: results.append(request(f"{strict}/v1/chat/completions", body=body))
-    )
-    first.start()
-    deadline = time.monotonic() + 30
-    while request(f"{strict}/health", "GET")[2]["running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    status, headers, reply = request(f"{strict}/v1/chat/completions", body=body)
-    first.join(timeout=60)
+def test_queue_full_is_429(strict, tok):
+    """With one sequence running and no room to wait, a second request is told to retry.
+    The first is a stream of 1900 tokens (stop tokens biased away) whose reply has begun:
+    it holds the batch, whatever the machine's speed, until its client leaves."""
+    first = {"messages": MESSAGES, "max_tokens": 1900, "logit_bias": never_stop(tok)}
+    sock, received = open_stream(strict, first)
+    with sock:
+        assert received.startswith(b"HTTP/1.1 200 ")
+        body = {"messages": MESSAGES, "max_tokens": 4}
+        status, headers, reply = request(f"{strict}/v1/chat/completions", body=body)
+        assert b"data: [DONE]" not in received + sock.recv(4096)
     assert status == 429 and headers["Retry-After"] == "1"
     assert reply["error"]["type"] == "rate_limit_error"
-    assert results[0][0] == 200
 
 
 # Concurrency and cancellation.
@@ -354,28 +384,19 @@ def test_streamed_reply_equals_the_whole_reply(client, tok):
 
 def test_disconnect_stops_the_work(server, tok):
     """A client that goes away mid-stream frees its place in the batch (the stop tokens
-    are biased away, so only the disconnect can end the reply early)."""
-    parts = urllib.parse.urlsplit(server)
-    never = {str(i): -100 for i in tok.eos_token_ids}
-    body = {"messages": MESSAGES, "max_tokens": 5000, "stream": True, "logit_bias": never}
-    body = json.dumps(body).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.hostname}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
-        sock.sendall(head.encode() + body)
-        received = b""
-        while b"data: " not in received:  # the headers may come in a packet of their own
-            chunk = sock.recv(4096)
-            assert chunk, received
-            received += chunk
+    are biased away, so only the disconnect can end the reply early). The bound is
+    relative to this run's speed: the first ``events`` events (each at least one token,
+    prefill included) took ``took``; the other 5000 - ``events`` tokens would take at least
+    ``(5000 / events - 1) * took``, and the reply must stop in a tenth of that."""
+    events = 20
+    body = {"messages": MESSAGES, "max_tokens": 5000, "logit_bias": never_stop(tok)}
+    start = time.monotonic()
+    sock, _ = open_stream(server, body, events=events)
+    with sock:
+        took = time.monotonic() - start
         health = request(f"{server}/health", "GET")[2]
         assert health["running"] + health["waiting"] == 1
-    deadline = time.monotonic() + 30
-    while request(f"{server}/health", "GET")[2]["running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert request(f"{server}/health", "GET")[2]["running"] == 0
+    assert idle_within(server, (5000 / events - 1) * took / 10)
 
 
 def test_follow_up_turn_reuses_the_prompt(client):
@@ -409,6 +430,16 @@ def test_port_in_use_fails_before_loading(tmp_path, capsys):
     assert err == [f"error: --host 127.0.0.1 --port {port}: the address is already in use"]
 
 
+def test_the_listening_socket_is_tcp():
+    """The socket names its protocol, so asyncio sets TCP_NODELAY on every connection it
+    accepts (without it, a reply's second write waits for the client's delayed ACK: 44 ms
+    a request on loopback)."""
+    from kimi_k3.server import bind
+
+    with bind("127.0.0.1", 0) as sock:
+        assert sock.proto == socket.IPPROTO_TCP
+
+
 def test_bad_model_fails_before_listening(tmp_path, capsys):
     from kimi_k3.server import main
 
@@ -428,6 +459,12 @@ def test_bad_model_fails_before_listening(tmp_path, capsys):
         (["--expert-top-p", "1.5"], "--expert-top-p"),
         (["--expert-min-weight", "-1"], "--expert-min-weight"),
         (["--expert-overflow", "-1"], "--expert-overflow"),
+        (["--max-connections", "0"], "--max-connections"),
+        (["--max-connections", str(10**12)], "--max-connections"),
+        (["--timeout-headers", "0"], "--timeout-headers"),
+        (["--timeout-body", "nan"], "--timeout-body"),
+        (["--timeout-keep-alive", "-1"], "--timeout-keep-alive"),
+        (["--timeout-write", "0"], "--timeout-write"),
     ],
 )
 def test_bad_flags_exit_2(argv, flag, capsys):
