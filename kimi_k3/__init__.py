@@ -91,7 +91,7 @@ def reserved_token_mask(tokenizer):
     and the chat markers stay. The command line and the server sample through it; pass it
     to mlx-lm as ``stream_generate(..., logits_processors=[reserved_token_mask(tokenizer)])``.
     """
-    from kimi_k3.generate import never_sample
+    from kimi_k3.cli import never_sample
 
     return never_sample(tokenizer)
 
