@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -319,6 +320,14 @@ class Bar:
             f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {frac:4.0%} "
             f"{self.done / scale:.2f}/{self.total / scale:.2f} {unit}"
         )
+
+
+def ram_gb() -> float:
+    """Physical memory, GB (the GPU's share where MLX reports one)."""
+    info = mx.device_info() if (mx.metal.is_available() or mx.cuda.is_available()) else {}
+    if "memory_size" in info:
+        return info["memory_size"] / 1e9
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
 
 def context_limit(model, max_context: int | None) -> tuple[int, str]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kimi_k3.generate import USAGE_ERROR, HelpFormatter, Parser, fail
+from kimi_k3.cli import USAGE_ERROR, HelpFormatter, Parser, fail, ram_gb
 
 FORMATS = ("pack", "shards", "mlx-lm")
 
@@ -81,14 +81,6 @@ def check_args(args) -> None:
 
 
 # --- the machine ----------------------------------------------------------------------------
-
-
-def ram_gb() -> float:
-    """Physical memory, GB (the GPU's share where MLX reports one)."""
-    info = mx.device_info() if (mx.metal.is_available() or mx.cuda.is_available()) else {}
-    if "memory_size" in info:
-        return info["memory_size"] / 1e9
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
 
 def memory_gbps(mb: int = 256, reps: int = 5) -> float:

@@ -15,12 +15,13 @@ model writes as plain text stay text.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import (
@@ -83,6 +84,7 @@ class Limits:
     vocab: int
     max_tokens: int
     max_tokens_limit: int
+    max_prompt: int | None = None  # prompt tokens (None: the context's room)
     temp: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -93,6 +95,10 @@ class Limits:
 # Field types. Each is a validator that takes any JSON value and either returns the
 # value the job uses or raises ``invalid`` with a message that follows the field's name.
 # JSON null means "not given" throughout, as OpenAI's API reads it.
+
+
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI's API bounds it
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, likewise
 
 
 def invalid(message: str, param: str | None = None) -> PydanticCustomError:
@@ -281,7 +287,12 @@ class GenerationRequest(Strict):
     stop: Annotated[Any, PlainValidator(_stop)] = None
     n: Annotated[Any, PlainValidator(_n)] = None
     user: str | None = None  # an end-user id for the caller's own records; no effect here
-    top_logprobs: Unsupported("log probabilities are not returned", 0) = None
+
+    @model_validator(mode="after")
+    def check_logprobs(self):
+        if self.stream and self.logprobs is not None and self.logprobs is not False:
+            raise invalid("with stream is not supported: ask for the whole reply", "logprobs")
+        return self
 
 
 class ChatRequest(GenerationRequest):
@@ -290,11 +301,14 @@ class ChatRequest(GenerationRequest):
     tool_choice: Annotated[Any, PlainValidator(_tool_choice)] = None
     parallel_tool_calls: Unsupported("the model may call several tools in one reply", True) = None
     chat_template_kwargs: TemplateOptions | None = None
-    logprobs: Unsupported("log probabilities are not returned", False) = None
+    logprobs: bool | None = None
+    top_logprobs: Bounded(0, MAX_TOP_LOGPROBS, integer=True) = None
     response_format: Annotated[Any, PlainValidator(_response_format)] = None
 
     @model_validator(mode="after")
     def check_tools(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("needs logprobs: true", "top_logprobs")
         if self.tool_choice == "none" and self.tools:
             raise invalid(
                 '"none" with tools is not supported: the model decides whether to call a '
@@ -306,8 +320,15 @@ class ChatRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: Annotated[Any, PlainValidator(_prompt)]
-    logprobs: Unsupported("log probabilities are not returned") = None
-    echo: Unsupported("the reply does not repeat the prompt", False) = None
+    logprobs: Bounded(0, MAX_COMPLETION_LOGPROBS, integer=True) = None
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def check_echo(self):
+        if self.echo and self.stream:
+            raise invalid("with stream is not supported: ask for the whole reply", "echo")
+        return self
+
     best_of: Unsupported("one candidate is generated per request", 1) = None
     suffix: Unsupported("the model completes text after the prompt only") = None
 
@@ -376,6 +397,9 @@ class Job:
     include_usage: bool
     chat: bool
     thinking: bool = True
+    logprobs: int | None = None  # alternatives a generated token's logprob comes with
+    echo: bool = False  # completions: the reply starts with the prompt
+    prompt_text: str = ""  # completions with echo: the prompt as text
 
 
 def common_fields(req: GenerationRequest, limits: Limits) -> dict:
@@ -405,9 +429,18 @@ def common_fields(req: GenerationRequest, limits: Limits) -> dict:
 
 
 def fit_context(prompt: list[int], fields: dict, limits: Limits, param: str) -> dict:
-    """Refuse a prompt that leaves no room in the context; cut ``max_tokens`` to fit."""
+    """Refuse a prompt over ``--max-prompt-tokens`` or that leaves no room in the context;
+    cut ``max_tokens`` to fit."""
     if not prompt:
         raise ApiError(400, f"{param} is empty", param)
+    if limits.max_prompt is not None and len(prompt) > limits.max_prompt:
+        raise ApiError(
+            400,
+            f"the prompt is {len(prompt)} tokens, but this server takes at most "
+            f"{limits.max_prompt} (--max-prompt-tokens)",
+            param,
+            "context_length_exceeded",
+        )
     room = limits.context - len(prompt)
     if room < 1:
         raise ApiError(
@@ -439,7 +472,11 @@ def chat_job(req: ChatRequest, tokenizer, limits: Limits) -> Job:
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
     return Job(
-        prompt, chat=True, thinking=thinking, **fit_context(prompt, fields, limits, "messages")
+        prompt,
+        chat=True,
+        thinking=thinking,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        **fit_context(prompt, fields, limits, "messages"),
     )
 
 
@@ -447,7 +484,15 @@ def completion_job(req: CompletionRequest, tokenizer, limits: Limits) -> Job:
     prompt = req.prompt
     ids = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
     fields = common_fields(req, limits)
-    return Job(ids, chat=False, **fit_context(ids, fields, limits, "prompt"))
+    text = "" if not req.echo else prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+    return Job(
+        ids,
+        chat=False,
+        logprobs=req.logprobs,
+        echo=req.echo,
+        prompt_text=text,
+        **fit_context(ids, fields, limits, "prompt"),
+    )
 
 
 # Replies.
@@ -528,6 +573,75 @@ class Outcome:
     finish: str
     generated: int
     reused: int
+    tokens: list[int] = field(default_factory=list)  # generated ids, a stop token included
+    token_logprobs: list = field(default_factory=list)  # the engine's, one a generated id
+    prompt_logprobs: list = field(default_factory=list)  # the engine's, prompt ids past the first
+    stop_ids: frozenset = frozenset()
+
+
+def token_text(tokenizer, token: int) -> tuple[str, list[int]]:
+    """A token's text and its UTF-8 bytes; a token that is part of a character is written
+    ``bytes:\\xNN...`` (its text alone is not UTF-8)."""
+    table = getattr(getattr(tokenizer, "detokenizer", None), "token_bytes", None)
+    raw = table[token] if table is not None and token < len(table) else None
+    if raw is None:
+        raw = tokenizer.decode([token]).encode("utf-8")
+    try:
+        return raw.decode("utf-8"), list(raw)
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+
+
+def chat_logprobs(outcome: Outcome, tokenizer) -> dict:
+    """OpenAI's chat ``logprobs``: every generated token (reasoning, reply and tool-call
+    tokens alike, a stop token excluded) with its logprob and alternatives."""
+    content = []
+    for token, (lp, alts) in zip(outcome.tokens, outcome.token_logprobs):
+        if token in outcome.stop_ids:
+            break
+        text, raw = token_text(tokenizer, token)
+        top = []
+        for i, v in alts:
+            t, b = token_text(tokenizer, i)
+            top.append({"token": t, "logprob": v, "bytes": b})
+        content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(job: Job, outcome: Outcome, tokenizer) -> dict:
+    """OpenAI's completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``
+    (each position's alternatives, token text to logprob) and ``text_offset`` (each
+    token's start in the reply's text: the length of what the tokens before it decode to,
+    whole characters only); with ``echo`` the prompt's tokens first, the first
+    of them with no logprob. Generated tokens after the reply's text ends (a stop string)
+    are left out."""
+    ids, lps, tops = [], [], []
+    if job.echo:
+        ids += job.prompt
+        lps.append(None)
+        tops.append(None)
+        for lp, alts in outcome.prompt_logprobs:
+            lps.append(lp)
+            tops.append(alts)
+    shown = 0  # the generated text's length so far: tokens past a stop string are left out
+    for token, (lp, alts) in zip(outcome.tokens, outcome.token_logprobs):
+        if token in outcome.stop_ids or shown >= len(outcome.reply.content):
+            break
+        shown += len(tokenizer.decode([token]))
+        ids.append(token)
+        lps.append(lp)
+        tops.append(alts)
+    texts, offsets, at = [], [], 0
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for t in ids:  # a token's offset: the text its predecessors decode to (whole characters)
+        text, raw = token_text(tokenizer, t)
+        texts.append(text)
+        offsets.append(at)
+        at += len(decoder.decode(bytes(raw)))
+    top = [
+        None if alts is None else {token_text(tokenizer, i)[0]: v for i, v in alts} for alts in tops
+    ]
+    return {"tokens": texts, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
 
 def finish_reason(outcome: Outcome) -> str:
@@ -545,13 +659,17 @@ def chat_message(reply: ReplyText, job: Job) -> dict:
     return message
 
 
-def response_body(job: Job, outcome: Outcome, model_id: str) -> dict:
+def response_body(job: Job, outcome: Outcome, model_id: str, tokenizer=None) -> dict:
+    """The whole reply's JSON (``tokenizer`` writes the tokens of ``logprobs``)."""
     reason = finish_reason(outcome)
     if job.chat:
-        choice = {"index": 0, "message": chat_message(outcome.reply, job), "logprobs": None}
+        lps = None if job.logprobs is None else chat_logprobs(outcome, tokenizer)
+        choice = {"index": 0, "message": chat_message(outcome.reply, job), "logprobs": lps}
         kind, prefix = "chat.completion", "chatcmpl"
     else:
-        choice = {"index": 0, "text": outcome.reply.content, "logprobs": None}
+        lps = None if job.logprobs is None else completion_logprobs(job, outcome, tokenizer)
+        text = job.prompt_text + outcome.reply.content
+        choice = {"index": 0, "text": text, "logprobs": lps}
         kind, prefix = "text_completion", "cmpl"
     choice["finish_reason"] = reason
     return {

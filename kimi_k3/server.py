@@ -357,8 +357,19 @@ class Generation(Response):
             else:
                 reply.ids.append(value)
         reply.update()
-        outcome = Outcome(reply, finish, len(self.seq.tokens), self.seq.reused)
-        return JSONResponse(response_body(job, outcome, self.state.model_id))
+        seq = self.seq
+        outcome = Outcome(
+            reply,
+            finish,
+            len(seq.tokens),
+            seq.reused,
+            tokens=seq.tokens,
+            token_logprobs=seq.token_logprobs,
+            prompt_logprobs=seq.prompt_token_logprobs,
+            stop_ids=seq.stop_ids,
+        )
+        body = response_body(job, outcome, self.state.model_id, self.state.tokenizer)
+        return JSONResponse(body)
 
     async def stream(self, send):
         job = self.job
@@ -413,6 +424,8 @@ def make_sequence(job: Job, state: ServerState, events: Events):
         processors=processors,
         stop_ids=frozenset(state.tokenizer.eos_token_ids),
         out=events,
+        logprobs=job.logprobs,
+        prompt_logprobs=job.logprobs if job.echo else None,
     )
 
 
@@ -456,6 +469,21 @@ LIMIT_FLAGS = [
     ("--max-batch", int, 8, "sequences decoded together"),
     ("--max-waiting", int, 32, "requests queued beyond the batch (then 429)"),
     ("--prefill-step-size", int, 512, "prompt tokens prefilled per step, in all"),
+    (
+        "--prefill-step-seconds",
+        float,
+        0.5,
+        "a prompt's prefill pass takes about this long at most (its chunk sized by its "
+        "measured rate), so a request arriving meanwhile waits little (0: chunks of "
+        "--prefill-step-size whatever they take)",
+    ),
+    (
+        "--max-prompt-tokens",
+        int,
+        None,
+        "the longest prompt a request may send (default: what a quarter of the memory the "
+        "model leaves holds in caches for --max-batch sequences, at most the context)",
+    ),
     (
         "--prompt-cache-gb",
         float,
@@ -558,8 +586,19 @@ def check_arguments(args):
     """``UserError`` naming the flag of the first invalid value."""
     check_model_arguments(args)
     check_sampling_arguments(args)
-    for name in ("max_tokens", "max_tokens_limit", "max_context", "max_batch", "prefill_step_size"):
+    for name in (
+        "max_tokens",
+        "max_tokens_limit",
+        "max_context",
+        "max_batch",
+        "prefill_step_size",
+        "max_prompt_tokens",
+    ):
         positive(args, name)
+    if not (math.isfinite(args.prefill_step_seconds) and args.prefill_step_seconds >= 0):
+        raise UserError(
+            f"--prefill-step-seconds must be 0 or more seconds, got {args.prefill_step_seconds}"
+        )
     if args.max_tokens > args.max_tokens_limit:
         raise UserError(
             f"--max-tokens {args.max_tokens} is above --max-tokens-limit {args.max_tokens_limit}"
@@ -639,6 +678,30 @@ def size_overflow(model, args):
         )
 
 
+def cache_bytes_per_token(model) -> int:
+    """Bytes one token adds to a sequence's caches: each MLA layer's latent and shared key
+    in the activation dtype (KDA layers hold a fixed state, whatever the length)."""
+    from kimi_k3.serving import activation_dtype
+
+    a = model.args
+    mla = sum(not layer.is_linear for layer in model.layers)
+    return mla * (a.kv_lora_rank + a.qk_rope_head_dim) * activation_dtype(model).size
+
+
+def default_max_prompt(model, context: int, sequences: int, expert_cache_gb) -> int:
+    """The longest prompt whose caches fit, for ``sequences`` sequences at once, in a
+    quarter of the memory that the model's resident weights and expert cache leave: at
+    least 1, at most one less than ``context`` (the reply needs a token)."""
+    from mlx.utils import tree_flatten
+
+    from kimi_k3.cli import ram_gb
+
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    left = ram_gb() * 1e9 - weights - (expert_cache_gb or 0) * 1e9
+    fit = int(max(left, 0) / 4 / sequences / max(cache_bytes_per_token(model), 1))
+    return max(1, min(context - 1, fit))
+
+
 def serve_model(args, sock: socket.socket, plan=None) -> ServerState:
     """Load the model and start the engine for an already bound server (on rank 0 of
     ``plan``'s group under ``--split``)."""
@@ -660,9 +723,17 @@ def serve_model(args, sock: socket.socket, plan=None) -> ServerState:
         start=False,
         group=plan.group if plan else None,
         processors=[never_sample(tokenizer)],
+        prefill_step_seconds=args.prefill_step_seconds or None,
     )
+    context = context_limit(model, args.max_context)[0]
+    max_prompt, why = args.max_prompt_tokens, "--max-prompt-tokens"
+    if max_prompt is None:
+        max_prompt = default_max_prompt(model, context, args.max_batch, args.expert_cache_gb)
+        why = f"a quarter of the memory the model leaves, over {args.max_batch} sequences"
+    print(f"prompts of at most {max_prompt:,} tokens ({why})", file=sys.stderr)
     limits = Limits(
-        context=context_limit(model, args.max_context)[0],
+        max_prompt=max_prompt,
+        context=context,
         vocab=model.args.vocab_size,
         max_tokens=args.max_tokens,
         max_tokens_limit=args.max_tokens_limit,

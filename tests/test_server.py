@@ -83,8 +83,9 @@ def server(served):
 @pytest.fixture(scope="module")
 def strict(tiny_ckpt, tmp_path_factory):
     """A server with small limits: one sequence at a time, none waiting, 2000 tokens
-    of context, 20 KB bodies."""
+    of context, prompts of 1800 tokens at most, 20 KB bodies."""
     flags = ["--max-batch", 1, "--max-waiting", 0, "--max-context", 2000, "--max-body-mb", 0.02]
+    flags += ["--max-prompt-tokens", 1800]
     url, proc, log = start_server(tiny_ckpt, tmp_path_factory, *flags)
     yield url
     stop_server(proc, log)
@@ -191,6 +192,66 @@ def test_openai_completions(client, tok):
         model=MODEL_ID, prompt="Once upon", max_tokens=6, stream=True
     )
     assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+
+
+def test_chat_logprobs(client, tok):
+    """Each generated token with its log-probability and its likeliest alternatives (the
+    greedy choice the first of them), through the openai client."""
+    r = chat(client, logprobs=True, top_logprobs=3, temperature=0, logit_bias=never_stop(tok))
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    for entry in content:
+        tops = entry.top_logprobs
+        assert len(tops) == 3 and tops[0].logprob == pytest.approx(entry.logprob)
+        assert entry.token in {t.token for t in tops if t.logprob == tops[0].logprob}  # ties
+        assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode("utf-8", "replace")
+    plain = chat(client, temperature=0, logit_bias=never_stop(tok))
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == r.choices[0].message.content
+
+
+def test_completion_echo_and_logprobs_score_the_prompt(client, tok, tiny_ckpt):
+    """``echo`` with ``logprobs``: the prompt's tokens first (the first without a
+    logprob), each prompt token's log-probability given the ones before it, as the model
+    computes it; the reply's text starts with the prompt. What lm-evaluation-harness's
+    loglikelihood requests read."""
+    import mlx.core as mx
+
+    import kimi_k3
+
+    prompt = "Once upon a time there was"
+    r = client.completions.create(
+        model=MODEL_ID, prompt=prompt, max_tokens=2, logprobs=2, echo=True, temperature=0
+    )
+    choice = r.choices[0]
+    ids = tok.encode(prompt)
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + r.usage.completion_tokens
+    assert "".join(lp.tokens[: len(ids)]) == prompt
+    assert lp.text_offset[: len(ids) + 1] == [len(tok.decode(ids[:i])) for i in range(len(ids) + 1)]
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(choice.text)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    model, _ = kimi_k3.load(tiny_ckpt)  # bf16, as the server runs it
+    logits = model(mx.array([ids]))[0].astype(mx.float32)
+    want = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
+    for j in range(1, len(ids)):
+        # bf16 logits: within a few of bf16's steps at their size
+        assert lp.token_logprobs[j] == pytest.approx(want[j - 1][ids[j]], rel=2e-2, abs=2e-2)
+        assert len(lp.top_logprobs[j]) <= 2
+    echo_only = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=2, echo=True)
+    assert echo_only.choices[0].text.startswith(prompt) and echo_only.choices[0].logprobs is None
+
+
+def test_logprobs_and_echo_with_stream_are_400(server):
+    for path, body in (
+        ("chat/completions", {"messages": MESSAGES, "logprobs": True, "stream": True}),
+        ("completions", {"prompt": "x", "logprobs": 0, "stream": True}),
+        ("completions", {"prompt": "x", "echo": True, "stream": True}),
+    ):
+        status, _, reply = request(f"{server}/v1/{path}", body=body)
+        assert status == 400 and reply["error"]["param"] in ("logprobs", "echo"), reply
 
 
 def test_models_and_ids_agree(client):
@@ -300,7 +361,13 @@ def test_limits(strict):
     long = [{"role": "user", "content": "word " * 2500}]
     status, _, reply = request(url, body={"messages": long})
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
-    assert "2000" in reply["error"]["message"]
+    message = reply["error"]["message"]
+    assert "1800 (--max-prompt-tokens)" in message and "the prompt is 12" in message
+    # a prompt within the bound is served, its reply cut to the context's room
+    status, _, reply = request(
+        f"{strict}/v1/completions", body={"prompt": [5] * 1800, "max_tokens": 500}
+    )
+    assert status == 200 and reply["usage"]["completion_tokens"] <= 200
 
 
 def test_queue_full_is_429(strict, tok):
@@ -465,6 +532,9 @@ def test_bad_model_fails_before_listening(tmp_path, capsys):
         (["--timeout-body", "nan"], "--timeout-body"),
         (["--timeout-keep-alive", "-1"], "--timeout-keep-alive"),
         (["--timeout-write", "0"], "--timeout-write"),
+        (["--prefill-step-seconds", "-1"], "--prefill-step-seconds"),
+        (["--prefill-step-seconds", "inf"], "--prefill-step-seconds"),
+        (["--max-prompt-tokens", "0"], "--max-prompt-tokens"),
     ],
 )
 def test_bad_flags_exit_2(argv, flag, capsys):
