@@ -208,8 +208,10 @@ def _content(v):
 
 
 def _prompt(v, info) -> list[int] | str:
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
-        v = v[0]
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # one prompt in a list of prompts (a string or a list of ids)
+    elif isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        raise invalid(f"holds {len(v)} prompts: send one prompt per request")
     if isinstance(v, str):
         return v
     if isinstance(v, list) and all(not isinstance(t, str) for t in v):

@@ -347,6 +347,19 @@ def test_completion_fields_not_implemented_are_400(server, name, value):
     assert reply["error"]["param"] == name and name in reply["error"]["message"]
 
 
+def test_a_prompt_in_a_list_of_one_is_that_prompt(server):
+    """OpenAI's completions take a list of prompts; a list of one (a string, or a list of
+    ids, as lm-evaluation-harness sends them) is that prompt, more than one is refused."""
+    url = f"{server}/v1/completions"
+    base = {"max_tokens": 2, "temperature": 0}
+    plain = request(url, body={**base, "prompt": [5, 6, 7]})[2]["choices"][0]["text"]
+    status, _, reply = request(url, body={**base, "prompt": [[5, 6, 7]]})
+    assert status == 200 and reply["choices"][0]["text"] == plain
+    status, _, reply = request(url, body={**base, "prompt": [[5, 6], [7]]})
+    assert status == 400 and reply["error"]["param"] == "prompt"
+    assert "2 prompts" in reply["error"]["message"]
+
+
 def test_tool_choice_none_with_tools_is_400(server):
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
     body = {"messages": MESSAGES, "max_tokens": 1, "tools": [tool], "tool_choice": "none"}
