@@ -549,8 +549,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--thinking",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="default for chat requests; a request overrides it with "
+        default=None,
+        help="default for chat requests (default: on; off for the demo model, which has no "
+        "chat training, so its text comes back as content); a request overrides it with "
         '"chat_template_kwargs": {"thinking": false}',
     )
     for flag, kind, default, text in LIMIT_FLAGS:
@@ -741,7 +742,7 @@ def serve_model(args, sock: socket.socket, plan=None) -> ServerState:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
-        thinking=args.thinking,
+        thinking=args.thinking if args.thinking is not None else model_path is not None,
     )
     name = args.served_model_name or (Path(model_path).name if model_path else DEMO_MODEL_ID)
     return ServerState(

@@ -37,7 +37,8 @@ def start_server(ckpt, tmp_path_factory, *flags):
     port = _free_port()
     env = {**os.environ, "KIMI_K3_CACHE": str(tmp_path_factory.mktemp("cache"))}
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
-    argv = ["--model", ckpt, "--port", port, "--served-model-name", MODEL_ID, *flags]
+    model = [] if ckpt is None else ["--model", ckpt]  # None: the embedded demo model
+    argv = [*model, "--port", port, "--served-model-name", MODEL_ID, *flags]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kimi_k3.server", *map(str, argv)],
         stdout=log,
@@ -242,6 +243,19 @@ def test_completion_echo_and_logprobs_score_the_prompt(client, tok, tiny_ckpt):
         assert len(lp.top_logprobs[j]) <= 2
     echo_only = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=2, echo=True)
     assert echo_only.choices[0].text.startswith(prompt) and echo_only.choices[0].logprobs is None
+
+
+def test_the_demo_model_answers_chat_in_content(tmp_path_factory):
+    """The demo model has no chat training: its server does not open a thinking section,
+    so a chat's text comes back as ``content``; ``--thinking`` turns that back on."""
+    url, proc, log = start_server(None, tmp_path_factory)
+    try:
+        body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+        status, _, reply = request(f"{url}/v1/chat/completions", body=body)
+        message = reply["choices"][0]["message"]
+        assert status == 200 and message["content"].strip() and "reasoning_content" not in message
+    finally:
+        stop_server(proc, log)
 
 
 def test_logprobs_and_echo_with_stream_are_400(server):
