@@ -10,11 +10,14 @@ Everything goes over HTTP:
 
 - throughput: N clients (1, 4, 8) each send one completion of ``--tokens`` tokens at once;
   aggregate tokens/s is every reply's tokens over the wall time of the slowest; ``--rounds``
-  interleaved rounds of 1, 4 and 8 clients, the median and range of each, and each N's
-  median against 1 client's. Beside it, in the same run, the limit any server has: the
-  model's own batched forward with no server (``ForwardAlone``: the same prompts prefilled
+  interleaved rounds of 1, 4 and 8 clients after ``--warmup`` untimed ones (each batch
+  size's first steps compile what later ones reuse, for the server and the forward alone
+  alike), the median and range of each, and each N's median against 1 client's. Beside
+  it, in the same run, the limit any server has: the model's own batched forward with no
+  server (``ForwardAlone``: the same prompts prefilled
   and ``--tokens`` greedy decode steps on the engine's ``Batch``, in this process, while
-  the server idles), N rows against 1;
+  the server idles), N rows against 1, and the server's rate over the forward's: the
+  median of the rounds' ratios (each round times both) and their range;
 - time to first token: a one-token request's latency, alone and while a ``--long``-token
   prompt prefills; a follow-up chat turn's latency after the first turn (its prefix comes
   from the snapshot) and for a conversation of the same length that shares no prefix;
@@ -278,17 +281,20 @@ class ForwardAlone:
         return rows * tokens / (time.perf_counter() - t0)
 
 
-def throughput_table(server: Server, forward: ForwardAlone, tokens: int, rounds: int) -> str:
+def throughput_table(
+    server: Server, forward: ForwardAlone, tokens: int, rounds: int, warmup: int = 1
+) -> str:
     """The server's aggregate tokens/s by clients beside the forward alone's by rows, in
-    interleaved rounds."""
-    completion(server, "warm up", 2)
-    forward.rate(1, 2)
+    interleaved rounds, after ``warmup`` untimed rounds of the same calls (each batch
+    size's first steps build and compile what later ones reuse, on both sides)."""
     runs = {n: [] for n in CLIENTS}
     alone = {n: [] for n in CLIENTS}
-    for _ in range(rounds):  # interleaved: a slow spell of the machine hits every N alike
+    for r in range(warmup + rounds):  # interleaved: a slow spell hits every N alike
         for n in CLIENTS:
-            runs[n].append(throughput(server, n, tokens))
-            alone[n].append(forward.rate(n, tokens))
+            served, direct = throughput(server, n, tokens), forward.rate(n, tokens)
+            if r >= warmup:
+                runs[n].append(served)
+                alone[n].append(direct)
     base = statistics.median(tps for tps, _ in runs[1])
     base_alone = statistics.median(alone[1])
     rows = []
@@ -296,6 +302,7 @@ def throughput_table(server: Server, forward: ForwardAlone, tokens: int, rounds:
         tps = [t for t, _ in results]
         mid, mid_alone = statistics.median(tps), statistics.median(alone[n])
         spread = f"{min(tps):.1f}-{max(tps):.1f}"
+        ratios = [t / f for t, f in zip(tps, alone[n])]  # each round's, side by side
         rows.append(
             [
                 n,
@@ -304,8 +311,10 @@ def throughput_table(server: Server, forward: ForwardAlone, tokens: int, rounds:
                 spread,
                 f"{mid / base:.2f}x",
                 f"{mid_alone:.1f}",
+                f"{min(alone[n]):.1f}-{max(alone[n]):.1f}",
                 f"{mid_alone / base_alone:.2f}x",
-                f"{mid / mid_alone:.2f}",
+                f"{statistics.median(ratios):.2f}",
+                f"{min(ratios):.2f}-{max(ratios):.2f}",
             ]
         )
     header = [
@@ -315,8 +324,10 @@ def throughput_table(server: Server, forward: ForwardAlone, tokens: int, rounds:
         "range",
         "vs 1 client",
         "forward alone tok/s",
+        "forward range",
         "forward vs 1 row",
         "server / forward",
+        "server / forward, each round",
     ]
     return timing.markdown_table(header, rows)
 
@@ -332,11 +343,13 @@ def overflow_effect(forward: ForwardAlone, tokens: int, rounds: int) -> str:
     n = max(CLIENTS)
     settings = {f"{sized} experts (the server's default)": sized, "none (rounds)": 0}
     runs = {(name, rows): [] for name in settings for rows in (1, n)}
-    for _ in range(rounds):
+    for r in range(1 + rounds):  # the first round warms each setting up, untimed
         for name, experts in settings.items():
             streamer.set_overflow(experts)
             for rows in (1, n):
-                runs[name, rows].append(forward.rate(rows, tokens))
+                rate = forward.rate(rows, tokens)
+                if r:
+                    runs[name, rows].append(rate)
     streamer.set_overflow(sized)
     rows = []
     for name in settings:
@@ -350,7 +363,7 @@ def measure(path: Path, a) -> str:
     out = []
     with Server(path, a.cache_fraction, "--prefill-step-size", a.prefill_step) as server:
         forward = ForwardAlone(path, a.cache_fraction)
-        table = throughput_table(server, forward, a.tokens, a.rounds)
+        table = throughput_table(server, forward, a.tokens, a.rounds, a.warmup)
         out.append("Experts streamed:\n\n" + table)
         out.append(overflow_effect(forward, a.tokens, a.rounds))
         del forward
@@ -372,7 +385,7 @@ def measure(path: Path, a) -> str:
     rows = [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in counts.items()]
     out.append(timing.markdown_table([f"{a.requests} requests, 16 threads", "count"], rows))
     with Server(path, None) as server:
-        table = throughput_table(server, ForwardAlone(path, None), a.tokens, a.rounds)
+        table = throughput_table(server, ForwardAlone(path, None), a.tokens, a.rounds, a.warmup)
         out.append("Experts resident:\n\n" + table)
     return "\n".join(out)
 
@@ -387,6 +400,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         type=int,
         default=5,
         help="throughput rounds, and short requests timed per setting",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed throughput rounds before the timed ones"
     )
     p.add_argument("--system-words", type=int, default=200, help="length of the chat's system note")
     p.add_argument("--requests", type=int, default=100, help="requests in the load test")
