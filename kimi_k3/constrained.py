@@ -30,7 +30,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from kimi_k3.chat import close_tag, marker_ids, open_tag
+from kimi_k3.chat import _JSON_TYPES, OPEN, SEP, close_tag, escape_attr, marker_ids, open_tag
 
 # Calls one ``tool_choice: "required"`` reply may hold (each index is spelled out).
 MAX_CALLS = 4
@@ -226,12 +226,31 @@ def json_object(tokenizer, thinking: bool = False) -> GrammarProcessor:
 # Tool calls.
 
 
+def _json_type(value) -> str:
+    """The JSON-schema type name of a JSON value, as ``chat._argument`` names it."""
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, dict):
+        return "object"
+    if value is None:
+        return "null"
+    return next(t for cls, t in _JSON_TYPES if isinstance(value, cls))
+
+
 def _types_of(schema: dict, where: str) -> list[str]:
-    kind = schema.get("type", list(ARGUMENT_TYPES))
-    kinds = [kind] if isinstance(kind, str) else list(kind)
+    """The argument types ``schema`` allows: its ``type``, else those of its ``enum`` or
+    ``const`` values, else all."""
+    if "type" in schema:
+        kind = schema["type"]
+        kinds = [kind] if isinstance(kind, str) else list(kind)
+    elif "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        kinds = list(dict.fromkeys(_json_type(v) for v in values))
+    else:
+        kinds = list(ARGUMENT_TYPES)
     unknown = [k for k in kinds if k not in ARGUMENT_TYPES]
     if unknown or not kinds:
-        raise ValueError(f"{where}.type: unsupported type {unknown or kind!r}")
+        raise ValueError(f"{where}.type: unsupported type {unknown or kinds!r}")
     return kinds
 
 
@@ -255,34 +274,32 @@ def _raw_string(schema: dict, where: str) -> str:
     return _regex(f"(?s:.{{{low},{'' if high is None else high}}})")
 
 
-def _argument_rule(tokenizer, key: str, schema, where: str) -> str:
-    """One ``argument`` element for ``key``: an alternative per JSON type ``schema`` allows."""
+def _argument_rule(tokenizer, key: str | None, schema, where: str) -> str:
+    """One ``argument`` element for ``key`` (None: any key): an alternative per JSON type
+    ``schema`` allows, with the ``type`` attribute and value as ``chat._argument`` writes
+    them (``<|open|>argument key="K" type="T"<|sep|>VALUE<|close|>argument<|sep|>``)."""
     if schema is True or schema is None:
         schema = {}
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON schema object")
+    for union in ("anyOf", "oneOf"):
+        if union in schema and "type" not in schema:
+            rest = {k: v for k, v in schema.items() if k != union}
+            branches = [
+                _argument_rule(tokenizer, key, {**rest, **branch}, f"{where}.{union}[{i}]")
+                for i, branch in enumerate(schema[union])
+            ]
+            return "(" + " | ".join(branches) + ")"
+    ids = marker_ids(tokenizer)
+    key_rule = "KEY" if key is None else _literal(escape_attr(key))
+    tail = _lark_segments(tokenizer, close_tag("argument"))
     alternatives = []
     for kind in _types_of(schema, where):
-        head = _lark_segments(tokenizer, open_tag("argument", key=key, type=kind))
-        if kind == "string":
-            value = _raw_string(schema, where)
-        else:
-            value = _json_rule({**schema, "type": kind})
-        tail = _lark_segments(tokenizer, close_tag("argument"))
-        alternatives.append(f"{head} {value} {tail}")
-    return "(" + " | ".join(alternatives) + ")"
-
-
-def _free_argument(tokenizer, where: str) -> str:
-    """An argument of any key (a function whose parameters declare none)."""
-    ids = marker_ids(tokenizer)
-    open_, sep = ids["<|open|>"], ids["<|sep|>"]
-    alternatives = []
-    for kind in ARGUMENT_TYPES:
-        value = _raw_string({}, where) if kind == "string" else _json_rule({"type": kind})
+        value = (
+            _raw_string(schema, where) if kind == "string" else _json_rule({**schema, "type": kind})
+        )
         after_key = _literal(f'" type="{kind}"')
-        head = f'<[{open_}]> "argument key=\\"" KEY {after_key} <[{sep}]>'
-        tail = _lark_segments(tokenizer, close_tag("argument"))
+        head = f'<[{ids[OPEN]}]> "argument key=\\"" {key_rule} {after_key} <[{ids[SEP]}]>'
         alternatives.append(f"{head} {value} {tail}")
     return "(" + " | ".join(alternatives) + ")"
 
@@ -306,7 +323,7 @@ def _arguments(tokenizer, params, where: str) -> str:
     if not props:
         if params.get("additionalProperties", True) is False:
             return ""
-        return _free_argument(tokenizer, f"{where}.additionalProperties") + "*"
+        return _argument_rule(tokenizer, None, {}, f"{where}.additionalProperties") + "*"
     parts = []
     for key, schema in props.items():
         rule = _argument_rule(tokenizer, key, schema, f"{where}.properties.{key}")

@@ -145,39 +145,35 @@ def test_mask_never_allows_specials_inside_the_grammar(tok):
     assert np.array_equal(np.isfinite(out), masks[0])
     # A tool call: the only specials allowed are the chat markers, stops only at the end.
     markers = set(marker_ids(tok).values()) - stops
-    reply = chat_reply(tok, thinking=False)
-    masks = allowed_along(constrained.tool_call(tok, TOOLS, "get_weather"), reply[:-1])
+    masks = allowed_along(constrained.tool_call(tok, TOOLS, "get_weather"), rendered_call(tok))
     for mask in masks[:-1]:
         assert set(np.flatnonzero(mask)) & special_ids(tok) <= markers
     assert set(np.flatnonzero(masks[-1])) == stops
 
 
-def chat_reply(tok, thinking: bool) -> list[int]:
-    """The ids of an assistant message with a call, as the chat format renders it, after
-    its generation prompt (ending with ``<|end_of_msg|>``)."""
-    call = {"name": "get_weather", "arguments": {"city": "Rome", "days": 3, "units": None}}
-    msg = {
-        "role": "assistant",
-        "reasoning": "Rome, 3 days." if thinking else "",
-        "tool_calls": [call],
-    }
-    if not thinking:
-        msg["content"] = ""
+def rendered_call(tok, name="get_weather", args=None, thinking=False) -> list[int]:
+    """The ids of an assistant message with one call (and reasoning, with ``thinking``) as
+    the chat format renders it, after its generation prompt, up to ``<|end_of_msg|>``
+    (which is cut)."""
+    args = {"city": "Rome", "days": 3, "units": None} if args is None else args
+    msg = {"role": "assistant", "content": "", "tool_calls": [{"name": name, "arguments": args}]}
+    if thinking:
+        msg["reasoning"] = "Rome, 3 days."
     full = encode_chat(tok, [msg], add_generation_prompt=False)
     prompt = encode_chat(tok, [], thinking=thinking)
-    assert full[: len(prompt)] == prompt
-    return full[len(prompt) :]
+    assert full[: len(prompt)] == prompt and full[-1] in constrained.stop_ids(tok)
+    return full[len(prompt) : -1]
 
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_grammars_accept_the_chat_formats_own_rendering(tok, thinking):
-    reply = chat_reply(tok, thinking)
+    reply = rendered_call(tok, thinking=thinking)
     proc = constrained.tool_call(tok, TOOLS, "get_weather", thinking=thinking)
-    proc.advance(reply[:-1])
-    assert proc.done and reply[-1] in constrained.stop_ids(tok)
+    proc.advance(reply)
+    assert proc.done
     wrong = constrained.tool_call(tok, TOOLS, "ping", thinking=thinking)
     with pytest.raises(ValueError, match="outside the grammar"):
-        wrong.advance(reply[:-1])
+        wrong.advance(reply)
     if thinking:
         segs = [("Plan: a JSON object.", False), *close_tag("think")]
         segs += open_tag("response") + [('{"ok": true}', False)]
@@ -284,3 +280,59 @@ def test_missing_library_is_a_clear_import_error(tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(ImportError, match="pip install llguidance"):
         constrained.json_object(tok)
+
+
+RICH = [
+    {
+        "name": "f",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                "b": {"enum": ["x", 2, True]},
+                "c": {"type": "array", "items": {"type": "string"}},
+                "d": {"type": "string", "pattern": "[a-z]+"},
+                "e": {"type": "number"},
+            },
+            "required": ["a", "b", "c", "d"],
+        },
+    }
+]
+
+
+@pytest.mark.parametrize(
+    "args, ok",
+    [
+        ({"a": None, "b": "x", "c": ["p", "q"], "d": "abc"}, True),
+        ({"a": 5, "b": 2, "c": [], "d": "z", "e": 0.5}, True),
+        ({"a": 5, "b": True, "c": [], "d": "z"}, True),
+        ({"a": "s", "b": "x", "c": [], "d": "z"}, False),  # a: not an integer or null
+        ({"a": 1, "b": "y", "c": [], "d": "z"}, False),  # b: not in the enum
+        ({"a": 1, "b": "x", "c": [], "d": "Z"}, False),  # d: does not match the pattern
+        ({"a": 1, "b": "x", "c": [1], "d": "z"}, False),  # c: items are strings
+        ({"b": "x", "a": 1, "c": [], "d": "z"}, False),  # declaration order
+        ({"a": 1, "b": "x", "c": []}, False),  # d is required
+    ],
+)
+def test_tool_call_arguments_follow_the_parameters_schema(tok, args, ok):
+    """A call rendered by the chat format is accepted exactly when its arguments are valid."""
+    proc = constrained.tool_call(tok, RICH)
+    if ok:
+        proc.advance(rendered_call(tok, "f", args))
+        assert proc.done
+    else:
+        with pytest.raises(ValueError, match="outside the grammar"):
+            proc.advance(rendered_call(tok, "f", args))
+
+
+def test_undeclared_parameters_take_any_key_and_keys_are_escaped(tok):
+    proc = constrained.tool_call(tok, TOOLS, "ping")
+    proc.advance(rendered_call(tok, "ping", {"x": 1, "note": 'say "hi" & go', "deep": {"a": []}}))
+    assert proc.done
+    odd = [{"name": "g", "parameters": {"properties": {'a"&b': {"type": "integer"}}}}]
+    proc = constrained.tool_call(tok, odd)
+    proc.advance(rendered_call(tok, "g", {'a"&b': 7}))
+    assert proc.done
+    closed = [{"name": "h", "parameters": {"type": "object", "additionalProperties": False}}]
+    with pytest.raises(ValueError, match="outside the grammar"):
+        constrained.tool_call(tok, closed).advance(rendered_call(tok, "h", {"x": 1}))
