@@ -107,6 +107,8 @@ class GrammarProcessor:
         n = int(tokens.size)
         if self.fed is None:
             self.fed = n  # the prompt
+        if n < self.fed:
+            raise ValueError("a grammar processor serves one sequence; make one per sequence")
         new = tokens[self.fed :].tolist() if n > self.fed else []
         self.fed = n
         self.advance(new)
@@ -295,9 +297,11 @@ def _argument_rule(tokenizer, key: str | None, schema, where: str) -> str:
     tail = _lark_segments(tokenizer, close_tag("argument"))
     alternatives = []
     for kind in _types_of(schema, where):
-        value = (
-            _raw_string(schema, where) if kind == "string" else _json_rule({**schema, "type": kind})
-        )
+        if kind == "string":
+            value = _raw_string(schema, where)
+        else:
+            value = _json_rule({**schema, "type": kind})
+            _check(tokenizer, f"start: {value}\n", where)
         after_key = _literal(f'" type="{kind}"')
         head = f'<[{ids[OPEN]}]> "argument key=\\"" {key_rule} {after_key} <[{ids[SEP]}]>'
         alternatives.append(f"{head} {value} {tail}")
@@ -369,7 +373,7 @@ def tool_call_grammar(tokenizer, tools, name: str | None = None, thinking: bool 
         rules.append(f"call{index}: ({' | '.join(calls)}){more}")
     segs = _lark_segments(tokenizer, close_tag("response") + open_tag("tools"))
     end = _lark_segments(tokenizer, close_tag("tools") + close_tag("message"))
-    rules.append('KEY: /([^"&<>]|&amp;|&quot;)+/')
+    rules.append('KEY: /([^"&]|&amp;|&quot;)+/')  # an attribute value as escape_attr writes it
     grammar = _start(tokenizer, f"{segs} call1 {end}", thinking, rules)
     return _check(tokenizer, grammar, "tools")
 

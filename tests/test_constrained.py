@@ -15,7 +15,15 @@ from mlx_lm import stream_generate
 
 import kimi_k3
 from kimi_k3 import constrained
-from kimi_k3.chat import close_tag, encode_chat, encode_segments, marker_ids, open_tag, parse_reply
+from kimi_k3.chat import (
+    CLOSE,
+    close_tag,
+    encode_chat,
+    encode_segments,
+    marker_ids,
+    open_tag,
+    parse_reply,
+)
 from kimi_k3.default_model import PROMPT, ensure_default_model
 from kimi_k3.serving import Engine, Sequence
 
@@ -143,12 +151,6 @@ def test_mask_never_allows_specials_inside_the_grammar(tok):
     logits = mx.zeros((1, len(masks[0])))
     out = np.array(proc(mx.array(tok.encode("x = ")), logits))[0]
     assert np.array_equal(np.isfinite(out), masks[0])
-    # A tool call: the only specials allowed are the chat markers, stops only at the end.
-    markers = set(marker_ids(tok).values()) - stops
-    masks = allowed_along(constrained.tool_call(tok, TOOLS, "get_weather"), rendered_call(tok))
-    for mask in masks[:-1]:
-        assert set(np.flatnonzero(mask)) & special_ids(tok) <= markers
-    assert set(np.flatnonzero(masks[-1])) == stops
 
 
 def rendered_call(tok, name="get_weather", args=None, thinking=False) -> list[int]:
@@ -167,10 +169,21 @@ def rendered_call(tok, name="get_weather", args=None, thinking=False) -> list[in
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_grammars_accept_the_chat_formats_own_rendering(tok, thinking):
+    """The rendered call is accepted; along it the only specials allowed are the chat
+    markers (in the reasoning only ``<|close|>``), the stops only at the end."""
+    stops = set(constrained.stop_ids(tok))
+    markers = set(marker_ids(tok).values()) - stops
     reply = rendered_call(tok, thinking=thinking)
     proc = constrained.tool_call(tok, TOOLS, "get_weather", thinking=thinking)
-    proc.advance(reply)
+    masks = allowed_along(proc, reply)
     assert proc.done
+    for mask in masks[:-1]:
+        assert set(np.flatnonzero(mask)) & special_ids(tok) <= markers
+    assert set(np.flatnonzero(masks[-1])) == stops
+    if thinking:  # before any reasoning: text or the end of the think section
+        assert set(np.flatnonzero(masks[0])) & special_ids(tok) == {
+            tok.convert_tokens_to_ids(CLOSE)
+        }
     wrong = constrained.tool_call(tok, TOOLS, "ping", thinking=thinking)
     with pytest.raises(ValueError, match="outside the grammar"):
         wrong.advance(reply)
@@ -261,6 +274,18 @@ def test_processor_for_maps_the_openai_fields(tok):
             r"tools\[0\]\.function\.parameters\.properties\.d\.format",
         ),
         (
+            lambda t: constrained.tool_call(
+                t,
+                [
+                    {
+                        "name": "f",
+                        "parameters": {"properties": {"n": {"type": "array", "uniqueItems": True}}},
+                    }
+                ],
+            ),
+            r"parameters\.properties\.n: .*uniqueItems",
+        ),
+        (
             lambda t: constrained.tool_call(t, [{"name": "f", "parameters": {"anyOf": []}}]),
             r"parameters\.anyOf",
         ),
@@ -274,6 +299,10 @@ def test_bad_requests_name_their_field(tok, call, message):
 def test_processor_needs_the_sequence_tokens(tok):
     with pytest.raises(ValueError, match="one sequence"):
         constrained.json_object(tok)(None, mx.zeros((1, 4096)))
+    proc = constrained.json_object(tok)
+    proc(mx.array(tok.encode("a = 1\nb = ")), mx.zeros((1, 4096)))
+    with pytest.raises(ValueError, match="one sequence"):
+        proc(mx.array(tok.encode("c")), mx.zeros((1, 4096)))
 
 
 def test_missing_library_is_a_clear_import_error(tok, monkeypatch):
