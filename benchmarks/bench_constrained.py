@@ -15,6 +15,12 @@ the best of ``--repeats`` passes (each after a reset). Setup: the tokenizer's co
 (once per tokenizer) and the grammar's compile (once per request). "apply" is the cost of
 turning the bool mask into the masked logits on the MLX device (``mx.where`` on [1, V]),
 which does not depend on the library.
+
+The second table puts the cost in context: the default model's greedy decode after its demo
+prompt, free and under the small schema's processor (llguidance), in ms per generated token
+(the best of ``--repeats`` runs; the two decode different text, so per-token time is what
+compares), and the processor's own host time per call once the sampled token it reads is
+evaluated (mask, advance, building the masked logits).
 """
 
 from __future__ import annotations
@@ -131,6 +137,41 @@ def apply_time(vocab_size: int) -> float:
     return median_time(run, repeats=200)
 
 
+def decode_rows(tokens: int, repeats: int) -> list[list]:
+    """The default model's greedy decode (``stream_generate``, ``tokens`` after its demo
+    prompt), free and under the ``SCHEMA`` processor: ms per generated token (best of
+    ``repeats``), and the processor's own host time per call."""
+    from mlx_lm import stream_generate
+
+    import kimi_k3
+    from kimi_k3.default_model import PROMPT
+
+    model, tok = kimi_k3.load(ensure_default_model())
+    rows = []
+    for label in ("free", "json_schema"):
+        best, host = float("inf"), 0.0
+        for _ in range(repeats):
+            procs, spent = None, []
+            if label != "free":
+                proc = constrained.json_schema(tok, SCHEMA)
+
+                def timed(tokens, logits, proc=proc, spent=spent):
+                    mx.eval(tokens)  # the sampled token: waiting for it is the model's time
+                    start = time.perf_counter()
+                    out = proc(tokens, logits)
+                    spent.append(time.perf_counter() - start)
+                    return out
+
+                procs = [timed]
+            start = time.perf_counter()
+            n = sum(1 for _ in stream_generate(model, tok, PROMPT, tokens, logits_processors=procs))
+            took = (time.perf_counter() - start) / n
+            if took < best:
+                best, host = took, (sum(spent) / len(spent) if spent else 0.0)
+        rows.append([label, n, f"{best * 1e3:.3f}", f"{host * 1e6:.1f}" if host else "-"])
+    return rows
+
+
 def k3_tokenizer():
     """The synthetic K3-size tokenizer, written once into the temp dir and reused."""
     path = Path(tempfile.gettempdir()) / f"kimi_k3_bench_tokenizer_{K3_VOCAB}"
@@ -144,6 +185,12 @@ def main(argv=None):
     ap.add_argument("--k3-vocab", action="store_true", help="also a 163,840-id tokenizer")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--libraries", default="llguidance,outlines-core")
+    ap.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=60,
+        help="tokens of the default model's decode, free and constrained (0: skip)",
+    )
     ap.add_argument("--out", help="also write the table to this markdown file")
     args = ap.parse_args(argv)
     tokenizers = {"default model": load_tokenizer(ensure_default_model())}
@@ -181,7 +228,11 @@ def main(argv=None):
         "mask + advance µs/token",
         "apply µs/token",
     ]
-    emit(environment() + "\n\n" + markdown_table(header, rows), args.out)
+    text = environment() + "\n\n" + markdown_table(header, rows)
+    if args.decode_tokens:
+        head = ["default model decode", "tokens", "ms/token", "processor host µs/call"]
+        text += "\n" + markdown_table(head, decode_rows(args.decode_tokens, args.repeats))
+    emit(text, args.out)
 
 
 if __name__ == "__main__":
