@@ -365,3 +365,11 @@ def test_undeclared_parameters_take_any_key_and_keys_are_escaped(tok):
     closed = [{"name": "h", "parameters": {"type": "object", "additionalProperties": False}}]
     with pytest.raises(ValueError, match="outside the grammar"):
         constrained.tool_call(tok, closed).advance(rendered_call(tok, "h", {"x": 1}))
+
+
+def test_benchmark_table(capsys):
+    from benchmarks import bench_constrained
+
+    bench_constrained.main(["--libraries", "llguidance", "--repeats", "1", "--decode-tokens", "0"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| llguidance")]
+    assert [r.split(" | ")[2] for r in rows] == ["json_object", "json_schema"]
