@@ -226,17 +226,19 @@ def _n(v):
 
 
 def _tool_choice(v):
-    if v is None or v == "auto":
+    if v is None or v in ("auto", "required"):
         return v
     if v == "none":
         return v  # accepted without tools only (ChatRequest.check_tools)
-    raise invalid('is not supported: the model decides whether to call a tool ("auto")')
+    if isinstance(v, dict):
+        return v  # a named function: checked against the tools (kimi_k3.constrained)
+    raise invalid('must be "auto", "required", "none" or {"type": "function", ...}')
 
 
 def _response_format(v):
-    if v is None or v == {"type": "text"}:
-        return v
-    raise invalid('is not supported: replies are plain text ({"type": "text"})')
+    if v is None or isinstance(v, dict):
+        return v  # its type and schema are checked by kimi_k3.constrained
+    raise invalid("must be an object")
 
 
 Role = Annotated[Any, PlainValidator(_role)]
@@ -399,6 +401,7 @@ class Job:
     include_usage: bool
     chat: bool
     thinking: bool = True
+    constraint: object = None  # the grammar's logits processor (kimi_k3.constrained)
     logprobs: int | None = None  # alternatives a generated token's logprob comes with
     echo: bool = False  # completions: the reply starts with the prompt
     prompt_text: str = ""  # completions with echo: the prompt as text
@@ -477,9 +480,25 @@ def chat_job(req: ChatRequest, tokenizer, limits: Limits) -> Job:
         prompt,
         chat=True,
         thinking=thinking,
+        constraint=constraint_of(req, tokenizer, thinking),
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         **fit_context(prompt, fields, limits, "messages"),
     )
+
+
+def constraint_of(req: ChatRequest, tokenizer, thinking: bool):
+    """The logits processor that enforces ``response_format`` and ``tool_choice``
+    (grammar-constrained decoding, ``kimi_k3.constrained``), or None; a value it cannot
+    enforce is a 400 naming the field."""
+    from kimi_k3.constrained import processor_for
+
+    if (req.tool_choice == "required" or isinstance(req.tool_choice, dict)) and not req.tools:
+        raise ApiError(400, "tool_choice needs tools to choose from", "tool_choice")
+    try:
+        return processor_for(tokenizer, req.response_format, req.tool_choice, req.tools, thinking)
+    except ValueError as e:  # its message starts with the field's path
+        field_name = re.match(r"[\w.\[\]]+", str(e))
+        raise ApiError(400, str(e), field_name.group(0) if field_name else None) from None
 
 
 def completion_job(req: CompletionRequest, tokenizer, limits: Limits) -> Job:

@@ -417,6 +417,8 @@ def make_sequence(job: Job, state: ServerState, events: Events):
         frequency_penalty=s["frequency_penalty"] or None,
     )
     sampling = Sampling(s["temp"], s["top_p"], s["min_p"], s["top_k"], s["seed"])
+    if job.constraint is not None:  # after logit_bias and penalties: it has the last word
+        processors = [*processors, job.constraint]
     return Sequence(
         prompt=job.prompt,
         max_tokens=job.max_tokens,

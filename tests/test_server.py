@@ -245,17 +245,99 @@ def test_completion_echo_and_logprobs_score_the_prompt(client, tok, tiny_ckpt):
     assert echo_only.choices[0].text.startswith(prompt) and echo_only.choices[0].logprobs is None
 
 
-def test_the_demo_model_answers_chat_in_content(tmp_path_factory):
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    """A server on the embedded demo model (no ``--model``)."""
+    url, proc, log = start_server(None, tmp_path_factory)
+    yield url
+    stop_server(proc, log)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+
+
+def test_the_demo_model_answers_chat_in_content(demo_server):
     """The demo model has no chat training: its server does not open a thinking section,
     so a chat's text comes back as ``content``; ``--thinking`` turns that back on."""
-    url, proc, log = start_server(None, tmp_path_factory)
-    try:
-        body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
-        status, _, reply = request(f"{url}/v1/chat/completions", body=body)
-        message = reply["choices"][0]["message"]
-        assert status == 200 and message["content"].strip() and "reasoning_content" not in message
-    finally:
-        stop_server(proc, log)
+    body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+    status, _, reply = request(f"{demo_server}/v1/chat/completions", body=body)
+    message = reply["choices"][0]["message"]
+    assert status == 200 and message["content"].strip() and "reasoning_content" not in message
+
+
+def test_response_format_and_tool_choice_are_enforced(demo_server, tok):
+    """Grammar-constrained decoding (``kimi_k3.constrained``) on a model that writes
+    Python: ``json_object`` gives one JSON object, a ``json_schema`` a value of the schema,
+    a named ``tool_choice`` a call of that function with arguments of its schema."""
+    url = f"{demo_server}/v1/chat/completions"
+    ask = [{"role": "user", "content": "def read_lines(path):"}]
+    base = {"messages": ask, "max_tokens": 120, "temperature": 0}
+    free = request(url, body=base)[2]["choices"][0]["message"]["content"]
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free)
+    status, _, reply = request(url, body={**base, "response_format": {"type": "json_object"}})
+    choice = reply["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "stop", reply
+    assert isinstance(json.loads(choice["message"]["content"]), dict)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}}
+    status, _, reply = request(url, body={**base, "response_format": fmt})
+    value = json.loads(reply["choices"][0]["message"]["content"])
+    assert set(value) == {"name", "n"} and isinstance(value["n"], int)
+    assert isinstance(value["name"], str) and len(value["name"]) <= 20
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {**base, "tools": [WEATHER], "tool_choice": named}
+    status, _, reply = request(url, body=body)
+    choice = reply["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "tool_calls", reply
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    args = json.loads(call["function"]["arguments"])
+    assert args["city"] in ("Paris", "Rome") and args["days"] in range(1, 8)
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice.function.name",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"uniqueItems": True}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+    ],
+)
+def test_constraints_that_cannot_be_enforced_are_400(server, fields, param):
+    body = {"messages": MESSAGES, "max_tokens": 4, **fields}
+    status, _, reply = request(f"{server}/v1/chat/completions", body=body)
+    assert status == 400 and reply["error"]["param"] == param, reply
 
 
 def test_logprobs_and_echo_with_stream_are_400(server):
