@@ -12,9 +12,8 @@ model's tokenizer to split context from continuation, so the checkpoint's tokeni
 written as a Hugging Face ``tokenizer.json`` beside the task (the same ``tokenizers``
 backend the server uses: the same ids). lm-evaluation-harness runs in the interpreter
 given (it is not a dependency of this project; it installs with ``pip install
-'lm-eval[api]'``). The same items are also scored in this process straight from the model,
-and the two accuracies and the largest log-likelihood difference are printed beside
-lm-evaluation-harness's table.
+'lm-eval[api]'`` and ``transformers``). The same items are also scored in this process
+straight from the model, and that accuracy is printed beside lm-evaluation-harness's table.
 """
 
 from __future__ import annotations
