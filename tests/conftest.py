@@ -28,6 +28,18 @@ def backend(request) -> str:
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """Each test leaves the environment as it found it: entry points run in-process
+    (``kimi_k3.train``, ``kimi_k3.eval``, ``benchmarks.bench_train``) set
+    ``KIMI_K3_REFERENCE``, which would send later tests in the same worker to the reference."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory):
     """``ckpt_factory(preset, **overrides)`` -> directory of a synthetic checkpoint (cached)."""

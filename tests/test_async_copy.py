@@ -88,6 +88,7 @@ def test_the_words_render_for_both_backends():
     assert "cp.async.cg.shared.global" in source.CUDA_PRELUDE
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("wait_n", [0, 1, 2, 3])
 def test_the_cuda_spelling_compiles(wait_n):

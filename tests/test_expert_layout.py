@@ -79,6 +79,7 @@ def test_reference_reads_tiled_stacks(N):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scales", [None, *mxfp4_prefill_mma.SCALES])  # None: as dispatched
 @pytest.mark.parametrize(
     "E,D,I,N,k,dtype,tm",
@@ -243,6 +244,7 @@ def test_attach_streamer_reads_the_layout_variable(small, reference, monkeypatch
     assert get_stats(model)["expert_layout"] == "mlx"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["mlx", "tiled"])
 def test_loading_holds_one_layer_of_expert_copies_at_most(ckpt_factory, layout):
     """``load_model`` drops its tensor dicts and evaluates the experts one MoE layer at a

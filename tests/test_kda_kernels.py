@@ -124,6 +124,7 @@ def test_prefill_matches_reference(backend, H, K, T, dtype, with_state):
     check(kda_prefill.kda_prefill(backend, p, *args), reference(p, args), dtype, backend)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B, T, H, K", [(2, 65, 3, 64), (1, 130, 2, 128), (1, 65, 96, 128)])
 def test_prefill_other_shapes(B, T, H, K):
     p = layer(H, K)
@@ -369,6 +370,7 @@ def mma_state_pass(monkeypatch, warps=None):
 TF32_STATE_TOL = 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B, T, H, K, dtype, with_state", MMA_STATE_CASES)
 def test_mma_state_pass_matches_reference(monkeypatch, B, T, H, K, dtype, with_state):
     mma_state_pass(monkeypatch)
@@ -379,6 +381,7 @@ def test_mma_state_pass_matches_reference(monkeypatch, B, T, H, K, dtype, with_s
     check(out, kda_mix_reference(p, *args), dtype, s_tol=s_tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("K", [64, 128])
 def test_tf32_state_pass_is_one_mma_per_product(monkeypatch, K):
     """precision="tf32" runs the single-MMA pass (within its bound, but visibly less exact
@@ -411,6 +414,7 @@ def test_tf32_state_pass_is_one_mma_per_product(monkeypatch, K):
         kda_prefill.kda_prefill("emulator", p, *bf)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("warps, K", [(2, 128), (8, 128), (8, 64)])
 def test_mma_state_pass_launch_shapes(monkeypatch, warps, K):
     """2, 4 and 8 simdgroups per threadgroup (8 is capped to the head's K / 16 = 4 at K =
@@ -429,11 +433,13 @@ def test_mma_state_pass_refuses_a_threadgroup_across_heads(monkeypatch):
         kda_prefill.kda_prefill("emulator", p, *args)
 
 
+@pytest.mark.slow
 def test_mma_state_pass_matches_fla(monkeypatch):
     mma_state_pass(monkeypatch)
     test_chunk_kernels_match_fla()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "old, new",
     [

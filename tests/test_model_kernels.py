@@ -39,6 +39,7 @@ def test_model_with_cuda_kernels_bf16(ckpt_factory, monkeypatch):
     assert float(mx.mean(mx.argmax(a, -1) == mx.argmax(b, -1))) >= 0.75
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt_len", [40, 200], ids=["decode-kernel-chunks", "gemm-chunks"])
 def test_streamed_in_groups_gives_the_resident_bits_on_the_kernels(
     ckpt_factory, monkeypatch, prompt_len

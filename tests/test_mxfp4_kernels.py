@@ -158,6 +158,7 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("E,D,I,N,k,dtype", DECODE_CASES + [on_cuda(16, *K3, 4, 16, "bfloat16")])
 def test_decode_matches_oracle(backend, E, D, I, N, k, dtype):
     args, want = case(E, D, I, N, k, dtype)
@@ -166,6 +167,7 @@ def test_decode_matches_oracle(backend, E, D, I, N, k, dtype):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, old, new",
     [
@@ -226,6 +228,7 @@ MMA_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "E,D,I,N,k,dtype",
     MMA_CASES + [on_cuda(16, *K3, 4, 16, "bfloat16"), on_cuda(16, *K3, 8, 16, "float32")],
@@ -239,6 +242,7 @@ def test_mma_decode_matches_oracle(backend, E, D, I, N, k, dtype):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "launch", [(4, 2, 4, True), (8, 1, 8, True), (8, 1, 4, False), (2, 4, 8, False)]
 )
@@ -251,6 +255,7 @@ def test_mma_decode_launch_shapes(monkeypatch, launch):
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "E,D,I,N,k,dtype",
     [
@@ -281,6 +286,7 @@ def test_mma_decode_handles_large_and_tiny_activations(backend):
         assert rel_err(got, want) < TOL, s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "old, new",
     [
@@ -316,6 +322,7 @@ def test_a_broken_mma_kernel_fails(monkeypatch, old, new):
     assert_broken(lambda: mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "old, new",
     [
@@ -338,6 +345,7 @@ def test_a_broken_byte_permute_decode_fails(monkeypatch, old, new):
     assert_broken(lambda: mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want)
 
 
+@pytest.mark.slow
 def test_byte_permute_decode_is_the_same(monkeypatch):
     """``kk_e2m1_pair_prmt`` (BYTE_PERM, what ``mxfp4_mma.DECODE`` picks) decodes every code
     as the shifts do: the decode gives the same result to the last bit, per projection."""
@@ -389,6 +397,7 @@ def test_prefill_pairs_do_not_depend_on_the_call(backend, fn, shape, rows):
     assert np.array_equal(np.array(part), whole[lo:hi])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "E,D,I,N,k,dtype,tm",
     PREFILL_MMA_CASES + [on_cuda(16, *K3, 257, 4, "bfloat16", tm) for tm in (16, 32)],
@@ -401,6 +410,7 @@ def test_prefill_mma_matches_oracle(backend, E, D, I, N, k, dtype, tm):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, tm, launch",
     [
@@ -436,6 +446,7 @@ def test_prefill_mma_refuses_other_tile_sizes():
         mxfp4_prefill_mma.expert_glu_prefill_mma(*args, tile_tokens=64, backend="emulator")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "old, new",
     [
@@ -487,6 +498,7 @@ def test_a_broken_prefill_mma_kernel_fails(monkeypatch, old, new):
     assert_broken(run, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "E,D,I,N,k,dtype,tm",
     PREFILL_CASES + [on_cuda(16, *K3, 257, 4, "bfloat16", tm) for tm in (16, 32, 64)],

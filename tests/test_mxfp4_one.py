@@ -30,6 +30,7 @@ K3_CASES = [
 LAUNCHES = {"emulator": 1, "cuda": 5}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("E,D,I,N,k,dtype", CASES + K3_CASES)
 def test_one_launch_gives_the_three_launches_bits(backend, E, D, I, N, k, dtype):
     """mxfp4_one (gate/up, down and the sum in one grid, meeting through counters): the
@@ -43,6 +44,7 @@ def test_one_launch_gives_the_three_launches_bits(backend, E, D, I, N, k, dtype)
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("E,D,I,N,k,dtype", CASES[1:3] + [on_cuda(16, *K3, 1, 16, "bfloat16")])
 def test_one_launch_on_the_tiled_layout_gives_the_same_bits(backend, E, D, I, N, k, dtype):
     """``mxfp4_one.tiled_layout`` (dispatched for tiled stores) only moves both roles' load
@@ -58,6 +60,7 @@ def test_one_launch_on_the_tiled_layout_gives_the_same_bits(backend, E, D, I, N,
     assert not np.array_equal(np.array(wrong), np.array(plain))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "E,D,I,N,k,dtype", [(4, 1280, 1152, 2, 2, "float32"), on_cuda(16, *K3, 4, 16, "bfloat16")]
 )
@@ -76,6 +79,7 @@ def test_every_threadgroup_counts_once(backend, E, D, I, N, k, dtype):
     assert np.array_equal(np.array(part).reshape(N, k, D).sum(1), np.array(y))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "old, new",
     [

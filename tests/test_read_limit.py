@@ -73,6 +73,7 @@ def test_read_call_returns_the_latent_and_bad_arguments_fail():
         read_limit.read_mats(z, [odd["w1"]], inds, "emulator")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_read_limit_compiles_for_cuda():
     cw4 = 3072 * 3584 // 32  # K3's 16-byte code words per expert and matrix
