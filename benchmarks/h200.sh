@@ -50,8 +50,8 @@ for step in "${steps[@]}"; do
   case $step in
     kda_tests)
       run kda_tests 450 bash benchmarks/pytest_split.sh 3 -m cuda tests/test_kda_kernels.py &
-      run model_tests 450 python3 -m pytest -q -m cuda tests/test_model_kernels.py &
-      run async_copy_tests 200 python3 -m pytest -q -m cuda tests/test_async_copy.py &
+      MLX_ENABLE_TF32=0 run model_tests 450 python3 -m pytest -q -m cuda tests/test_model_kernels.py &
+      MLX_ENABLE_TF32=0 run async_copy_tests 200 python3 -m pytest -q -m cuda tests/test_async_copy.py &
       wait ;;
     mxfp4_tests)
       run mxfp4_tests 560 bash benchmarks/pytest_split.sh 4 -m cuda tests/test_mxfp4_kernels.py \

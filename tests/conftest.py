@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import os
 
-import mlx.core as mx
-import numpy as np
-import pytest
+# On CUDA the fp32 MLX ops around the kernels (and the references) are exact fp32: set before
+# MLX is imported.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
-from kimi_k3.convert.synth import write_checkpoint
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from kimi_k3.convert.synth import write_checkpoint  # noqa: E402
 
 # The kernel tests check each kernel against the reference themselves; the first-use check
 # (kimi_k3.kernels.verdict), which would record verdicts in the user's cache, is off for the
 # suite and on in tests/test_doctor.py, with a temporary cache.
 os.environ.setdefault("KIMI_K3_KERNEL_CHECK", "0")
-# On CUDA the fp32 MLX ops around the kernels (and the references) are exact fp32.
-os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 NEEDS_CUDA = "needs MLX's CUDA backend"  # the skip reason CI accepts (.ci/run)
 
