@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU steps: run the named steps on a CUDA machine (an H200) from the project root, append
 # their output to $OUT/log.txt (default /tmp/out) and leave the benchmark tables in $OUT/*.md.
-#   bash benchmarks/h200.sh tests          # the CUDA test modules (kda_tests, mxfp4_tests)
+#   bash benchmarks/h200.sh tests          # the CUDA tests, -m cuda (kda_tests, mxfp4_tests)
 #   bash benchmarks/h200.sh mxfp4 kda      # benchmark tables
 # Steps, each under its own time limit (seconds):
-#   kda_tests    tests/cuda/test_kda_cuda.py (three processes), test_model_cuda.py and
-#                test_async_copy_cuda.py, side by side                               (450)
-#   mxfp4_tests  tests/cuda/test_mxfp4_cuda.py in four processes                    (560)
+#   kda_tests    -m cuda of tests/test_kda_kernels.py (three processes),
+#                test_model_kernels.py and test_async_copy.py, side by side          (450)
+#   mxfp4_tests  -m cuda of the MXFP4 test modules in four processes                (560)
 #   tests        kda_tests, then mxfp4_tests
 #   kda          bench_kda: decode and prefill (1024, 8192) against fla              (320)
 #   mxfp4        bench_mxfp4: decode at 1 and 8 tokens, prefill at 512 and 4096      (500)
@@ -49,11 +49,13 @@ done
 for step in "${steps[@]}"; do
   case $step in
     kda_tests)
-      run kda_tests 450 bash benchmarks/pytest_split.sh 3 tests/cuda/test_kda_cuda.py &
-      MLX_ENABLE_TF32=0 run model_tests 450 python3 -m pytest -q tests/cuda/test_model_cuda.py &
-      MLX_ENABLE_TF32=0 run async_copy_tests 200 python3 -m pytest -q tests/cuda/test_async_copy_cuda.py &
+      run kda_tests 450 bash benchmarks/pytest_split.sh 3 -m cuda tests/test_kda_kernels.py &
+      MLX_ENABLE_TF32=0 run model_tests 450 python3 -m pytest -q -m cuda tests/test_model_kernels.py &
+      MLX_ENABLE_TF32=0 run async_copy_tests 200 python3 -m pytest -q -m cuda tests/test_async_copy.py &
       wait ;;
-    mxfp4_tests) run mxfp4_tests 560 bash benchmarks/pytest_split.sh 4 tests/cuda/test_mxfp4_cuda.py ;;
+    mxfp4_tests)
+      run mxfp4_tests 560 bash benchmarks/pytest_split.sh 4 -m cuda tests/test_mxfp4_kernels.py \
+        tests/test_mxfp4_one.py tests/test_expert_layout.py tests/test_read_limit.py ;;
     kda) run kda 320 python3 -m benchmarks.bench_kda --skip-slow --repeats 10 --out "$OUT/bench_kda.md" ;;
     mxfp4)
       # TF32 off: the decode rows' errors are against gather_qmm in fp32

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Run one pytest module as N processes on disjoint sets of its tests (round-robin over the
-# collected ids), for GPU test modules whose time goes mostly into CPU references:
-#   bash benchmarks/pytest_split.sh 4 tests/cuda/test_kda_cuda.py
+# Run the tests pytest selects as N processes on disjoint sets of them (round-robin over the
+# collected ids), for GPU tests whose time goes mostly into CPU references:
+#   bash benchmarks/pytest_split.sh 4 -m cuda tests/test_kda_kernels.py
 # Prints each part's summary; fails if any part fails.
 set -u
 n=$1

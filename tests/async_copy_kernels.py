@@ -1,5 +1,5 @@
 """Small kernels that exercise the ASYNC_COPY16 / ASYNC_COMMIT / ASYNC_WAIT dialect words,
-shared by tests/test_async_copy.py (emulator) and tests/cuda/test_async_copy_cuda.py."""
+run by tests/test_async_copy.py on the emulator and on CUDA."""
 
 import mlx.core as mx
 

@@ -4,16 +4,42 @@ from __future__ import annotations
 
 import os
 
-import mlx.core as mx
-import numpy as np
-import pytest
+# On CUDA the fp32 MLX ops around the kernels (and the references) are exact fp32: set before
+# MLX is imported.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
-from kimi_k3.convert.synth import write_checkpoint
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from kimi_k3.convert.synth import write_checkpoint  # noqa: E402
 
 # The kernel tests check each kernel against the reference themselves; the first-use check
 # (kimi_k3.kernels.verdict), which would record verdicts in the user's cache, is off for the
 # suite and on in tests/test_doctor.py, with a temporary cache.
 os.environ.setdefault("KIMI_K3_KERNEL_CHECK", "0")
+
+NEEDS_CUDA = "needs MLX's CUDA backend"  # the skip reason CI accepts (.ci/run)
+
+
+@pytest.fixture(params=["emulator", pytest.param("cuda", marks=pytest.mark.cuda)])
+def backend(request) -> str:
+    """The kernel backend a kernel test runs on: the Metal source on the CPU emulator, and
+    MLX's CUDA backend (skipped where absent). A case marked ``cuda`` (K3's sizes, which the
+    emulator would take minutes over) runs on CUDA alone."""
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """Each test leaves the environment as it found it: entry points run in-process
+    (``kimi_k3.train``, ``kimi_k3.eval``, ``benchmarks.bench_train``) set
+    ``KIMI_K3_REFERENCE``, which would send later tests in the same worker to the reference."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture(scope="session")
@@ -67,14 +93,39 @@ def rel_err(a, b) -> float:
 
 
 def pytest_collection_modifyitems(config, items):
-    """tests/cuda/ runs on an NVIDIA GPU with MLX's CUDA backend (the lent H200) and is
-    skipped elsewhere with the one reason CI accepts."""
+    """Tests marked ``cuda`` run on an NVIDIA GPU with MLX's CUDA backend (the lent H200) and
+    are skipped elsewhere with the one reason CI accepts. The emulator instance of a
+    ``backend`` test is dropped where the test or its case is marked ``cuda``."""
+    emulated = [
+        item
+        for item in items
+        if getattr(item, "callspec", None) is not None
+        and item.callspec.params.get("backend") == "emulator"
+        and item.get_closest_marker("cuda") is not None
+    ]
+    if emulated:
+        dropped = set(map(id, emulated))
+        items[:] = [item for item in items if id(item) not in dropped]
+        config.hook.pytest_deselected(items=emulated)
     if mx.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs MLX's CUDA backend")
+    skip = pytest.mark.skip(reason=NEEDS_CUDA)
     for item in items:
-        if "/tests/cuda/" in str(item.fspath).replace("\\", "/"):
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def dispatch_defaults(monkeypatch):
+    """No environment variable overrides the dispatcher: the backend's own kernels, decode
+    and prefill choices and expert layout."""
+    for var in (
+        "KIMI_K3_REFERENCE",
+        "KIMI_K3_KERNEL_BACKEND",
+        "KIMI_K3_EXPERT_DECODE",
+        "KIMI_K3_EXPERT_PREFILL",
+        "KIMI_K3_EXPERT_LAYOUT",
+    ):
+        monkeypatch.delenv(var, raising=False)
 
 
 def broken(kernel, old: str, new: str):

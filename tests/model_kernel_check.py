@@ -1,8 +1,8 @@
 """Whole model with the custom kernels against the same model on the reference ops.
 
-Shared by ``tests/test_model_kernels.py`` (kernels run by the Metal emulator on the CPU) and
-``tests/cuda/test_model_cuda.py`` (CUDA kernels on the GPU). The checkpoint's KDA heads are
-64 wide so the prefill chunk kernels serve them.
+Used by ``tests/test_model_kernels.py`` (kernels run by the Metal emulator on the CPU, and
+CUDA kernels on the GPU) and, for its shapes, ``tests/test_kernel_grads.py``. The
+checkpoint's KDA heads are 64 wide so the prefill chunk kernels serve them.
 """
 
 from __future__ import annotations

@@ -3,9 +3,12 @@ expert cache's counters over their decode steps."""
 
 import re
 
+import pytest
+
 from benchmarks import bench_e2e
 
 
+@pytest.mark.slow
 def test_bench_e2e_rows(tmp_path):
     out = tmp_path / "e2e.md"
     argv = ["--quick", "--device", "cpu", "--expert-cache-gb", "0.001", "--out", str(out)]

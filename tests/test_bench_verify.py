@@ -7,6 +7,7 @@ import pytest
 from benchmarks.bench_verify import main
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["shards", "pack"])
 def test_quick(layout, capsys):
     assert main(["--quick", "--layout", layout]) == 0

@@ -167,6 +167,7 @@ def test_bench_kda_quick(monkeypatch, backend):
     assert by_case["prefill T=64"]["fla chunk_kda"]["note"].startswith("not run")
 
 
+@pytest.mark.slow
 def test_bench_mla_quick():
     (rows,) = tables(bench_mla.main(["--quick"]))
     assert [(r["case"], r["kv_b_proj"]) for r in rows] == [
@@ -178,6 +179,7 @@ def test_bench_mla_quick():
     assert all(number(r["time (us)"]) > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_trace_quick():
     (rows,) = tables(bench_trace.main(["--quick"]))
     assert [r["state"] for r in rows] == list(bench_trace.STATES.values())
@@ -218,6 +220,7 @@ def test_bf16_drift_quick(modules):
         assert 0 <= number(r["top-1 kimi_k3"]) <= 1 and 0 <= number(r["top-1 mlx-lm"]) <= 1
 
 
+@pytest.mark.slow
 def test_bench_streaming_quick(tmp_path):
     text = bench_streaming.main(["--quick", "--work", str(tmp_path)])
     reads, into_mlx, trained, cache, switches = tables(text)
@@ -234,6 +237,7 @@ def test_bench_streaming_quick(tmp_path):
     assert all(number(r["tokens/s"]) > 0 for r in cache + switches)
 
 
+@pytest.mark.slow
 def test_bench_cache_policy_quick(tmp_path):
     """Every table; in each policy table the optimum's hit rate is the highest and every
     rate a fraction; the default misses at least as often as the optimum."""
@@ -260,6 +264,7 @@ def test_bench_cache_policy_quick(tmp_path):
     assert len(candidates) == 2 + len(bench_cache_policy.CANDIDATES) + 1
 
 
+@pytest.mark.slow
 def test_profile_kernels_quick(monkeypatch):
     monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
     names = profile_kernels.main(["--quick"])
@@ -274,6 +279,7 @@ def test_profile_kernels_quick(monkeypatch):
     }
 
 
+@pytest.mark.slow
 def test_bench_server_quick():
     """Every table of the server benchmark, and the load test lost nothing: each request
     was answered (200) or refused (429), and the server answered afterwards."""
@@ -298,6 +304,7 @@ def test_bench_server_quick():
     assert counts["health after"] == "ok" and counts["a request after"] == "200"
 
 
+@pytest.mark.slow
 def test_bench_trim_quick(tmp_path):
     """Every quick setting a row; the untrimmed one keeps all 4 experts at no cost; trimming
     keeps fewer, costs some KL and reads fewer experts on the same decode inputs."""
@@ -321,6 +328,7 @@ def test_bench_trim_quick(tmp_path):
     assert number(by["no routed experts"][kept]) == 0 and by["no routed experts"][read] == "-"
 
 
+@pytest.mark.slow
 def test_project_k3_quick():
     text = project_k3.main(["--quick", "--read-efficiency", "0.9"])
     inputs, projection, peers = tables(text)
@@ -341,6 +349,7 @@ def test_project_k3_quick():
         project_k3.main(["--read-efficiency", "1.5"])
 
 
+@pytest.mark.slow
 def test_bench_train_quick():
     (rows,) = tables(bench_train.main(["--quick", "--peak-tflops", "1"]))
     assert [r["path"] for r in rows] == ["eager (train run)", "compiled (train run --compile)"]

@@ -138,6 +138,7 @@ def small(ckpt_factory):
     return ckpt_factory("small", num_experts=64)  # 5 MoE layers, top-4 of 64
 
 
+@pytest.mark.slow
 def test_record_chunks_like_the_generator(small, tmp_path):
     """The prompt but its last token in chunks, then one call per decoded token; the trace
     survives a save and load."""
@@ -162,6 +163,7 @@ def test_record_chunks_like_the_generator(small, tmp_path):
         record(model, prompts, prefill_step_size=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overflow", [0, 14], ids=["rounds", "overflow-area"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_replay_matches_the_streamer(small, policy, overflow):

@@ -144,6 +144,7 @@ def test_chunk_size_does_not_change_the_output(tiny_ckpt, converted, tmp_path):
     assert _files(tmp_path / "o") == _files(converted(4))
 
 
+@pytest.mark.slow
 def test_killed_conversion_resumes_to_identical_bytes(tiny_ckpt, converted, tmp_path):
     out = tmp_path / "o"
     cmd = [

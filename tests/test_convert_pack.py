@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -155,9 +156,10 @@ def test_bad_index_and_lookups(tmp_path, experts):
         ExpertPack(tmp_path / "elsewhere")
 
 
-def _within(seconds: float, fn):
-    """``fn()``'s exception (or None), failing the test if it blocks (run in a daemon
-    thread, so a blocked open cannot hang the suite)."""
+def _in_thread(fn, timeout: float | None = None) -> tuple[list, float]:
+    """Run ``fn`` in a daemon thread (so a blocked open cannot hang the suite), waiting at
+    most ``timeout`` seconds: ``([its exception or None], seconds)``, or ``([], seconds)``
+    where it is still running."""
     out = []
 
     def run():
@@ -167,26 +169,44 @@ def _within(seconds: float, fn):
         except Exception as e:
             out.append(e)
 
+    t0 = time.perf_counter()
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(seconds)
-    assert out, f"blocked for {seconds} s"
+    t.join(timeout)
+    return out, time.perf_counter() - t0
+
+
+def _within(baseline: float, fn):
+    """``fn()``'s exception (or None), failing the test if it blocks: it must end within
+    1000 times ``baseline``, what the same call on regular files (which reads more) took in a
+    thread in this run."""
+    out, seconds = _in_thread(fn, 1000 * baseline)
+    assert out, f"blocked for {seconds:.3f} s (the call on regular files: {baseline:.6f} s)"
     return out[0]
+
+
+def _baseline(fn) -> float:
+    """Seconds ``fn()`` takes in a thread; it must succeed."""
+    out, seconds = _in_thread(fn)
+    assert out == [None], out
+    return seconds
 
 
 def test_index_and_pack_files_must_be_regular(tmp_path, experts):
     """A FIFO as the pack's index or as a pack file: refused by name, without blocking."""
     write_pack(tmp_path, experts)
     pack_file, _, _ = ExpertPack(tmp_path).record(1, 0)
+    read = lambda: ExpertPack(tmp_path).read(1, 0)  # noqa: E731
+    read_s, open_s = _baseline(read), _baseline(lambda: ExpertPack(tmp_path))
     pack_file.unlink()
     os.mkfifo(pack_file)
-    e = _within(10, lambda: ExpertPack(tmp_path).read(1, 0))
+    e = _within(read_s, read)
     assert isinstance(e, CheckpointError), e
     assert str(e) == f"{pack_file}: a named pipe (FIFO), not a regular file"
     index = tmp_path / "experts" / "index.json"
     index.unlink()
     os.mkfifo(index)
     assert is_pack_dir(tmp_path)
-    e = _within(10, lambda: ExpertPack(tmp_path))
+    e = _within(open_s, lambda: ExpertPack(tmp_path))
     assert isinstance(e, CheckpointError), e
     assert str(e) == f"{index}: a named pipe (FIFO), not a regular file"

@@ -64,6 +64,7 @@ def shared_bytes(ptx: str) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_cuda_renderings_compile(tmp_path):
     def compile_one(kernel):
@@ -97,6 +98,7 @@ def test_launch_bounds_only_in_the_cuda_header():
         source.cuda_launch_bounds(2048, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_launch_bounds_reach_the_compiler(tmp_path):
     """The redefined ``__global__`` gives the kernel ``.maxntid`` / ``.minnctapersm`` in PTX
@@ -139,6 +141,7 @@ def test_loop_mix_counts_from_the_first_to_the_last_mma():
     assert loop_mix("        /*0150*/                   EXIT ;") == (0, {})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_sass_of_the_decode_loop():
     """The gate/up decode's main loop disassembled (nvdisasm from PATH or its wheel): the
@@ -177,6 +180,7 @@ def tiled_variants():
     return list({k.name: k for k in kernels}.values())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_tiled_variants_compile():
     """The tiled rewrites (text swaps of their kernels) compile for sm_90, the decode kernels

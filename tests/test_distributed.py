@@ -90,6 +90,7 @@ def test_partitions():
 TRIMMED_CASES = ["expert@0.55", "expert:0.001@0.55"]
 
 
+@pytest.mark.slow
 def test_two_ranks_every_split(tiny_ckpt, tmp_path):
     """pipeline, tensor, expert, tensor+expert, streamed experts, and mlx-lm's
     ``model.model.pipeline(group)`` / ``model.shard(group)`` on a loaded model: the greedy
@@ -120,6 +121,7 @@ def test_two_ranks_every_split(tiny_ckpt, tmp_path):
             assert close(got["logits"], trimmed[1]) <= LOGIT_TOL, (case, r)
 
 
+@pytest.mark.slow
 def test_four_ranks_read_only_their_experts(tiny_ckpt, per_rank, tmp_path):
     """Each of 4 ranks streams (and, resident, holds) its quarter of every layer's experts
     from its own directory, whose pack holds nothing else; and 4 pipeline stages."""
@@ -145,6 +147,7 @@ def test_four_ranks_read_only_their_experts(tiny_ckpt, per_rank, tmp_path):
         assert got["tokens"] == tokens and close(got["logits"], logits) <= LOGIT_TOL
 
 
+@pytest.mark.slow
 def test_generate_cli_stats_per_rank(tiny_ckpt):
     """``python -m kimi_k3.generate --split tensor`` with streamed experts, through mlx-lm's
     generation (which evaluates a step ahead on its own stream): rank 0 alone prints the
@@ -166,6 +169,7 @@ def test_generate_cli_stats_per_rank(tiny_ckpt):
     assert "error" not in out, out
 
 
+@pytest.mark.slow
 def test_server_two_ranks(per_rank):
     """``python -m kimi_k3.server --split expert`` on 2 ranks: rank 0 answers a completion
     (the other rank repeats its forward passes), then three at once (two prompts of one
@@ -230,6 +234,7 @@ def test_converter_rank_out_of_range(tiny_ckpt, tmp_path):
         convert(tiny_ckpt, tmp_path / "out", Settings(ranks=2, rank=2))
 
 
+@pytest.mark.slow
 def test_bench_quick(tmp_path):
     """``python -m benchmarks.bench_distributed --quick`` on 1 and 2 ranks: its table."""
     from benchmarks import bench_distributed
@@ -240,6 +245,7 @@ def test_bench_quick(tmp_path):
     assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
 
 
+@pytest.mark.slow
 def test_missing_expert_file_ends_every_rank(per_rank):
     """Rank 1's expert pack file gone: both ranks of ``python -m kimi_k3.generate --split
     expert`` stop with an error naming rank 1 and the file, and neither hangs."""
@@ -271,6 +277,7 @@ def test_missing_expert_file_ends_every_rank(per_rank):
     assert "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_expert_file_lost_mid_generation(per_rank, tmp_path):
     """Rank 1's pack file vanishes after a pass: rank 1 adds zeros to the MoE all-sum with a
     failure flag, and at the next MoE layer both ranks stop with its error (file, layer,

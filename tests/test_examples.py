@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import nbformat
+import pytest
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
@@ -60,6 +61,7 @@ def test_notebook_matches_script():
             assert cell.outputs == [] and cell.execution_count is None, "stored with outputs"
 
 
+@pytest.mark.slow
 def test_notebook_executes(tmp_path, monkeypatch):
     """By default on the trained default model (copied into a private cache)."""
     monkeypatch.setenv("KIMI_K3_PLOT_DIR", str(tmp_path))
@@ -89,6 +91,7 @@ def test_notebook_executes(tmp_path, monkeypatch):
     assert images >= len(PLOTS)
 
 
+@pytest.mark.slow
 def test_explore_script(tmp_path):
     r = run(
         "explore_kimi_k3.py",
@@ -102,6 +105,7 @@ def test_explore_script(tmp_path):
     assert PLOTS <= {p.name for p in tmp_path.glob("*.png")}
 
 
+@pytest.mark.slow
 def test_generate_api(tiny_ckpt):
     prompt = "Name three rivers."
     r = run("generate_api.py", "--model", str(tiny_ckpt), "--prompt", prompt, "--max-tokens", "5")
@@ -112,12 +116,14 @@ def test_generate_api(tiny_ckpt):
     assert m and int(m.group(1)) == n_prompt and 1 <= int(m.group(2)) <= 5, r.stdout
 
 
+@pytest.mark.slow
 def test_generate_api_default_model():
     r = run("generate_api.py", "--max-tokens", "3")
     assert r.returncode == 0, r.stderr
     assert "generation:" in r.stdout
 
 
+@pytest.mark.slow
 def test_chat_loop_reads_turns_from_stdin():
     r = run("chat_loop.py", "--max-tokens", "6", stdin="Hello there\nAnd then?\n\nignored\n")
     assert r.returncode == 0, r.stderr
@@ -154,6 +160,7 @@ def test_chat_loop_cache_matches_a_fresh_prefill(tiny_ckpt):
     assert history[: len(before)] == before
 
 
+@pytest.mark.slow
 def test_train_tiny():
     r = run("train_tiny.py", "--steps", "4", "--seq", "16", "--batch", "2")
     assert r.returncode == 0, r.stderr
@@ -161,6 +168,7 @@ def test_train_tiny():
     assert last < first
 
 
+@pytest.mark.slow
 def test_convert_checkpoint():
     r = run("convert_checkpoint.py", timeout=300)
     if importlib.util.find_spec("kimi_k3.convert.convert") is None:

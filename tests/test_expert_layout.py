@@ -1,5 +1,5 @@
 """The expert store's tiled layout (``kimi_k3.kernels.expert_layout``): the permutation and its
-inverse, the tiled grouped GEMM on the emulator, the dispatcher's choices for tiled stacks,
+inverse, the tiled grouped GEMM on the emulator and CUDA, the dispatcher's choices for tiled stacks,
 the reference reading them, and the whole model, resident and streamed, holding tiles."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from test_mxfp4_kernels import TOL, case, lazy_stack, rel_err
+from test_mxfp4_kernels import K3, TOL, case, lazy_stack, on_cuda, rel_err
 from test_streaming import PROMPT, STEPS, budget_gb, greedy
 
 from kimi_k3.experts import ResidentExperts, expert_glu_reference, store_layout
@@ -79,6 +79,7 @@ def test_reference_reads_tiled_stacks(N):
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scales", [None, *mxfp4_prefill_mma.SCALES])  # None: as dispatched
 @pytest.mark.parametrize(
     "E,D,I,N,k,dtype,tm",
@@ -86,24 +87,24 @@ def test_reference_reads_tiled_stacks(N):
         (5, 128, 256, 9, 2, "float32", 16),
         (7, 256, 128, 17, 4, "bfloat16", 32),
         (3, 384, 128, 5, 2, "float32", 16),  # 3 blocks a row of w1: a pair, then a lone one
+        *(on_cuda(16, *K3, 257, 4, "bfloat16", tm) for tm in (16, 32)),
     ],
 )
-def test_prefill_mma_on_tiles_gives_the_same_bits(monkeypatch, E, D, I, N, k, dtype, tm, scales):
+def test_prefill_mma_on_tiles_gives_the_same_bits(
+    monkeypatch, backend, E, D, I, N, k, dtype, tm, scales
+):
     """``mxfp4_prefill_mma.tiled_layout`` (what a tiled store's prefill runs on CUDA), each
     way of loading the scale bytes, only moves the weight and scale addresses; reading tiles
     as MLX's layout is wrong."""
     if scales:
         monkeypatch.setattr(mxfp4_prefill_mma, "TILED_SCALES", scales)
     (z, w, *rest), want = case(E, D, I, N, k, dtype)
-    plain = mxfp4_prefill_mma.expert_glu_prefill_mma(
-        z, w, *rest, tile_tokens=tm, backend="emulator"
-    )
+    run = mxfp4_prefill_mma.expert_glu_prefill_mma
+    plain = run(z, w, *rest, tile_tokens=tm, backend=backend)
     wt = expert_layout.tile(w)
-    got = mxfp4_prefill_mma.expert_glu_prefill_mma(z, wt, *rest, tile_tokens=tm, backend="emulator")
+    got = run(z, wt, *rest, tile_tokens=tm, backend=backend)
     assert same(got, plain) and rel_err(got, want) < TOL
-    wrong = mxfp4_prefill_mma.expert_glu_prefill_mma(
-        z, wt, *rest, tile_tokens=tm, backend="emulator", tiled=False
-    )
+    wrong = run(z, wt, *rest, tile_tokens=tm, backend=backend, tiled=False)
     assert rel_err(wrong, want) > 0.1
 
 
@@ -243,6 +244,7 @@ def test_attach_streamer_reads_the_layout_variable(small, reference, monkeypatch
     assert get_stats(model)["expert_layout"] == "mlx"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["mlx", "tiled"])
 def test_loading_holds_one_layer_of_expert_copies_at_most(ckpt_factory, layout):
     """``load_model`` drops its tensor dicts and evaluates the experts one MoE layer at a

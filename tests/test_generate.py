@@ -76,6 +76,7 @@ def expected_text(model, tokenizer, ids, max_tokens, chat=True):
     return "".join(shown.add(r.token) for r in responses) + shown.end()
 
 
+@pytest.mark.slow
 def test_chat_end_to_end(tiny_ckpt, tiny):
     """Text on stdout equals greedy mlx-lm generation from ``encode_chat`` ids; a typed
     marker stays text (the prompt count is that of ``encode_chat``, not of the string)."""
@@ -164,6 +165,7 @@ def _not_k3(tmp_path):
     return tmp_path / "llama"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing", "not-k3", "broken", "too-long"])
 def test_bad_input(case, tiny_ckpt, tmp_path, long_context_ckpt):
     """One ``error:`` line on stderr naming the problem, exit code 1, nothing on stdout."""
@@ -308,6 +310,7 @@ def test_interactive_keeps_the_cache(tiny_ckpt, tiny):
     assert len(second) <= int(stats[1][0]) < len(first) + 6 + len(second)
 
 
+@pytest.mark.slow
 def test_chat_ctrl_c_returns_to_the_prompt(tiny_ckpt):
     """Ctrl-C during a reply stops it and drops the turn; the chat goes on (``/reset``
     confirms, ``/exit`` ends with status 0)."""
@@ -399,6 +402,7 @@ def test_default_model_is_built_once(tmp_path):
     assert 0 < default_model.default_cache_gb(path) * 1e9 < experts / 2
 
 
+@pytest.mark.slow
 def test_default_model_cli_streams_experts(tmp_path):
     """No --model: copied fresh under $KIMI_K3_CACHE, says what the model is, completes the
     default Python prompt, and the stats show experts read from disk."""
@@ -481,6 +485,7 @@ def test_auto_budget_streams_what_does_not_fit(tiny_ckpt, monkeypatch, capsys):
     assert gen.resolve_model(tiny_ckpt, 2.0) == (tiny_ckpt, 2.0)
 
 
+@pytest.mark.slow
 def test_chat_line_editing_on_a_terminal(tiny_ckpt):
     """On a terminal the chat reads lines through readline: ``/ext``, left arrow, ``i``
     is the command ``/exit`` (without line editing it would be a message to the model,

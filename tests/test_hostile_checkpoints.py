@@ -226,6 +226,7 @@ HEADER_CASES = {  # corruption -> cases: 100 in all
 }
 
 
+@pytest.mark.slow
 def test_header_fuzz(work):
     path, clean = work
     (shard,) = path.glob("model-*.safetensors")
@@ -445,6 +446,7 @@ FILE_CASES = [  # (file replaced, what it becomes, the reason the error gives)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,make,reason", FILE_CASES, ids=[f"{n}-{m.__name__[1:]}" for n, m, _ in FILE_CASES]
 )

@@ -1,4 +1,5 @@
-"""KDA kernels (Metal rendering, run by the emulator) against the pure-MLX reference."""
+"""KDA kernels against the pure-MLX reference (computed on the CPU): the Metal rendering run
+by the emulator, and the CUDA rendering on MLX's CUDA backend (the ``backend`` fixture)."""
 
 from pathlib import Path
 
@@ -47,25 +48,47 @@ def rel_err(a, b):
     return np.sqrt(((a - b) ** 2).mean()) / max(np.sqrt((b**2).mean()), 1e-30)
 
 
-def check(out, ref, dtype, s_tol=1e-5):
-    """Outputs, conv window (exact: it is copies) and fp32 state (to ``s_tol``)."""
-    y_tol = 1e-5 if dtype == mx.float32 else 1e-2
+def reference(p, args):
+    """``kda_mix_reference`` on the CPU (the same ops on either backend)."""
+    with mx.stream(mx.cpu):
+        out = kda_mix_reference(p, *args)
+        mx.eval(out)
+    return out
+
+
+# Relative RMS error bounds (outputs, state) per backend and activation dtype. On CUDA, bf16
+# gets a looser state bound because the SiLU before the recurrence (in kda_pre / kda_decode,
+# with CUDA's expf) may round a bf16 value differently on the GPU than the CPU reference does.
+TOLS = {
+    ("emulator", mx.float32): (1e-5, 1e-5),
+    ("emulator", mx.bfloat16): (1e-2, 1e-5),
+    ("cuda", mx.float32): (2e-5, 2e-5),
+    ("cuda", mx.bfloat16): (1e-2, 2e-3),
+}
+
+
+def check(out, ref, dtype, backend="emulator", s_tol=None):
+    """Outputs, conv window (exact: it is copies) and fp32 state (to ``s_tol``, else the
+    backend's bound in ``TOLS``)."""
+    y_tol, state_tol = TOLS[backend, dtype]
+    mx.eval(out)
     assert out[0].dtype == ref[0].dtype and out[0].shape == ref[0].shape
     assert rel_err(out[0], ref[0]) < y_tol
     assert mx.array_equal(out[1], ref[1])
-    assert out[2].dtype == mx.float32 and rel_err(out[2], ref[2]) < s_tol
+    assert out[2].dtype == mx.float32 and rel_err(out[2], ref[2]) < (s_tol or state_tol)
 
 
 DTYPES = [mx.float32, mx.bfloat16]
+CUDA = pytest.mark.cuda  # K3's and other large shapes: on CUDA only
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_state", [True, False])
 @pytest.mark.parametrize("B, H, K", [(2, 3, 32), (1, 2, 64), (1, 96, 128)])
-def test_decode_matches_reference(B, H, K, dtype, with_state):
+def test_decode_matches_reference(backend, B, H, K, dtype, with_state):
     p = layer(H, K)
     args = activations(B, 1, H, K, dtype, with_state)
-    check(kda_decode.kda_decode("emulator", p, *args), kda_mix_reference(p, *args), dtype)
+    check(kda_decode.kda_decode(backend, p, *args), reference(p, args), dtype, backend)
 
 
 def test_decode_layer_cache_follows_the_layer():
@@ -92,12 +115,16 @@ def test_decode_layer_cache_follows_the_layer():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_state", [True, False])
 @pytest.mark.parametrize("T", [2, 7, 63, 64, 65, 257, 1000])
-def test_prefill_matches_reference(T, dtype, with_state):
-    p = layer(2, 64)
-    args = activations(1, T, 2, 64, dtype, with_state)
-    check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), dtype)
+@pytest.mark.parametrize(
+    "H, K", [(2, 64), pytest.param(3, 128, marks=CUDA), pytest.param(96, 128, marks=CUDA)]
+)
+def test_prefill_matches_reference(backend, H, K, T, dtype, with_state):
+    p = layer(H, K)
+    args = activations(1, T, H, K, dtype, with_state)
+    check(kda_prefill.kda_prefill(backend, p, *args), reference(p, args), dtype, backend)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B, T, H, K", [(2, 65, 3, 64), (1, 130, 2, 128), (1, 65, 96, 128)])
 def test_prefill_other_shapes(B, T, H, K):
     p = layer(H, K)
@@ -277,6 +304,41 @@ def test_a_broken_state_kernel_fails(monkeypatch, old, new):
     assert_prefill_breaks(monkeypatch, "KDA_CHUNK_STATE", old, new, T=130)
 
 
+@pytest.mark.cuda
+def test_kda_mix_uses_the_cuda_kernels():
+    """The model's entry point at K3's shape on CUDA (the default backend there), prefill
+    then decode, against the reference chain."""
+    p = layer(96, 128)
+    x = activations(1, 130, 96, 128, mx.bfloat16, False)
+    assert dispatch.kda_mix_kernel(p, x[0], None, None) is not None
+    got = ref = (None, None)
+    for lo, hi in [(0, 129), (129, 130)]:
+        step = [a[:, lo:hi] for a in x[:6]]
+        got_y, *got = kda_mix(p, *step, *got)
+        ref_y, *ref = reference(p, (*step, *ref))
+        check((got_y, *got), (ref_y, *ref), mx.bfloat16, "cuda")
+
+
+@pytest.mark.cuda
+def test_prefill_state_pass_k3_shape(backend):
+    """The state pass at K3's shape, several chunks."""
+    p = layer(96, 128)
+    args = activations(1, 257, 96, 128, mx.float32, True)
+    check(kda_prefill.kda_prefill(backend, p, *args), reference(p, args), mx.float32, backend)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["fma", "mma"])
+@pytest.mark.parametrize("T, H, K", [(65, 2, 64), (1000, 3, 128), (257, 96, 128)])
+def test_state_passes(backend, monkeypatch, kind, T, H, K):
+    """Both state passes on the GPU: the tensor-core one (CUDA's default) and the fp32 FMA one
+    (Metal's, also compiled and run there)."""
+    monkeypatch.setitem(kda_prefill.STATE_PASS, backend, kind)
+    p = layer(H, K)
+    args = activations(1, T, H, K, mx.float32, True)
+    check(kda_prefill.kda_prefill(backend, p, *args), reference(p, args), mx.float32, backend)
+
+
 def test_state_pass_at_head_dim_128():
     p = layer(2, 128)
     args = activations(1, 130, 2, 128, mx.float32, True)
@@ -308,15 +370,18 @@ def mma_state_pass(monkeypatch, warps=None):
 TF32_STATE_TOL = 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B, T, H, K, dtype, with_state", MMA_STATE_CASES)
 def test_mma_state_pass_matches_reference(monkeypatch, B, T, H, K, dtype, with_state):
     mma_state_pass(monkeypatch)
     p = layer(H, K)
     args = activations(B, T, H, K, dtype, with_state)
     s_tol = TF32_STATE_TOL if kda_prefill.MMA_PRECISION[dtype] == "tf32" else 1e-5
-    check(kda_prefill.kda_prefill("emulator", p, *args), kda_mix_reference(p, *args), dtype, s_tol)
+    out = kda_prefill.kda_prefill("emulator", p, *args)
+    check(out, kda_mix_reference(p, *args), dtype, s_tol=s_tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("K", [64, 128])
 def test_tf32_state_pass_is_one_mma_per_product(monkeypatch, K):
     """precision="tf32" runs the single-MMA pass (within its bound, but visibly less exact
@@ -349,6 +414,7 @@ def test_tf32_state_pass_is_one_mma_per_product(monkeypatch, K):
         kda_prefill.kda_prefill("emulator", p, *bf)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("warps, K", [(2, 128), (8, 128), (8, 64)])
 def test_mma_state_pass_launch_shapes(monkeypatch, warps, K):
     """2, 4 and 8 simdgroups per threadgroup (8 is capped to the head's K / 16 = 4 at K =
@@ -367,11 +433,13 @@ def test_mma_state_pass_refuses_a_threadgroup_across_heads(monkeypatch):
         kda_prefill.kda_prefill("emulator", p, *args)
 
 
+@pytest.mark.slow
 def test_mma_state_pass_matches_fla(monkeypatch):
     mma_state_pass(monkeypatch)
     test_chunk_kernels_match_fla()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "old, new",
     [
@@ -405,7 +473,7 @@ def test_a_broken_mma_state_kernel_fails(monkeypatch, old, new):
     assert_prefill_breaks(monkeypatch, "KDA_CHUNK_STATE_MMA", old, new, T=130)
 
 
-def check_mma_tf32_layout(backend: str):
+def test_mma_tf32_layout(backend):
     """SIMD_MMA_TF32 on one simdgroup with the layout kernels/README.md documents: A 16x8 and
     B 8x8 (tf32 values) in, C = A B out, against float64."""
     from kimi_k3.kernels.source import Instance, Kernel
@@ -441,7 +509,3 @@ def check_mma_tf32_layout(backend: str):
     )
     want = A.astype(np.float64) @ B.astype(np.float64)
     assert np.abs(np.array(out) - want).max() < 1e-5 * np.abs(want).max()
-
-
-def test_mma_tf32_layout():
-    check_mma_tf32_layout("emulator")

@@ -1,9 +1,11 @@
-"""MXFP4 expert kernels (decode and grouped prefill) on the Metal emulator.
+"""MXFP4 expert kernels (decode and grouped prefill) on the Metal emulator and on MLX's CUDA
+backend (the ``backend`` fixture; cases marked ``cuda``, at K3's sizes with more experts and
+tokens, on CUDA alone).
 
 The oracle dequantizes with ``numpy_ref.mxfp4_decode`` (written from the OCP spec, not from
 the kernels) and does the matmuls and SiTU-GLU in float64; MLX's ``expert_glu_reference``
-(``gather_qmm``) is checked against the same oracle. The helpers here are shared with
-``tests/cuda/test_mxfp4_cuda.py``.
+(``gather_qmm``) is checked against the same oracle. The K3-size cases share one 16-expert
+stack, so the oracle (on the host CPU) dequantizes each expert once.
 """
 
 from __future__ import annotations
@@ -13,19 +15,26 @@ import functools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import broken
+from conftest import broken, dispatch_defaults
 from numpy_ref import mxfp4_decode, situ_glu
 
 from kimi_k3.experts import expert_glu, expert_glu_reference
-from kimi_k3.kernels import dispatch, expert_layout, mxfp4_mma, mxfp4_prefill_mma
+from kimi_k3.kernels import dispatch, expert_layout, mxfp4_mma, mxfp4_one, mxfp4_prefill_mma
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, group_by_expert, tile_tokens_for
+from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma
 
 BETA, CAP = 4.0, 25.0
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 TOL = 2e-6  # kernel vs float64 oracle, RMS-relative; fp32 accumulation over <= 3584 terms
+K3 = (3584, 3072)  # K3's expert dims (D, I)
+
+
+def on_cuda(*values):
+    """A parametrize case run on CUDA alone (``backend`` fixture, tests/conftest.py)."""
+    return pytest.param(*values, marks=pytest.mark.cuda)
 
 
 def lazy_stack(E: int, D: int, I: int) -> dict:
@@ -149,14 +158,16 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("E,D,I,N,k,dtype", DECODE_CASES)
-def test_decode_matches_oracle(E, D, I, N, k, dtype):
+@pytest.mark.slow
+@pytest.mark.parametrize("E,D,I,N,k,dtype", DECODE_CASES + [on_cuda(16, *K3, 4, 16, "bfloat16")])
+def test_decode_matches_oracle(backend, E, D, I, N, k, dtype):
     args, want = case(E, D, I, N, k, dtype)
-    got = expert_glu_decode(*args, backend="emulator")
+    got = expert_glu_decode(*args, backend=backend)
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, old, new",
     [
@@ -217,14 +228,21 @@ MMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("E,D,I,N,k,dtype", MMA_CASES)
-def test_mma_decode_matches_oracle(E, D, I, N, k, dtype):
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype",
+    MMA_CASES + [on_cuda(16, *K3, 4, 16, "bfloat16"), on_cuda(16, *K3, 8, 16, "float32")],
+)
+def test_mma_decode_matches_oracle(backend, E, D, I, N, k, dtype):
+    """The tensor-core decode kernels: fp16 MMAs with fp32 accumulators, activations split
+    into fp16 hi + lo, against the float64 oracle at the fp32 kernels' tolerance."""
     args, want = case(E, D, I, N, k, dtype)
-    got = mxfp4_mma.expert_glu_decode(*args, backend="emulator")
+    got = mxfp4_mma.expert_glu_decode(*args, backend=backend)
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "launch", [(4, 2, 4, True), (8, 1, 8, True), (8, 1, 4, False), (2, 4, 8, False)]
 )
@@ -237,32 +255,38 @@ def test_mma_decode_launch_shapes(monkeypatch, launch):
     assert rel_err(mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want) < TOL
 
 
-@pytest.mark.parametrize("E,D,I,N,k,dtype", [MMA_CASES[1], MMA_CASES[2]])
-def test_mma_decode_on_the_tiled_layout_gives_the_same_bits(E, D, I, N, k, dtype):
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype",
+    [
+        MMA_CASES[1],
+        MMA_CASES[2],
+        on_cuda(16, *K3, 1, 16, "bfloat16"),
+        on_cuda(16, *K3, 4, 16, "bfloat16"),
+    ],
+)
+def test_mma_decode_on_the_tiled_layout_gives_the_same_bits(backend, E, D, I, N, k, dtype):
     """``mxfp4_mma.tiled_layout`` (the dispatched kernels on ``expert_layout``'s tiles, what
     a tiled store runs) only moves the loads' addresses."""
     (z, w, *rest), want = case(E, D, I, N, k, dtype)
-    plain = mxfp4_mma.expert_glu_decode(z, w, *rest, backend="emulator")
-    got = mxfp4_mma.expert_glu_decode_tiled(z, expert_layout.tile(w), *rest, backend="emulator")
+    plain = mxfp4_mma.expert_glu_decode(z, w, *rest, backend=backend)
+    got = mxfp4_mma.expert_glu_decode_tiled(z, expert_layout.tile(w), *rest, backend=backend)
     assert np.array_equal(np.array(got), np.array(plain))
     assert rel_err(got, want) < TOL
 
 
-def check_mma_large_and_tiny(backend: str, fn=mxfp4_mma.expert_glu_decode):
+def test_mma_decode_handles_large_and_tiny_activations(backend):
     """The power-of-two scaling keeps fp16 fragments in range: latents far above fp16's
     largest value and far below its smallest give the oracle's result, scaled."""
     (z, w, inds, wts, beta, cap), _ = case(3, 128, 128, 2, 2, "float32")
     for s in (2.0**40, 2.0**-40):
         zs = z * s
         want = oracle(np.array(zs), (3, 128, 128, 0), np.array(inds), np.array(wts))
-        got = fn(zs, w, inds, wts, beta, cap, backend=backend)
+        got = mxfp4_mma.expert_glu_decode(zs, w, inds, wts, beta, cap, backend=backend)
         assert rel_err(got, want) < TOL, s
 
 
-def test_mma_decode_handles_large_and_tiny_activations():
-    check_mma_large_and_tiny("emulator", mxfp4_mma.expert_glu_decode)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "old, new",
     [
@@ -298,6 +322,7 @@ def test_a_broken_mma_kernel_fails(monkeypatch, old, new):
     assert_broken(lambda: mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "old, new",
     [
@@ -320,6 +345,7 @@ def test_a_broken_byte_permute_decode_fails(monkeypatch, old, new):
     assert_broken(lambda: mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want)
 
 
+@pytest.mark.slow
 def test_byte_permute_decode_is_the_same(monkeypatch):
     """``kk_e2m1_pair_prmt`` (BYTE_PERM, what ``mxfp4_mma.DECODE`` picks) decodes every code
     as the shifts do: the decode gives the same result to the last bit, per projection."""
@@ -337,7 +363,7 @@ def test_byte_permute_decode_is_the_same(monkeypatch):
 
 
 # The grouped GEMM on tensor cores (mxfp4_prefill_mma): small widths only on the emulator
-# (one pair at K3's took 263 s here; tests/cuda runs K3's sizes). (7, 320, 288) has rows of
+# (one pair at K3's took 263 s here; CUDA runs K3's sizes). (7, 320, 288) has rows of
 # 10 and 9 groups, so the chunks of KC groups end part-way.
 PREFILL_MMA_CASES = [
     (1, 32, 32, 1, 1, "float32", 16),
@@ -349,35 +375,57 @@ PREFILL_MMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fn", ["lut", "mma"])
-def test_prefill_pairs_do_not_depend_on_the_call(fn):
+@pytest.mark.parametrize(
+    "fn, shape, rows",
+    [
+        ("lut", (6, 128, 128, 40, 3, "float32"), (5, 9)),
+        ("mma", (6, 128, 128, 40, 3, "float32"), (5, 9)),
+        on_cuda("mma", (16, *K3, 257, 4, "bfloat16"), (40, 90)),
+    ],
+)
+def test_prefill_pairs_do_not_depend_on_the_call(backend, fn, shape, rows):
     """A pair's output from the grouped kernels is the same bits whatever the tile size and
     whichever other pairs share the call: what ``Streamer._grouped`` relies on when it runs
     a chunk's pairs in groups (each group a call of its own, of another size)."""
-    f = expert_glu_prefill if fn == "lut" else mxfp4_prefill_mma.expert_glu_prefill_mma
-    (z, w, inds, wts, beta, cap), _ = case(6, 128, 128, 40, 3, "float32")
-    whole = np.array(f(z, w, inds, wts, beta, cap, tile_tokens=16, backend="emulator"))
-    wide = f(z, w, inds, wts, beta, cap, tile_tokens=32, backend="emulator")
+    f = expert_glu_prefill if fn == "lut" else expert_glu_prefill_mma
+    (z, w, inds, wts, beta, cap), _ = case(*shape)
+    whole = np.array(f(z, w, inds, wts, beta, cap, tile_tokens=16, backend=backend))
+    wide = f(z, w, inds, wts, beta, cap, tile_tokens=32, backend=backend)
     assert np.array_equal(np.array(wide), whole)
-    part = f(z[5:9], w, inds[5:9], wts[5:9], beta, cap, tile_tokens=16, backend="emulator")
-    assert np.array_equal(np.array(part), whole[5:9])
+    lo, hi = rows
+    part = f(z[lo:hi], w, inds[lo:hi], wts[lo:hi], beta, cap, tile_tokens=16, backend=backend)
+    assert np.array_equal(np.array(part), whole[lo:hi])
 
 
-@pytest.mark.parametrize("E,D,I,N,k,dtype,tm", PREFILL_MMA_CASES)
-def test_prefill_mma_matches_oracle(E, D, I, N, k, dtype, tm):
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype,tm",
+    PREFILL_MMA_CASES + [on_cuda(16, *K3, 257, 4, "bfloat16", tm) for tm in (16, 32)],
+)
+def test_prefill_mma_matches_oracle(backend, E, D, I, N, k, dtype, tm):
+    """The tensor-core grouped GEMM (mxfp4_prefill_mma), K3's sizes on CUDA."""
     args, want = case(E, D, I, N, k, dtype)
-    got = mxfp4_prefill_mma.expert_glu_prefill_mma(*args, tile_tokens=tm, backend="emulator")
+    got = expert_glu_prefill_mma(*args, tile_tokens=tm, backend=backend)
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
 
 
-@pytest.mark.parametrize("tm, launch", [(16, (1, 1)), (16, (2, 3)), (32, (3, 4)), (32, (8, 6))])
-def test_prefill_mma_launch_shapes(tm, launch):
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape, tm, launch",
+    [
+        ((7, 320, 288, 17, 4), tm, launch)
+        for tm, launch in [(16, (1, 1)), (16, (2, 3)), (32, (3, 4)), (32, (8, 6))]
+    ]
+    + [
+        on_cuda((16, *K3, 257, 4), tm, launch)
+        for tm, launch in [(16, (8, 8)), (32, (8, 4)), (32, (2, 6))]
+    ],
+)
+def test_prefill_mma_launch_shapes(backend, shape, tm, launch):
     """Warps per threadgroup (some idle past the last row unit) and groups per chunk."""
-    args, want = case(7, 320, 288, 17, 4, "bfloat16")
-    got = mxfp4_prefill_mma.expert_glu_prefill_mma(
-        *args, tile_tokens=tm, backend="emulator", launch=launch
-    )
+    args, want = case(*shape, "bfloat16")
+    got = expert_glu_prefill_mma(*args, tile_tokens=tm, backend=backend, launch=launch)
     assert rel_err(got, want) < TOL
 
 
@@ -398,6 +446,7 @@ def test_prefill_mma_refuses_other_tile_sizes():
         mxfp4_prefill_mma.expert_glu_prefill_mma(*args, tile_tokens=64, backend="emulator")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "old, new",
     [
@@ -449,10 +498,14 @@ def test_a_broken_prefill_mma_kernel_fails(monkeypatch, old, new):
     assert_broken(run, want)
 
 
-@pytest.mark.parametrize("E,D,I,N,k,dtype,tm", PREFILL_CASES)
-def test_prefill_matches_oracle(E, D, I, N, k, dtype, tm):
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "E,D,I,N,k,dtype,tm",
+    PREFILL_CASES + [on_cuda(16, *K3, 257, 4, "bfloat16", tm) for tm in (16, 32, 64)],
+)
+def test_prefill_matches_oracle(backend, E, D, I, N, k, dtype, tm):
     args, want = case(E, D, I, N, k, dtype)
-    got = expert_glu_prefill(*args, tile_tokens=tm, backend="emulator")
+    got = expert_glu_prefill(*args, tile_tokens=tm, backend=backend)
     assert got.dtype == mx.float32 and got.shape == (N, D)
     assert rel_err(got, want) < TOL
 
@@ -482,12 +535,10 @@ def slot_pool(w: dict, slots: np.ndarray, size: int) -> dict:
     return pool
 
 
-def check_reads_cache_slots(backend: str):
+def test_reads_cache_slots_as_given(backend):
     """The streamer's layout: experts at scattered slots of a larger pool, seen through a view
     with an offset, ``inds`` remapped to slots. Same bits as the stacked experts, for the LUT
     kernels and (at dims they take) the tensor-core decodes, three launches and one."""
-    from kimi_k3.kernels import mxfp4_one
-
     lut = {"decode": expert_glu_decode, "prefill": expert_glu_prefill}
     mma = {"mxfp4_mma": mxfp4_mma.expert_glu_decode, "mxfp4_one": mxfp4_one.expert_glu_decode}
     for (D, I, N, dtype), fns in (((64, 96, 17, "float32"), lut), ((128, 256, 2, "bfloat16"), mma)):
@@ -499,10 +550,6 @@ def check_reads_cache_slots(backend: str):
             want = fn(z, w, inds, wts, beta, cap, backend=backend)
             got = fn(z, pool, slot_inds, wts, beta, cap, backend=backend)
             assert np.array_equal(np.array(got), np.array(want)), name
-
-
-def test_reads_cache_slots_as_given():
-    check_reads_cache_slots("emulator")
 
 
 def _tiles_numpy(flat: np.ndarray, tm: int) -> list[tuple[int, int, int]]:
@@ -574,8 +621,6 @@ def test_cuda_decode_launches_by_pairs(monkeypatch):
     """On CUDA (chosen, not run) a decode of up to EXPERT_ONE_LAUNCH_MAX_PAIRS pairs is
     mxfp4_one's one launch, a larger one mxfp4_mma's three, where mxfp4_mma applies; the
     env var forces either; settings the one grid cannot share give three launches."""
-    from kimi_k3.kernels import mxfp4_one
-
     monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "cuda")
     monkeypatch.delenv("KIMI_K3_REFERENCE", raising=False)
     monkeypatch.delenv("KIMI_K3_EXPERT_DECODE", raising=False)
@@ -686,3 +731,162 @@ def test_launch_geometry_at_k3_scale(monkeypatch, tokens):
     P = tokens * k
     for tm in (16, 32, 64):
         assert (P + E * (tm - 1)) // tm < 65535  # tiles run along x, but stay small anyway
+
+
+# On CUDA alone: the dispatcher's choices there, the launch bounds (CUDA's compile option),
+# and launches the emulator would take hours over.
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N", [1, 2, 3])
+def test_dispatched_decode_at_k3_size(monkeypatch, N):
+    """The model's expert call (``kimi_k3.experts.expert_glu``) at K3 size: one launch at 16
+    and 32 pairs, three at 48 (``dispatch.expert_decode_choice``), the three launches' bits
+    either way, and the oracle."""
+    dispatch_defaults(monkeypatch)
+    args, want = case(16, *K3, N, 16, "bfloat16")
+    fn = dispatch.expert_glu_kernel(*args[:3])
+    one = N * 16 <= dispatch.EXPERT_ONE_LAUNCH_MAX_PAIRS
+    assert fn.func is (mxfp4_one.expert_glu_decode if one else mxfp4_mma.expert_glu_decode)
+    got = np.array(expert_glu(*args))
+    assert np.array_equal(got, np.array(mxfp4_mma.expert_glu_decode(*args, backend="cuda")))
+    assert rel_err(mx.array(got), want) < TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("blocks", [{"gate_up": 2, "down": 2}, {"gate_up": 1, "down": 2}])
+def test_mma_decode_with_launch_bounds(monkeypatch, blocks):
+    """The tensor-core decode compiled with __launch_bounds__ (mxfp4_mma.MIN_BLOCKS; ptxas
+    caps it at 128 registers and spills a few bytes): NVRTC takes the bound, and the result
+    is the same to the last bit as without it."""
+    args, want = case(16, *K3, 4, 16, "bfloat16")
+    monkeypatch.setattr(mxfp4_mma, "MIN_BLOCKS", {"gate_up": 1, "down": 1})
+    plain = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
+    for proj, b in blocks.items():
+        monkeypatch.setitem(mxfp4_mma.MIN_BLOCKS, proj, b)
+    got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
+    assert rel_err(got, want) < TOL
+    assert mx.array_equal(got, plain).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bound", [1, 2])
+def test_byte_permute_decode_with_launch_bounds(monkeypatch, bound):
+    """``mxfp4_mma`` with its codes decoded by byte permutes (``DECODE``, the dispatcher's; at
+    a bound of 2 per SM gate/up fits 128 registers without spills): the shift decode's result
+    to the last bit, at K3 size."""
+    args, want = case(16, *K3, 4, 16, "bfloat16")
+    monkeypatch.setattr(mxfp4_mma, "MIN_BLOCKS", {"gate_up": bound, "down": bound})
+    monkeypatch.setattr(mxfp4_mma, "DECODE", {"gate_up": "shift", "down": "shift"})
+    plain = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
+    monkeypatch.setattr(mxfp4_mma, "DECODE", {"gate_up": "byte permute", "down": "byte permute"})
+    got = mxfp4_mma.expert_glu_decode(*args, backend="cuda")
+    assert rel_err(got, want) < TOL
+    assert mx.array_equal(got, plain).item()
+
+
+@pytest.mark.cuda
+def test_prefill_mma_past_65535_pairs():
+    """4096 tokens x 16: the down projection's 65536 rows of B fragments (the launch that
+    failed with cuGraphAddKernelNode's invalid argument while they ran along y)."""
+    E, D, I, N, k = 64, 256, 128, 4096, 16
+    args, want = case(E, D, I, N, k, "bfloat16")
+    got = expert_glu_prefill_mma(*args, backend="cuda")
+    assert got.shape == (N, D) and rel_err(got, want) < TOL
+
+
+@pytest.mark.cuda
+def test_dispatcher_uses_cuda_kernels(monkeypatch):
+    """Decode and prefill: the kernels (gather_qmm is wrong at K3 scale on CUDA, see
+    dispatch.expert_prefill_choice), unless KIMI_K3_EXPERT_PREFILL=reference."""
+    dispatch_defaults(monkeypatch)
+    (z, w, inds, wts, beta, cap), want = case(20, 64, 96, 1, 16, "bfloat16")
+    fn = dispatch.expert_glu_kernel(z, w, inds)
+    assert fn.keywords["backend"] == "cuda" and fn.func is expert_glu_decode
+    assert rel_err(expert_glu(z, w, inds, wts, beta, cap), want) < TOL
+    (z, w, inds, wts, beta, cap), want = case(20, 64, 96, 40, 16, "bfloat16")
+    fn = dispatch.expert_glu_kernel(z, w, inds)
+    assert fn.keywords["backend"] == "cuda" and fn.func is expert_glu_prefill_mma
+    assert rel_err(expert_glu(z, w, inds, wts, beta, cap), want) < TOL
+    monkeypatch.setenv("KIMI_K3_EXPERT_PREFILL", "reference")
+    assert dispatch.expert_glu_kernel(z, w, inds) is None
+
+
+@pytest.mark.cuda
+def test_decode_and_prefill_agree_with_gather_qmm():
+    """Same K3-size inputs through both kernels and MLX's quantized ops (float32 latents)."""
+    args, want = case(16, *K3, 8, 16, "float32")
+    ref = expert_glu_reference(*args)
+    decoders = (
+        expert_glu_decode,
+        mxfp4_mma.expert_glu_decode,
+        mxfp4_one.expert_glu_decode,
+    )
+    for fn in (*decoders, expert_glu_prefill, expert_glu_prefill_mma):
+        got = fn(*args, backend="cuda")
+        assert rel_err(got, want) < TOL
+        assert rel_err(got, ref) < 1e-3  # gather_qmm may take TF32 paths on CUDA
+
+
+@pytest.fixture(scope="module")
+def k3_layer():
+    """One K3 layer's stack: 896 experts at K3 dims (about 16 GB), built on the GPU. Past
+    2^31 4-bit elements per matrix, where MLX's gather_qmm and the kernels disagree."""
+    from benchmarks.bench_mxfp4 import random_experts
+
+    w = random_experts(896, *K3, seed=0)
+    yield w
+    del w
+    mx.clear_cache()
+
+
+@pytest.mark.slow  # builds a 16 GB stack
+@pytest.mark.cuda
+@pytest.mark.parametrize("lo", [0, 384, 880])
+def test_k3_layer_scale_against_dense_oracle(k3_layer, monkeypatch, lo):
+    """Tokens routed to experts lo..lo+15 of 896 (byte offsets past 2^31 and 2^32 for the
+    higher bands): the decode kernel, the prefill kernel and the dispatcher's choice
+    against an fp32 dense oracle (mx.dequantize, no matmul)."""
+    from benchmarks.bench_mxfp4 import BETA as B
+    from benchmarks.bench_mxfp4 import CAP as C
+    from benchmarks.bench_mxfp4 import oracle
+
+    dispatch_defaults(monkeypatch)
+    w, N, k = k3_layer, 9, 16
+    inds = (lo + (mx.arange(N * k, dtype=mx.int32) * 7) % 16).reshape(N, k)
+    wts = mx.softmax(mx.random.normal((N, k), key=mx.random.key(lo)), axis=-1)
+    z = mx.random.normal((N, K3[0]), key=mx.random.key(lo + 1)).astype(mx.bfloat16)
+    want = oracle(z, w, inds, wts)
+    got = expert_glu_decode(z[:1], w, inds[:1], wts[:1], B, C, backend="cuda")
+    assert rel_err(got, want[:1]) < 1e-5
+    got = mxfp4_mma.expert_glu_decode(z[:4], w, inds[:4], wts[:4], B, C, backend="cuda")
+    assert rel_err(got, want[:4]) < 1e-5
+    got = mxfp4_one.expert_glu_decode(z[:1], w, inds[:1], wts[:1], B, C, backend="cuda")
+    assert rel_err(got, want[:1]) < 1e-5
+    assert dispatch.expert_glu_kernel(z[:4], w, inds[:4]).func is mxfp4_mma.expert_glu_decode
+    assert rel_err(expert_glu_prefill(z, w, inds, wts, B, C, backend="cuda"), want) < 1e-5
+    got = expert_glu_prefill_mma(z, w, inds, wts, B, C, backend="cuda")
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(expert_glu(z, w, inds, wts, B, C), want) < 1e-5  # N*k > 128: prefill path
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N", [1, 4, 64])
+def test_dispatched_on_tiled_stacks_same_bits(monkeypatch, N):
+    """``expert_glu`` on ``TiledStacks`` (one launch at 16 pairs, three at 64, the grouped
+    GEMM at 1024) gives the bits it gives on MLX's layout; the reference on tiles agrees
+    with the reference on MLX's layout."""
+    dispatch_defaults(monkeypatch)
+    (z, w, *rest), want = case(16, *K3, N, 16, "bfloat16")
+    wt = expert_layout.tile(w)
+    fn = dispatch.expert_glu_kernel(z, wt, rest[0])
+    assert fn.func in (
+        mxfp4_one.expert_glu_decode_tiled,
+        mxfp4_mma.expert_glu_decode_tiled,
+        expert_glu_prefill_mma,
+    )
+    got = np.array(expert_glu(z, wt, *rest))
+    assert np.array_equal(got, np.array(expert_glu(z, w, *rest)))
+    assert rel_err(mx.array(got), want) < TOL
+    ref = expert_glu_reference(z, wt, *rest)
+    assert mx.array_equal(ref, expert_glu_reference(z, w, *rest)).item()

@@ -220,6 +220,7 @@ def test_overflow_area_gives_the_resident_bits(small, reference, overflow):
     _check_accounting(stats)
 
 
+@pytest.mark.slow
 def test_overflow_area_in_a_batch_decode(small):
     """Four rows decoded together (a step needs up to 16 experts of a layer, the cache
     holds 4): with an overflow area of 12 every step reads its experts in one round, and
@@ -340,6 +341,7 @@ def _resident_peak(path):
     return _peak_during(lambda: greedy(resident, PROMPT, 4))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not __import__("os").path.exists("/proc/self/clear_refs"),
     reason="needs Linux /proc to reset the peak RSS",

@@ -36,6 +36,7 @@ def test_batches_depend_on_seed_and_step_only():
     assert not np.array_equal(seq[0], seq[1])
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
     tokens, steps = _tokens(), 6
     kw = dict(lr=3e-3, warmup=2)
@@ -139,6 +140,7 @@ def test_run_refuses_to_overwrite_or_resume_with_other_flags(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_compiled_step_matches_the_eager_one():
     """The ``mx.compile``d training step takes the eager step's path: same losses, same
     balancing moves, parameters equal to fp32 rounding after a few steps."""

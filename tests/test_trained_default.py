@@ -82,6 +82,7 @@ def test_loads_through_kimi_k3_and_mlx_lm(shipped, loaded, heldout_windows):
     assert float(mx.abs(a - b).max() / mx.abs(b).max()) < 1e-4
 
 
+@pytest.mark.slow
 def test_heldout_perplexity_and_random_weights(shipped, loaded, heldout_windows):
     ppl = k3eval.perplexity(loaded[0], heldout_windows)
     assert ppl < PPL_BOUND
@@ -96,6 +97,7 @@ def corpus_words() -> set[str]:
     return words
 
 
+@pytest.mark.slow
 def test_greedy_generation_is_python(loaded):
     """From the start of a held-out file: words from the corpus, no special tokens."""
     model, tok = loaded
@@ -183,6 +185,7 @@ def test_router_bias_balances():
     np.testing.assert_allclose(moved, [-0.01, 0.01, 0.0, 0.0], atol=1e-7)
 
 
+@pytest.mark.slow
 def test_recipe_loss_falls_on_a_tiny_config():
     """A few steps of ``train`` on a repeating token stream: the loss falls, the router
     biases move by balancing alone, the float experts learn."""
