@@ -34,7 +34,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--long", type=int, default=30000, help="tokens of the long prompt")
     p.add_argument("--short", type=int, default=5, help="short requests timed per setting")
     p.add_argument(
-        "--bounded", type=float, default=None, help="the bounded setting's seconds (default: the server's)"
+        "--bounded",
+        type=float,
+        default=None,
+        help="the bounded setting's --prefill-step-seconds (default: the server's)",
     )
     p.add_argument("--quick", action="store_true", help="a tiny synthetic model, small counts")
     p.add_argument("--out", help="also write the table here")

@@ -21,7 +21,6 @@ and backward pass. Model FLOP utilisation is those FLOPs per second over ``--pea
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -32,6 +31,7 @@ from mlx.utils import tree_flatten
 from benchmarks import timing
 from kimi_k3 import train
 from kimi_k3.convert.synth import PRESETS
+from kimi_k3.kernels.dispatch import reference_paths
 
 QUICK = dict(PRESETS["tiny"], num_experts=8, num_experts_per_token=2)
 
@@ -152,12 +152,12 @@ def table(m: dict, batch: int, seq: int, steps: int, peak_tflops: float | None) 
 
 def main(argv=None) -> str:
     args = setup_arg_parser().parse_args(argv)
-    os.environ.setdefault("KIMI_K3_REFERENCE", "1")  # the paths training differentiates
     preset, batch, seq = train.PRESET, args.batch, args.seq
     if args.quick:
         preset, batch, seq = QUICK, 4, 32
         args.steps, args.rounds, args.warmup = 2, 2, 1
-    m = measure(preset, batch, seq, args.steps, args.rounds, args.warmup)
+    with reference_paths():  # the paths training differentiates
+        m = measure(preset, batch, seq, args.steps, args.rounds, args.warmup)
     text = (
         f"{timing.environment()}; batch {batch} x {seq} tokens, {args.steps} steps a round, "
         f"{args.rounds} rounds, {args.warmup} warm-up steps a path; "

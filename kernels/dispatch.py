@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import mlx.core as mx
 
 from .verdict import usable
@@ -17,6 +20,22 @@ def reference_forced(part: str) -> bool:
 
     value = env_choice("KIMI_K3_REFERENCE", ("0", "1", "all", "kda", "experts"), "0")
     return value in ("1", "all", part)
+
+
+@contextmanager
+def reference_paths():
+    """Inside the block the pure-MLX reference serves every part, as
+    ``KIMI_K3_REFERENCE=1`` asks (a value the environment already gives is kept); the
+    variable is restored after, so a caller in the same process is not switched too."""
+    before = os.environ.get("KIMI_K3_REFERENCE")
+    os.environ.setdefault("KIMI_K3_REFERENCE", "1")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("KIMI_K3_REFERENCE", None)
+        else:
+            os.environ["KIMI_K3_REFERENCE"] = before
 
 
 def checked(name: str, backend: str, fn):

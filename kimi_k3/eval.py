@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -387,8 +386,11 @@ def main(argv=None) -> int:
     for flag in ("tokens", "seq"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    from kimi_k3.kernels.dispatch import reference_paths
+
     try:
-        _evaluate(args)
+        with reference_paths():  # the oracle's paths, for this call alone
+            _evaluate(args)
     except (CheckpointError, ConfigError, OSError, UnicodeDecodeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -396,7 +398,6 @@ def main(argv=None) -> int:
 
 
 def _evaluate(args):
-    os.environ.setdefault("KIMI_K3_REFERENCE", "1")
     if args.model is None:
         from kimi_k3.default_model import ensure_default_model
 

@@ -104,9 +104,9 @@ class Sequence:
     ``logprobs`` (None: off) asks for each generated token's log-probability and the
     ``logprobs`` likeliest alternatives (0: none), appended to ``token_logprobs`` before the
     token's event is put (entry ``i`` is the ``i``-th generated token's; a stop token,
-    which gets no event, has the last); ``prompt_logprobs`` (None: off) the same for every prompt token
-    after the first, in ``prompt_token_logprobs`` once the prompt is in (its prefix is then
-    never restored from a snapshot: every position is computed). A log-probability is
+    which gets no event, has the last); ``prompt_logprobs`` (None: off) the same for every
+    prompt token after the first, in ``prompt_token_logprobs`` once the prompt is in (its
+    prefix is then never restored from a snapshot: every position is computed). A log-probability is
     taken from the distribution the token is drawn from before temperature and the
     ``top_p`` / ``min_p`` / ``top_k`` cuts: the model's, after the logits processors."""
 

@@ -642,8 +642,11 @@ def main(argv=None) -> int:
     from kimi_k3.checkpoint import CheckpointError
 
     args = setup_arg_parser().parse_args(argv)
+    from kimi_k3.kernels.dispatch import reference_paths
+
     try:
-        (run if args.command == "run" else export)(args)
+        with reference_paths():  # gradients through the reference paths, for this call
+            (run if args.command == "run" else export)(args)
     except (RunError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

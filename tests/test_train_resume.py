@@ -159,3 +159,25 @@ def test_compiled_step_matches_the_eager_one():
             np.testing.assert_array_equal(comp[k], eager[k], err_msg=k)
         else:
             np.testing.assert_allclose(comp[k], eager[k], rtol=1e-3, atol=1e-5, err_msg=k)
+
+
+def test_reference_paths_hold_for_the_call_alone(monkeypatch, tmp_path):
+    """``train`` and ``eval`` run on the reference paths without switching the kernels off
+    for the rest of the process (a test or a notebook calling them in-process)."""
+    import os
+
+    from kimi_k3 import eval as k3eval
+    from kimi_k3.kernels.dispatch import reference_paths
+
+    monkeypatch.delenv("KIMI_K3_REFERENCE", raising=False)
+    with reference_paths():
+        assert os.environ["KIMI_K3_REFERENCE"] == "1"
+    assert "KIMI_K3_REFERENCE" not in os.environ
+    monkeypatch.setenv("KIMI_K3_REFERENCE", "kda")
+    with reference_paths():
+        assert os.environ["KIMI_K3_REFERENCE"] == "kda"
+    assert os.environ["KIMI_K3_REFERENCE"] == "kda"
+    monkeypatch.delenv("KIMI_K3_REFERENCE")
+    assert train.main(["run", str(tmp_path / "none"), "--resume"]) == 1
+    assert k3eval.main(["--model", str(tmp_path / "none")]) == 1
+    assert "KIMI_K3_REFERENCE" not in os.environ
