@@ -16,6 +16,7 @@ import urllib.request
 import openai
 import pytest
 from test_chat import NoDecode
+from test_constrained import TOOLS
 
 from kimi_k3.chat import encode_chat
 
@@ -253,20 +254,7 @@ def demo_server(tmp_path_factory):
     stop_server(proc, log)
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Paris", "Rome"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-        },
-    },
-}
+WEATHER = TOOLS[0]  # get_weather: city "Paris" or "Rome", days 1-7
 
 
 def test_the_demo_model_answers_chat_in_content(demo_server):
@@ -312,6 +300,7 @@ def test_response_format_and_tool_choice_are_enforced(demo_server, tok):
     assert call["function"]["name"] == "get_weather"
     args = json.loads(call["function"]["arguments"])
     assert args["city"] in ("Paris", "Rome") and args["days"] in range(1, 8)
+    assert set(args) <= {"city", "days", "units"}
 
 
 @pytest.mark.parametrize(

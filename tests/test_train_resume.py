@@ -71,9 +71,8 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
         np.testing.assert_array_equal(have[k], want[k], err_msg=k)
 
 
-def test_schedule_spans_the_whole_run():
-    """Stopping a 6-step run after 3 steps keeps the 6-step schedule: the learning rates
-    the first call used are the first three of the uninterrupted run's."""
+def _rates(steps: int, batches: int) -> list[float]:
+    """The learning rates a ``steps``-step run uses when its data ends after ``batches``."""
     seen = []
 
     class Recorder(train.optim.AdamW):
@@ -81,29 +80,18 @@ def test_schedule_spans_the_whole_run():
             seen.append(float(self.learning_rate))
             return super().apply_gradients(gradients, parameters)
 
-    tokens = _tokens()
+    data = itertools.islice(train.batches(_tokens(), 2, 16, seed=0), batches)
     model = train.init_model(PRESET, seed=1)
-    train.train(
-        model,
-        train.batches(tokens, 2, 16, seed=0),
-        3,
-        lr=1e-2,
-        warmup=1,
-        optimizer=Recorder(learning_rate=1e-2),
-    )
-    short = list(seen)
-    seen.clear()
-    model = train.init_model(PRESET, seed=1)
-    train.train(
-        model,
-        train.batches(tokens, 2, 16, seed=0),
-        6,
-        lr=1e-2,
-        warmup=1,
-        optimizer=Recorder(learning_rate=1e-2),
-    )
-    assert short != seen[:3]  # a 3-step run decays faster than the first half of a 6-step one
-    assert seen[:3] == pytest.approx([train.lr_at(i, i / 6, 1e-2, 1) for i in range(3)])
+    train.train(model, data, steps, lr=1e-2, warmup=1, optimizer=Recorder(learning_rate=1e-2))
+    return seen
+
+
+def test_schedule_spans_the_whole_run():
+    """A 6-step run stopped after 3 steps keeps the 6-step schedule: its learning rates
+    are the first three of the uninterrupted run's, not a 3-step run's."""
+    stopped, whole, short = _rates(6, 3), _rates(6, 6), _rates(3, 3)
+    assert stopped == whole[:3] == pytest.approx([train.lr_at(i, i / 6, 1e-2, 1) for i in range(3)])
+    assert short != stopped  # a 3-step run decays faster
 
 
 def test_load_training_names_a_bad_file(tmp_path):
