@@ -2,6 +2,7 @@
 
     python -m kimi_k3.train run OUT [--steps N] [--minutes M]     # train; state in OUT/
     python -m kimi_k3.train run OUT --corpus-dir DIR              # ... on the larger corpus
+    python -m kimi_k3.train run OUT --minutes 24 --segment-minutes 9 [--resume]  # in parts
     python -m kimi_k3.train export OUT CHECKPOINT                 # state -> published layout
 
 The model is Kimi K3's architecture at small width (``PRESET``): KDA and gated NoPE MLA in
@@ -12,12 +13,14 @@ experts, top-4, and two shared experts. The corpus and the tokenizer are
 ``--corpus-dir``, also the permissively licensed sources of ``kimi_k3.corpus.SOURCES``).
 
 Training runs in fp32 with the routed experts as float stacks (``FloatExperts``); gradients
-go through the reference paths (``KIMI_K3_REFERENCE=1``). The router's
+go through the reference paths (``kernels.dispatch.reference_paths``), each step eager or,
+with ``--compile``, one compiled function (``make_step``). The router's
 ``e_score_correction_bias`` is not trained by gradient: after every step each layer's bias
 moves by ``bias_rate`` towards balance (up for an expert chosen less than the mean, down
 for one chosen more), K3's auxiliary-loss-free balancing. ``export`` quantizes the experts
 to MXFP4 after training (``mx.quantize`` mode ``mxfp4``) and stores the dense weights in
-bf16; docs/training.md gives the measured cost of both.
+bf16; docs/training.md gives the measured cost of both. The saved state (parameters,
+optimizer moments, step, training time, flags) resumes a stopped run exactly.
 """
 
 from __future__ import annotations
