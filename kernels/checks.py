@@ -168,11 +168,27 @@ def kda_inputs(B: int, T: int, H: int, K: int, seed: int = 1, W: int = 4) -> tup
     )
 
 
+# The pure-MLX references, registered by the model's modules as they are imported
+# (``kimi_k3.kda``, ``kimi_k3.experts``: the only callers of the dispatcher), so that the
+# kernels' package imports nothing above it.
+REFERENCES: dict[str, Callable] = {}
+
+
+def reference(name: str) -> Callable:
+    """The registered reference ``name`` (``kda_mix_reference``, ``expert_glu_reference``)."""
+    try:
+        return REFERENCES[name]
+    except KeyError:
+        raise LookupError(
+            f"no reference {name!r} registered: import kimi_k3.kda and kimi_k3.experts first"
+        ) from None
+
+
 def kda_case(name: str, backend: str, B: int, T: int, H: int, K: int) -> Case:
     """``kda_decode`` (T = 1) or ``kda_prefill`` against ``kda_mix_reference``."""
-    from kimi_k3.kda import kda_mix_reference
-
     from . import kda_decode, kda_prefill
+
+    kda_mix_reference = reference("kda_mix_reference")
 
     p, args = kda_layer(H, K), kda_inputs(B, T, H, K)
     module = kda_decode if name == "kda_decode" else kda_prefill
@@ -226,9 +242,9 @@ def expert_case(name: str, backend: str, E: int, D: int, I: int, N: int, k: int)
     """An MXFP4 expert kernel variant against ``expert_glu_reference`` (fp32 latents)."""
     import importlib
 
-    from kimi_k3.experts import expert_glu_reference
-
     from . import expert_layout
+
+    expert_glu_reference = reference("expert_glu_reference")
 
     w = random_experts(E, D, I)
     inds, wts = routing(N, E, k)
@@ -243,11 +259,11 @@ def expert_case(name: str, backend: str, E: int, D: int, I: int, N: int, k: int)
     def run():
         return getattr(mod, fn)(z, wk, inds, wts, BETA, CAP, backend=backend, **extra)
 
-    def reference():
+    def oracle():
         return expert_glu_reference(z, w, inds, wts, BETA, CAP)
 
     shape = f"N={N} k={k} ({N * k} pairs) D={D} I={I} E={E}"
-    return Case(name, shape, run, reference, EXPERT_TOL)
+    return Case(name, shape, run, oracle, EXPERT_TOL)
 
 
 def small_case(name: str, backend: str) -> Case:
@@ -261,113 +277,3 @@ def small_case(name: str, backend: str) -> Case:
     if "prefill" in name:
         return expert_case(name, backend, 8, 128, 128, 40, 4)
     return expert_case(name, backend, 8, 128, 128, 2, 4)
-
-
-def cases(backend: str, k3: bool = True) -> list[Case]:
-    """The doctor's cases for every variant the dispatcher can select on ``backend``: the
-    small case, then (``k3``) K3's shapes at the sizes where the dispatcher picks each
-    variant: KDA decode at batch 1 and 4 and chunked prefill of 64 and 300 tokens; expert
-    decode at 1 and 2 tokens (the one-launch kernel's range on CUDA) and 8 (128 pairs, the
-    per-pair kernels' largest), the grouped prefill at 64 tokens (1024 pairs)."""
-    from . import dispatch
-
-    out = []
-    for name in KERNELS[backend]:
-        out.append(small_case(name, backend))
-        if not k3:
-            continue
-        if name.startswith("kda"):
-            sizes = [(1, 1), (4, 1)] if name == "kda_decode" else [(1, 64), (1, 300)]
-            out += [kda_case(name, backend, B, T, **K3_KDA) for B, T in sizes]
-            continue
-        E, D, I, k = (K3_EXPERTS[x] for x in "EDIk")
-        most = dispatch.EXPERT_DECODE_MAX_PAIRS // k
-        if "prefill" in name:
-            tokens = [64]
-        elif name.startswith("mxfp4_one"):
-            tokens = [1, dispatch.EXPERT_ONE_LAUNCH_MAX_PAIRS // k]
-        elif name.startswith("mxfp4_mma"):
-            tokens = [most]
-        else:
-            tokens = [1, most]
-        out += [expert_case(name, backend, E, D, I, N, k) for N in tokens]
-    return out
-
-
-# --- the reference paths (no kernels) -----------------------------------------------------
-
-
-def reference_cases(k3: bool = True) -> list[Case]:
-    """The pure-MLX paths a machine without kernels runs, each against another rendering of
-    the same maths: the KDA mixer over T tokens at once against T decode steps through
-    ``kda_mix`` (the compiled one-token step), carrying the state; the experts' quantized
-    matmuls (``gather_qmm``) against dequantized weights in dense fp32 matmuls (the weights
-    dequantized on the first call)."""
-    shapes = [(1, 2, 64, 16, 16, 128, 128, 8, 4)]
-    if k3:
-        shapes.append((1, 96, 128, 64, 32, 3584, 3072, 1, 16))
-    out = []
-    for B, H, K, T, E, D, I, N, k in shapes:
-        out.append(_kda_steps_case(B, T, H, K))
-        out.append(_dense_experts_case(E, D, I, N, k))
-    return out
-
-
-def _kda_steps_case(B: int, T: int, H: int, K: int) -> Case:
-    from kimi_k3.kda import kda_mix, kda_mix_reference
-
-    p, args = kda_layer(H, K), kda_inputs(B, T, H, K)
-
-    def steps():
-        x, (conv, state) = args[:6], args[6:]
-        ys = []
-        for t in range(T):
-            y, conv, state = kda_mix(p, *(a[:, t : t + 1] for a in x), conv, state)
-            ys.append(y)
-        return mx.concatenate(ys, axis=1), conv, state
-
-    shape = f"B={B} T={T} H={H} K={K}"
-    return Case(
-        "kda reference: T steps vs all T",
-        shape,
-        steps,
-        lambda: kda_mix_reference(p, *args),
-        KDA_TOL,
-    )
-
-
-def _dense_experts_case(E: int, D: int, I: int, N: int, k: int) -> Case:
-    from kimi_k3.experts import expert_glu_reference, situ_glu
-
-    w = random_experts(E, D, I)
-    inds, wts = routing(N, E, k)
-    z = mx.array(np.random.default_rng(2).standard_normal((N, D)).astype(np.float32))
-
-    deq = {}  # dequantized once: the other path is the dense products
-
-    def dense():
-        if not deq:
-            for e in sorted(set(np.array(inds).reshape(-1).tolist())):
-                deq[e] = {
-                    n: mx.dequantize(q[e], s[e], group_size=32, bits=4, mode="mxfp4")
-                    for n, (q, s) in w.items()
-                }
-            mx.eval(deq)
-        rows = []
-        for t in range(N):
-            acc = mx.zeros((D,), mx.float32)
-            for j in range(k):
-                d = deq[int(inds[t, j])]
-                h = situ_glu(d["w1"] @ z[t], d["w3"] @ z[t], BETA, CAP)
-                acc = acc + wts[t, j] * (d["w2"] @ h)
-            rows.append(acc)
-        return mx.stack(rows)
-
-    shape = f"N={N} k={k} D={D} I={I} E={E}"
-    return Case(
-        "experts reference: gather_qmm vs dense",
-        shape,
-        lambda: expert_glu_reference(z, w, inds, wts, BETA, CAP),
-        dense,
-        EXPERT_TOL,
-    )

@@ -33,7 +33,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from kimi_k3 import experts, kda
 from kimi_k3.cli import USAGE_ERROR, HelpFormatter, Parser, fail, ram_gb
+from kimi_k3.kernels import checks, dispatch
 
 FORMATS = ("pack", "shards", "mlx-lm")
 
@@ -171,12 +173,116 @@ def markdown_table(head: list, rows: list) -> list[str]:
     return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+# --- the cases: each kernel variant, and the reference paths where there is no kernel ---
+
+
+def kernel_cases(backend: str, k3: bool = True) -> list[checks.Case]:
+    """The doctor's cases for every variant the dispatcher can select on ``backend``: the
+    small case, then (``k3``) K3's shapes at the sizes where the dispatcher picks each
+    variant: KDA decode at batch 1 and 4 and chunked prefill of 64 and 300 tokens; expert
+    decode at 1 and 2 tokens (the one-launch kernel's range on CUDA) and 8 (128 pairs, the
+    per-pair kernels' largest), the grouped prefill at 64 tokens (1024 pairs)."""
+    out = []
+    for name in checks.KERNELS[backend]:
+        out.append(checks.small_case(name, backend))
+        if not k3:
+            continue
+        if name.startswith("kda"):
+            sizes = [(1, 1), (4, 1)] if name == "kda_decode" else [(1, 64), (1, 300)]
+            out += [checks.kda_case(name, backend, B, T, **checks.K3_KDA) for B, T in sizes]
+            continue
+        E, D, I, k = (checks.K3_EXPERTS[x] for x in "EDIk")
+        most = dispatch.EXPERT_DECODE_MAX_PAIRS // k
+        if "prefill" in name:
+            tokens = [64]
+        elif name.startswith("mxfp4_one"):
+            tokens = [1, dispatch.EXPERT_ONE_LAUNCH_MAX_PAIRS // k]
+        elif name.startswith("mxfp4_mma"):
+            tokens = [most]
+        else:
+            tokens = [1, most]
+        out += [checks.expert_case(name, backend, E, D, I, N, k) for N in tokens]
+    return out
+
+
+def reference_cases(k3: bool = True) -> list[checks.Case]:
+    """The pure-MLX paths a machine without kernels runs, each against another rendering of
+    the same maths: the KDA mixer over T tokens at once against T decode steps through
+    ``kda.kda_mix`` (the compiled one-token step), carrying the state; the experts' quantized
+    matmuls (``gather_qmm``) against dequantized weights in dense fp32 matmuls (the weights
+    dequantized on the first call)."""
+    shapes = [(1, 2, 64, 16, 16, 128, 128, 8, 4)]
+    if k3:
+        shapes.append((1, 96, 128, 64, 32, 3584, 3072, 1, 16))
+    out = []
+    for B, H, K, T, E, D, I, N, k in shapes:
+        out.append(_kda_steps_case(B, T, H, K))
+        out.append(_dense_experts_case(E, D, I, N, k))
+    return out
+
+
+def _kda_steps_case(B: int, T: int, H: int, K: int) -> checks.Case:
+    p, args = checks.kda_layer(H, K), checks.kda_inputs(B, T, H, K)
+
+    def steps():
+        x, (conv, state) = args[:6], args[6:]
+        ys = []
+        for t in range(T):
+            y, conv, state = kda.kda_mix(p, *(a[:, t : t + 1] for a in x), conv, state)
+            ys.append(y)
+        return mx.concatenate(ys, axis=1), conv, state
+
+    shape = f"B={B} T={T} H={H} K={K}"
+    return checks.Case(
+        "kda reference: T steps vs all T",
+        shape,
+        steps,
+        lambda: kda.kda_mix_reference(p, *args),
+        checks.KDA_TOL,
+    )
+
+
+def _dense_experts_case(E: int, D: int, I: int, N: int, k: int) -> checks.Case:
+    w = checks.random_experts(E, D, I)
+    inds, wts = checks.routing(N, E, k)
+    z = mx.array(np.random.default_rng(2).standard_normal((N, D)).astype(np.float32))
+
+    deq = {}  # dequantized once: the other path is the dense products
+
+    def dense():
+        if not deq:
+            for e in sorted(set(np.array(inds).reshape(-1).tolist())):
+                deq[e] = {
+                    n: mx.dequantize(q[e], s[e], group_size=32, bits=4, mode="mxfp4")
+                    for n, (q, s) in w.items()
+                }
+            mx.eval(deq)
+        rows = []
+        for t in range(N):
+            acc = mx.zeros((D,), mx.float32)
+            for j in range(k):
+                d = deq[int(inds[t, j])]
+                h = experts.situ_glu(d["w1"] @ z[t], d["w3"] @ z[t], checks.BETA, checks.CAP)
+                acc = acc + wts[t, j] * (d["w2"] @ h)
+            rows.append(acc)
+        return mx.stack(rows)
+
+    shape = f"N={N} k={k} D={D} I={I} E={E}"
+    return checks.Case(
+        "experts reference: gather_qmm vs dense",
+        shape,
+        lambda: experts.expert_glu_reference(z, w, inds, wts, checks.BETA, checks.CAP),
+        dense,
+        checks.EXPERT_TOL,
+    )
+
+
 def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -> list:
     """Run every case; record one verdict per variant (all its cases pass, or the first
     failure) unless ``record`` is off or there is no backend."""
     from kimi_k3.kernels import checks, verdict
 
-    todo = checks.cases(backend, k3) if backend else checks.reference_cases(k3)
+    todo = kernel_cases(backend, k3) if backend else reference_cases(k3)
     results, per_variant = [], {}
     for case in todo:
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from kimi_k3.kernels import expert_layout
+from kimi_k3.kernels import checks, expert_layout
 
 GROUP = 32
 EXPERT_TENSORS = ("w1", "w2", "w3")
@@ -185,3 +185,6 @@ class ResidentExperts(nn.Module):
 
 
 _NAMES = {"mlx": ("weight", "scales"), "tiled": ("tiled_weight", "tiled_scales")}
+
+
+checks.REFERENCES["expert_glu_reference"] = expert_glu_reference  # the kernels' oracle

@@ -1,0 +1,109 @@
+"""The package's module graph, imports inside functions included: no import cycle beyond the
+one the model layer still has (``kimi_k3.moe``, ``kimi_k3.trimming`` and
+``kimi_k3.distributed`` import one another), so a change that adds a cycle fails here, and
+one that removes that cycle updates ``KNOWN``. The kernels' package imports none of the
+model: the references its checks run are registered by ``kimi_k3.kda`` and
+``kimi_k3.experts``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# package name -> directory (pyproject.toml's package-dir)
+PACKAGES = {"kimi_k3": ROOT / "kimi_k3", "kimi_k3.kernels": ROOT / "kernels"}
+PACKAGES["kimi_k3.convert"] = ROOT / "convert"
+KNOWN = {frozenset({"kimi_k3.distributed", "kimi_k3.moe", "kimi_k3.trimming"})}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([pkg, *parts])
+            if pkg == "kimi_k3" and parts and parts[0] in ("kernels", "convert"):
+                continue
+            out[name] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules ``name`` imports anywhere in its source (functions too)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            subs = [f"{base}.{a.name}" for a in node.names]
+            targets = [t for t in subs if t in known] or [base]
+        for t in targets:
+            while t and t not in known:
+                t = t.rsplit(".", 1)[0] if "." in t else ""
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> set[frozenset]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), set()
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.add(frozenset(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports; packages' ``__init__`` files are left out (they
+    gather names for the public API, importing their modules inside functions)."""
+    mods = modules()
+    inits = {n for n, p in mods.items() if p.name == "__init__.py"}
+    return {n: imports(n, p, set(mods)) - inits for n, p in mods.items() if n not in inits}
+
+
+def test_no_import_cycle_beyond_the_known_one():
+    found = cycles(graph())
+    assert found == KNOWN, sorted(sorted(c) for c in found - KNOWN)
+
+
+def test_the_kernels_import_none_of_the_model():
+    model = {"kimi_k3.kda", "kimi_k3.experts", "kimi_k3.model", "kimi_k3.moe"}
+    for name, deps in graph().items():
+        if name.startswith("kimi_k3.kernels"):
+            assert not deps & model, (name, deps & model)
+
+
+def test_the_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
+    assert cycles({"a": {"b"}, "b": set()}) == set()
