@@ -30,6 +30,7 @@ import json
 import math
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -119,25 +120,32 @@ def perplexity(model: Model, wins: np.ndarray, batch: int = 4) -> float:
     return math.exp(total / count)
 
 
+@contextmanager
+def _route_hooks(model: Model, hook):
+    """Every MoE block calls ``hook(moe, flat)`` on its routed input inside the block."""
+    moes = _moe_blocks(model)
+    for moe in moes:
+        moe.route_hook = hook
+    try:
+        yield
+    finally:
+        for moe in moes:
+            del moe.route_hook
+
+
 def routing_choices(model: Model, wins: np.ndarray, batch: int = 4) -> dict[int, np.ndarray]:
     """The router's choices on ``wins``: ``{layer: inds [n, seq, k]}``."""
     seq = wins.shape[1] - 1
     seen: dict[int, list] = {}
-    moes = [layer.ffn for layer in model.layers if "block_sparse_moe" in layer]
 
     def hook(moe, flat):
         seen.setdefault(moe.layer_index, []).append(moe.gate(flat)[0])
 
-    for moe in moes:
-        moe.route_hook = hook
-    try:
+    with _route_hooks(model, hook):
         for i in range(0, len(wins), batch):
             model(mx.array(wins[i : i + batch, :-1]))
             for chunks in seen.values():
                 mx.eval(chunks[-1])
-    finally:
-        for moe in moes:
-            del moe.route_hook
     return {
         layer: np.concatenate([np.array(c) for c in chunks]).reshape(-1, seq, chunks[0].shape[-1])
         for layer, chunks in seen.items()
@@ -148,29 +156,22 @@ def moe_output_rms(model: Model, wins: np.ndarray, batch: int = 4) -> dict[int, 
     """Per MoE layer, the root mean square over tokens and channels of the two parts the
     block adds: the routed part (``up(RMSNorm(routed sum))``, whose size the latent norm
     bounds) and the shared experts' output. Returns ``{layer: {"routed", "shared"}}``."""
-    sums: dict[int, list] = {}
-    moes = [layer.ffn for layer in model.layers if "block_sparse_moe" in layer]
+    sums: dict[int, list] = {}  # layer -> [routed sum of squares, shared's, elements]
 
     def hook(moe, flat):
         inds, weights = moe.gate(flat)
         y = moe.experts(moe.routed_expert_down_proj(flat), inds, weights)
         routed = moe.routed_expert_up_proj(moe.routed_expert_norm(y.astype(flat.dtype)))
-        parts = [mx.square(t.astype(mx.float32)).sum() for t in (routed, moe.shared_experts(flat))]
         acc = sums.setdefault(moe.layer_index, [0.0, 0.0, 0])
-        acc[0] += parts[0].item()
-        acc[1] += parts[1].item()
+        for j, t in enumerate((routed, moe.shared_experts(flat))):
+            acc[j] = acc[j] + mx.square(t.astype(mx.float32)).sum()
         acc[2] += flat.size
 
-    for moe in moes:
-        moe.route_hook = hook
-    try:
+    with _route_hooks(model, hook):
         for i in range(0, len(wins), batch):
-            mx.eval(model(mx.array(wins[i : i + batch, :-1])))
-    finally:
-        for moe in moes:
-            del moe.route_hook
+            mx.eval(model(mx.array(wins[i : i + batch, :-1])), [a[:2] for a in sums.values()])
     return {
-        layer: {"routed": math.sqrt(r / n), "shared": math.sqrt(s / n)}
+        layer: {"routed": math.sqrt(float(r) / n), "shared": math.sqrt(float(s) / n)}
         for layer, (r, s, n) in sorted(sums.items())
     }
 

@@ -106,9 +106,10 @@ class Sequence:
     token's event is put (entry ``i`` is the ``i``-th generated token's; a stop token,
     which gets no event, has the last); ``prompt_logprobs`` (None: off) the same for every
     prompt token after the first, in ``prompt_token_logprobs`` once the prompt is in (its
-    prefix is then never restored from a snapshot: every position is computed). A log-probability is
-    taken from the distribution the token is drawn from before temperature and the
-    ``top_p`` / ``min_p`` / ``top_k`` cuts: the model's, after the logits processors."""
+    prefix is then never restored from a snapshot: every position is computed). A
+    log-probability is taken from the distribution the token is drawn from before
+    temperature and the ``top_p`` / ``min_p`` / ``top_k`` cuts: the model's, after the
+    logits processors."""
 
     prompt: list[int]
     max_tokens: int
@@ -515,10 +516,15 @@ def follow(model, group):
 # The engine.
 
 
+def log_softmax(logits: mx.array) -> mx.array:
+    """Log-probabilities over the last axis."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def _greedy(logits: mx.array) -> mx.array:
     """Each row's likeliest token, as ``Sampling.pick`` takes it (on the log-probabilities):
     [B, V] -> [B] int."""
-    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+    return mx.argmax(log_softmax(logits), axis=-1)
 
 
 class Engine:
@@ -680,8 +686,7 @@ class Engine:
         rate = n / max(self.clock() - start, 1e-9)
         for i, s in enumerate(group):
             if s.prompt_logprobs is not None:  # position j predicts prompt[fed + j + 1]
-                lp = logits[i].astype(mx.float32)
-                lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+                lp = log_softmax(logits[i].astype(mx.float32))
                 nxt = mx.array(s.prompt[s.fed + 1 : s.fed + n + 1])
                 s.prompt_token_logprobs += token_logprobs(lp, nxt, s.prompt_logprobs)
         for s in group:
@@ -696,8 +701,13 @@ class Engine:
             self.peers.send(DECODE, [s.key for s in rows], tokens)
         picks, logprobs = self._sample(rows, self.batch.step(tokens))
         mx.eval(picks, self.batch.state)
-        for i, lp in logprobs.items():
-            rows[i].token_logprobs += token_logprobs(lp, picks[i : i + 1], rows[i].logprobs)
+        by_top: dict[int, list[int]] = {}  # one evaluation per number of alternatives
+        for i in logprobs:
+            by_top.setdefault(rows[i].logprobs, []).append(i)
+        for top, idx in by_top.items():
+            lps = mx.concatenate([logprobs[i] for i in idx])
+            for i, entry in zip(idx, token_logprobs(lps, picks[mx.array(idx)], top)):
+                rows[i].token_logprobs.append(entry)
         ends = [(s, reason) for s, t in zip(rows, picks.tolist()) if (reason := self._emit(s, t))]
         self._leave([s for s, _ in ends])
         for s, reason in ends:
@@ -718,8 +728,7 @@ class Engine:
         logprobs = {}
         for i, s in enumerate(rows):
             if s.logprobs is not None and i not in alone:
-                row = logits[i : i + 1].astype(mx.float32)
-                logprobs[i] = row - mx.logsumexp(row, axis=-1, keepdims=True)
+                logprobs[i] = log_softmax(logits[i : i + 1].astype(mx.float32))
         if not alone:
             return _greedy(logits), logprobs
         picks = [None] * len(rows)
@@ -744,7 +753,7 @@ class Engine:
         key = None
         if s.rng is not None:
             s.rng, key = mx.random.split(s.rng)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        logprobs = log_softmax(logits)
         return s.sampling.pick(logprobs, key), logprobs
 
     def _emit(self, s: Sequence, token: int) -> str | None:
