@@ -70,6 +70,7 @@ PRESET = dict(
 )
 CORPUS_NAME = "Python 3.11 standard library source, *.py without test suites (PSF license)"
 STATE_FILE = "train_state.safetensors"
+TRAIN_IDS, HELDOUT_IDS = "train_ids.npy", "heldout_ids.npy"  # the token streams
 LOG_FILE = "train_log.jsonl"
 
 
@@ -420,21 +421,27 @@ def prepare(out: Path, vocab_size: int, corpus_dir: str | None = None):
     tokenizer and the train and held-out token streams. With ``corpus_dir`` (fetched
     archives, ``kimi_k3.corpus``) the corpus adds its sources to the standard library; the
     held-out stream stays the standard library's, the other sources' held-out files go to
-    ``out/heldout-<kind>.txt``."""
+    ``out/heldout-<kind>.txt``. The streams are kept in ``out/TRAIN_IDS`` and
+    ``out/HELDOUT_IDS``, so a resumed run (or ``export``) reads them instead of
+    tokenizing the corpus again."""
     from kimi_k3 import corpus
     from kimi_k3.tokenizer import load_tokenizer
 
-    corpus.record_manifest(out, corpus_dir)
+    corpus.record_manifest(out, corpus_dir)  # the same corpus as the run's, or an error
+    tok_dir = out / "tokenizer"
+    kept = [out / TRAIN_IDS, out / HELDOUT_IDS]
+    if (tok_dir / "tiktoken.model").is_file() and all(f.is_file() for f in kept):
+        return load_tokenizer(tok_dir), *(np.load(f) for f in kept)
     docs = corpus.read_corpus(corpus_dir)
     corpus.write_heldout_texts(out, docs)
     train_texts, heldout_texts = corpus.split_texts(docs)
-    tok_dir = out / "tokenizer"
     if not (tok_dir / "tiktoken.model").is_file():
         corpus.write_corpus_tokenizer(tok_dir, train_texts, vocab_size)
     tok = load_tokenizer(tok_dir)
-    train_ids = encode_texts(tok, train_texts, corpus.DOC_SEPARATOR)
-    heldout_ids = encode_texts(tok, heldout_texts, corpus.DOC_SEPARATOR)
-    return tok, train_ids, heldout_ids
+    streams = [encode_texts(tok, t, corpus.DOC_SEPARATOR) for t in (train_texts, heldout_texts)]
+    for f, ids in zip(kept, streams):
+        np.save(f, ids)
+    return tok, *streams
 
 
 # The flags a resumed run must share with the run it continues.
@@ -479,7 +486,6 @@ def run(args) -> Path:
         start_step, elapsed = 0, 0.0
     t0 = time.time()
     _, train_ids, heldout_ids = prepare(out, PRESET["vocab_size"], args.corpus_dir)
-    np.save(out / "heldout_ids.npy", heldout_ids)
     print(f"corpus: {len(train_ids):,} train tokens, {len(heldout_ids):,} held-out tokens")
     log = open(out / LOG_FILE, "a")
     started = time.time()
@@ -557,7 +563,7 @@ def export(args) -> Path:
         (state["flags"]["batch"], state["flags"]["seq"]) if state else (args.batch, args.seq)
     )
     last = [rec for rec in log if rec["step"] <= steps][-1]
-    train_ids = encode_texts(*_tokenizer_and_train(out, corpus_dir))
+    train_ids = prepare(out, PRESET["vocab_size"], corpus_dir)[1]
     info = dict(
         trained=True,
         corpus=" + ".join(filter(None, [CORPUS_NAME, corpus.describe(corpus_dir)])),
@@ -573,14 +579,6 @@ def export(args) -> Path:
     corpus.write_licenses(dest, corpus_dir)
     print(f"wrote {dest}")
     return dest
-
-
-def _tokenizer_and_train(out: Path, corpus_dir: str | None):
-    from kimi_k3 import corpus
-    from kimi_k3.tokenizer import load_tokenizer
-
-    train_texts = corpus.split_texts(corpus.read_corpus(corpus_dir))[0]
-    return load_tokenizer(out / "tokenizer"), train_texts, corpus.DOC_SEPARATOR
 
 
 def heldout_sample(texts: list[str], max_chars: int) -> str:
