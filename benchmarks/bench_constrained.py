@@ -87,7 +87,6 @@ def bench_llguidance(tok, schema: dict, ids: list[int], repeats: int) -> dict:
 
     def reset():
         proc.matcher.reset()
-        proc.generated = []
 
     per_token = _best_pass(step, reset, ids, repeats)
     if not proc.done:

@@ -95,7 +95,6 @@ class GrammarProcessor:
             raise ValueError(f"grammar does not compile: {self.matcher.get_error()}")
         self.stops = stop_ids(tokenizer)
         self.fed: int | None = None  # tokens of the sequence the matcher has seen
-        self.generated: list[int] = []
         self.ended = False  # a stop id followed the complete grammar
 
     def __call__(self, tokens: mx.array | None, logits: mx.array) -> mx.array:
@@ -119,7 +118,6 @@ class GrammarProcessor:
         (a token the mask did not allow was sampled). A stop id once the grammar is
         complete ends it (mlx-lm computes one step past the stop token)."""
         for token in new:
-            self.generated.append(token)
             if self.ended or (token in self.stops and self.matcher.is_accepting()):
                 self.ended = True
             elif not self.matcher.consume_token(token):

@@ -31,6 +31,7 @@ K3's pre-tokenizer regex, and written as K3 writes its own: a tiktoken rank file
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import io
 import json
@@ -351,6 +352,7 @@ def read_split(root: str | Path | None = None) -> tuple[list[str], list[str]]:
 # --- archives ----------------------------------------------------------------------------
 
 
+@functools.cache  # the same patterns for every file of every archive
 def _glob_regex(pattern: str) -> re.Pattern:
     """``*`` and ``?`` within one path segment, ``**`` a whole number of segments."""
     out = []
@@ -669,9 +671,11 @@ def fetch(
                         f"source {source.name}: expected {source.filename}, the registry "
                         f"gave {found}"
                     )
-                verify(source, got)
+                verify(source, got)  # checked before it takes the archive's place
                 os.replace(got, target)
-        paths.append(verify(source, target))
+        else:
+            verify(source, target)
+        paths.append(target)
         print(
             f"{source.name}: {target.name} ({target.stat().st_size:,} bytes) verified", flush=True
         )

@@ -322,7 +322,7 @@ def first_use_line(backend: str) -> str:
 # --- the model directory --------------------------------------------------------------------
 
 
-def formats(path: Path, args, layer: int) -> list[str]:
+def formats(path: Path, layer: int) -> list[str]:
     """The expert formats ``path`` holds, of ``FORMATS``."""
     from kimi_k3.checkpoint import CheckpointIndex
     from kimi_k3.expert_pack import is_pack_dir
@@ -423,7 +423,7 @@ def model_lines(path: Path, opts, log) -> list[str]:
     from kimi_k3.streaming.store import StreamOptions
 
     args = ModelArgs.from_path(path)
-    kinds = formats(path, args, args.first_k_dense_replace)
+    kinds = formats(path, args.first_k_dense_replace)
     if not kinds:
         raise ValueError(f"--model {path}: no routed experts found (no pack, shards or mlx-lm)")
     log("read rates:")
@@ -491,7 +491,7 @@ def model_lines(path: Path, opts, log) -> list[str]:
         mac = Mac("here", ram, r["raw"], mem)
         for setting, kept in (("exact", 1.0), ("trimmed to half (top-p 0.5)", COLIBRI_KEPT)):
             b = max(budget, 0.0)
-            got = project(mac, 1, min(1.0, b / EXPERTS_GB), kept, eff, KERNEL_EFFICIENCY, b)
+            got = project(mac, 1, min(1.0, b / EXPERTS_GB), kept, eff, KERNEL_EFFICIENCY)
             rows.append(
                 [
                     r["format"],
@@ -532,7 +532,7 @@ def own_lines(path: Path, rates: list, ram: float, mem: float, opts) -> list[str
     rows = []
     for r in rates:
         eff = min(1.0, r["streamer"] / r["raw"])
-        got = project(Mac("here", ram, r["raw"], mem), 1, f, 1.0, eff, KERNEL_EFFICIENCY, gb, sizes)
+        got = project(Mac("here", ram, r["raw"], mem), 1, f, 1.0, eff, KERNEL_EFFICIENCY, sizes)
         rows.append([r["format"], f"{got['ssd_gb'] * 1e3:.2f}", f"{got['tok_s']:.1f}"])
     return [
         f"## This directory's own model, streamed with --expert-cache-gb {gb:.4g}",

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 
 MOE_LAYERS, EXPERTS, TOP_K, EXPERT_BYTES = 92, 896, 16, 17_547_264
-TOKEN_GB = MOE_LAYERS * TOP_K * EXPERT_BYTES / 1e9  # 25.8
 EXPERTS_GB = MOE_LAYERS * EXPERTS * EXPERT_BYTES / 1e9  # 1,447
 DENSE_GB = 30.0  # the dense trunk at 4 bits
 RESERVE_GB = 16.0  # OS, KV cache, activations
@@ -87,20 +86,16 @@ def project(
     kept: float,
     eff: float,
     kernel_eff: float,
-    budget: float | None = None,
     sizes: Sizes = K3,
 ) -> dict:
     """One configuration's decode time per token and tokens/s (module docstring), for a
-    model of ``sizes`` (K3's by default); ``budget`` defaults to
-    ``expert_budget_gb(mac.ram_gb)``."""
-    budget = expert_budget_gb(mac.ram_gb) if budget is None else budget
+    model of ``sizes`` (K3's by default)."""
     ssd_gb = (1.0 - h) * sizes.token_gb * kept / n
     ssd_s = ssd_gb / (mac.ssd_gbps * eff)
     compute_s = (sizes.dense_gb + sizes.token_gb * kept / n) / (mac.memory_gbps * kernel_eff)
     link_s = sizes.moe_layers * 2 * (n - 1) * HOP_US / 1e6
     serial = ssd_s + compute_s + link_s
     return {
-        "budget": budget,
         "ssd_gb": ssd_gb,
         "ssd_s": ssd_s,
         "compute_s": compute_s + link_s,
