@@ -47,9 +47,9 @@ POLICY_ROWS = (
 
 def prompts(n: int, tokens: int) -> list[list[int]]:
     """``n`` held-out windows spread over the held-out text, the demo prompt, a chat prompt."""
-    from kimi_k3.chat import encode_chat
     from kimi_k3.eval import heldout_ids, windows
-    from kimi_k3.tokenizer import load_tokenizer
+    from kimi_k3.text.chat import encode_chat
+    from kimi_k3.text.tokenizer import load_tokenizer
 
     path = default_model.package_dir()
     tok = load_tokenizer(path)
@@ -65,7 +65,7 @@ def prompts(n: int, tokens: int) -> list[list[int]]:
 def traces(args) -> dict:
     """Per decode temperature (``DECODES``) a trace prefilled in chunks of ``args.chunks[0]``,
     and under ``"prefill"`` one prefilled in chunks of ``args.chunks[1]`` (one decode step)."""
-    from kimi_k3.loader import load_model
+    from kimi_k3.checkpoint.loader import load_model
 
     model = load_model(default_model.package_dir())
     ps = prompts(args.prompts, args.prompt_tokens)

@@ -35,9 +35,9 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks.timing import emit, environment, markdown_table, median_time
-from kimi_k3 import constrained
 from kimi_k3.default_model import ensure_default_model
-from kimi_k3.tokenizer import load_tokenizer, write_synthetic_tokenizer
+from kimi_k3.serve import constrained
+from kimi_k3.text.tokenizer import load_tokenizer, write_synthetic_tokenizer
 
 K3_VOCAB = 163840
 SCHEMA = {

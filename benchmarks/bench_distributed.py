@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         ckpt, out, gb, tokens = a.worker
         worker(ckpt, out, float(gb), int(tokens), a.group)
         return 0
-    from kimi_k3.config import ModelArgs
     from kimi_k3.convert.synth import write_checkpoint
+    from kimi_k3.model.config import ModelArgs
     from kimi_k3.streaming.sources import expert_bytes, expert_layout
 
     dims = QUICK_EXPERT if a.quick else K3_EXPERT

@@ -25,8 +25,8 @@ import numpy as np
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from benchmarks import timing
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.synth import parse_override, write_checkpoint
-from kimi_k3.loader import load_model
 from kimi_k3.streaming import get_stats, reset_stats
 
 

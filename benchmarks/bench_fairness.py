@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> str:
             from kimi_k3.default_model import ensure_default_model
 
             path = ensure_default_model()
-        from kimi_k3.config import ModelArgs
+        from kimi_k3.model.config import ModelArgs
 
         vocab = ModelArgs.from_path(path).vocab_size
         text = f"{path.name}; {timing.environment()}\n\n" + measure(path, a, vocab)

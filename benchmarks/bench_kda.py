@@ -31,8 +31,8 @@ import traceback
 import mlx.core as mx
 
 from benchmarks import timing
-from kimi_k3.kda import kda_chunked, kda_mix_reference, l2norm
 from kimi_k3.kernels import kda_decode, kda_prefill, source
+from kimi_k3.model.kda import kda_chunked, kda_mix_reference, l2norm
 
 W = 4  # conv window
 QUICK = dict(heads=2, head_dim=64, lengths=[64], chain=2, repeats=1, skip_slow=True)

@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from benchmarks import timing
-from kimi_k3.attention import GatedMLA
-from kimi_k3.config import ModelArgs
+from kimi_k3.model.attention import GatedMLA
+from kimi_k3.model.config import ModelArgs
 
 K3_MLA = {
     "vocab_size": 64,

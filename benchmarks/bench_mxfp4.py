@@ -7,7 +7,7 @@ least-squares line through the chains' best totals (``timing.chain_slope``): wha
 layer's experts add to a decode step. The jobs, in interleaved rounds:
 
 - ``gather_qmm``: ``expert_glu_reference`` (MLX's quantized ops), on MLX's layout;
-- the dispatched decode: ``kimi_k3.experts.expert_glu``, which runs the kernel
+- the dispatched decode: ``kimi_k3.model.experts.expert_glu``, which runs the kernel
   ``kernels/dispatch.py`` picks, on the layout the expert store holds
   (``experts.store_layout``: tiles where CUDA's kernels read them, ``kernels/expert_layout.py``);
 - the read limit: ``read_limit.read_call``, one launch that reads the same weight bytes and
@@ -35,8 +35,8 @@ import numpy as np
 
 from benchmarks import timing
 from benchmarks.read_limit import read_call
-from kimi_k3.experts import expert_glu, expert_glu_reference, situ_glu, store_layout
 from kimi_k3.kernels import dispatch, expert_layout, source
+from kimi_k3.model.experts import expert_glu, expert_glu_reference, situ_glu, store_layout
 
 BETA, CAP = 4.0, 25.0
 QUICK = dict(

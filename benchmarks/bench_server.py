@@ -260,7 +260,7 @@ class ForwardAlone:
         included, as a client's aggregate includes it."""
         import mlx.core as mx
 
-        from kimi_k3.serving import Batch, fresh_cache, prefill
+        from kimi_k3.serve.engine import Batch, fresh_cache, prefill
 
         model = self.model
         prompts = [self.tokenizer.encode(p) for p in client_prompts(rows)]

@@ -34,9 +34,9 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks import timing
-from kimi_k3.config import ModelArgs
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.synth import write_checkpoint
-from kimi_k3.loader import load_model
+from kimi_k3.model.config import ModelArgs
 from kimi_k3.streaming import get_stats, readrate, reset_stats
 from kimi_k3.streaming.io import STAGES
 from kimi_k3.streaming.sources import expert_bytes, expert_layout, open_source
@@ -257,7 +257,7 @@ def repeated(fn, reps: int, key: str) -> dict:
 def routing_skew(path: Path, tokens: int, top: float) -> float:
     """Share of decode routing choices that go to each layer's ``top`` most used experts
     (flat routing: ``top``), from the resident model on random input tokens."""
-    import kimi_k3.experts as ke
+    import kimi_k3.model.experts as ke
 
     model, counts, glu = load_model(path, dtype=mx.float32), [], ke.expert_glu
 

@@ -64,7 +64,7 @@ def measure(model, prompt: mx.array, decode: int, repeats: int) -> dict[str, lis
 
 
 def child(state: str, path: str, prompt_tokens: int, decode: int, repeats: int):
-    from kimi_k3.loader import load_model
+    from kimi_k3.checkpoint.loader import load_model
 
     model = load_model(path, dtype=mx.float32)
     prompt = mx.array(np.random.default_rng(0).integers(0, 700, (1, prompt_tokens)))

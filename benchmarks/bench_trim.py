@@ -1,6 +1,6 @@
-"""Expert trimming (``kimi_k3.trimming``) on the trained default model, every setting in one run:
-experts kept per token, routed-expert bytes per token, held-out NLL and KL against the
-untrimmed model, and decode with streamed experts (experts read per token, tokens/s).
+"""Expert trimming (``kimi_k3.model.routing``) on the trained default model, every setting
+in one run: experts kept per token, routed-expert bytes per token, held-out NLL and KL
+against the untrimmed model, and decode with streamed experts (experts read per token, tokens/s).
 
     python -m benchmarks.bench_trim [--quick] [--out FILE.md] [--plot PNG]
 
@@ -36,9 +36,10 @@ import mlx.nn as nn
 import numpy as np
 
 from benchmarks import timing
-from kimi_k3 import default_model, trimming
+from kimi_k3 import default_model
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.eval import heldout_ids, windows
-from kimi_k3.loader import load_model
+from kimi_k3.model import routing
 from kimi_k3.streaming import clear_cache, get_stats, reset_stats
 from kimi_k3.streaming.store import moe_blocks
 
@@ -86,9 +87,9 @@ def apply(model, setting: Setting, top_k: int):
     """Put ``setting`` on every MoE layer of ``model`` (``top_k``: the model's own)."""
     p = setting.value if setting.kind == "top_p" else 1.0
     w = setting.value if setting.kind == "min_weight" else 0.0
-    trimming.set_expert_trimming(model, top_p=p, min_weight=w)
+    routing.set_expert_trimming(model, top_p=p, min_weight=w)
     k = int(setting.value) if setting.kind == "top_k" else top_k
-    for router in trimming.routers(model):
+    for router in routing.routers(model):
         router.top_k = k
 
 
@@ -115,7 +116,7 @@ class KeptCounter:
     def hook(self, moe, flat):
         inds, w = moe.gate(flat)
         ids = np.array(inds)
-        self.pairs[moe.layer_index] += int(trimming.kept(ids).sum())
+        self.pairs[moe.layer_index] += int(routing.kept(ids).sum())
         self.tokens[moe.layer_index] += ids.shape[0]
         if self.weights is not None:  # the scaling factor cancels
             w = np.array(w)

@@ -24,9 +24,9 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks import timing
-from kimi_k3.config import ModelArgs
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.synth import write_checkpoint
-from kimi_k3.loader import load_model
+from kimi_k3.model.config import ModelArgs
 from kimi_k3.streaming import clear_cache
 from kimi_k3.streaming.sources import expert_bytes, expert_layout
 from kimi_k3.streaming.store import find_streamer

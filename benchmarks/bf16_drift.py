@@ -31,8 +31,8 @@ import numpy as np
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from benchmarks import timing
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.synth import write_checkpoint
-from kimi_k3.loader import load_model
 
 
 def kl_and_top1(a: mx.array, b: mx.array) -> tuple[float, float]:
@@ -61,7 +61,7 @@ def _rel(a: mx.array, b: mx.array) -> float:
 
 def module_errors(path: Path, inputs: int, tokens: int) -> dict:
     """{block kind: [(ours, mlx-lm, ours with fp32 conv outputs or None)]}."""
-    import kimi_k3.kda as kda
+    import kimi_k3.model.kda as kda
 
     o32, o16 = load_model(path, dtype=mx.float32), load_model(path)
     r16, _ = mlx_lm_load_model(path)  # the fp32 reference is ours (= mlx-lm's within 2e-6)

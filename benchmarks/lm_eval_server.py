@@ -65,7 +65,7 @@ def items(text: str, n: int, seed: int = 0) -> list[dict]:
 
 def write_hf_tokenizer(checkpoint: Path, out: Path) -> Path:
     """The checkpoint's tokenizer as a Hugging Face tokenizer directory."""
-    from kimi_k3.tokenizer import load_tokenizer
+    from kimi_k3.text.tokenizer import load_tokenizer
 
     load_tokenizer(checkpoint)._tokenizer.save_pretrained(out)
     return out

@@ -62,10 +62,10 @@ def measure(prompts: int, tokens: int, settings: dict, slot_step: int = 1) -> di
     slot counts from top-k to all experts (every ``slot_step``-th, and all experts)."""
     from benchmarks.bench_cache_policy import prompts as held_out_prompts
     from kimi_k3 import default_model
-    from kimi_k3.loader import load_model
+    from kimi_k3.checkpoint.loader import load_model
+    from kimi_k3.model.routing import set_expert_trimming
     from kimi_k3.streaming.simulate import hit_rates, record
     from kimi_k3.streaming.store import StreamOptions
-    from kimi_k3.trimming import set_expert_trimming
 
     model = load_model(default_model.package_dir())
     ps = held_out_prompts(prompts, 256)

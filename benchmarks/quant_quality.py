@@ -27,9 +27,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from benchmarks import timing
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.convert import Settings, convert
 from kimi_k3.convert.synth import write_checkpoint
-from kimi_k3.loader import load_model
 
 WIDTHS = ((16, 64), (8, 64), (4, 64), (4, 32))
 

@@ -3,14 +3,13 @@
 
 import sys
 
+from kimi_k3.convert import convert, synth
+
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "synth":
-        from kimi_k3.convert import synth
-
         return synth.main(argv[1:])
-    from kimi_k3.convert import convert
 
     return convert.main(argv)
 

@@ -2,16 +2,16 @@
 
     python -m kimi_k3.convert --hf-path IN --out OUT [--dense-bits 4|8|16] [--verify]
 
-OUT gets the dense weights (MLX affine-quantized, or bf16 with ``--dense-bits 16``) in
-safetensors shards under this module tree's names, the routed experts copied bit-exactly
-into an expert pack (``kimi_k3.expert_pack``), ``config.json`` with MLX's ``quantization``
-entry, the tokenizer files (never code), ``kimi_k3_checksums.json`` (crc32 per dense tensor,
-checked at load: ``kimi_k3.checksums``) and ``kimi_k3_manifest.json`` (versions, settings,
-sha256 per file), written last. Memory stays bounded by one chunk of one tensor
-(``--chunk-mb``) plus one expert record per worker, whatever the checkpoint's size. Every
-output file is written under a temporary name and renamed when complete; a rerun after an
-interruption skips the files already complete (``.kimi_k3_convert_state.json`` records
-them with their checksums). docs/converter.md describes the layout and the guarantees.
+OUT gets the dense weights (MLX affine-quantized, or bf16 with ``--dense-bits 16``) in safetensors
+shards under this module tree's names, the routed experts copied bit-exactly into an expert pack
+(``kimi_k3.checkpoint.expert_pack``), ``config.json`` with MLX's ``quantization`` entry, the
+tokenizer files (never code), ``kimi_k3_checksums.json`` (crc32 per dense tensor, checked at load:
+``kimi_k3.checkpoint.checksums``) and ``kimi_k3_manifest.json`` (versions, settings, sha256 per
+file), written last. Memory stays bounded by one chunk of one tensor (``--chunk-mb``) plus one
+expert record per worker, whatever the checkpoint's size. Every output file is written under a
+temporary name and renamed when complete; a rerun after an interruption skips the files already
+complete (``.kimi_k3_convert_state.json`` records them with their checksums). docs/converter.md
+describes the layout and the guarantees.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,9 +40,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from kimi_k3 import checksums
-from kimi_k3 import expert_pack as ep
-from kimi_k3.checkpoint import (
+from kimi_k3.checkpoint import checksums
+from kimi_k3.checkpoint import expert_pack as ep
+from kimi_k3.checkpoint.files import (
     DTYPE_SIZE,
     MAX_CONFIG_BYTES,
     NON_TEXT_PREFIXES,
@@ -53,9 +54,10 @@ from kimi_k3.checkpoint import (
     read_capped,
     write_text_atomic,
 )
-from kimi_k3.config import ConfigError, ModelArgs, read_config_json
-from kimi_k3.layouts import detect
-from kimi_k3.model import Model, sanitize_weights
+from kimi_k3.checkpoint.layouts import detect
+from kimi_k3.model.config import ConfigError, ModelArgs, read_config_json
+from kimi_k3.model.model import Model, sanitize_weights
+from kimi_k3.model.parallel import expert_range
 
 MANIFEST = "kimi_k3_manifest.json"
 STATE = ".kimi_k3_convert_state.json"
@@ -91,7 +93,6 @@ class Settings:
 
     def experts(self, num_experts: int) -> range:
         """The experts of every MoE layer the pack holds (``kimi_k3.distributed``'s split)."""
-        from kimi_k3.distributed import expert_range
 
         return expert_range(num_experts, self.ranks, self.rank)
 
@@ -286,7 +287,6 @@ def fingerprint(src: CheckpointIndex, config_text: str, settings: Settings) -> s
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         ours = version("kimi-k3")
@@ -567,7 +567,8 @@ class _Run:
         return manifest
 
     def _checksums(self):
-        """The dense shards' per-tensor crc32 (``kimi_k3.checksums``), computed as written.
+        """The dense shards' per-tensor crc32 (``kimi_k3.checkpoint.checksums``), computed as
+        written.
         No mtimes (the output stays the same bytes run after run): the first load reads the
         shards once, checks them against these, and records their mtimes."""
         files = {

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_k3.checkpoint import ShardWriter, bf16_bits, write_text_atomic
+from kimi_k3.checkpoint.files import ShardWriter, bf16_bits, write_text_atomic
+from kimi_k3.text.tokenizer import write_synthetic_tokenizer
 
 PREFIX = "language_model.model"
 
@@ -321,8 +322,6 @@ def write_checkpoint(
     config[SYNTHETIC_KEY] = {"seed": seed, "note": "random weights: the output is gibberish"}
     write_text_atomic(out / "config.json", json.dumps(config, indent=1))
     if tokenizer:
-        from kimi_k3.tokenizer import write_synthetic_tokenizer
-
         write_synthetic_tokenizer(out, p["vocab_size"], seed=seed)
     return out
 

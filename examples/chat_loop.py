@@ -16,8 +16,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 import kimi_k3
-from kimi_k3.chat import END, close_tag, encode_chat, encode_segments
 from kimi_k3.convert.synth import checkpoint_or_synthetic
+from kimi_k3.text.chat import END, close_tag, encode_chat, encode_segments
 
 
 def cached_tokens(cache: list, history: list[int]) -> int:

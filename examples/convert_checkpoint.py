@@ -43,7 +43,7 @@ def convert(src: str, out: str, dense_bits: int, group_size: int):
 
 def compare(src: str, out: str, tokens: int = 16) -> float:
     """Norm-relative difference of the two directories' fp32 logits on a fixed prompt."""
-    from kimi_k3.loader import load_model
+    from kimi_k3.checkpoint.loader import load_model
 
     a = load_model(src, dtype=mx.float32)
     ids = mx.array(np.random.default_rng(0).integers(0, a.args.vocab_size - 256, (1, tokens)))

@@ -25,10 +25,10 @@ import matplotlib.pyplot as plt
 import mlx.core as mx
 import numpy as np
 
-from kimi_k3.chat import encode_chat
-from kimi_k3.checkpoint import CheckpointIndex
-from kimi_k3.loader import load_model
-from kimi_k3.tokenizer import load_tokenizer
+from kimi_k3.checkpoint.files import CheckpointIndex
+from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.text.chat import encode_chat
+from kimi_k3.text.tokenizer import load_tokenizer
 from kimi_k3.trace import trace
 
 MODEL = os.environ.get("KIMI_K3_MODEL")

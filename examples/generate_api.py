@@ -14,8 +14,8 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 import kimi_k3
-from kimi_k3.chat import encode_chat
 from kimi_k3.convert.synth import checkpoint_or_synthetic
+from kimi_k3.text.chat import encode_chat
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

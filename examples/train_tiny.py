@@ -20,9 +20,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.synth import checkpoint_or_synthetic
-from kimi_k3.loader import load_model
-from kimi_k3.tokenizer import load_tokenizer
+from kimi_k3.text.tokenizer import load_tokenizer
 
 TEXT = (
     "Kimi K3 mixes two kinds of attention. Most layers use Kimi Delta Attention, a linear "

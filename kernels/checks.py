@@ -16,12 +16,15 @@ against other pure-MLX renderings of the same maths (a machine without kernels).
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
+from . import expert_layout, kda_decode, kda_prefill
 
 BETA, CAP = 4.0, 25.0  # SiTU's beta and the up branch's cap (K3's values are of this order)
 KDA_TOL = 1e-4  # RMS-relative, fp32: the kernels agree to about 1e-6 on the emulator
@@ -138,7 +141,7 @@ def _first_line(e: Exception) -> str:
 
 
 def kda_layer(H: int, K: int, seed: int = 0, W: int = 4) -> dict:
-    """A KDA layer's constants (``kimi_k3.kda.kda_mix_reference``'s ``p``), random."""
+    """A KDA layer's constants (``kimi_k3.model.kda.kda_mix_reference``'s ``p``), random."""
     r = np.random.default_rng(seed)
     P = H * K
 
@@ -169,8 +172,8 @@ def kda_inputs(B: int, T: int, H: int, K: int, seed: int = 1, W: int = 4) -> tup
 
 
 # The pure-MLX references, registered by the model's modules as they are imported
-# (``kimi_k3.kda``, ``kimi_k3.experts``: the only callers of the dispatcher), so that the
-# kernels' package imports nothing above it.
+# (``kimi_k3.model.kda``, ``kimi_k3.model.experts``: the only callers of the dispatcher), so
+# that the kernels' package imports nothing above it.
 REFERENCES: dict[str, Callable] = {}
 
 
@@ -180,13 +183,13 @@ def reference(name: str) -> Callable:
         return REFERENCES[name]
     except KeyError:
         raise LookupError(
-            f"no reference {name!r} registered: import kimi_k3.kda and kimi_k3.experts first"
+            f"no reference {name!r} registered: import kimi_k3.model.kda and "
+            "kimi_k3.model.experts first"
         ) from None
 
 
 def kda_case(name: str, backend: str, B: int, T: int, H: int, K: int) -> Case:
     """``kda_decode`` (T = 1) or ``kda_prefill`` against ``kda_mix_reference``."""
-    from . import kda_decode, kda_prefill
 
     kda_mix_reference = reference("kda_mix_reference")
 
@@ -240,9 +243,6 @@ _EXPERT_FNS = {
 
 def expert_case(name: str, backend: str, E: int, D: int, I: int, N: int, k: int) -> Case:
     """An MXFP4 expert kernel variant against ``expert_glu_reference`` (fp32 latents)."""
-    import importlib
-
-    from . import expert_layout
 
     expert_glu_reference = reference("expert_glu_reference")
 

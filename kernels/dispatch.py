@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from functools import partial
 
 import mlx.core as mx
 
+from . import (
+    expert_layout,
+    kda_decode,
+    kda_prefill,
+    mxfp4_decode,
+    mxfp4_mma,
+    mxfp4_one,
+    mxfp4_prefill,
+    mxfp4_prefill_mma,
+    source,
+)
+from .source import env_choice
 from .verdict import usable
 
 KDA_DTYPES = (mx.float32, mx.bfloat16)
@@ -16,7 +29,6 @@ def reference_forced(part: str) -> bool:
     """``KIMI_K3_REFERENCE=1`` (or ``all``, or ``part``: ``kda`` / ``experts``) forces the
     pure-MLX reference for that part of the model; ``0`` or unset forces nothing, and any
     other value is an error (a misspelt part would otherwise be silently ignored)."""
-    from .source import env_choice
 
     value = env_choice("KIMI_K3_REFERENCE", ("0", "1", "all", "kda", "experts"), "0")
     return value in ("1", "all", part)
@@ -45,16 +57,13 @@ def checked(name: str, backend: str, fn):
 
 
 def kda_mix_kernel(p, x_q, conv_state, state):
-    """The kernel implementation of ``kimi_k3.kda.kda_mix`` for these inputs, or None.
+    """The kernel implementation of ``kimi_k3.model.kda.kda_mix`` for these inputs, or None.
     ``KIMI_K3_REFERENCE=1`` (or ``kda``) forces the reference.
 
     Metal or CUDA (``source.backend()``), activations in float32 or bfloat16: one decode
     launch for T = 1, the chunk kernels for longer inputs; None (the reference) otherwise,
     and where the kernel failed its check on this machine (``checked``).
     """
-    from functools import partial
-
-    from . import kda_decode, kda_prefill, source
 
     backend = source.backend()
     heads, head_dim = p["heads"], p["head_dim"]
@@ -88,7 +97,6 @@ def expert_decode_choice(pairs: int) -> str:
     ``pairs`` (token, choice) pairs: one launch up to ``EXPERT_ONE_LAUNCH_MAX_PAIRS``.
     ``KIMI_K3_EXPERT_DECODE=one`` / ``three`` forces either (another value is an error); both
     give the same bits."""
-    from .source import env_choice
 
     default = "one" if pairs <= EXPERT_ONE_LAUNCH_MAX_PAIRS else "three"
     return env_choice("KIMI_K3_EXPERT_DECODE", ("one", "three"), default)
@@ -105,13 +113,12 @@ def expert_prefill_choice() -> str:
     experts are used). It is also slower than the tensor-core kernel that serves CUDA, as is
     the LUT kernel (Metal's), there (docs/benchmarks.md#dispatch-thresholds).
     """
-    from .source import env_choice
 
     return env_choice("KIMI_K3_EXPERT_PREFILL", ("kernel", "reference"), "kernel")
 
 
 def expert_glu_kernel(z, w, inds):
-    """The kernel implementation of ``kimi_k3.experts.expert_glu`` for these inputs, or None.
+    """The kernel implementation of ``kimi_k3.model.experts.expert_glu`` for these inputs, or None.
 
     Metal or CUDA (``source.backend()``) and inputs ``mxfp4_decode.eligible`` accepts: the
     per-pair decode kernels up to ``EXPERT_DECODE_MAX_PAIRS`` pairs (on CUDA the tensor-core
@@ -126,17 +133,6 @@ def expert_glu_kernel(z, w, inds):
     ``KIMI_K3_REFERENCE=1`` (or ``experts``) forces the reference; a variant that failed its
     check on this machine gives None too (``checked``).
     """
-    from functools import partial
-
-    from . import (
-        expert_layout,
-        mxfp4_decode,
-        mxfp4_mma,
-        mxfp4_one,
-        mxfp4_prefill,
-        mxfp4_prefill_mma,
-        source,
-    )
 
     if reference_forced("experts"):
         return None

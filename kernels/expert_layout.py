@@ -17,7 +17,7 @@ in a row (an 8-group step of the decode kernels) are one 32-bit word. Index of r
 On the H200 the one-launch decode (``mxfp4_one``) is faster on tiles than on MLX's layout
 (docs/benchmarks.md#decode-the-tiled-store-against-mlxs-layout; the scale words:
 docs/benchmarks.md#mxfp4-decode-parameters), so the expert store holds tiles where CUDA's
-kernels serve it (``kimi_k3.experts.store_layout``, ``kernels_read``). A stack in
+kernels serve it (``kimi_k3.model.experts.store_layout``, ``kernels_read``). A stack in
 this layout is a ``TiledStacks``: every consumer either reads tiles (``mxfp4_one``,
 ``mxfp4_mma``, ``mxfp4_prefill_mma``, each with its ``tiled`` variant) or calls ``untile``
 first (``expert_glu_reference``), so tiles are never read as MLX's layout by mistake.
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+
+from .mxfp4_mma import eligible_dims
 
 LAYOUTS = ("auto", "mlx", "tiled")
 
@@ -50,7 +52,6 @@ def kernels_read(dim: int, hidden: int) -> bool:
     """Whether CUDA's tensor-core kernels read tiled stacks of these dims (their
     ``mxfp4_mma.eligible_dims``, which implies ``supports``): where ``expert_layout="auto"``
     tiles the store on CUDA."""
-    from .mxfp4_mma import eligible_dims
 
     return eligible_dims(dim, hidden)
 

@@ -259,7 +259,7 @@ def _launch(backend, dt, B, H, K, W):
 
 
 def kda_decode(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
-    """One decode step (T = 1) of ``kimi_k3.kda.kda_mix_reference``, in one launch.
+    """One decode step (T = 1) of ``kimi_k3.model.kda.kda_mix_reference``, in one launch.
 
     Shapes as ``kda_mix_reference`` with T = 1: x_*, g_raw, gate [B, 1, H*K]; b_logits [B, 1, H];
     conv_state [B, W-1, 3*H*K] or None; state [B, H, K, K] fp32 or None. Per call it only

@@ -7,7 +7,7 @@ then ``kda_post`` (per-head RMSNorm x sigmoid(gate)). No MLX elementwise pass ru
 
 ``kda_chunk_prep`` runs on every (batch, head, chunk) at once (its 16-channel q and k tiles
 copied asynchronously one tile ahead). For one 64-token chunk, with G
-the in-chunk cumulative sum of g (``kimi_k3.kda.kda_chunked`` has the algebra):
+the in-chunk cumulative sum of g (``kimi_k3.model.kda.kda_chunked`` has the algebra):
 
     Aqk = lower(q_i . k_j exp(G_i - G_j))          Qd = exp(G) q,  Kd = exp(G_last - G) k
     L   = strict_lower(beta_i k_i . k_j exp(G_i - G_j)),  X = (I + L)^-1
@@ -952,7 +952,7 @@ def chunk_state(backend: str, prep, state, T: int, precision: str = "fp32"):
 
 
 def kda_chunk(backend: str, q, k, v, g, beta, state, precision: str = "fp32"):
-    """``kimi_k3.kda.kda_chunked`` on the kernels; same contract (o, state), K == V.
+    """``kimi_k3.model.kda.kda_chunked`` on the kernels; same contract (o, state), K == V.
 
     Shapes: q, k, v, g: [B, T, H, K] (q scaled and normalised); beta: [B, T, H];
     state: [B, H, K, K] fp32 or None. ``precision``: the tensor-core state pass's
@@ -1010,7 +1010,7 @@ def post(backend: str, p: dict, o, gate):
 
 
 def kda_prefill(backend: str, p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
-    """``kimi_k3.kda.kda_mix_reference`` on four kernels and no MLX elementwise passes.
+    """``kimi_k3.model.kda.kda_mix_reference`` on four kernels and no MLX elementwise passes.
 
     ``kda_pre`` (conv + SiLU, L2 norms, q scale, gate, beta, new conv window), the chunk
     kernels (``kda_chunk_prep``, ``kda_chunk_state``), ``kda_post`` (RMSNorm x sigmoid(gate)).

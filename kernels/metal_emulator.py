@@ -22,6 +22,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from kimi_k3 import cache_dir as user_cache
+
 SHIM_DIR = Path(__file__).parent / "emulator"
 CXXFLAGS = ["-O2", "-U_FORTIFY_SOURCE", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-w"]
 MAX_CONSTANT_ARRAY_SIZE = 8  # inputs with fewer elements go to the constant address space
@@ -104,7 +106,6 @@ def cache_dir() -> Path:
     """Where compiled kernels are kept: ``$KIMI_K3_EMULATOR_CACHE``, else ``metal_emulator``
     in the user's cache (``kimi_k3.cache_dir()``), created with mode 0700. A library found
     there is loaded into this process, so the directory must be private (``check_private``)."""
-    from kimi_k3 import cache_dir as user_cache
 
     path = Path(os.environ.get("KIMI_K3_EMULATOR_CACHE") or user_cache() / "metal_emulator")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)

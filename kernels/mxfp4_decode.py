@@ -275,7 +275,7 @@ MXFP4_SUM = Kernel(
 
 
 def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None):
-    """``kimi_k3.experts.expert_glu_reference`` in three launches, for few tokens.
+    """``kimi_k3.model.experts.expert_glu_reference`` in three launches, for few tokens.
 
     Shapes: z [N, D]; w as ``expert_glu_reference`` (leading axis: experts or cache slots);
     inds [N, k]; weights [N, k]. Returns fp32 [N, D]. The 128-bit loads need 16-byte aligned

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import mxfp4_decode
 from .mxfp4_decode import HEADER, K3, sum_pairs
 from .source import Instance, Kernel, constant, derived, swap
 from .source import backend as default_backend
@@ -553,7 +554,6 @@ MXFP4_MMA_PRMT = byte_permute_decode(MXFP4_MMA)
 def eligible(z, w, inds) -> bool:
     """What ``mxfp4_decode.eligible`` accepts, with D and I multiples of 128 (scale bytes read
     four at a time) and the activations' fragments within threadgroup memory."""
-    from . import mxfp4_decode
 
     if not mxfp4_decode.eligible(z, w, inds):
         return False

@@ -267,7 +267,7 @@ def grouped_glu(z, w, inds, weights, beta, cap, tm: int, gemm):
 def expert_glu_prefill(
     z, w, inds, weights, beta, cap, tile_tokens: int | None = None, backend: str | None = None
 ):
-    """``kimi_k3.experts.expert_glu_reference`` as two grouped GEMMs, for many tokens.
+    """``kimi_k3.model.experts.expert_glu_reference`` as two grouped GEMMs, for many tokens.
 
     Shapes: z [N, D]; w as ``expert_glu_reference`` (leading axis: experts or cache slots);
     inds [N, k]; weights [N, k]. Returns fp32 [N, D].

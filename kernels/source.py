@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
+from .metal_emulator import TYPES, check_cuda_grid, metal_kernel
+
 BACKENDS = ("metal", "cuda")
 
 _LINEAR = "(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z))"
@@ -552,8 +554,6 @@ class Kernel:
         if backend == "metal":
             return mx.fast.metal_kernel(*args, header=header)
         if backend == "emulator":
-            from .metal_emulator import metal_kernel
-
             return metal_kernel(*args, header=header, strict=True)
         raise ValueError(f"no kernels for backend {backend!r}")
 
@@ -562,8 +562,6 @@ class Kernel:
         grid past CUDA's block limits is refused here, naming the kernel (MLX's own error is
         ``cuGraphAddKernelNode ... invalid argument``, at evaluation)."""
         if backend == "cuda":
-            from .metal_emulator import check_cuda_grid
-
             try:
                 check_cuda_grid(launch["grid"], launch["threadgroup"])
             except RuntimeError as e:
@@ -609,8 +607,6 @@ def cuda_kernel_name(name: str, template) -> str:
         if isinstance(arg, bool):
             out += "_t" if arg else "_f"
         elif isinstance(arg, mx.Dtype):
-            from .metal_emulator import TYPES
-
             out += "_" + TYPES[arg][0]
         else:
             out += f"_{int(arg)}"

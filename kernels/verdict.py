@@ -23,6 +23,7 @@ one dict read. The first decision takes a lock, so threads calling at once check
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import platform
@@ -32,6 +33,13 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+
+from kimi_k3 import cache_dir
+from kimi_k3.checkpoint.files import write_text_atomic
+
+from . import checks
+from .checks import _EXPERT_FNS
+from .source import env_choice
 
 CHECK_ENV = "KIMI_K3_KERNEL_CHECK"
 FILE = "kernel_verdicts.json"
@@ -51,7 +59,6 @@ def usable(name: str, backend: str) -> bool:
 
 
 def _decide(name: str, backend: str) -> bool:
-    from .source import env_choice
 
     with _LOCK:
         hit = _USABLE.get((name, backend))
@@ -74,7 +81,6 @@ def _decide(name: str, backend: str) -> bool:
 
 def first_use_check(name: str, backend: str) -> dict:
     """Run ``name``'s small case against the reference; the verdict as recorded."""
-    from . import checks
 
     t0 = time.perf_counter()
     try:
@@ -109,7 +115,6 @@ def warn(name: str, rec: dict) -> None:
 
 
 def verdicts_path() -> Path:
-    from kimi_k3 import cache_dir
 
     return cache_dir() / FILE
 
@@ -127,7 +132,6 @@ def load() -> dict:
 def record(entries: dict) -> None:
     """Add ``{key: record}`` to the verdict file (written whole, atomically). A cache that
     cannot be written leaves the verdicts in this process only, with one line saying so."""
-    from kimi_k3.checkpoint import write_text_atomic
 
     path = verdicts_path()
     data = {**load(), **entries}
@@ -164,7 +168,6 @@ def source_hash(name: str, backend: str) -> str:
     """sha256 (16 hex digits) of the files the variant's code comes from: its module, the
     kernel modules it imports (transitively), ``source.py``; and the emulator's files for
     ``emulator``."""
-    from .checks import _EXPERT_FNS
 
     module = _EXPERT_FNS[name][0] if name in _EXPERT_FNS else name
     key = (module, backend)
@@ -182,7 +185,6 @@ def source_hash(name: str, backend: str) -> str:
 def kernel_files(module: str, seen: set | None = None) -> set:
     """``kernels/<module>.py`` and the kernel modules it imports (``from . import x``,
     ``from .x import y``, anywhere in the file), transitively."""
-    import ast
 
     seen = set() if seen is None else seen
     path = _HERE / f"{module}.py"

@@ -28,12 +28,12 @@ __all__ = [
 
 # Name -> module for the lazily imported public API (PEP 562).
 _LAZY = {
-    "load_model": "kimi_k3.loader",
-    "Model": "kimi_k3.model",
-    "ModelArgs": "kimi_k3.config",
+    "load_model": "kimi_k3.checkpoint.loader",
+    "Model": "kimi_k3.model.model",
+    "ModelArgs": "kimi_k3.model.config",
     "trace": "kimi_k3.trace",
-    "set_expert_trimming": "kimi_k3.trimming",
-    "expert_trimming": "kimi_k3.trimming",
+    "set_expert_trimming": "kimi_k3.model.routing",
+    "expert_trimming": "kimi_k3.model.routing",
     "ensure_default_model": "kimi_k3.default_model",
 }
 
@@ -68,7 +68,7 @@ def check_checkpoint(path: str | Path) -> dict:
     ``ConfigError`` (not UTF-8 JSON, not an object, or another model family) naming the path.
     ``load_model`` and ``load`` start with it.
     """
-    from kimi_k3.config import ConfigError, read_config_json
+    from kimi_k3.model.config import ConfigError, read_config_json
 
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -129,7 +129,8 @@ def load(
         return_config: also return the ``config.json`` dict.
         trust_remote_code: accepted for mlx-lm compatibility; no remote code is ever run.
         verify_checksums: check every tensor and streamed expert read from disk against its
-            recorded crc32 (``kimi_k3.checksums``, recorded at the first load); False skips.
+            recorded crc32 (``kimi_k3.checkpoint.checksums``, recorded at the first load);
+            False skips.
         pipeline_group, tensor_group, expert_group: ``mx.distributed`` groups, as
             ``mlx_lm.utils.sharded_load`` takes them: this rank's pipeline stage (reading
             only its layers' tensors), tensor parallel dense projections (routed experts
@@ -139,7 +140,7 @@ def load(
         expert_top_p, expert_min_weight: per-token expert trimming, off by default (1 and
             0): keep a token's routed experts in decreasing renormalised router weight until
             the kept weights reach ``expert_top_p``, drop those below ``expert_min_weight``;
-            the first is always kept (``kimi_k3.trimming``; streamed experts that no token
+            the first is always kept (``kimi_k3.model.routing``; streamed experts that no token
             keeps are never read). ``set_expert_trimming(model, top_p, min_weight)`` changes
             them later.
         stream_options: passed on to the expert streamer; ``expert_layout=`` (``"auto"``,
@@ -151,20 +152,20 @@ def load(
     """
     import mlx.core as mx
 
-    from kimi_k3 import trimming
-    from kimi_k3.loader import TRIM_NAMES, load_model
-    from kimi_k3.tokenizer import load_tokenizer
+    from kimi_k3.checkpoint.loader import TRIM_NAMES, load_model
+    from kimi_k3.model import routing
+    from kimi_k3.text.tokenizer import load_tokenizer
 
-    trimming.check(expert_top_p, expert_min_weight, TRIM_NAMES)
+    routing.check(expert_top_p, expert_min_weight, TRIM_NAMES)
     config = check_checkpoint(path)
     path = Path(path).expanduser()
     overrides = _check_model_config(model_config or {})
     groups = (pipeline_group, tensor_group, expert_group)
     if any(g is not None for g in groups):
-        from kimi_k3 import distributed
+        from kimi_k3.model import parallel
 
         stream_options["prepare"] = partial(
-            distributed.prepare,
+            parallel.prepare,
             pipeline_group=pipeline_group,
             expert_group=expert_group,
         )
@@ -192,7 +193,7 @@ def load(
 
 
 def _check_model_config(overrides: dict) -> dict:
-    from kimi_k3.config import ConfigError
+    from kimi_k3.model.config import ConfigError
 
     for key in overrides:
         if key not in RUNTIME_CONFIG_KEYS:

@@ -17,13 +17,16 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 import kimi_k3
-from kimi_k3 import default_model, distributed, trimming
-from kimi_k3.checkpoint import CheckpointIndex
-from kimi_k3.config import ConfigError
-from kimi_k3.expert_pack import PACK_DIR
-from kimi_k3.model import ROUTED_EXPERT_NAME
-from kimi_k3.streaming.cache import available_memory, default_cache_gb
-from kimi_k3.tokenizer import BOS_TOKEN, PAD_TOKEN, UNK_TOKEN
+from kimi_k3 import default_model, distributed
+from kimi_k3.checkpoint.expert_pack import PACK_DIR
+from kimi_k3.checkpoint.files import CheckpointIndex
+from kimi_k3.convert.synth import SYNTHETIC_KEY
+from kimi_k3.model import routing
+from kimi_k3.model.config import ConfigError, ModelArgs
+from kimi_k3.model.experts import ROUTED_EXPERT_NAME
+from kimi_k3.streaming.cache import GB, available_memory, default_cache_gb, slots_per_layer
+from kimi_k3.streaming.sources import expert_bytes, expert_layout
+from kimi_k3.text.tokenizer import BOS_TOKEN, PAD_TOKEN, UNK_TOKEN
 
 RESERVE_GB = 4.0  # memory left for the OS, activations and KV caches
 INTERRUPTED = 130
@@ -85,7 +88,7 @@ def add_model_arguments(p: argparse.ArgumentParser):
 
 
 def add_trimming_arguments(p: argparse.ArgumentParser):
-    """``--expert-top-p`` and ``--expert-min-weight`` (``kimi_k3.trimming``)."""
+    """``--expert-top-p`` and ``--expert-min-weight`` (``kimi_k3.model.routing``)."""
     p.add_argument(
         "--expert-top-p",
         type=float,
@@ -152,7 +155,7 @@ def check_model_arguments(args):
     if gb is not None and not (math.isfinite(gb) and gb > 0):
         raise ArgumentError(f"--expert-cache-gb must be a positive number of GB, got {gb}")
     try:
-        trimming.check(args.expert_top_p, args.expert_min_weight, TRIM_FLAGS)
+        routing.check(args.expert_top_p, args.expert_min_weight, TRIM_FLAGS)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
 
@@ -180,7 +183,6 @@ def resolve_model(path: Path | None, expert_cache_gb: float | None):
     """``(path, expert_cache_gb)`` after defaults: no path means the demo model (built on
     first use, a notice on stderr) with its streaming budget. Checks the directory, says
     so when its weights are random, and checks the budget holds a token's experts."""
-    from kimi_k3.convert.synth import SYNTHETIC_KEY
 
     demo = path is None
     if demo:
@@ -199,9 +201,6 @@ def resolve_model(path: Path | None, expert_cache_gb: float | None):
 
 def check_expert_budget(path: Path, expert_cache_gb: float):
     """``ArgumentError`` unless the cache holds top-k experts of every MoE layer."""
-    from kimi_k3.config import ModelArgs
-    from kimi_k3.streaming.cache import GB, slots_per_layer
-    from kimi_k3.streaming.sources import expert_bytes, expert_layout
 
     try:
         args = ModelArgs.from_path(path)

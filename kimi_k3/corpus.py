@@ -22,7 +22,7 @@ Two corpora, both split by file:
 
 The tokenizer is a byte-level BPE trained with ``tokenizers`` on the training files, using
 K3's pre-tokenizer regex, and written as K3 writes its own: a tiktoken rank file plus
-``tokenizer_config.json`` naming the 256 special tokens (``kimi_k3.tokenizer``).
+``tokenizer_config.json`` naming the 256 special tokens (``kimi_k3.text.tokenizer``).
 
     python -m kimi_k3.corpus fetch DIR                  # download and verify SOURCES
     python -m kimi_k3.corpus stats DIR [--tokenizer T]  # markdown table per source and split
@@ -51,10 +51,11 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-from kimi_k3.tokenizer import (
+from kimi_k3.text.tokenizer import (
     KIMI_PATTERN,
     NUM_SPECIAL_TOKENS,
     byte_to_unicode,
+    load_tokenizer,
     write_tokenizer_files,
 )
 
@@ -744,8 +745,6 @@ def main(argv=None):
         else:
             tok = None
             if args.tokenizer:
-                from kimi_k3.tokenizer import load_tokenizer
-
                 tok = load_tokenizer(args.tokenizer)
             print(stats_table(read_reports(args.dir), tok))
     except CorpusError as e:

@@ -18,6 +18,9 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from kimi_k3 import cache_dir
+from kimi_k3.checkpoint.files import CheckpointIndex
+
 # The expert cache holds this share of the expert bytes, so decoding really reads experts
 # from disk.
 CACHE_FRACTION = 0.25
@@ -57,7 +60,6 @@ def version() -> str:
 def default_dir() -> Path:
     """``<cache>/default-<version>``, the cache being ``kimi_k3.cache_dir()``
     (``$KIMI_K3_CACHE``, else ``$XDG_CACHE_HOME/kimi_k3``, else ``~/.cache/kimi_k3``)."""
-    from kimi_k3 import cache_dir
 
     return cache_dir() / f"default-{version()}"
 
@@ -93,7 +95,6 @@ def heldout_text() -> str:
 
 def expert_bytes(path: str | Path) -> int:
     """Bytes of routed-expert tensors in a checkpoint (any layout)."""
-    from kimi_k3.checkpoint import CheckpointIndex
 
     return sum(t.nbytes for n, t in CheckpointIndex(path).tensors.items() if ".experts." in n)
 

@@ -33,9 +33,32 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kimi_k3 import experts, kda
-from kimi_k3.cli import USAGE_ERROR, HelpFormatter, Parser, fail, ram_gb
-from kimi_k3.kernels import checks, dispatch
+from kimi_k3 import cache_dir
+from kimi_k3.checkpoint import checksums
+from kimi_k3.checkpoint.expert_pack import is_pack_dir
+from kimi_k3.checkpoint.files import CheckpointIndex
+from kimi_k3.checkpoint.layouts import mlx_lm_expert_names
+from kimi_k3.cli import USAGE_ERROR, ArgumentError, HelpFormatter, Parser, UserError, fail, ram_gb
+from kimi_k3.default_model import CACHE_FRACTION
+from kimi_k3.kernels import checks, dispatch, source, verdict
+from kimi_k3.model import experts, kda
+from kimi_k3.model.config import ModelArgs
+from kimi_k3.model.experts import expert_keys
+from kimi_k3.projection import (
+    COLIBRI_KEPT,
+    DENSE_GB,
+    EXPERTS_GB,
+    KERNEL_EFFICIENCY,
+    RESERVE_GB,
+    Mac,
+    Sizes,
+    expert_budget_gb,
+    project,
+    recommended_budget,
+)
+from kimi_k3.streaming import readrate
+from kimi_k3.streaming.sources import expert_bytes, expert_layout, open_source
+from kimi_k3.streaming.store import StreamOptions
 
 FORMATS = ("pack", "shards", "mlx-lm")
 
@@ -68,7 +91,6 @@ def setup_arg_parser() -> Parser:
 
 
 def check_args(args) -> None:
-    from kimi_k3.generate import ArgumentError
 
     if args.reps < 1:
         raise ArgumentError(f"--reps {args.reps}: expected 1 or more")
@@ -99,8 +121,6 @@ def memory_gbps(mb: int = 256, reps: int = 5) -> float:
 
 
 def machine_lines(model: Path | None, backend: str | None, emulate: bool) -> list[str]:
-    from kimi_k3 import cache_dir
-    from kimi_k3.kernels import verdict
 
     gpu = mx.metal.is_available() or mx.cuda.is_available()
     info = mx.device_info() if gpu else {}
@@ -280,7 +300,6 @@ def _dense_experts_case(E: int, D: int, I: int, N: int, k: int) -> checks.Case:
 def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -> list:
     """Run every case; record one verdict per variant (all its cases pass, or the first
     failure) unless ``record`` is off or there is no backend."""
-    from kimi_k3.kernels import checks, verdict
 
     todo = kernel_cases(backend, k3) if backend else reference_cases(k3)
     results, per_variant = [], {}
@@ -306,7 +325,6 @@ def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -
 def first_use_line(backend: str) -> str:
     """The time of the first-use check of every variant (its small case, as a model run
     makes it), the kernels already built: what a run pays once per machine."""
-    from kimi_k3.kernels import checks
 
     names = checks.KERNELS[backend]
     t0 = time.perf_counter()
@@ -324,10 +342,6 @@ def first_use_line(backend: str) -> str:
 
 def formats(path: Path, layer: int) -> list[str]:
     """The expert formats ``path`` holds, of ``FORMATS``."""
-    from kimi_k3.checkpoint import CheckpointIndex
-    from kimi_k3.expert_pack import is_pack_dir
-    from kimi_k3.layouts import mlx_lm_expert_names
-    from kimi_k3.model import expert_keys
 
     out = ["pack"] if is_pack_dir(path) else []
     if any(path.glob("*.safetensors")):
@@ -342,11 +356,6 @@ def formats(path: Path, layer: int) -> list[str]:
 def read_rates(path: Path, kind: str, read_gb: float, reps: int, log) -> dict:
     """Streamer and raw reads of ``kind``'s experts in ``path``, decode-shaped (top-k a layer
     call, what the last call held not read again), interleaved ``reps`` times; medians."""
-    from kimi_k3 import checksums
-    from kimi_k3.config import ModelArgs
-    from kimi_k3.streaming import readrate
-    from kimi_k3.streaming.sources import expert_bytes, expert_layout, open_source
-    from kimi_k3.streaming.store import StreamOptions
 
     args = ModelArgs.from_path(path)
     layers = list(range(args.first_k_dense_replace, args.num_hidden_layers))
@@ -389,10 +398,6 @@ def read_rates(path: Path, kind: str, read_gb: float, reps: int, log) -> dict:
 def dir_sizes(path: Path):
     """``projection.Sizes`` of the model in ``path`` (dense GB: its safetensors bytes that
     are not routed experts)."""
-    from kimi_k3.checkpoint import CheckpointIndex
-    from kimi_k3.config import ModelArgs
-    from kimi_k3.projection import Sizes
-    from kimi_k3.streaming.sources import expert_bytes, expert_layout
 
     args = ModelArgs.from_path(path)
     index = CheckpointIndex(path)
@@ -408,19 +413,6 @@ def dir_sizes(path: Path):
 
 
 def model_lines(path: Path, opts, log) -> list[str]:
-    from kimi_k3.config import ModelArgs
-    from kimi_k3.projection import (
-        COLIBRI_KEPT,
-        DENSE_GB,
-        EXPERTS_GB,
-        KERNEL_EFFICIENCY,
-        RESERVE_GB,
-        Mac,
-        expert_budget_gb,
-        project,
-        recommended_budget,
-    )
-    from kimi_k3.streaming.store import StreamOptions
 
     args = ModelArgs.from_path(path)
     kinds = formats(path, args.first_k_dense_replace)
@@ -522,8 +514,6 @@ def model_lines(path: Path, opts, log) -> list[str]:
 def own_lines(path: Path, rates: list, ram: float, mem: float, opts) -> list[str]:
     """The projection for the directory's own model (to compare with a measured streamed
     decode of it: ``python -m kimi_k3.generate --model DIR --expert-cache-gb GB``)."""
-    from kimi_k3.default_model import CACHE_FRACTION
-    from kimi_k3.projection import KERNEL_EFFICIENCY, Mac, project
 
     sizes = dir_sizes(path)
     gb = opts.expert_cache_gb
@@ -551,8 +541,6 @@ def own_lines(path: Path, rates: list, ram: float, mem: float, opts) -> list[str
 
 def main(argv=None) -> int:
     opts = setup_arg_parser().parse_args(argv)
-    from kimi_k3.generate import UserError
-    from kimi_k3.kernels import source
 
     try:
         check_args(opts)

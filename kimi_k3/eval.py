@@ -37,7 +37,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kimi_k3.model import Model
+from kimi_k3 import train
+from kimi_k3.checkpoint.files import CheckpointError
+from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.convert.synth import write_checkpoint
+from kimi_k3.default_model import ensure_default_model, heldout_text
+from kimi_k3.kernels.dispatch import reference_paths
+from kimi_k3.model.config import ConfigError, read_config_json
+from kimi_k3.model.model import Model
+from kimi_k3.text.tokenizer import RANK_FILE, load_tokenizer, read_ranks
+from kimi_k3.train import PRESET, dequantize_mxfp4
 
 
 def windows(ids: np.ndarray, seq: int, max_tokens: int | None = None) -> np.ndarray:
@@ -98,7 +107,6 @@ def compare(
 def token_byte_lengths(path: str | Path, vocab_size: int) -> np.ndarray:
     """Each token id's length in bytes under the tokenizer of the checkpoint at ``path``
     (special and unused ids: 0, they stand for no text). Shapes: returns int64 [V]."""
-    from kimi_k3.tokenizer import RANK_FILE, read_ranks
 
     lengths = np.zeros(vocab_size, np.int64)
     ranks = read_ranks(Path(path) / RANK_FILE)
@@ -203,7 +211,6 @@ def routing_stats(inds: np.ndarray, num_experts: int) -> dict:
 def quantized_dense(path: str | Path, bits: int) -> Model:
     """The checkpoint with its dense weights MLX-quantized (affine, group 64) to ``bits``;
     the model's ``quant_predicate`` picks the layers (never the experts)."""
-    from kimi_k3.loader import load_model
 
     model = load_model(path, dtype=mx.float32)
     predicate = model.quant_predicate
@@ -219,12 +226,9 @@ def quantized_dense(path: str | Path, bits: int) -> Model:
 def variants(path: str | Path, state: str | Path | None = None, random: bool = True) -> dict:
     """``{name: model}``: the checkpoint at ``path`` computed in fp32 (``"reference"``) and
     its variants (see the module docstring)."""
-    from kimi_k3.loader import load_model
 
     out = {"reference": load_model(path, dtype=mx.float32)}
     if state is not None:
-        from kimi_k3 import train
-
         fp32 = train.load_state(state)
         out["fp32 trained (float experts)"] = fp32
         out["MXFP4 experts, fp32 dense"] = _mxfp4_experts(train.load_state(state))
@@ -287,7 +291,6 @@ def set_top_k(model: Model, k: int) -> int:
 
 
 def _mxfp4_experts(model: Model) -> Model:
-    from kimi_k3.train import dequantize_mxfp4
 
     for layer in model.layers:
         if "block_sparse_moe" in layer:
@@ -299,10 +302,6 @@ def _mxfp4_experts(model: Model) -> Model:
 
 def random_model(path: str | Path, seed: int = 0) -> Model:
     """A random-weight model of the same shape as the checkpoint at ``path`` (seeded)."""
-    from kimi_k3.config import read_config_json
-    from kimi_k3.convert.synth import write_checkpoint
-    from kimi_k3.loader import load_model
-    from kimi_k3.train import PRESET
 
     text = read_config_json(path)["text_config"]
     preset = {k: text[k] for k in PRESET if k in text}
@@ -319,8 +318,6 @@ def random_model(path: str | Path, seed: int = 0) -> Model:
 def heldout_ids(path: str | Path, text_file: str | Path | None = None) -> np.ndarray:
     """The held-out text (default: the one shipped with the default model) as token ids of
     the checkpoint's tokenizer."""
-    from kimi_k3.default_model import heldout_text
-    from kimi_k3.tokenizer import load_tokenizer
 
     text = Path(text_file).read_text(encoding="utf-8") if text_file else heldout_text()
     return np.asarray(load_tokenizer(path).encode(text), dtype=np.int32)
@@ -379,15 +376,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Returns the exit status: 0, or 1 after one ``error:`` line for a checkpoint, text or
     state file that cannot be used (bad flags exit 2 through argparse)."""
-    from kimi_k3.checkpoint import CheckpointError
-    from kimi_k3.config import ConfigError
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     for flag in ("tokens", "seq"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    from kimi_k3.kernels.dispatch import reference_paths
 
     try:
         with reference_paths():  # the oracle's paths, for this call alone
@@ -400,8 +394,6 @@ def main(argv=None) -> int:
 
 def _evaluate(args):
     if args.model is None:
-        from kimi_k3.default_model import ensure_default_model
-
         args.model = ensure_default_model()
     wins = windows(heldout_ids(args.model, args.text), args.seq, args.tokens)
     models = variants(args.model, args.state, random=not args.no_random)

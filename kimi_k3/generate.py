@@ -1,6 +1,6 @@
 """``python -m kimi_k3.generate``: chat with or complete text from Kimi K3.
 
-Chat prompts are encoded with ``kimi_k3.chat.encode_chat`` (only the XTML markers become
+Chat prompts are encoded with ``kimi_k3.text.chat.encode_chat`` (only the XTML markers become
 special ids, so a typed ``<|open|>`` stays text) and handed to mlx-lm's ``stream_generate``
 as token ids. Text streams to stdout; loading progress, notices, the stats line and errors
 go to stderr. Exit codes: 0 done, 1 error, 2 bad arguments, 130 interrupted (Ctrl-C).
@@ -18,8 +18,31 @@ from mlx_lm import stream_generate
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.sample_utils import make_sampler
 
-from kimi_k3 import default_model, distributed, trimming
-from kimi_k3.chat import (
+from kimi_k3 import default_model, distributed
+from kimi_k3.checkpoint.files import CheckpointError
+from kimi_k3.cli import (
+    INTERRUPTED,
+    USAGE_ERROR,
+    ArgumentError,
+    HelpFormatter,
+    Parser,
+    UserError,
+    add_model_arguments,
+    add_sampling_arguments,
+    check_model_arguments,
+    check_sampling_arguments,
+    context_limit,
+    fail,
+    load_for_cli,
+    never_sample,
+    positive,
+    resolve_model,
+    trimming_options,
+)
+from kimi_k3.model import routing
+from kimi_k3.model.config import ConfigError
+from kimi_k3.streaming import get_stats, reset_stats
+from kimi_k3.text.chat import (
     END,
     Element,
     ReplyStream,
@@ -29,39 +52,6 @@ from kimi_k3.chat import (
     parse_segments,
     segments_from_ids,
 )
-from kimi_k3.checkpoint import CheckpointError
-from kimi_k3.cli import (  # noqa: F401 (re-exported: callers import them from here)
-    INTERRUPTED,
-    RESERVE_GB,
-    SYNTHETIC_NOTICE,
-    TRIM_FLAGS,
-    USAGE_ERROR,
-    ArgumentError,
-    Bar,
-    HelpFormatter,
-    Parser,
-    UserError,
-    add_model_arguments,
-    add_sampling_arguments,
-    add_trimming_arguments,
-    add_verify_argument,
-    auto_expert_cache_gb,
-    check_expert_budget,
-    check_model_arguments,
-    check_sampling_arguments,
-    context_limit,
-    fail,
-    load_for_cli,
-    materialize,
-    never_sample,
-    never_sampled_ids,
-    positive,
-    resolve_model,
-    trimming_options,
-    trimming_text,
-)
-from kimi_k3.config import ConfigError
-from kimi_k3.streaming import get_stats, reset_stats
 
 DEFAULT_PROMPT = "Hello! Who are you?"
 
@@ -196,13 +186,17 @@ def prompt_ids(tokenizer, args) -> list[int]:
 
 
 @dataclass
-class Reply:
+class Generation:
+    """One generation's record as it runs: its token ids, the prompt's length and mlx-lm's
+    last ``GenerationResponse`` (speed, peak memory). The reply's text and sections are
+    ``kimi_k3.text.chat``'s ``Reply`` and ``ReplyStream``."""
+
     tokens: list[int] = field(default_factory=list)
     last: object = None  # the last mlx-lm GenerationResponse
     prompt_tokens: int = 0
 
 
-def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, reply: Reply):
+def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, reply: Generation):
     """Stream a reply to ``ids`` on stdout, filling ``reply`` as tokens arrive.
 
     ``cache`` is extended in place: afterwards it holds ``ids`` and every token of
@@ -269,7 +263,9 @@ def run_once(model, tokenizer, args) -> int:
     context = context_limit(model, args.max_context)
     max_tokens = check_room(len(ids), 0, context, args.max_tokens)
     cache = model.make_cache()
-    return _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, Reply(), context)
+    return _generate_reporting(
+        model, tokenizer, ids, args, cache, max_tokens, Generation(), context
+    )
 
 
 def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply, context) -> int:
@@ -294,7 +290,7 @@ def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply, c
     return 0
 
 
-def stats_line(model, reply: Reply) -> str:
+def stats_line(model, reply: Generation) -> str:
     r = reply.last
     if r is None:
         parts = [
@@ -320,7 +316,7 @@ def _expert_stats(model) -> str:
     rate = "no" if rate is None else f"{rate:.1%}"
     text = f"experts: {rate} hit rate, {stats['bytes_read'] / 1e9:.3f} GB read"
     kept = stats["experts_per_token"]
-    if kept is not None and trimming.is_on(*trimming.expert_trimming(model)):
+    if kept is not None and routing.is_on(*routing.expert_trimming(model)):
         text += f", {kept:.2f} of {model.args.num_experts_per_token} a token"
     return text
 
@@ -423,7 +419,7 @@ def chat_turn(session: ChatSession, text: str, args, context) -> int:
     except UserError as e:
         print(f"error: {e}; /reset to start over", file=sys.stderr)
         return 0
-    saved, reply = session.save(), Reply()
+    saved, reply = session.save(), Generation()
     code = _generate_reporting(
         session.model, session.tokenizer, ids, args, session.cache, max_tokens, reply, context
     )

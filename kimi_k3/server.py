@@ -2,19 +2,19 @@
 
 The port is bound first (a port in use fails before the model loads), then the one
 checkpoint given is loaded with ``kimi_k3.load``; requests are served by
-``kimi_k3.serving.Engine`` (continuous batching, chunked prefill, prefix reuse), which
+``kimi_k3.serve.engine.Engine`` (continuous batching, chunked prefill, prefix reuse), which
 runs in the main thread while uvicorn serves HTTP from a thread of its own.
 
 The layers are separate modules: connections (uvicorn's h11 protocol with header and
 body deadlines, a bound on open connections and JSON refusals of malformed HTTP) in
-``kimi_k3.http_server``; the OpenAI protocol (pydantic request models, replies) in
-``kimi_k3.openai_protocol``; here, the command line and the Starlette app that checks the
+``kimi_k3.serve.http``; the OpenAI protocol (pydantic request models, replies) in
+``kimi_k3.serve.protocol``; here, the command line and the Starlette app that checks the
 caller, reads the body and hands the job to the engine.
 
 Every request is checked before it reaches the model: its framing (``Transfer-Encoding``
 beside ``Content-Length`` is refused), the ``Host`` header against the bound address,
 any ``Origin`` against ``--allowed-origins`` (none by default), the body's size, encoding
-and JSON, and every field (``kimi_k3.openai_protocol``). A refusal is OpenAI-style JSON
+and JSON, and every field (``kimi_k3.serve.protocol``). A refusal is OpenAI-style JSON
 ``{"error": {"message", "type", "param", "code"}}`` with the status that fits. The server
 never opens a URL or a file named by a request: image parts are refused, the model is
 text-only. A client that goes away cancels its sequence.
@@ -41,6 +41,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import uvicorn
+from mlx.utils import tree_flatten
+from mlx_lm.sample_utils import make_logits_processors
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -49,7 +52,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kimi_k3 import distributed
-from kimi_k3.checkpoint import CheckpointError
+from kimi_k3.checkpoint.files import CheckpointError
 from kimi_k3.cli import (
     INTERRUPTED,
     USAGE_ERROR,
@@ -61,16 +64,19 @@ from kimi_k3.cli import (
     add_sampling_arguments,
     check_model_arguments,
     check_sampling_arguments,
+    context_limit,
     fail,
     load_for_cli,
     never_sample,
     positive,
+    ram_gb,
     resolve_model,
     trimming_options,
 )
-from kimi_k3.config import ConfigError
-from kimi_k3.http_server import ConnectionLimits, protocol_class
-from kimi_k3.openai_protocol import (
+from kimi_k3.model.config import ConfigError
+from kimi_k3.serve.engine import Engine, QueueFull, Sampling, Sequence, activation_dtype, follow
+from kimi_k3.serve.http import ConnectionLimits, protocol_class
+from kimi_k3.serve.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -85,6 +91,7 @@ from kimi_k3.openai_protocol import (
     quote,
     response_body,
 )
+from kimi_k3.streaming.store import find_streamer, overflow_for_batch
 
 log = logging.getLogger("kimi_k3.server")
 
@@ -314,7 +321,6 @@ class Generation(Response):
     or as server-sent events; the sequence is cancelled when the client goes away."""
 
     def __init__(self, job: Job, state: ServerState):
-        from kimi_k3.serving import QueueFull
 
         super().__init__()
         self.job, self.state = job, state
@@ -406,9 +412,6 @@ class Generation(Response):
 def make_sequence(job: Job, state: ServerState, events: Events):
     """The engine's sequence for ``job``, its events going to ``events`` (the engine keeps
     reserved ids out of every reply: ``serve_model``)."""
-    from mlx_lm.sample_utils import make_logits_processors
-
-    from kimi_k3.serving import Sampling, Sequence
 
     s = job.sampling
     processors = make_logits_processors(
@@ -665,7 +668,6 @@ def bind(host: str, port: int) -> socket.socket:
 def size_overflow(model, args):
     """Give streamed experts the overflow area ``--expert-overflow`` asks for (default: what
     ``--max-batch`` sequences can need, ``overflow_for_batch``), announced on stderr."""
-    from kimi_k3.streaming.store import find_streamer, overflow_for_batch
 
     streamer = find_streamer(model)
     if streamer is None:
@@ -684,7 +686,6 @@ def size_overflow(model, args):
 def cache_bytes_per_token(model) -> int:
     """Bytes one token adds to a sequence's caches: each MLA layer's latent and shared key
     in the activation dtype (KDA layers hold a fixed state, whatever the length)."""
-    from kimi_k3.serving import activation_dtype
 
     a = model.args
     mla = sum(not layer.is_linear for layer in model.layers)
@@ -695,9 +696,6 @@ def default_max_prompt(model, context: int, sequences: int, expert_cache_gb) -> 
     """The longest prompt whose caches fit, for ``sequences`` sequences at once, in a
     quarter of the memory that the model's resident weights and expert cache leave: at
     least 1, at most one less than ``context`` (the reply needs a token)."""
-    from mlx.utils import tree_flatten
-
-    from kimi_k3.cli import ram_gb
 
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     left = ram_gb() * 1e9 - weights - (expert_cache_gb or 0) * 1e9
@@ -708,8 +706,6 @@ def default_max_prompt(model, context: int, sequences: int, expert_cache_gb) -> 
 def serve_model(args, sock: socket.socket, plan=None) -> ServerState:
     """Load the model and start the engine for an already bound server (on rank 0 of
     ``plan``'s group under ``--split``)."""
-    from kimi_k3.cli import context_limit
-    from kimi_k3.serving import Engine
 
     model_path = args.model
     args.model, args.expert_cache_gb = resolve_model(args.model, args.expert_cache_gb)
@@ -798,7 +794,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def http_server_for(args, state: ServerState):
     """uvicorn serving ``state``'s app with the connection limits of ``args``."""
-    import uvicorn
 
     limits = ConnectionLimits(
         headers=args.timeout_headers,
@@ -823,8 +818,7 @@ def http_server_for(args, state: ServerState):
 
 def follow_rank(args, plan) -> int:
     """A rank other than 0 under ``--split``: load its share, agree on the port, then
-    repeat rank 0's forward passes (``kimi_k3.serving.follow``) until rank 0 stops."""
-    from kimi_k3.serving import follow
+    repeat rank 0's forward passes (``kimi_k3.serve.engine.follow``) until rank 0 stops."""
 
     with distributed.agreed(plan):  # rank 0 binds the port here
         pass

@@ -20,7 +20,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from kimi_k3.kda import kda_gate
+from kimi_k3.model.kda import kda_gate
+from kimi_k3.model.model import Model
+from kimi_k3.streaming import get_stats
 
 # Monotone counters of ``kimi_k3.streaming.get_stats``: recorded as per-call differences.
 CACHE_COUNTERS = (
@@ -121,7 +123,7 @@ def trace(model, seq: int = 0, channels: bool = False):
     """Record what ``model`` does inside the block; yields a ``Trace``.
 
     Args:
-        model: a ``kimi_k3.model.Model`` (call the model itself: per-call bookkeeping such as
+        model: a ``kimi_k3.model.model.Model`` (call the model itself: per-call bookkeeping such as
             ``tokens`` and ``expert_cache`` happens there).
         seq: which sequence of a batch to record.
         channels: also keep KDA's decay per channel (``kda[layer]["alpha"]``, [T, H, K]).
@@ -158,7 +160,6 @@ def _swap(module, recorder) -> type:
 
 
 def _recorders(model, t: Trace):
-    from kimi_k3.model import Model
 
     if not isinstance(model, Model):
         raise TypeError(f"trace() needs a kimi_k3 Model, got {type(model).__name__}")
@@ -174,23 +175,15 @@ def _recorders(model, t: Trace):
     yield model.language_model.model.output_attn_res, _attn_res_call(t, ("attn_res_out",))
 
 
-def _expert_stats(model) -> dict | None:
-    try:
-        from kimi_k3.streaming import get_stats
-    except ImportError:  # no streamer in this build
-        return None
-    return get_stats(model)
-
-
 def _model_call(model, t: Trace):
     def record(call, module, inputs, *args, **kwargs):
-        before = _expert_stats(model)
+        before = get_stats(model)
         out = call(module, inputs, *args, **kwargs)
         t._add(("tokens",), inputs[t.seq] if inputs.ndim == 2 else inputs)
         # Evaluate now so recorded arrays hold data, not graphs that pin activations.
         mx.eval(out, *t._fresh)
         t._fresh.clear()
-        after = _expert_stats(model)
+        after = get_stats(model)
         delta = {}
         if before is not None and after is not None:
             delta = {k: after[k] - before[k] for k in CACHE_COUNTERS if k in after}

@@ -41,11 +41,16 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from kimi_k3.checkpoint import ShardWriter, bf16_bits, write_text_atomic
-from kimi_k3.config import ModelArgs
+from kimi_k3 import corpus
+from kimi_k3.checkpoint.files import CheckpointError, ShardWriter, bf16_bits, write_text_atomic
 from kimi_k3.convert.synth import PREFIX, make_config
-from kimi_k3.experts import situ_glu
-from kimi_k3.model import KEEP_FP32, Model
+from kimi_k3.corpus import DOC_SEPARATOR
+from kimi_k3.default_model import HELDOUT_FILE
+from kimi_k3.kernels.dispatch import reference_paths
+from kimi_k3.model.config import ModelArgs
+from kimi_k3.model.experts import situ_glu
+from kimi_k3.model.model import KEEP_FP32, Model
+from kimi_k3.text.tokenizer import CONFIG_FILE, RANK_FILE, load_tokenizer
 
 PRESET = dict(
     vocab_size=4096,  # 3840 BPE ranks + 256 specials
@@ -305,7 +310,6 @@ def load_state(path: str | Path, preset: dict = PRESET) -> Model:
 
 def load_training(path: str | Path, preset: dict = PRESET):
     """``(model, optimizer state or None, info or None)`` from ``save_state``'s file."""
-    from kimi_k3.checkpoint import CheckpointError
 
     try:
         tensors, metadata = mx.load(str(path), return_metadata=True)
@@ -400,7 +404,6 @@ def export_checkpoint(model: Model, out: str | Path, tokenizer_dir: str | Path, 
     """Write ``model`` as a published-layout checkpoint in ``out``: shards, index,
     ``config.json`` (``info`` under ``training``), and the tokenizer files of
     ``tokenizer_dir``."""
-    from kimi_k3.tokenizer import CONFIG_FILE, RANK_FILE
 
     out = Path(out)
     writer = ShardWriter(out)
@@ -424,8 +427,6 @@ def prepare(out: Path, vocab_size: int, corpus_dir: str | None = None):
     ``out/heldout-<kind>.txt``. The streams are kept in ``out/TRAIN_IDS`` and
     ``out/HELDOUT_IDS``, so a resumed run (or ``export``) reads them instead of
     tokenizing the corpus again."""
-    from kimi_k3 import corpus
-    from kimi_k3.tokenizer import load_tokenizer
 
     corpus.record_manifest(out, corpus_dir)  # the same corpus as the run's, or an error
     tok_dir = out / "tokenizer"
@@ -551,8 +552,6 @@ class RunError(Exception):
 
 
 def export(args) -> Path:
-    from kimi_k3 import corpus
-    from kimi_k3.default_model import HELDOUT_FILE
 
     out = Path(args.out)
     corpus_dir = corpus.recorded_dir(out, args.corpus_dir)
@@ -583,7 +582,6 @@ def export(args) -> Path:
 
 def heldout_sample(texts: list[str], max_chars: int) -> str:
     """Whole held-out files, in corpus order, up to ``max_chars`` characters."""
-    from kimi_k3.corpus import DOC_SEPARATOR
 
     kept, size = [], 0
     for text in texts:
@@ -640,10 +638,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from kimi_k3.checkpoint import CheckpointError
 
     args = setup_arg_parser().parse_args(argv)
-    from kimi_k3.kernels.dispatch import reference_paths
 
     try:
         with reference_paths():  # gradients through the reference paths, for this call

@@ -69,10 +69,10 @@ def tiny_b_ckpt(ckpt_factory):
 
 def published_experts(path) -> dict:
     """``{layer: [{"w1.weight_packed": u8 array, ...} per expert]}`` read from a checkpoint's
-    shards: the input ``kimi_k3.expert_pack.write_pack`` takes."""
-    from kimi_k3.checkpoint import CheckpointIndex
-    from kimi_k3.config import ModelArgs
-    from kimi_k3.model import expert_keys
+    shards: the input ``kimi_k3.checkpoint.expert_pack.write_pack`` takes."""
+    from kimi_k3.checkpoint.files import CheckpointIndex
+    from kimi_k3.model.config import ModelArgs
+    from kimi_k3.model.experts import expert_keys
 
     args = ModelArgs.from_path(path)
     index = CheckpointIndex(path)

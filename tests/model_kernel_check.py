@@ -31,8 +31,8 @@ def prompt_of(length: int) -> mx.array:
 def compare(monkeypatch, path, backend: str, dtype, prompt_len=70, steps=3, **load_options):
     """(kernel logits, reference logits, dispatch counts) for one prompt (``prompt_of``);
     ``load_options`` go to ``load_model``."""
+    from kimi_k3.checkpoint.loader import load_model
     from kimi_k3.kernels import dispatch
-    from kimi_k3.loader import load_model
 
     model = load_model(path, dtype=dtype, **load_options)
     prompt = prompt_of(prompt_len)

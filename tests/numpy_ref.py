@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_k3.checkpoint import CheckpointIndex
+from kimi_k3.checkpoint.files import CheckpointIndex
 
 MLA_EPS = 1e-6  # q_a / kv_a latent norms
 L2_EPS = 1e-6  # KDA q, k normalisation (added to the sum of squares)

@@ -7,9 +7,9 @@ import struct
 import mlx.core as mx
 import pytest
 
-from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
-from kimi_k3.config import ConfigError, ModelArgs
-from kimi_k3.loader import load_model
+from kimi_k3.checkpoint.files import CheckpointError, CheckpointIndex
+from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.model.config import ConfigError, ModelArgs
 
 
 @pytest.fixture

@@ -18,14 +18,14 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from kimi_k3 import kda
-from kimi_k3.attention import GatedMLA, KimiDeltaAttention
-from kimi_k3.attn_res import AttnResMix
-from kimi_k3.config import ModelArgs
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.synth import write_checkpoint
-from kimi_k3.experts import situ_glu
-from kimi_k3.loader import load_model
-from kimi_k3.moe import LatentMoE, Router, SituMLP
+from kimi_k3.model import kda
+from kimi_k3.model.attention import GatedMLA, KimiDeltaAttention
+from kimi_k3.model.attn_res import AttnResMix
+from kimi_k3.model.config import ModelArgs
+from kimi_k3.model.experts import situ_glu
+from kimi_k3.model.moe import LatentMoE, Router, SituMLP
 
 TOL = 1e-5
 MODEL_TOL = 1e-4

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_streaming import budget_gb
 
-from kimi_k3.loader import load_model
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.streaming import StreamOptions, get_stats
 from kimi_k3.streaming.cache import make_policy
 from kimi_k3.streaming.simulate import (

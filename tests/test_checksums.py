@@ -1,5 +1,5 @@
-"""Recorded checksums (``kimi_k3.checksums``): recorded once, checked on every load, never
-re-trusted from a changed file; the ``--no-verify`` switch of both commands."""
+"""Recorded checksums (``kimi_k3.checkpoint.checksums``): recorded once, checked on every
+load, never re-trusted from a changed file; the ``--no-verify`` switch of both commands."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import struct
 import mlx.core as mx
 import pytest
 
-from kimi_k3 import checksums
-from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
+from kimi_k3.checkpoint import checksums
+from kimi_k3.checkpoint.files import CheckpointError, CheckpointIndex
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.generate import main as generate_main
-from kimi_k3.loader import load_model
 
 NAME = "language_model.model.layers.1.self_attn.q_proj.weight"
 

@@ -1,4 +1,4 @@
-"""``kimi_k3.constrained`` on the embedded default model, which writes Python and never JSON
+"""``kimi_k3.serve.constrained`` on the embedded default model, which writes Python and never JSON
 or the chat format by itself: greedy decoding under a grammar gives a JSON object, a value
 of a schema, a tool call of the forced function, the same tokens through the serving
 engine as through mlx-lm; the mask never allows a special id the grammar does not name;
@@ -14,8 +14,10 @@ import pytest
 from mlx_lm import stream_generate
 
 import kimi_k3
-from kimi_k3 import constrained
-from kimi_k3.chat import (
+from kimi_k3.default_model import PROMPT, ensure_default_model
+from kimi_k3.serve import constrained
+from kimi_k3.serve.engine import Engine, Sequence
+from kimi_k3.text.chat import (
     CLOSE,
     close_tag,
     encode_chat,
@@ -24,8 +26,6 @@ from kimi_k3.chat import (
     open_tag,
     parse_reply,
 )
-from kimi_k3.default_model import PROMPT, ensure_default_model
-from kimi_k3.serving import Engine, Sequence
 
 SCHEMA = {
     "type": "object",

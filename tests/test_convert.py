@@ -17,8 +17,11 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from kimi_k3 import checksums
-from kimi_k3.checkpoint import CheckpointError, CheckpointIndex, ShardWriter
+from kimi_k3.checkpoint import checksums
+from kimi_k3.checkpoint.expert_pack import TENSORS, ExpertPack, source_name
+from kimi_k3.checkpoint.files import CheckpointError, CheckpointIndex, ShardWriter
+from kimi_k3.checkpoint.layouts import detect
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.convert import (
     KILL_ENV,
     MANIFEST,
@@ -30,9 +33,6 @@ from kimi_k3.convert.convert import (
 )
 from kimi_k3.convert.convert import main as convert_main
 from kimi_k3.convert.synth import write_checkpoint
-from kimi_k3.expert_pack import TENSORS, ExpertPack, source_name
-from kimi_k3.layouts import detect
-from kimi_k3.loader import load_model
 
 TOKENS = mx.array([[1, 5, 9, 100, 7, 3, 44, 2, 900, 17, 64]])
 SMALL = Settings(shard_bytes=50_000, pack_file_bytes=20_000)  # several files of each kind

@@ -10,8 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kimi_k3.checkpoint import CheckpointError
-from kimi_k3.expert_pack import (
+from kimi_k3.checkpoint.expert_pack import (
     ALIGN,
     TENSORS,
     ExpertPack,
@@ -22,6 +21,7 @@ from kimi_k3.expert_pack import (
     source_name,
     write_pack,
 )
+from kimi_k3.checkpoint.files import CheckpointError
 
 
 def _expert(rng, inter: int, dim: int) -> dict:

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kimi_k3.distributed import balanced_split, expert_range, free_ports
+from kimi_k3.distributed import free_ports
+from kimi_k3.model.parallel import balanced_split, expert_range
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 LAUNCH_TIMEOUT = 120  # seconds: a hung rank fails the test instead of blocking CI
@@ -86,7 +87,7 @@ def test_partitions():
         balanced_split([1, 2], 3)
 
 
-# Expert parallel with trimmed experts (kimi_k3.trimming), held and streamed.
+# Expert parallel with trimmed experts (kimi_k3.model.routing), held and streamed.
 TRIMMED_CASES = ["expert@0.55", "expert:0.001@0.55"]
 
 

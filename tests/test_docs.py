@@ -354,8 +354,8 @@ def test_no_citation_of_files_outside_the_repository():
 @pytest.mark.parametrize(
     "text, expect",
     [
-        ("`kimi_k3/model.py:Model.make_cache`", []),
-        ("`kimi_k3/model.py:Model.no_such`", ["defines no Model.no_such"]),
+        ("`kimi_k3/model/model.py:Model.make_cache`", []),
+        ("`kimi_k3/model/model.py:Model.no_such`", ["defines no Model.no_such"]),
         ("`kimi_k3/nowhere.py:f`", ["no file kimi_k3/nowhere.py"]),
         ("`model.py:sanitize_weights`", []),
         ("`attention.py:GatedMLA._decode`", []),
@@ -387,7 +387,7 @@ def test_reference_checker(text, expect):
         ("[a](architecture.md#contracts) [b](#here)\n## Here", []),
         ("[a](architecture.md#no-such-heading)", ["no heading #no-such-heading"]),
         ("[a](#gone)\n## Here", ["no heading #gone"]),
-        ("[a](../kimi_k3/model.py) ![p](cache_policy.png)", []),
+        ("[a](../kimi_k3/model/model.py) ![p](cache_policy.png)", []),
         ("`[a](nothing.md)` in code", []),
         ("## A `code` heading, with: punctuation\n[x](#a-code-heading-with-punctuation)", []),
         ("## Tests\n## Tests\n[x](#tests-1) [y](#tests-2)", ["no heading #tests-2"]),

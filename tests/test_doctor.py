@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from kimi_k3 import doctor, projection
-from kimi_k3.experts import expert_glu
-from kimi_k3.kda import kda_mix
 from kimi_k3.kernels import checks, kda_decode, metal_emulator, mxfp4_decode, source, verdict
+from kimi_k3.model.experts import expert_glu
+from kimi_k3.model.kda import kda_mix
 
 WARNING = "kimi_k3: warning: kernel"
 
@@ -270,7 +270,7 @@ def test_projection_of_k3_sizes_is_the_default():
 def test_streamer_and_raw_reads_make_the_same_reads(tiny_ckpt):
     """The doctor's two read runs read the same bytes: every byte range of the plan's
     experts, each once."""
-    from kimi_k3.config import ModelArgs
+    from kimi_k3.model.config import ModelArgs
     from kimi_k3.streaming import readrate
     from kimi_k3.streaming.sources import expert_layout, open_source
 
@@ -289,7 +289,7 @@ def test_streamer_and_raw_reads_make_the_same_reads(tiny_ckpt):
 
 def test_the_read_test_keeps_to_its_budget(tiny_ckpt):
     """Two layer calls of top-k experts at the least; otherwise no more than ``read_gb``."""
-    from kimi_k3.config import ModelArgs
+    from kimi_k3.model.config import ModelArgs
     from kimi_k3.streaming.sources import expert_bytes, expert_layout
 
     args = ModelArgs.from_path(tiny_ckpt)
@@ -313,7 +313,7 @@ def test_a_recorded_failure_holds_in_a_later_process(machine, monkeypatch, tmp_p
     script = (
         "import numpy as np, os\n"
         "from kimi_k3.kernels import checks\n"
-        "from kimi_k3.kda import kda_mix\n"
+        "from kimi_k3.model.kda import kda_mix\n"
         "p, a = checks.kda_layer(2, 64, seed=5), checks.kda_inputs(1, 1, 2, 64, seed=6)\n"
         "got = np.array(kda_mix(p, *a)[0])\n"
         "os.environ['KIMI_K3_REFERENCE'] = 'kda'\n"
@@ -330,7 +330,7 @@ def test_a_recorded_failure_holds_in_a_later_process(machine, monkeypatch, tmp_p
 
 
 def test_doctor_reports_a_reference_path_that_disagrees(monkeypatch, capsys):
-    import kimi_k3.experts as experts
+    import kimi_k3.model.experts as experts
 
     real = experts.expert_glu_reference
     monkeypatch.setattr(experts, "expert_glu_reference", lambda *a: real(*a) * 1.01)

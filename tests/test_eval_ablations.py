@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kimi_k3 import eval as k3eval
-from kimi_k3.loader import load_model
+from kimi_k3.checkpoint.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_cli_bad_model_and_flags(tmp_path, capsys):
 def test_nats_per_byte_scores_the_text_not_the_tokens(tiny):
     """NLL per byte of predicted text: the per-token NLL times tokens over bytes, with each
     id's bytes read from the tokenizer's rank file."""
-    from kimi_k3.tokenizer import load_tokenizer
+    from kimi_k3.text.tokenizer import load_tokenizer
 
     model = load_model(tiny, dtype=mx.float32, verify_checksums=False)
     tok = load_tokenizer(tiny)

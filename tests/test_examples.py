@@ -20,8 +20,8 @@ from mlx_lm.sample_utils import make_sampler
 from nbclient import NotebookClient
 
 import kimi_k3
-from kimi_k3.chat import encode_chat
-from kimi_k3.tokenizer import load_tokenizer
+from kimi_k3.text.chat import encode_chat
+from kimi_k3.text.tokenizer import load_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))

@@ -11,9 +11,9 @@ from mlx.utils import tree_flatten
 from test_mxfp4_kernels import K3, TOL, case, lazy_stack, on_cuda, rel_err
 from test_streaming import PROMPT, STEPS, budget_gb, greedy
 
-from kimi_k3.experts import ResidentExperts, expert_glu_reference, store_layout
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.kernels import dispatch, expert_layout, mxfp4_mma, mxfp4_one, mxfp4_prefill_mma
-from kimi_k3.loader import load_model
+from kimi_k3.model.experts import ResidentExperts, expert_glu_reference, store_layout
 from kimi_k3.streaming import attach_streamer, get_stats
 
 

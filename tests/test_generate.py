@@ -17,20 +17,20 @@ from mlx_lm.utils import save_config, save_model
 
 import kimi_k3
 from kimi_k3 import default_model
-from kimi_k3.chat import encode_chat, encode_segments, render_text
+from kimi_k3.cli import never_sample
 from kimi_k3.convert.convert import Settings, convert
 from kimi_k3.generate import (
     ChatSession,
-    Reply,
+    Generation,
     Shown,
     close_reply,
     generate,
     main,
-    never_sample,
     run_once,
     setup_arg_parser,
 )
-from kimi_k3.tokenizer import load_tokenizer
+from kimi_k3.text.chat import encode_chat, encode_segments, render_text
+from kimi_k3.text.tokenizer import load_tokenizer
 
 STATS = re.compile(
     r"stats: prompt: (\d+) tokens, [\d.]+ tok/s \| generation: (\d+) tokens, "
@@ -336,7 +336,7 @@ def test_chat_ctrl_c_returns_to_the_prompt(tiny_ckpt):
 
 
 def _turn(session, text, capsys):
-    reply = Reply()
+    reply = Generation()
     ids = session.turn_ids(text)
     args = setup_arg_parser().parse_args(["--max-tokens", "7"])
     generate(session.model, session.tokenizer, ids, args, session.cache, 7, reply)
@@ -473,16 +473,15 @@ def test_auto_budget_streams_what_does_not_fit(tiny_ckpt, monkeypatch, capsys):
     """Without --expert-cache-gb: resident when the checkpoint fits in free memory, else
     streamed, with a notice."""
     import kimi_k3.cli as cli
-    import kimi_k3.generate as gen
 
-    assert gen.resolve_model(tiny_ckpt, None) == (tiny_ckpt, None)
+    assert cli.resolve_model(tiny_ckpt, None) == (tiny_ckpt, None)
     monkeypatch.setattr(cli, "available_memory", lambda: 1000)
     monkeypatch.setattr(cli, "default_cache_gb", lambda dense, reserve_gb: 0.5)
-    assert gen.resolve_model(tiny_ckpt, None) == (tiny_ckpt, 0.5)
+    assert cli.resolve_model(tiny_ckpt, None) == (tiny_ckpt, 0.5)
     assert "do not fit in memory: streaming them through a 0.5 GB cache" in (
         capsys.readouterr().err
     )
-    assert gen.resolve_model(tiny_ckpt, 2.0) == (tiny_ckpt, 2.0)
+    assert cli.resolve_model(tiny_ckpt, 2.0) == (tiny_ckpt, 2.0)
 
 
 @pytest.mark.slow

@@ -18,10 +18,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 import kimi_k3
-from kimi_k3.checkpoint import CheckpointError, load_json, read_capped
-from kimi_k3.config import ConfigError
+from kimi_k3.checkpoint.files import CheckpointError, load_json, read_capped
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.generate import main as generate_main
-from kimi_k3.loader import load_model
+from kimi_k3.model.config import ConfigError
 
 SAME_SIZE = {
     "BF16": ["F16", "U16", "I16"],
@@ -477,7 +477,7 @@ def test_read_capped_reads_regular_files_through_links(tmp_path):
 
 def test_json_depth_is_counted_across_chunks(monkeypatch):
     """``load_json`` scans nesting depth in bounded chunks; depth carries over a boundary."""
-    import kimi_k3.checkpoint as ckpt
+    import kimi_k3.checkpoint.files as ckpt
 
     monkeypatch.setattr(ckpt, "_DEPTH_CHUNK", 7)
     deep = "[" * (ckpt.MAX_JSON_DEPTH + 1) + "]" * (ckpt.MAX_JSON_DEPTH + 1)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from conftest import broken
 
-from kimi_k3.kda import kda_mix, kda_mix_reference
 from kimi_k3.kernels import dispatch, kda_decode, kda_prefill
+from kimi_k3.model.kda import kda_mix, kda_mix_reference
 
 FLA = Path(__file__).parent / "data" / "kda_fla_vectors.npz"
 W = 4

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import rel_err
 
-from kimi_k3.kda import kda_chunked, kda_gate, kda_recurrent, short_conv
+from kimi_k3.model.kda import kda_chunked, kda_gate, kda_recurrent, short_conv
 
 VECTORS = np.load(__import__("pathlib").Path(__file__).parent / "data" / "kda_fla_vectors.npz")
 CASES = sorted({k.split("/")[0] for k in VECTORS.files})

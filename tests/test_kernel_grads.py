@@ -8,7 +8,7 @@ from conftest import rel_err
 from mlx.utils import tree_flatten
 from model_kernel_check import KERNEL_SHAPES
 
-from kimi_k3.loader import load_model
+from kimi_k3.checkpoint.loader import load_model
 
 
 def _loss_and_grads(model, tokens):

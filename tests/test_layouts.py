@@ -12,11 +12,11 @@ import pytest
 from mlx_lm.utils import load_model as mlx_lm_load
 from mlx_lm.utils import quantize_model, save_config, save_model
 
-from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
-from kimi_k3.config import ModelArgs
+from kimi_k3.checkpoint.files import CheckpointError, CheckpointIndex
+from kimi_k3.checkpoint.layouts import detect, from_mlx_lm, mlx_lm_expert_names, read_args
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.convert import Settings, convert
-from kimi_k3.layouts import detect, from_mlx_lm, mlx_lm_expert_names, read_args
-from kimi_k3.loader import load_model
+from kimi_k3.model.config import ModelArgs
 
 TOKENS = mx.array([[1, 5, 9, 100, 7, 3, 44, 2, 900, 17, 64]])
 

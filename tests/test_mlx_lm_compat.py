@@ -18,8 +18,8 @@ from mlx_lm.models.cache import (
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import kimi_k3
-from kimi_k3.chat import encode_chat
-from kimi_k3.config import ConfigError
+from kimi_k3.model.config import ConfigError
+from kimi_k3.text.chat import encode_chat
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ from conftest import rel_err
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from kimi_k3.loader import load_model
+from kimi_k3.checkpoint.loader import load_model
 
 PRESETS = ["tiny", "tiny-b"]
 
@@ -130,7 +130,7 @@ def test_kept_fp32_parameters(tiny_ckpt):
 def test_quantized_router_matches_dequantized_weights():
     """The converter stores the router at 8 bits; the loaded QuantizedRouter computes its
     logits from the quantized weight exactly as a dense matmul on the dequantized one."""
-    from kimi_k3.moe import QuantizedRouter, Router
+    from kimi_k3.model.moe import QuantizedRouter, Router
 
     router = Router(64, 16, 4, 1.0, True)
     router.weight = mx.random.normal((16, 64), key=mx.random.key(0))

@@ -10,8 +10,8 @@ from conftest import dispatch_defaults, rel_err
 from model_kernel_check import KERNEL_SHAPES, compare, prompt_of, run
 from test_streaming import budget_gb
 
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.kernels import expert_layout
-from kimi_k3.loader import load_model
 from kimi_k3.streaming import get_stats
 
 # (prompt tokens, decode steps) per backend: the emulator runs the kernels' threads one by one
@@ -66,7 +66,7 @@ def test_streamed_in_groups_gives_the_resident_bits_on_the_kernels(
 
 
 def test_trimmed_routing_on_the_kernels(ckpt_factory, monkeypatch):
-    """Trimmed experts (``kimi_k3.trimming``): a chunk whose tokens keep different numbers of
+    """Trimmed experts (``kimi_k3.model.routing``): a chunk whose tokens keep different numbers of
     experts hands the kernels zero-weight pairs; a prefill in chunks of 30 tokens (the decode
     kernels) and 60 (the grouped GEMM), then decode. The reference's logits within 1e-4, and
     streamed into fewer slots than a chunk's experts the resident model's bits."""

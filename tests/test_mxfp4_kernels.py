@@ -18,13 +18,13 @@ import pytest
 from conftest import broken, dispatch_defaults
 from numpy_ref import mxfp4_decode, situ_glu
 
-from kimi_k3.experts import expert_glu, expert_glu_reference
 from kimi_k3.kernels import dispatch, expert_layout, mxfp4_mma, mxfp4_one, mxfp4_prefill_mma
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
 from kimi_k3.kernels.mxfp4_prefill import expert_glu_prefill, group_by_expert, tile_tokens_for
 from kimi_k3.kernels.mxfp4_prefill_mma import expert_glu_prefill_mma
+from kimi_k3.model.experts import expert_glu, expert_glu_reference
 
 BETA, CAP = 4.0, 25.0
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -740,7 +740,7 @@ def test_launch_geometry_at_k3_scale(monkeypatch, tokens):
 @pytest.mark.cuda
 @pytest.mark.parametrize("N", [1, 2, 3])
 def test_dispatched_decode_at_k3_size(monkeypatch, N):
-    """The model's expert call (``kimi_k3.experts.expert_glu``) at K3 size: one launch at 16
+    """The model's expert call (``kimi_k3.model.experts.expert_glu``) at K3 size: one launch at 16
     and 32 pairs, three at 48 (``dispatch.expert_decode_choice``), the three launches' bits
     either way, and the oracle."""
     dispatch_defaults(monkeypatch)

@@ -18,7 +18,7 @@ import pytest
 from test_chat import NoDecode
 from test_constrained import TOOLS
 
-from kimi_k3.chat import encode_chat
+from kimi_k3.text.chat import encode_chat
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -100,7 +100,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tok(tiny_ckpt):
-    from kimi_k3.tokenizer import load_tokenizer
+    from kimi_k3.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_ckpt)
 
@@ -267,7 +267,7 @@ def test_the_demo_model_answers_chat_in_content(demo_server):
 
 
 def test_response_format_and_tool_choice_are_enforced(demo_server, tok):
-    """Grammar-constrained decoding (``kimi_k3.constrained``) on a model that writes
+    """Grammar-constrained decoding (``kimi_k3.serve.constrained``) on a model that writes
     Python: ``json_object`` gives one JSON object, a ``json_schema`` a value of the schema,
     a named ``tool_choice`` a call of that function with arguments of its schema."""
     url = f"{demo_server}/v1/chat/completions"
@@ -638,8 +638,8 @@ def test_stream_deltas_add_up_to_the_whole_reply(tok, stop):
     """A 4000-token chat reply streamed id by id (``StreamChunks`` over ``ReplyText``, no
     re-decoding) gives the reasoning and content the reply parsed whole gives, with
     stop strings cutting the content as they do there."""
-    from kimi_k3.chat import encode_segments, split_markers
     from kimi_k3.server import Job, Outcome, ReplyText, StreamChunks
+    from kimi_k3.text.chat import encode_segments, split_markers
 
     words = "think 中文 é a b c zz " * 60
     text = f"{words}<|close|>think<|sep|><|open|>response<|sep|>{words * 3}zz q {words}"

@@ -197,7 +197,7 @@ def test_connections_all_busy_get_503(server, tok):
 
 @pytest.fixture(scope="module")
 def tok(tiny_ckpt):
-    from kimi_k3.tokenizer import load_tokenizer
+    from kimi_k3.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_ckpt)
 

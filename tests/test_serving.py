@@ -1,4 +1,4 @@
-"""``kimi_k3.serving``: batched decoding equals solo decoding (sequences joining and leaving
+"""``kimi_k3.serve.engine``: batched decoding equals solo decoding (sequences joining and leaving
 the batch at different steps too), seeded sampling is the same in a batch, chunked prefill
 lets short requests through, cancellation, prefix reuse equals a cold run, the snapshot
 LRU."""
@@ -11,8 +11,8 @@ import pytest
 from mlx_lm import stream_generate
 
 import kimi_k3
-from kimi_k3 import serving
-from kimi_k3.serving import BatchLatents, Engine, PrefixCache, QueueFull, Sampling, Sequence
+from kimi_k3.serve import engine as serving
+from kimi_k3.serve.engine import BatchLatents, Engine, PrefixCache, QueueFull, Sampling, Sequence
 
 PROMPTS = [
     "Hello there, how are you doing today, my friend?",

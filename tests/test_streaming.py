@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-import kimi_k3.experts
-from kimi_k3.config import ModelArgs
-from kimi_k3.loader import load_model
+import kimi_k3.model.experts
+from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.model.config import ModelArgs
 from kimi_k3.streaming import attach_streamer, clear_cache, get_stats, reset_stats
 from kimi_k3.streaming.sources import expert_bytes, expert_layout
 
@@ -101,20 +101,20 @@ def test_options_never_change_the_output(small, reference, opts):
 def _routing_trace(model, tokens) -> list[list[np.ndarray]]:
     """Per call, per MoE layer, the sorted distinct experts the resident model routes to."""
     calls = []
-    glu = kimi_k3.experts.expert_glu
+    glu = kimi_k3.model.experts.expert_glu
 
     def record(z, w, inds, weights, beta, cap):
         calls[-1].append(np.unique(np.array(inds)))
         return glu(z, w, inds, weights, beta, cap)
 
-    kimi_k3.experts.expert_glu = record
+    kimi_k3.model.experts.expert_glu = record
     try:
         cache = model.make_cache()
         for t in tokens:
             calls.append([])
             mx.eval(model(mx.array([[t]]), cache=cache))
     finally:
-        kimi_k3.experts.expert_glu = glu
+        kimi_k3.model.experts.expert_glu = glu
     return calls
 
 
@@ -172,17 +172,17 @@ def test_counters_match_a_cache_simulation(small, policy, slots):
 
 def _distinct_in_prefill(path) -> list[int]:
     """Distinct experts per MoE layer of the resident model's pass over ``PROMPT``."""
-    glu, seen = kimi_k3.experts.expert_glu, []
+    glu, seen = kimi_k3.model.experts.expert_glu, []
 
     def record(z, w, inds, weights, beta, cap):
         seen.append(len(np.unique(np.array(inds))))
         return glu(z, w, inds, weights, beta, cap)
 
-    kimi_k3.experts.expert_glu = record
+    kimi_k3.model.experts.expert_glu = record
     try:
         mx.eval(load_model(path, dtype=mx.float32)(PROMPT))
     finally:
-        kimi_k3.experts.expert_glu = glu
+        kimi_k3.model.experts.expert_glu = glu
     return seen
 
 

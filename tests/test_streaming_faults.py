@@ -12,10 +12,10 @@ import pytest
 from conftest import published_experts
 
 import kimi_k3.streaming.io as sio
-from kimi_k3.checkpoint import CheckpointIndex
-from kimi_k3.config import ModelArgs
-from kimi_k3.expert_pack import write_pack
-from kimi_k3.loader import load_model
+from kimi_k3.checkpoint.expert_pack import write_pack
+from kimi_k3.checkpoint.files import CheckpointIndex
+from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.model.config import ModelArgs
 from kimi_k3.streaming import ExpertReadError, attach_streamer, clear_cache, get_stats
 from kimi_k3.streaming.sources import expert_bytes, expert_layout
 

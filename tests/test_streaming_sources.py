@@ -11,11 +11,11 @@ from conftest import published_experts
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from mlx_lm.utils import save_model as mlx_lm_save_model
 
-from kimi_k3.checkpoint import CheckpointError, CheckpointIndex, write_safetensors
-from kimi_k3.config import ModelArgs
-from kimi_k3.expert_pack import write_pack
-from kimi_k3.loader import load_model
-from kimi_k3.model import expert_keys
+from kimi_k3.checkpoint.expert_pack import write_pack
+from kimi_k3.checkpoint.files import CheckpointError, CheckpointIndex, write_safetensors
+from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.model.config import ModelArgs
+from kimi_k3.model.experts import expert_keys
 from kimi_k3.streaming import attach_streamer, get_stats
 from kimi_k3.streaming.sources import ShardSource, expert_bytes, expert_layout, open_source
 

@@ -12,9 +12,9 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from kimi_k3.chat import encode_ordinary
 from kimi_k3.corpus import train_ranks
-from kimi_k3.tokenizer import (
+from kimi_k3.text.chat import encode_ordinary
+from kimi_k3.text.tokenizer import (
     KIMI_PATTERN,
     SPECIAL_OFFSETS,
     load_tokenizer,

@@ -16,7 +16,7 @@ import numpy_ref as ref
 import pytest
 from mlx.utils import tree_flatten
 
-from kimi_k3.loader import load_model
+from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.trace import trace
 
 ATOL = 1e-4

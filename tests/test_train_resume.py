@@ -12,7 +12,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from kimi_k3 import train
-from kimi_k3.checkpoint import CheckpointError
+from kimi_k3.checkpoint.files import CheckpointError
 from kimi_k3.convert.synth import PRESETS
 
 PRESET = dict(PRESETS["tiny"], num_experts=8, num_experts_per_token=2)

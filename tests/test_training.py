@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from kimi_k3.loader import load_model
+from kimi_k3.checkpoint.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_tiny import fixed_batch, freeze_experts, loss_fn, train  # noqa: E402

@@ -1,4 +1,4 @@
-"""Dynamic expert trimming (``kimi_k3.trimming``): the rule against a numpy reference, off
+"""Dynamic expert trimming (``kimi_k3.model.routing``): the rule against a numpy reference, off
 is bitwise the untrimmed model, streamed trimmed equals resident trimmed bit for bit while
 reading fewer experts, and the settings reach the model from every entry point."""
 
@@ -10,8 +10,8 @@ import pytest
 from test_streaming import PROMPT, STEPS, budget_gb, greedy
 
 import kimi_k3
-from kimi_k3 import trimming
-from kimi_k3.loader import load_model
+from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.model import routing
 from kimi_k3.streaming import get_stats
 
 TOKENS = mx.array(np.random.default_rng(5).integers(0, 1500, (1, 24)))
@@ -23,7 +23,7 @@ def small(ckpt_factory):
 
 
 def reference_trim(logits, bias, k, scale, renormalize, top_p, min_weight):
-    """The rule of ``kimi_k3.trimming``, per token in float64: ``{expert: weight}`` kept."""
+    """The rule of ``kimi_k3.model.routing``, per token in float64: ``{expert: weight}`` kept."""
     out = []
     for row in logits:
         s = 1 / (1 + np.exp(-row.astype(np.float64)))
@@ -51,12 +51,12 @@ def test_rule_matches_a_numpy_reference(top_p, min_weight, renormalize, scale):
     rng = np.random.default_rng(1)
     logits = rng.normal(0, 2, (96, 16)).astype(np.float32)
     bias = rng.normal(0, 0.5, 16).astype(np.float32)
-    inds, w = trimming.route_trimmed(
+    inds, w = routing.route_trimmed(
         mx.array(logits), mx.array(bias), 6, scale, renormalize, top_p, min_weight
     )
     inds, w = np.array(inds), np.array(w)
     want = reference_trim(logits, bias, 6, scale, renormalize, top_p, min_weight)
-    kept = trimming.kept(inds)
+    kept = routing.kept(inds)
     counts = kept.sum(-1)
     assert 1 <= counts.min() and counts.max() <= 6 and counts.min() < counts.max()
     for row, wrow, mask, ref in zip(inds, w, kept, want, strict=True):
@@ -67,7 +67,7 @@ def test_rule_matches_a_numpy_reference(top_p, min_weight, renormalize, scale):
 
 
 def test_check_names_the_bad_value():
-    assert trimming.check(1, 0) == (1.0, 0.0)
+    assert routing.check(1, 0) == (1.0, 0.0)
     for p, w, words in [
         (0, 0, "top_p must be above 0 and at most 1, got 0"),
         (1.5, 0, "top_p must be above 0"),
@@ -78,7 +78,7 @@ def test_check_names_the_bad_value():
         ("0.9", 0, "top_p must be a number, got '0.9'"),
     ]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(")):
-            trimming.check(p, w)
+            routing.check(p, w)
     with pytest.raises(ValueError, match="^expert_top_p must be above 0"):
         kimi_k3.load("/no/such/model", expert_top_p=2)  # checked before anything is read
 
@@ -108,12 +108,12 @@ def test_off_is_the_untrimmed_model_bit_for_bit(small):
 
 def _without_cutting(model):
     """The model's logits on TOKENS with every [N, k] column computed (zero pairs too)."""
-    cut = trimming.used_columns
-    trimming.used_columns = lambda inds, weights: (inds, weights)
+    cut = routing.used_columns
+    routing.used_columns = lambda inds, weights: (inds, weights)
     try:
         return model(TOKENS)
     finally:
-        trimming.used_columns = cut
+        routing.used_columns = cut
 
 
 def test_streamed_trimmed_equals_resident_trimmed_and_reads_less(small):
@@ -145,7 +145,7 @@ def test_cli_flags_reach_the_model(tiny_ckpt, capsys, monkeypatch):
     """``generate`` loads with the flags and its stats line gives the experts kept; the
     server hands the same flags to the loader."""
     from kimi_k3 import server
-    from kimi_k3.checkpoint import CheckpointError
+    from kimi_k3.checkpoint.files import CheckpointError
     from kimi_k3.generate import main
 
     argv = ["--model", str(tiny_ckpt), "--max-tokens", "3", "--expert-cache-gb", "0.001"]

@@ -31,7 +31,7 @@ def get_stats(model) -> dict | None:
     are resident. Keys include hits, misses, hit_rate, bytes_read, read_seconds, read_gbps,
     wait_seconds, compute_seconds, prefetch_hits, prefetch_issued, prefetch_accuracy,
     prediction_recall, pairs, experts_per_token (mean experts kept per token and MoE layer:
-    k, fewer with ``kimi_k3.trimming``), cache_bytes, budget_bytes, tokens, per_token and
+    k, fewer with ``kimi_k3.model.routing``), cache_bytes, budget_bytes, tokens, per_token and
     last_pass."""
     streamer = find_streamer(model)
     return None if streamer is None else streamer.snapshot()

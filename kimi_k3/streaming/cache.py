@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+import mlx.core as mx
 import numpy as np
 
 GB = 1e9  # budgets are decimal gigabytes, like drive and RAM sizes
@@ -219,8 +220,6 @@ def available_memory() -> int:
                     return int(line.split()[1]) * 1024
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
-        import mlx.core as mx
-
         total = min(total, int(mx.device_info()["max_recommended_working_set_size"]))
     except (KeyError, AttributeError, RuntimeError):
         pass

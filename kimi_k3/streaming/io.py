@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_k3.checkpoint import CheckpointError
+from kimi_k3.checkpoint.files import CheckpointError
 
 ALIGN = 4096  # direct I/O alignment: offsets, lengths and buffer addresses
 DEMAND, PREFETCH, STOP = 0, 1, 2  # queue priorities

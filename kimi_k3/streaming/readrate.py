@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kimi_k3.streaming.io import ALIGN, FileTable, ReadJob, ReadPool, _open
+from kimi_k3.streaming.store import SlotPool
 
 
 def plan(E: int, layers: list[int], pattern: str, calls: int, k: int = 16) -> list[list]:
@@ -96,7 +97,6 @@ def streamer_read(source, layout: dict, calls: list[list], threads: int, direct:
     """``calls`` (after ``misses``) through the streamer's readers into one layer's slots
     (module docstring): ``{"gb", "wall_gbps", "direct_io", "checked"}``; ``checked``: whether
     checksums were verified (the source has them: the expert pack, or a recorded manifest)."""
-    from kimi_k3.streaming.store import SlotPool
 
     slots = max(len(c) for c in calls)
     pool = SlotPool(layout, slots, "auto")

@@ -36,6 +36,7 @@ from kimi_k3.streaming.cache import (
     make_policy,
     overflow_split,
 )
+from kimi_k3.streaming.store import moe_blocks
 
 PHASES = ("prefill", "decode")
 
@@ -273,7 +274,6 @@ def record(
     each MoE block's ``route_hook`` (a hook already set, the streamer's prefetch, still
     runs), so the model may be resident or streamed.
     """
-    from kimi_k3.streaming.store import moe_blocks
 
     for name, v in (("prefill_step_size", prefill_step_size), ("decode_tokens", decode_tokens)):
         if v < 1:

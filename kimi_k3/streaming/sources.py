@@ -2,7 +2,7 @@
 
 A source answers ``extents(layer, expert)``: the file byte ranges to read, each listing the
 cache tensors its bytes fill, back to back. Every layout holds the same MXFP4 bytes (see
-``kimi_k3.experts``), so the streamer copies them into its slots without conversion.
+``kimi_k3.model.experts``), so the streamer copies them into its slots without conversion.
 Errors name the file and the tensor (or the layer and expert).
 """
 
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_k3.checkpoint import CheckpointError, CheckpointIndex
-from kimi_k3.config import ModelArgs
-from kimi_k3.expert_pack import source_name
-from kimi_k3.model import expert_keys
+from kimi_k3.checkpoint.expert_pack import ExpertPack, is_pack_dir, source_name
+from kimi_k3.checkpoint.files import CheckpointError, CheckpointIndex
+from kimi_k3.checkpoint.layouts import mlx_lm_expert_names
+from kimi_k3.model.config import ModelArgs
+from kimi_k3.model.experts import expert_keys
 
 # The six cache tensors of one expert, in the order of the published shards and the pack.
 TENSORS = ("w1.weight", "w1.scales", "w2.weight", "w2.scales", "w3.weight", "w3.scales")
@@ -75,7 +76,7 @@ class ShardSource:
     """
 
     kind = "shards"
-    sums = None  # the checkpoint's ``kimi_k3.checksums.Checksums``, set to verify reads
+    sums = None  # the checkpoint's ``kimi_k3.checkpoint.checksums.Checksums``, set to verify reads
 
     def __init__(
         self, index: CheckpointIndex, layout: dict, layers: list[int], experts: range | int
@@ -118,7 +119,7 @@ class ShardSource:
 
 class MlxLmSource:
     """mlx-lm's layout: experts stacked ``[E, ...]`` per tensor in ``mlp.switch_mlp``
-    (names from ``kimi_k3.layouts.mlx_lm_expert_names``).
+    (names from ``kimi_k3.checkpoint.layouts.mlx_lm_expert_names``).
 
     Expert ``e`` of a stacked tensor is the byte slice ``start + e * n .. start + (e+1) * n``:
     six reads per expert (the six stacked tensors are apart in the file).
@@ -128,7 +129,6 @@ class MlxLmSource:
     sums = None  # as ``ShardSource.sums``
 
     def __init__(self, index: CheckpointIndex, layout: dict, layers: list[int], num_experts: int):
-        from kimi_k3.layouts import mlx_lm_expert_names
 
         # Every expert's row of the stacks is checked; any range of them can be read.
         self.index, self.layout, self.tensors = index, layout, {}
@@ -170,7 +170,7 @@ class MlxLmSource:
 
 
 class PackSource:
-    """This project's expert pack (``kimi_k3.expert_pack``): one page-aligned record per
+    """This project's expert pack (``kimi_k3.checkpoint.expert_pack``): one page-aligned record per
     expert, so one aligned read per expert, with a crc32 per record."""
 
     kind = "pack"
@@ -178,7 +178,6 @@ class PackSource:
     def __init__(
         self, path: Path, layout: dict, layers: list[int], num_experts: int, experts: range
     ):
-        from kimi_k3.expert_pack import ExpertPack
 
         self.pack = ExpertPack(path)
         self.index, self.records = None, {}
@@ -255,7 +254,6 @@ def open_source(
     ``auto`` picks the expert pack when ``path`` has one, else the published per-expert
     tensors, else mlx-lm's stacked ``switch_mlp`` tensors.
     """
-    from kimi_k3.expert_pack import is_pack_dir
 
     if kind not in SOURCES:
         raise ValueError(f"source={kind!r}: expected one of {SOURCES}")
@@ -279,7 +277,6 @@ def _detect(
     index = index if index is not None else CheckpointIndex(path)
     if expert_keys(layer, expert)[0] in index:
         return "shards"
-    from kimi_k3.layouts import mlx_lm_expert_names
 
     if mlx_lm_expert_names(layer)["w1.weight"] in index:
         return "mlx-lm"

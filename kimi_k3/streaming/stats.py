@@ -5,7 +5,7 @@ counts it once). A *hit* is an expert needing no demand read: resident, or alrea
 read ahead by the prefetcher; *overflow misses* are the misses read into the overflow area
 (``StreamOptions.overflow_experts``), counted in the misses too. A *pass* is one model call
 (it starts at the first MoE layer). *Pairs* are the (token, expert) choices the MoE layers
-kept: k per token and layer, fewer where trimming (``kimi_k3.trimming``) dropped some.
+kept: k per token and layer, fewer where trimming (``kimi_k3.model.routing``) dropped some.
 """
 
 from __future__ import annotations

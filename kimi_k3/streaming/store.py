@@ -25,10 +25,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kimi_k3 import trimming
-from kimi_k3.checkpoint import CheckpointIndex
-from kimi_k3.experts import EXPERT_TENSORS, expert_glu, expert_glu_reference, store_layout
+from kimi_k3.checkpoint import checksums as sums
+from kimi_k3.checkpoint.files import CheckpointIndex
 from kimi_k3.kernels import expert_layout as tiles
+from kimi_k3.model import routing
+from kimi_k3.model.experts import EXPERT_TENSORS, expert_glu, expert_glu_plan, store_layout
 from kimi_k3.streaming.cache import (
     GB,
     POLICIES,
@@ -63,12 +64,12 @@ class StreamOptions:
         (``overflow_for_batch``).
     source: ``"auto"``, ``"shards"``, ``"pack"`` or ``"mlx-lm"``.
     verify_checksums: check every expert read against its crc32 (the expert pack's per
-        record, else the checkpoint's recorded checksums, ``kimi_k3.checksums``), in the
+        record, else the checkpoint's recorded checksums, ``kimi_k3.checkpoint.checksums``), in the
         reader thread, before the expert is used.
     write_mode: ``"auto"``, ``"view"`` (write slots through a numpy view of the MLX buffer)
         or ``"mlx"`` (``pool[slot] = array``, for backends whose buffers are not host views).
     expert_layout: how the slots hold an expert: ``"auto"``, ``"mlx"`` or ``"tiled"``
-        (``kimi_k3.experts.store_layout``: tiles where CUDA's kernels read them), or None
+        (``kimi_k3.model.experts.store_layout``: tiles where CUDA's kernels read them), or None
         (the default) for ``KIMI_K3_EXPERT_LAYOUT``'s choice, as ``load_model`` reads it; a
         tiled slot is permuted as it lands, so a hit reads it as it is.
     """
@@ -286,13 +287,13 @@ class Streamer:
         ids = np.array(inds)
         if layer == self.order[0]:
             self.stats.begin_pass(ids.shape[0])
-        self.stats.add(pairs=int(trimming.kept(ids).sum()))
+        self.stats.add(pairs=int(routing.kept(ids).sum()))
         uniq = np.unique(ids)
         self._score(layer, uniq)
         ahead = None
         if pred is not None:  # a dropped choice repeats its token's first: count it once
             pred = np.array(pred)
-            ahead = (nxt, pred[trimming.kept(pred)])
+            ahead = (nxt, pred[routing.kept(pred)])
         if len(uniq) <= store.cache.slots:
             slots = self._fetch(store, uniq, ahead, z)
             slot_inds = mx.array(slots[np.searchsorted(uniq, ids)].astype(np.int32))
@@ -459,18 +460,13 @@ class Streamer:
         rest, read into the area in the same round, as another; else groups of at most
         ``slots`` experts (``cache.call_groups``: the cached ones first), each evaluated
         before the next overwrites slots. Each group runs on the kernel that one call of the
-        whole chunk would take (``dispatch.expert_glu_kernel`` on the chunk's pairs, else
-        the reference), with weights of one applied after (every kernel scales a pair's
-        output by its weight in one multiply), and the pairs are added up as that call adds
-        them (``dispatch.expert_sum_in_order``): the bits of one call, as with every expert
-        in the cache."""
-        from kimi_k3.kernels import dispatch
-
+        whole chunk would take (``experts.expert_glu_plan``), with weights of one applied
+        after (every kernel scales a pair's output by its weight in one multiply), and the
+        pairs are added up as that call adds them: the bits of one call, as with every
+        expert in the cache."""
         N, k = ids.shape
         flat = ids.reshape(-1)
-        call = dispatch.expert_glu_kernel(z, store.pool.w, mx.array(ids.astype(np.int32)))
-        in_order = call is not None and dispatch.expert_sum_in_order(ids)
-        call = call or expert_glu_reference
+        call, in_order = expert_glu_plan(z, store.pool.w, ids)
         Y = mx.zeros((N * k, z.shape[-1]), mx.float32)
 
         def run(group: np.ndarray, w, slots: np.ndarray) -> mx.array:
@@ -576,10 +572,11 @@ def attach_streamer(
 ) -> Streamer:
     """Replace every MoE layer's resident experts by a streamed store reading from ``path``.
 
-    Works before the dense weights are loaded (``kimi_k3.loader.load_model`` calls it so) or on a
-    loaded model (the resident experts are dropped). ``expert_cache_gb`` (1e9 bytes) is
-    split evenly into per-layer slots, at least top-k per layer. ``checksums``: the
-    checkpoint's ``kimi_k3.checksums.Checksums`` (obtained here when needed and not given).
+    Works before the dense weights are loaded (``kimi_k3.checkpoint.loader.load_model``
+    calls it so) or on a loaded model (the resident experts are dropped).
+    ``expert_cache_gb`` (1e9 bytes) is split evenly into per-layer slots, at least top-k per
+    layer. ``checksums``: the checkpoint's ``kimi_k3.checkpoint.checksums.Checksums``
+    (obtained here when needed and not given).
     ``options``: see ``StreamOptions``.
     """
     opts = StreamOptions(**options)
@@ -591,8 +588,6 @@ def attach_streamer(
     held = next(iter(moes.values())).expert_range  # this rank's experts, or all of them
     source = open_source(Path(path), index, args, sorted(moes), opts.source, held)
     if opts.verify_checksums and source.kind != "pack":
-        from kimi_k3 import checksums as sums
-
         source.sums = checksums or sums.obtain(Path(path), source.index)
     budget = round(expert_cache_gb * GB)
     slots = slots_per_layer(

@@ -9,7 +9,7 @@ import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kimi_k3.checkpoint import MAX_CONFIG_BYTES, load_json, read_capped
+from kimi_k3.checkpoint.files import MAX_CONFIG_BYTES, load_json, read_capped
 
 INT_MAX = 2**31 - 1  # MLX shapes are int32
 # Config values by kind: what each must be (checked before anything uses them).

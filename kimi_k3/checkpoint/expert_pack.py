@@ -12,7 +12,7 @@ the expert's six tensors back to back, the bytes exactly as in the published che
     w2.scales  (experts.E.w2.weight_scale)   u8 [D, I/32]
     w3.weight, w3.scales                     like w1
 
-The packed bytes viewed as uint32 are MLX ``mode="mxfp4"`` weights (see ``kimi_k3.experts``).
+The packed bytes viewed as uint32 are MLX ``mode="mxfp4"`` weights (see ``kimi_k3.model.experts``).
 ``index.json`` (format ``kimi-k3-expert-pack``, version 1) names the files and, per MoE layer,
 each tensor's offset, byte count, dtype and shape within a record, and each expert's
 ``[file number, offset, crc32]``. docs/converter.md describes the layout in full.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kimi_k3.checkpoint import (
+from kimi_k3.checkpoint.files import (
     MAX_LISTING_BYTES,
     CheckpointError,
     load_json,

@@ -13,12 +13,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from kimi_k3.attention import GatedMLA, KimiDeltaAttention
-from kimi_k3.attn_res import AttnResMix
-from kimi_k3.checkpoint import NON_TEXT_PREFIXES
-from kimi_k3.config import ModelArgs
-from kimi_k3.experts import EXPERT_TENSORS
-from kimi_k3.moe import LatentMoE, SituMLP
+from kimi_k3.checkpoint.files import NON_TEXT_PREFIXES
+from kimi_k3.model.attention import GatedMLA, KimiDeltaAttention
+from kimi_k3.model.attn_res import AttnResMix
+from kimi_k3.model.config import ModelArgs
+from kimi_k3.model.experts import PUBLISHED_EXPERT
+from kimi_k3.model.moe import LatentMoE, SituMLP
+from kimi_k3.model.parallel import pipeline_stage, run_stage, shard_model
 
 
 class DecoderLayer(nn.Module):
@@ -77,15 +78,11 @@ class TextModel(nn.Module):
     def pipeline(self, group, split: list[int] | None = None):
         """Keep only this rank's layers: ``split`` (layers per rank, rank 0 last) or a split
         balanced by parameter bytes. The last rank runs the first layers, rank 0 the last."""
-        from kimi_k3.distributed import pipeline_stage
-
         pipeline_stage(self, group, split)
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         p = self.embed_tokens(inputs)
         if self.pipeline_group is not None:
-            from kimi_k3.distributed import run_stage
-
             return run_stage(self, p, cache)
         cache = cache or [None] * len(self.layers)
         snaps: list = []
@@ -134,8 +131,6 @@ class Model(nn.Module):
         """Tensor parallel over ``group`` (mlx-lm's convention): attention and dense MLP
         projections split by heads / hidden units, and with ``experts`` each MoE layer's
         routed experts split into contiguous ranges (``kimi_k3.distributed``)."""
-        from kimi_k3.distributed import shard_model
-
         shard_model(self, group, experts)
 
     def make_cache(self) -> list:
@@ -166,12 +161,7 @@ class Model(nn.Module):
 
 
 KEEP_FP32 = ("A_log", "dt_bias", "e_score_correction_bias", "conv1d.weight")
-# Routed-expert tensor names, published (``.experts.``) or mlx-lm converted (``.switch_mlp.``).
-ROUTED_EXPERT_NAME = re.compile(r"\.experts\.|\.switch_mlp\.")
 _RES = re.compile(r"(self_attention_res|mlp_res|output_attn_res)_(proj|norm)\.weight$")
-_EXPERT = re.compile(
-    r"(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$"
-)
 
 
 def sanitize_weights(args: ModelArgs, weights: dict, num_experts: int | None = None) -> dict:
@@ -190,7 +180,7 @@ def sanitize_weights(args: ModelArgs, weights: dict, num_experts: int | None = N
         if key.startswith(NON_TEXT_PREFIXES):
             continue
         key = _RES.sub(lambda m: f"{m.group(1)}.{m.group(2)}_weight", key)
-        if m := _EXPERT.match(key):
+        if m := PUBLISHED_EXPERT.match(key):
             experts.setdefault((m.group(1), m.group(3), m.group(4)), {})[int(m.group(2))] = value
             continue
         if key.endswith("self_attn.A_log") and value.shape[0] > args.kda_heads:
@@ -211,9 +201,3 @@ def stack_experts(per_expert: dict, n: int, what: str) -> mx.array:
     if missing:
         raise KeyError(f"{what}: experts {missing[:8]}{'...' if len(missing) > 8 else ''} missing")
     return mx.stack([per_expert[e] for e in range(n)])
-
-
-def expert_keys(layer: int, expert: int) -> list[str]:
-    """The six published tensor names of one routed expert."""
-    base = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}"
-    return [f"{base}.{w}.{k}" for w in EXPERT_TENSORS for k in ("weight_packed", "weight_scale")]

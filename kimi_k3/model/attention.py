@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from kimi_k3.config import ModelArgs
-from kimi_k3.kda import kda_mix
+from kimi_k3.model.config import ModelArgs
+from kimi_k3.model.kda import kda_mix
 
 MLA_NORM_EPS = 1e-6  # the latent norms of MLA use a fixed 1e-6, as in DeepSeek-style MLA
 
@@ -20,7 +20,7 @@ class ConvWeight(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    """KDA token mixer: projections around ``kimi_k3.kda.kda_mix``.
+    """KDA token mixer: projections around ``kimi_k3.model.kda.kda_mix``.
 
     Cache: mlx-lm ``ArraysCache(2)`` holding ``[conv window [B, W-1, 3P], state [B, H, K, K]]``.
     """
@@ -187,7 +187,7 @@ class GatedMLA(nn.Module):
 
     def _decode(self, q_nope, q_pe, latent, k_pe, mask=None):
         """One token. ``mask`` [B, 1, 1, Tk] (bool, or None for all keys) hides the left
-        padding of a batch of sequences of different lengths (``kimi_k3.serving``)."""
+        padding of a batch of sequences of different lengths (``kimi_k3.serve.engine``)."""
         q_lat = self._kv_b_matmul(q_nope, "k", transpose=False)  # the key map into the query
         s = q_lat @ latent.swapaxes(-1, -2) + q_pe @ k_pe.swapaxes(-1, -2)
         s = s.astype(mx.float32) * self.scale

@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-log = logging.getLogger("kimi_k3.serving")
+log = logging.getLogger("kimi_k3.serve.engine")
 
 
 class QueueFull(Exception):
@@ -77,7 +78,6 @@ class Sampling:
 
     def pick(self, logprobs: mx.array, key: mx.array | None) -> mx.array:
         """Shapes: logprobs [1, V] -> [1] int."""
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)

@@ -17,7 +17,7 @@ limits a server exposed to clients it does not trust needs.
   the connection closes. ``Transfer-Encoding`` beside ``Content-Length``, which h11 frames
   by the former, is refused by the app (``kimi_k3.server``), also closing the connection.
 
-Each refusal is OpenAI-style JSON (``kimi_k3.openai_protocol.ApiError``); only a
+Each refusal is OpenAI-style JSON (``kimi_k3.serve.protocol.ApiError``); only a
 connection opened and never written to, and one whose client reads nothing, close
 without an answer.
 """
@@ -32,7 +32,7 @@ from http import HTTPStatus
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kimi_k3.openai_protocol import LOG_PREFIX, ApiError, quote
+from kimi_k3.serve.protocol import LOG_PREFIX, ApiError, quote
 
 log = logging.getLogger("kimi_k3.server")
 

@@ -15,15 +15,18 @@ docs/checkpoints.md describes the checks.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
-from kimi_k3.checkpoint import (
+from kimi_k3 import cache_dir
+from kimi_k3.checkpoint.files import (
     MAX_LISTING_BYTES,
     NON_TEXT_PREFIXES,
     CheckpointError,
@@ -145,7 +148,6 @@ def record(index: CheckpointIndex, files: list[Path] | None = None, threads: int
 
 def manifest_paths(path: Path) -> list[Path]:
     """Where the manifest of checkpoint ``path`` may be: beside it, then in the cache."""
-    from kimi_k3 import cache_dir
 
     key = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:24]
     return [Path(path) / NAME, cache_dir() / "checksums" / f"{key}.json"]
@@ -153,7 +155,6 @@ def manifest_paths(path: Path) -> list[Path]:
 
 def write_manifest(file: Path, sums: Checksums):
     """Atomically (a temporary file renamed over it)."""
-    import json
 
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
@@ -267,7 +268,6 @@ def _save(path: Path, sums: Checksums) -> Checksums:
 
 def array_crc(a, rows: bool):
     """crc32 of an MLX array's bytes (per row of dimension 0 with ``rows``), as recorded."""
-    import mlx.core as mx
 
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
@@ -280,7 +280,6 @@ def array_crc(a, rows: bool):
 def verify_arrays(arrays: dict, index: CheckpointIndex, sums: Checksums):
     """Evaluate each loaded tensor (``name -> mx.array`` as read from its shard) and check
     its bytes against the recorded crc32; ``CheckpointError`` names the file and tensor."""
-    import mlx.core as mx
 
     for name, a in arrays.items():
         t = index[name]

@@ -37,14 +37,14 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 from kimi_k3 import cache_dir
-from kimi_k3.chat import encode_chat, parse_tool_calls, render_text
-from kimi_k3.checkpoint import (
+from kimi_k3.checkpoint.files import (
     MAX_CONFIG_BYTES,
     MAX_RANK_FILE_BYTES,
     CheckpointError,
     load_json,
     read_capped,
 )
+from kimi_k3.text.chat import encode_chat, parse_tool_calls, render_text
 
 RANK_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -121,7 +121,7 @@ def special_token_ids(n_ranks: int) -> dict[str, int]:
 
 def read_rank_file(path: str | Path) -> bytes:
     """The bytes of a tiktoken rank file: a regular file of at most ``MAX_RANK_FILE_BYTES``
-    (``kimi_k3.checkpoint.read_capped``), else ``CheckpointError`` naming it."""
+    (``kimi_k3.checkpoint.files.read_capped``), else ``CheckpointError`` naming it."""
     try:
         return read_capped(path, MAX_RANK_FILE_BYTES)
     except FileNotFoundError:

@@ -1,10 +1,12 @@
-"""Dynamic expert trimming: each token runs fewer of its routed experts where the router is sure.
+"""Routing: the router's choice of experts per token (``select_experts``, ``route``) and
+dynamic expert trimming, where each token runs fewer of its routed experts when the router
+is sure.
 
-Off by default. Two thresholds, alone or together, act on the router's *renormalised weights*
-``r_i = s_i / sum_j s_j`` over the token's top-k choices (``s`` the sigmoid scores of the
+Trimming is off by default. Two thresholds, alone or together, act on the router's *renormalised
+weights* ``r_i = s_i / sum_j s_j`` over the token's top-k choices (``s`` the sigmoid scores of the
 experts selected by biased score; the weights the router itself hands on are these times
-``routed_scaling_factor`` when ``moe_renormalize``). The choices are taken in decreasing
-``r`` (ties in the router's order):
+``routed_scaling_factor`` when ``moe_renormalize``). The choices are taken in decreasing ``r`` (ties
+in the router's order):
 
 - ``top_p`` (0 < p <= 1): keep choices while the ``r`` of those kept before them sums to
   less than ``p`` (so the kept ones are the fewest whose ``r`` reaches ``p``); 1 keeps all;
@@ -39,6 +41,28 @@ import numpy as np
 OFF = (1.0, 0.0)  # (top_p, min_weight): keep every choice
 
 
+def select_experts(logits, bias, top_k: int) -> tuple[mx.array, mx.array]:
+    """The router's choice: the ``top_k`` experts by sigmoid score plus the correction
+    bias, and their sigmoid scores without it. Shapes: logits [..., E] -> (inds [..., k]
+    int32, scores [..., k] fp32)."""
+    scores = mx.sigmoid(logits.astype(mx.float32))
+    biased = scores + bias.astype(mx.float32)
+    inds = mx.argpartition(-biased, kth=top_k - 1, axis=-1)[..., :top_k]
+    inds = mx.stop_gradient(inds).astype(mx.int32)
+    return inds, mx.take_along_axis(scores, inds, axis=-1)
+
+
+@mx.compile
+def route(logits, bias, top_k: int, scale: float, renormalize: bool):
+    """The router's output: ``select_experts``' choice and its scores, renormalised over
+    the choice when ``renormalize``, times ``scale``. Shapes: logits [..., E] ->
+    (inds [..., k] int32, weights [..., k] fp32)."""
+    inds, w = select_experts(logits, bias, top_k)
+    if renormalize:
+        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+    return inds, w * scale
+
+
 def check(top_p: float, min_weight: float, names=("top_p", "min_weight")) -> tuple[float, float]:
     """``(top_p, min_weight)`` as floats, or ``ValueError`` naming the bad one (by ``names``):
     ``top_p`` must be in (0, 1], ``min_weight`` in [0, 1)."""
@@ -64,13 +88,11 @@ def is_on(top_p: float, min_weight: float) -> bool:
 def route_trimmed(
     logits, bias, top_k: int, scale: float, renormalize: bool, top_p: float, min_weight: float
 ):
-    """The router (``kimi_k3.moe._route``) with its choices trimmed (module docstring).
+    """``route`` with its choices trimmed (module docstring).
 
     Shapes: logits [..., E] -> (inds [..., k] int32, weights [..., k] fp32), by decreasing
     weight; a dropped choice is the first one's expert with weight 0.
     """
-    from kimi_k3.moe import select_experts  # moe imports this module
-
     inds, s = select_experts(logits, bias, top_k)
     r = s / (s.sum(axis=-1, keepdims=True) + 1e-20)
     order = mx.argsort(-r, axis=-1)

@@ -1,10 +1,10 @@
 """The checkpoint layouts Kimi K3 loads from, and the mapping of mlx-lm's into this tree.
 
 - ``published``: Moonshot's layout (``language_model.model.layers.N.block_sparse_moe.experts.E
-  .w1.weight_packed`` ...), read by name (``kimi_k3.model.sanitize_weights``).
+  .w1.weight_packed`` ...), read by name (``kimi_k3.model.model.sanitize_weights``).
 - ``pack``: this project's converted layout (``python -m kimi_k3.convert``): dense shards
   already in this module tree's names, routed experts in an expert pack
-  (``kimi_k3.expert_pack``).
+  (``kimi_k3.checkpoint.expert_pack``).
 - ``mlx-lm``: a directory written by mlx-lm for ``mlx_lm.models.kimi_k3`` (``mlx_lm.convert``
   or ``save_model``): fused ``qkv_proj``/``qkv_conv``, MLA ``kv_b_proj`` split into
   ``embed_q``/``unembed_out``, experts stacked in ``mlp.switch_mlp``, MoE blocks named ``mlp``.
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kimi_k3.checkpoint import CheckpointError, read_header, read_index
-from kimi_k3.config import ConfigError, ModelArgs, naming, read_config_json
-from kimi_k3.expert_pack import is_pack_dir
+from kimi_k3.checkpoint.expert_pack import is_pack_dir
+from kimi_k3.checkpoint.files import CheckpointError, read_header, read_index
+from kimi_k3.model.config import ConfigError, ModelArgs, naming, read_config_json
 
 LAYOUTS = ("published", "pack", "mlx-lm")
 _MLX_LM_MARKS = (".switch_mlp.", ".qkv_proj.", ".qkv_conv.", ".embed_q.", ".unembed_out.")

@@ -3,7 +3,7 @@
 A processor here is an mlx-lm logits processor ``(tokens, logits) -> logits`` for one
 sequence: every token the grammar does not allow next gets ``-inf``. It is called once per
 step with the sequence's tokens so far (prompt and generated, as mlx-lm's ``generate_step``
-and ``kimi_k3.serving.Engine`` pass them); the first call's tokens are the prompt, and each
+and ``kimi_k3.serve.engine.Engine`` pass them); the first call's tokens are the prompt, and each
 later call feeds the matcher only the tokens generated since. One processor serves one
 sequence, once.
 
@@ -12,7 +12,7 @@ What is constrained is the reply after the generation prompt:
 - ``json_object`` / ``json_schema``: the response text is one JSON document (an object, or a
   value of the schema), then only a stop id (``<|end_of_msg|>``, ``[EOS]``) may follow;
 - ``tool_call``: the response is empty and the message holds a ``tools`` section of calls
-  in the K3 chat format (``kimi_k3.chat``), each argument an ``argument`` element in the
+  in the K3 chat format (``kimi_k3.text.chat``), each argument an ``argument`` element in the
   order of the function's ``parameters.properties``, its ``type`` attribute and value
   as ``chat._argument`` writes them, then ``<|close|>message<|sep|>`` and a stop id.
 
@@ -30,7 +30,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from kimi_k3.chat import _JSON_TYPES, OPEN, SEP, close_tag, escape_attr, marker_ids, open_tag
+from kimi_k3.text.chat import _JSON_TYPES, OPEN, SEP, close_tag, escape_attr, marker_ids, open_tag
 
 # Calls one ``tool_choice: "required"`` reply may hold (each index is spelled out).
 MAX_CALLS = 4

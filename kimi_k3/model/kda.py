@@ -22,7 +22,8 @@ from functools import cache
 
 import mlx.core as mx
 
-from kimi_k3.kernels import checks
+from kimi_k3.kernels import checks, dispatch
+from kimi_k3.kernels.dispatch import with_reference_vjp
 
 CHUNK = 64
 SUB = 16
@@ -240,7 +241,6 @@ def kda_mix_reference(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state,
 def kda_mix(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
     """Dispatcher for the KDA token mixer: a custom kernel where one is eligible, else the
     reference. Same contract as ``kda_mix_reference``."""
-    from kimi_k3.kernels import dispatch
 
     fn = dispatch.kda_mix_kernel(p, x_q, conv_state, state)
     if fn is not None:
@@ -256,7 +256,6 @@ def kda_mix(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
 
 def _kernel_with_reference_grad(fn, p, *inputs):
     """Run the kernel ``fn``; gradients (training) come from ``kda_mix_reference``."""
-    from kimi_k3.kernels.dispatch import with_reference_vjp
 
     B, _, P = inputs[0].shape
     conv_state, state = inputs[-2:]

@@ -17,15 +17,29 @@ dispatcher gives to the kernels' tiled variants and the reference untiles.
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from kimi_k3.kernels import checks, expert_layout
+from kimi_k3.kernels import checks, dispatch, expert_layout, source
 
 GROUP = 32
 EXPERT_TENSORS = ("w1", "w2", "w3")
+# Routed-expert tensor names, published (``.experts.``) or mlx-lm converted (``.switch_mlp.``).
+ROUTED_EXPERT_NAME = re.compile(r"\.experts\.|\.switch_mlp\.")
+# One published per-expert tensor: (MoE block prefix, expert, w1/w2/w3, packed or scale).
+PUBLISHED_EXPERT = re.compile(
+    r"(.*\.block_sparse_moe)\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$"
+)
+
+
+def expert_keys(layer: int, expert: int) -> list[str]:
+    """The six published tensor names of one routed expert."""
+    base = f"language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}"
+    return [f"{base}.{w}.{k}" for w in EXPERT_TENSORS for k in ("weight_packed", "weight_scale")]
 
 
 @partial(mx.compile, shapeless=True)
@@ -99,8 +113,6 @@ def store_layout(choice: str | None, dim: int, hidden: int) -> str:
     ``"auto"``); ``"auto"`` is tiles where CUDA's tensor-core kernels read them (the CUDA
     backend, dims ``expert_layout.kernels_read`` accepts), else MLX's layout. Asking for
     tiles the dims cannot have is an error; any other value too."""
-    from kimi_k3.kernels import source
-
     if choice is None:
         choice = source.env_choice("KIMI_K3_EXPERT_LAYOUT", expert_layout.LAYOUTS, "auto")
     if choice not in expert_layout.LAYOUTS:
@@ -118,8 +130,6 @@ def store_layout(choice: str | None, dim: int, hidden: int) -> str:
 
 def expert_glu(z, w, inds, weights, beta, cap):
     """Dispatcher: the MXFP4 expert kernel where eligible, else ``expert_glu_reference``."""
-    from kimi_k3.kernels import dispatch
-
     fn = dispatch.expert_glu_kernel(z, w, inds)
     if fn is None:
         return expert_glu_reference(z, w, inds, weights, beta, cap)
@@ -129,6 +139,18 @@ def expert_glu(z, w, inds, weights, beta, cap):
         lambda z_, wt: expert_glu_reference(z_, w, inds, wt, beta, cap),
         [z, weights],
     )
+
+
+def expert_glu_plan(z, w, ids: np.ndarray):
+    """For a caller that computes one call's (token, choice) pairs in several groups (the
+    streamer, when a chunk needs more experts than the layer has slots): ``(fn, in_order)``,
+    the function one ``expert_glu`` call on host routing ``ids`` [N, k] would compute the
+    pairs with (the kernel, else ``expert_glu_reference``; same signature as
+    ``expert_glu``), and whether that call adds a token's pairs in choice order
+    (``dispatch.expert_sum_in_order``) rather than as ``sum(axis=1)``, so the groups add up
+    to that call's bits."""
+    fn = dispatch.expert_glu_kernel(z, w, mx.array(ids.astype(np.int32)))
+    return fn or expert_glu_reference, fn is not None and dispatch.expert_sum_in_order(ids)
 
 
 class _Quant(nn.Module):

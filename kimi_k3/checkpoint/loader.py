@@ -2,7 +2,7 @@
 
 Dense tensors are read lazily (``mx.load`` on validated shards); the compressed-tensors
 MXFP4 experts become MLX ``mxfp4`` arrays by viewing their bytes, never re-quantized.
-``kimi_k3.layouts`` tells the layouts apart and maps mlx-lm's names into this tree.
+``kimi_k3.checkpoint.layouts`` tells the layouts apart and maps mlx-lm's names into this tree.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from kimi_k3 import checksums, trimming
-from kimi_k3.checkpoint import NON_TEXT_PREFIXES, CheckpointError, CheckpointIndex
-from kimi_k3.config import ModelArgs
-from kimi_k3.expert_pack import ExpertPack
-from kimi_k3.experts import store_layout
-from kimi_k3.layouts import dequantize_f32, detect, from_mlx_lm, read_args
-from kimi_k3.model import (
-    KEEP_FP32,
-    ROUTED_EXPERT_NAME,
-    Model,
-    sanitize_weights,
-)
+from kimi_k3 import check_checkpoint
+from kimi_k3.checkpoint import checksums
+from kimi_k3.checkpoint.expert_pack import ExpertPack
+from kimi_k3.checkpoint.files import NON_TEXT_PREFIXES, CheckpointError, CheckpointIndex
+from kimi_k3.checkpoint.layouts import dequantize_f32, detect, from_mlx_lm, read_args
+from kimi_k3.model import routing
+from kimi_k3.model.config import ModelArgs
+from kimi_k3.model.experts import ROUTED_EXPERT_NAME, store_layout
+from kimi_k3.model.model import KEEP_FP32, Model, sanitize_weights
+from kimi_k3.streaming import attach_streamer
+from kimi_k3.streaming.sources import open_source
+from kimi_k3.streaming.store import moe_blocks
 
 TRIM_NAMES = ("expert_top_p", "expert_min_weight")  # the loaders' names for the thresholds
 
@@ -46,7 +46,7 @@ def load_model(
 
     Args:
         path: directory with ``config.json`` and safetensors shards (+ index), in any layout
-            of ``kimi_k3.layouts.detect``: published, converted (expert pack) or mlx-lm.
+            of ``kimi_k3.checkpoint.layouts.detect``: published, converted (expert pack) or mlx-lm.
         dtype: dtype of the dense floating weights (bf16 default; fp32 for tests).
             ``A_log``, ``dt_bias``, conv kernels and router correction biases stay fp32.
         expert_cache_gb: ``None`` keeps every routed expert resident; a number streams
@@ -55,24 +55,22 @@ def load_model(
             they are read and checked here.
         expert_layout: how the expert store holds the stacks: ``"auto"`` (tiles where CUDA's
             kernels read them, else MLX's layout), ``"mlx"`` or ``"tiled"``
-            (``kimi_k3.experts.store_layout``); ``None`` reads ``KIMI_K3_EXPERT_LAYOUT``.
+            (``kimi_k3.model.experts.store_layout``); ``None`` reads ``KIMI_K3_EXPERT_LAYOUT``.
         verify_checksums: check every tensor and every streamed expert read from disk against
-            its recorded crc32 (``kimi_k3.checksums``; recorded on first load), raising
+            its recorded crc32 (``kimi_k3.checkpoint.checksums``; recorded on first load), raising
             ``CheckpointError`` (``ExpertReadError`` while streaming) naming the file.
         prepare: called as ``prepare(model)`` on the new model before any tensor is read;
-            ``kimi_k3.distributed.prepare`` keeps one rank's pipeline stage and expert range
+            ``kimi_k3.model.parallel.prepare`` keeps one rank's pipeline stage and expert range
             there, and only the tensors of the layers and experts it keeps are then read.
         expert_top_p, expert_min_weight: trim each token's routed experts
-            (``kimi_k3.trimming``): keep them in decreasing renormalised router weight until
+            (``kimi_k3.model.routing``): keep them in decreasing renormalised router weight until
             the kept weights reach ``expert_top_p`` (1: keep all), and drop those whose
             renormalised weight is below ``expert_min_weight`` (0: none); the first is
             always kept. ``kimi_k3.set_expert_trimming`` changes them on a loaded model.
         stream_options: passed to the expert streamer (policy, prefetch, ...).
     """
-    from kimi_k3 import check_checkpoint
-    from kimi_k3.streaming.sources import open_source
 
-    trim = trimming.check(expert_top_p, expert_min_weight, TRIM_NAMES)
+    trim = routing.check(expert_top_p, expert_min_weight, TRIM_NAMES)
     path = Path(path)
     check_checkpoint(path)
     layout = detect(path)
@@ -98,8 +96,6 @@ def load_model(
     sums = checksums.obtain(path, index) if verify_checksums else None
     store = store_layout(expert_layout, args.routed_expert_hidden_size, args.moe_intermediate_size)
     if stream:
-        from kimi_k3.streaming import attach_streamer
-
         attach_streamer(
             model,
             path,
@@ -116,8 +112,6 @@ def load_model(
     _load(model, weights, dtype)
     del raw, weights  # the model holds what it needs; tiles replace the stacks below
     if not stream:
-        from kimi_k3.streaming.store import moe_blocks
-
         for moe in moe_blocks(model).values():
             if store == "tiled":
                 moe.experts.set_layout("tiled")
@@ -125,7 +119,7 @@ def load_model(
                 mx.eval(moe.experts.parameters())
     if not lazy:
         mx.eval(model.parameters())
-    trimming.set_expert_trimming(model, *trim)
+    routing.set_expert_trimming(model, *trim)
     return model
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from kimi_k3 import trimming
-from kimi_k3.config import ModelArgs
-from kimi_k3.experts import ResidentExperts, situ_glu
+from kimi_k3.model.config import ModelArgs
+from kimi_k3.model.experts import ResidentExperts, situ_glu
+from kimi_k3.model.parallel import moe_parts
+from kimi_k3.model.routing import OFF, is_on, route, route_trimmed, used_columns
 
 
 class SituMLP(nn.Module):
@@ -28,7 +29,7 @@ class SituMLP(nn.Module):
 class Router(nn.Module):
     """Sigmoid router; the correction bias steers selection only, never the weights.
 
-    ``top_p`` / ``min_weight`` trim each token's choices (``kimi_k3.trimming``; off at 1 / 0).
+    ``top_p`` / ``min_weight`` trim each token's choices (``kimi_k3.model.routing``; off at 1 / 0).
     """
 
     def __init__(self, dim: int, experts: int, top_k: int, scale: float, renormalize: bool):
@@ -36,21 +37,21 @@ class Router(nn.Module):
         self.weight = mx.zeros((experts, dim))
         self.e_score_correction_bias = mx.zeros((experts,), dtype=mx.float32)
         self.top_k, self.scale, self.renormalize = top_k, scale, renormalize
-        self.top_p, self.min_weight = trimming.OFF
+        self.top_p, self.min_weight = OFF
 
     @property
     def trims(self) -> bool:
-        return trimming.is_on(self.top_p, self.min_weight)
+        return is_on(self.top_p, self.min_weight)
 
     def logits(self, x: mx.array) -> mx.array:
         return x @ self.weight.T
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """Shapes: x [..., D] -> (inds [..., k] int32, weights [..., k] fp32)."""
-        route = (self.logits(x), self.e_score_correction_bias, self.top_k, self.scale)
+        route_args = (self.logits(x), self.e_score_correction_bias, self.top_k, self.scale)
         if self.trims:
-            return trimming.route_trimmed(*route, self.renormalize, self.top_p, self.min_weight)
-        return _route(*route, self.renormalize)
+            return route_trimmed(*route_args, self.renormalize, self.top_p, self.min_weight)
+        return route(*route_args, self.renormalize)
 
     def to_quantized(self, group_size=None, bits=None, mode="affine", **_) -> QuantizedRouter:
         """The router with an MLX-quantized weight (the converter stores it at 8 bits)."""
@@ -84,30 +85,11 @@ class QuantizedRouter(Router):
         )
 
 
-def select_experts(logits, bias, top_k: int) -> tuple[mx.array, mx.array]:
-    """The router's choice: the ``top_k`` experts by sigmoid score plus the correction
-    bias, and their sigmoid scores without it. Shapes: logits [..., E] -> (inds [..., k]
-    int32, scores [..., k] fp32)."""
-    scores = mx.sigmoid(logits.astype(mx.float32))
-    biased = scores + bias.astype(mx.float32)
-    inds = mx.argpartition(-biased, kth=top_k - 1, axis=-1)[..., :top_k]
-    inds = mx.stop_gradient(inds).astype(mx.int32)
-    return inds, mx.take_along_axis(scores, inds, axis=-1)
-
-
-@mx.compile
-def _route(logits, bias, top_k: int, scale: float, renormalize: bool):
-    inds, w = select_experts(logits, bias, top_k)
-    if renormalize:
-        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
-    return inds, w * scale
-
-
 class LatentMoE(nn.Module):
     """Stable LatentMoE: experts work in a latent space; the weighted sum is normalised.
 
     ``out = up(RMSNorm(sum_e w_e * expert_e(down(x)))) + shared(x)``. ``experts`` is an
-    expert store (see ``kimi_k3.experts``); the resident one by default. ``route_hook``, if
+    expert store (see ``kimi_k3.model.experts``); the resident one by default. ``route_hook``, if
     set, is called as ``route_hook(self, x)`` with the routed input before the experts run.
     """
 
@@ -130,7 +112,7 @@ class LatentMoE(nn.Module):
         self.shared_experts = SituMLP(D, args.moe_intermediate_size * args.num_shared_experts, *act)
         self.experts = ResidentExperts(args.num_experts, Dl, args.moe_intermediate_size, *act)
         self.layer_index = -1  # set by the model; expert stores and traces key on it
-        # Expert parallel (``kimi_k3.distributed``): this rank's experts [lo, hi) and the
+        # Expert parallel (``kimi_k3.model.parallel``): this rank's experts [lo, hi) and the
         # group whose all-sum adds the ranks' parts; ``shared_partial`` when the shared
         # experts are tensor parallel and their part joins that sum.
         self.sharding_group = None
@@ -142,13 +124,11 @@ class LatentMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         inds, weights = self.gate(flat)
         if self.gate.trims:  # the columns no token keeps are not computed
-            inds, weights = trimming.used_columns(inds, weights)
+            inds, weights = used_columns(inds, weights)
         if self.route_hook is not None:  # the expert streamer's prefetch (kimi_k3.streaming)
             self.route_hook(self, flat)
         z = self.routed_expert_down_proj(flat)
         if self.sharding_group is not None:
-            from kimi_k3.distributed import moe_parts
-
             y, shared = moe_parts(self, flat, z, inds, weights)
         else:
             y, shared = self.experts(z, inds, weights), self.shared_experts(flat)

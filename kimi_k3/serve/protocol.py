@@ -9,7 +9,7 @@ behaviour this server does not implement are all refused as ``ApiError`` (HTTP 4
 the field. Limits that depend on the server (the vocabulary, ``--max-tokens-limit``) come
 from the ``Limits`` handed to the models as their validation context.
 
-Replies are parsed from token ids (``kimi_k3.chat.ReplyStream``), so marker spellings the
+Replies are parsed from token ids (``kimi_k3.text.chat.ReplyStream``), so marker spellings the
 model writes as plain text stay text.
 """
 
@@ -34,7 +34,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kimi_k3.chat import ReplyStream, encode_chat
+from kimi_k3.serve.constrained import processor_for
+from kimi_k3.text.chat import ReplyStream, encode_chat
 
 ROLES = ("system", "user", "assistant", "tool")
 LOG_PREFIX = 200  # characters of a request line or body quoted in a log line
@@ -231,13 +232,13 @@ def _tool_choice(v):
     if v == "none":
         return v  # accepted without tools only (ChatRequest.check_tools)
     if isinstance(v, dict):
-        return v  # a named function: checked against the tools (kimi_k3.constrained)
+        return v  # a named function: checked against the tools (kimi_k3.serve.constrained)
     raise invalid('must be "auto", "required", "none" or {"type": "function", ...}')
 
 
 def _response_format(v):
     if v is None or isinstance(v, dict):
-        return v  # its type and schema are checked by kimi_k3.constrained
+        return v  # its type and schema are checked by kimi_k3.serve.constrained
     raise invalid("must be an object")
 
 
@@ -401,7 +402,7 @@ class Job:
     include_usage: bool
     chat: bool
     thinking: bool = True
-    constraint: object = None  # the grammar's logits processor (kimi_k3.constrained)
+    constraint: object = None  # the grammar's logits processor (kimi_k3.serve.constrained)
     logprobs: int | None = None  # alternatives a generated token's logprob comes with
     echo: bool = False  # completions: the reply starts with the prompt
     prompt_text: str = ""  # completions with echo: the prompt as text
@@ -488,9 +489,8 @@ def chat_job(req: ChatRequest, tokenizer, limits: Limits) -> Job:
 
 def constraint_of(req: ChatRequest, tokenizer, thinking: bool):
     """The logits processor that enforces ``response_format`` and ``tool_choice``
-    (grammar-constrained decoding, ``kimi_k3.constrained``), or None; a value it cannot
+    (grammar-constrained decoding, ``kimi_k3.serve.constrained``), or None; a value it cannot
     enforce is a 400 naming the field."""
-    from kimi_k3.constrained import processor_for
 
     if (req.tool_choice == "required" or isinstance(req.tool_choice, dict)) and not req.tools:
         raise ApiError(400, "tool_choice needs tools to choose from", "tool_choice")
