@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from kimi_k3.convert.synth import write_checkpoint
     from kimi_k3.model.config import ModelArgs
-    from kimi_k3.streaming.sources import expert_bytes, expert_layout
+    from kimi_k3.streaming.sources import expert_bytes, expert_shapes
 
     dims = QUICK_EXPERT if a.quick else K3_EXPERT
     if a.expert_dim:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = write_checkpoint(tmp / "ckpt", "small", num_experts=a.experts, **dims)
         args = ModelArgs.from_path(ckpt)
         layers = args.num_hidden_layers - args.first_k_dense_replace
-        per = expert_bytes(expert_layout(args))
+        per = expert_bytes(expert_shapes(args))
         gb = layers * a.budget_experts * per / 1e9
         results = {n: run(n, ckpt, tmp, gb, tokens) for n in a.ranks}
         setup = (

@@ -39,7 +39,7 @@ from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.model.config import ModelArgs
 from kimi_k3.streaming import get_stats, readrate, reset_stats
 from kimi_k3.streaming.io import STAGES
-from kimi_k3.streaming.sources import expert_bytes, expert_layout, open_source
+from kimi_k3.streaming.sources import expert_bytes, expert_shapes, open_source
 from kimi_k3.streaming.store import SlotPool, find_streamer
 
 K3_EXPERTS = dict(
@@ -200,7 +200,7 @@ def _slot_writes(layout: dict, src: np.ndarray, slots: int, mode: str) -> dict:
 def mlx_path(slots: int = 16) -> list[dict]:
     """Cost of putting one K3 expert (17.5 MB) into each of ``slots`` cache slots, per write
     mode, and how much MLX peak memory grows beyond the pool while doing it."""
-    layout = expert_layout(
+    layout = expert_shapes(
         SimpleNamespace(routed_expert_hidden_size=3584, moe_intermediate_size=3072)
     )
     src = _aligned(expert_bytes(layout))  # stands in for a thread's aligned read buffer
@@ -357,7 +357,7 @@ def read_section(big: Path, reps: int, threads=(1, 4, 16, 32)) -> list[str]:
             row["stages"] = " / ".join(f"{np.median([r[k] for r in v]):.2f}" for k in STAGES)
         rows.append(row)
     args = ModelArgs.from_path(big)
-    one = expert_bytes(expert_layout(args))
+    one = expert_bytes(expert_shapes(args))
     total = one * args.num_experts * (args.num_hidden_layers - args.first_k_dense_replace)
     text = [
         f"## Expert reads against the raw drive (experts of {one / 1e6:.2f} MB, one read each)",
@@ -413,7 +413,7 @@ def mlx_section(slots: int = 16) -> list[str]:
 
 def cache_section(sweep: Path, args) -> tuple[list[str], dict, float]:
     E = args.sweep["num_experts"]
-    mb = expert_bytes(expert_layout(ModelArgs.from_path(sweep))) / 1e6
+    mb = expert_bytes(expert_shapes(ModelArgs.from_path(sweep))) / 1e6
     run = lambda slots, **o: repeated(  # noqa: E731
         lambda: decode_run(sweep, slots, args.prompt, args.tokens, **o), args.reps, "tok_s"
     )
@@ -514,7 +514,7 @@ def _budget_gb(path: Path, slots: int) -> float:
     """The budget that gives every MoE layer of ``path`` ``slots`` slots."""
     args = ModelArgs.from_path(path)
     layers = args.num_hidden_layers - args.first_k_dense_replace
-    return slots * layers * expert_bytes(expert_layout(args)) / 1e9
+    return slots * layers * expert_bytes(expert_shapes(args)) / 1e9
 
 
 def trained_section(args) -> list[str]:
@@ -538,7 +538,7 @@ def trained_section(args) -> list[str]:
         row["tok_s_range"] = f"{min(r['tok_s'] for r in v):.3g}-{max(r['tok_s'] for r in v):.3g}"
         row["f"] = row["slots"] / E
         rows.append(row)
-    kb = expert_bytes(expert_layout(margs)) / 1e3
+    kb = expert_bytes(expert_shapes(margs)) / 1e3
     return [
         f"## Prefetch on the trained default ({E} experts of {kb:.1f} KB, top-{k})",
         "",

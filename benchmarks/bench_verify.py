@@ -28,7 +28,7 @@ from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.model.config import ModelArgs
 from kimi_k3.streaming import clear_cache
-from kimi_k3.streaming.sources import expert_bytes, expert_layout
+from kimi_k3.streaming.sources import expert_bytes, expert_shapes
 from kimi_k3.streaming.store import find_streamer
 
 
@@ -59,7 +59,7 @@ def read_gbps(model) -> float:
     for layer in streamer.order:
         streamer.preload(layer, everyone)
     seconds = time.perf_counter() - t0
-    per = expert_bytes(expert_layout(model.args))
+    per = expert_bytes(expert_shapes(model.args))
     return len(streamer.order) * len(everyone) * per / seconds / 1e9
 
 
@@ -81,7 +81,7 @@ def measure(path: Path, rounds: int, tokens: int) -> dict:
     """``{(what, verify): [values per round]}``, the two settings alternating in each round."""
     args = ModelArgs.from_path(path)
     layers = args.num_hidden_layers - args.first_k_dense_replace
-    per = expert_bytes(expert_layout(args))
+    per = expert_bytes(expert_shapes(args))
     all_gb = layers * args.num_experts * per / 1e9
     top_k_gb = layers * args.num_experts_per_token * per / 1e9
     models = {

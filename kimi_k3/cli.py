@@ -25,7 +25,7 @@ from kimi_k3.model import routing
 from kimi_k3.model.config import ConfigError, ModelArgs
 from kimi_k3.model.experts import ROUTED_EXPERT_NAME
 from kimi_k3.streaming.cache import GB, available_memory, default_cache_gb, slots_per_layer
-from kimi_k3.streaming.sources import expert_bytes, expert_layout
+from kimi_k3.streaming.sources import expert_bytes, expert_shapes
 from kimi_k3.text.tokenizer import BOS_TOKEN, PAD_TOKEN, UNK_TOKEN
 
 RESERVE_GB = 4.0  # memory left for the OS, activations and KV caches
@@ -158,6 +158,20 @@ def check_model_arguments(args):
         routing.check(args.expert_top_p, args.expert_min_weight, TRIM_FLAGS)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+    check_split(args)
+
+
+def check_split(args):
+    """``ArgumentError`` naming ``--split`` when a launcher started several ranks and no
+    split is chosen: each rank would load and run a whole copy of the model on its own."""
+    ranks = distributed.launched_ranks()
+    if args.split is None and ranks > 1:
+        choices = ", ".join(distributed.SPLITS)
+        raise ArgumentError(
+            f"this process is one of {ranks} ranks started by a launcher (mlx.launch or "
+            f"mpirun), but --split is not given, so every rank would run its own copy of "
+            f"the model: give --split ({choices}), or run one process"
+        )
 
 
 def trimming_options(args) -> dict:
@@ -210,13 +224,13 @@ def check_expert_budget(path: Path, expert_cache_gb: float):
     try:
         slots_per_layer(
             round(expert_cache_gb * GB),
-            expert_bytes(expert_layout(args)),
+            expert_bytes(expert_shapes(args)),
             moe_layers,
             args.num_experts_per_token,
             args.num_experts,
         )
     except ValueError:
-        need = expert_bytes(expert_layout(args)) * moe_layers * args.num_experts_per_token / GB
+        need = expert_bytes(expert_shapes(args)) * moe_layers * args.num_experts_per_token / GB
         raise ArgumentError(
             f"--expert-cache-gb {expert_cache_gb:g} is too small for {path}: {moe_layers} MoE "
             f"layers x top-{args.num_experts_per_token} experts need at least {need:.4g} GB"

@@ -25,6 +25,7 @@ docs/distributed.md describes how to run it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -174,6 +175,29 @@ class _RankLines:
 
     def isatty(self) -> bool:
         return self.out.isatty() and not self.errors_only
+
+
+def launched_ranks(environ=None) -> int:
+    """How many ranks the launcher that started this process started, from the environment
+    it sets (1 when none did): ``mlx.launch``'s ring backend lists one entry per rank in the
+    JSON file ``MLX_HOSTFILE`` (empty for one rank), its jaccl backend one per rank in
+    ``MLX_IBV_DEVICES``, its nccl backend sets ``MLX_WORLD_SIZE``, and ``mpirun``
+    ``OMPI_COMM_WORLD_SIZE``. A file that cannot be read counts as one rank."""
+    env = os.environ if environ is None else environ
+    for name in ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if env.get(name, "").strip().isdigit():
+            return max(1, int(env[name]))
+    for name in ("MLX_HOSTFILE", "MLX_IBV_DEVICES"):
+        if not env.get(name):
+            continue
+        try:
+            with open(env[name]) as f:
+                hosts = json.loads(f.read() or "[]")
+        except (OSError, ValueError):
+            continue
+        if isinstance(hosts, list) and len(hosts) > 1:
+            return len(hosts)
+    return 1
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> int:

@@ -57,7 +57,7 @@ from kimi_k3.projection import (
     recommended_budget,
 )
 from kimi_k3.streaming import readrate
-from kimi_k3.streaming.sources import expert_bytes, expert_layout, open_source
+from kimi_k3.streaming.sources import expert_bytes, expert_shapes, open_source
 from kimi_k3.streaming.store import StreamOptions
 
 FORMATS = ("pack", "shards", "mlx-lm")
@@ -363,7 +363,7 @@ def read_rates(path: Path, kind: str, read_gb: float, reps: int, log) -> dict:
     if kind != "pack":
         found = [f for f in checksums.manifest_paths(path) if f.is_file()]
         source.sums = checksums.read_manifest(found[0]) if found else None
-    layout = expert_layout(args)
+    layout = expert_shapes(args)
     one = expert_bytes(layout)
     k = min(args.num_experts_per_token, args.num_experts)
     # at most read_gb: two rounds over as many layers as that allows, more rounds (up to 64)
@@ -407,7 +407,7 @@ def dir_sizes(path: Path):
         args.num_hidden_layers - args.first_k_dense_replace,
         args.num_experts,
         args.num_experts_per_token,
-        expert_bytes(expert_layout(args)),
+        expert_bytes(expert_shapes(args)),
         dense / 1e9,
     )
 

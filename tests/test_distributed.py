@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kimi_k3.distributed import free_ports
+from kimi_k3.distributed import free_ports, launched_ranks
 from kimi_k3.model.parallel import balanced_split, expert_range
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -168,6 +168,35 @@ def test_generate_cli_stats_per_rank(tiny_ckpt):
     assert [r for r, _, _ in ranks] == ["0", "1"], lines[0]
     assert all(0 < float(hit) <= 100 for _, hit, _ in ranks), lines[0]
     assert "error" not in out, out
+
+
+def test_launched_ranks_from_the_launchers_environment(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["127.0.0.1:5002"]]))
+    assert launched_ranks({}) == 1
+    assert launched_ranks({"MLX_RANK": "0", "MLX_HOSTFILE": str(hosts)}) == 3
+    empty = tmp_path / "empty.json"
+    empty.write_text("")  # mlx.launch -n 1 writes no hosts
+    assert launched_ranks({"MLX_RANK": "0", "MLX_HOSTFILE": str(empty)}) == 1
+    assert launched_ranks({"MLX_HOSTFILE": str(tmp_path / "gone.json")}) == 1
+    assert launched_ranks({"MLX_WORLD_SIZE": "4"}) == 4
+    assert launched_ranks({"OMPI_COMM_WORLD_SIZE": "2"}) == 2
+
+
+def test_generate_without_split_under_a_launch_is_refused(tiny_ckpt):
+    """``mlx.launch -n 2 python -m kimi_k3.generate`` without ``--split``: a rank ends at
+    once with a usage error naming the flag (exit 2), before loading anything; the launcher
+    then stops the other (mlx.launch itself exits 0 whatever its ranks do)."""
+    run = launch(
+        2,
+        *("-m", "kimi_k3.generate", "--model", str(tiny_ckpt), "--max-tokens", "2"),
+        *("--raw", "--prompt", "a b c"),
+    )
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert errors, run.stderr
+    assert all("one of 2 ranks" in e and "--split is not given" in e for e in errors), errors
+    assert "exited with code 2" in run.stderr, run.stderr
+    assert run.stdout == "", run.stdout
 
 
 @pytest.mark.slow

@@ -272,7 +272,7 @@ def test_streamer_and_raw_reads_make_the_same_reads(tiny_ckpt):
     experts, each once."""
     from kimi_k3.model.config import ModelArgs
     from kimi_k3.streaming import readrate
-    from kimi_k3.streaming.sources import expert_layout, open_source
+    from kimi_k3.streaming.sources import expert_shapes, open_source
 
     args = ModelArgs.from_path(tiny_ckpt)
     layers = list(range(args.first_k_dense_replace, args.num_hidden_layers))
@@ -281,7 +281,7 @@ def test_streamer_and_raw_reads_make_the_same_reads(tiny_ckpt):
     calls = readrate.misses(calls)
     assert all(len(set(c)) == len(c) for c in calls)
     want = sum(e.nbytes for call in calls for c in call for e in source.extents(*c))
-    streamed = readrate.streamer_read(source, expert_layout(args), calls, 4, True)
+    streamed = readrate.streamer_read(source, expert_shapes(args), calls, 4, True)
     raw = readrate.raw_read(source, calls, 4)
     assert round(streamed["gb"] * 1e9) == round(raw["gb"] * 1e9) == want
     assert streamed["wall_gbps"] > 0 and raw["wall_gbps"] > 0 and not streamed["checked"]
@@ -290,10 +290,10 @@ def test_streamer_and_raw_reads_make_the_same_reads(tiny_ckpt):
 def test_the_read_test_keeps_to_its_budget(tiny_ckpt):
     """Two layer calls of top-k experts at the least; otherwise no more than ``read_gb``."""
     from kimi_k3.model.config import ModelArgs
-    from kimi_k3.streaming.sources import expert_bytes, expert_layout
+    from kimi_k3.streaming.sources import expert_bytes, expert_shapes
 
     args = ModelArgs.from_path(tiny_ckpt)
-    call = expert_bytes(expert_layout(args)) * args.num_experts_per_token / 1e9
+    call = expert_bytes(expert_shapes(args)) * args.num_experts_per_token / 1e9
     least = doctor.read_rates(tiny_ckpt, "shards", 1e-12, 1, lambda _: None)
     assert 0 < least["gb"] <= 2 * call + 1e-12
     some = doctor.read_rates(tiny_ckpt, "shards", 5 * call, 1, lambda _: None)

@@ -13,7 +13,7 @@ import kimi_k3.model.experts
 from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.model.config import ModelArgs
 from kimi_k3.streaming import attach_streamer, clear_cache, get_stats, reset_stats
-from kimi_k3.streaming.sources import expert_bytes, expert_layout
+from kimi_k3.streaming.sources import expert_bytes, expert_shapes
 
 PROMPT = mx.array(np.random.default_rng(7).integers(0, 1500, (1, 16)))
 STEPS = 6
@@ -34,7 +34,7 @@ def budget_gb(path, slots: int) -> float:
     """The budget that gives every MoE layer ``slots`` slots."""
     args = ModelArgs.from_path(path)
     layers = args.num_hidden_layers - args.first_k_dense_replace
-    return slots * layers * expert_bytes(expert_layout(args)) / 1e9
+    return slots * layers * expert_bytes(expert_shapes(args)) / 1e9
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +359,7 @@ def test_memory_stays_within_dense_plus_budget(ckpt_factory):
         routed_expert_hidden_size=512,
         moe_intermediate_size=512,
     )
-    all_experts = 2 * 64 * expert_bytes(expert_layout(ModelArgs.from_path(path)))
+    all_experts = 2 * 64 * expert_bytes(expert_shapes(ModelArgs.from_path(path)))
     r_active, r_peak, _, _ = _resident_peak(path)
     gc.collect()
     mx.clear_cache()

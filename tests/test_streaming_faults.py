@@ -17,7 +17,7 @@ from kimi_k3.checkpoint.files import CheckpointIndex
 from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.model.config import ModelArgs
 from kimi_k3.streaming import ExpertReadError, attach_streamer, clear_cache, get_stats
-from kimi_k3.streaming.sources import expert_bytes, expert_layout
+from kimi_k3.streaming.sources import expert_bytes, expert_shapes
 
 PROMPT = mx.array(np.random.default_rng(5).integers(0, 700, (1, 8)))
 WHO = r"layer \d+ expert \d+"
@@ -25,7 +25,7 @@ WHO = r"layer \d+ expert \d+"
 
 def _min_gb(args) -> float:
     layers = args.num_hidden_layers - args.first_k_dense_replace
-    return layers * args.num_experts_per_token * expert_bytes(expert_layout(args)) / 1e9
+    return layers * args.num_experts_per_token * expert_bytes(expert_shapes(args)) / 1e9
 
 
 @pytest.fixture(scope="module")

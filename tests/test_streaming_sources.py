@@ -17,7 +17,7 @@ from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.model.config import ModelArgs
 from kimi_k3.model.experts import expert_keys
 from kimi_k3.streaming import attach_streamer, get_stats
-from kimi_k3.streaming.sources import ShardSource, expert_bytes, expert_layout, open_source
+from kimi_k3.streaming.sources import ShardSource, expert_bytes, expert_shapes, open_source
 
 PROMPT = mx.array(np.random.default_rng(11).integers(0, 700, (1, 12)))
 
@@ -33,7 +33,7 @@ def _logits(model):
 
 def _min_gb(args) -> float:
     layers = args.num_hidden_layers - args.first_k_dense_replace
-    return layers * args.num_experts_per_token * expert_bytes(expert_layout(args)) / 1e9
+    return layers * args.num_experts_per_token * expert_bytes(expert_shapes(args)) / 1e9
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def _streamed_from(ckpt, source_dir, **opts):
 def test_published_expert_is_one_read_of_its_six_tensors(tiny_ckpt):
     args = ModelArgs.from_path(tiny_ckpt)
     index = CheckpointIndex(tiny_ckpt)
-    layout = expert_layout(args)
+    layout = expert_shapes(args)
     src = ShardSource(index, layout, [1, 2, 3, 4], args.num_experts)
     assert src.split_experts == 0
     (ext,) = src.extents(3, 5)

@@ -34,7 +34,7 @@ class Extent:
     pieces: tuple
 
 
-def expert_layout(args: ModelArgs) -> dict[str, tuple[tuple, type]]:
+def expert_shapes(args: ModelArgs) -> dict[str, tuple[tuple, type]]:
     """Per cache tensor of one expert: ``(shape, numpy dtype)`` (MLX ``mode="mxfp4"``).
 
     Shapes: ``w1``/``w3``: weight uint32 [I, Dl/8], scales uint8 [I, Dl/32]; ``w2``: weight
@@ -257,7 +257,7 @@ def open_source(
 
     if kind not in SOURCES:
         raise ValueError(f"source={kind!r}: expected one of {SOURCES}")
-    layout, E = expert_layout(args), args.num_experts
+    layout, E = expert_shapes(args), args.num_experts
     experts = range(E) if experts is None else experts
     if kind == "auto":
         kind = _detect(path, index, layers[0], is_pack_dir(path), experts.start)

@@ -40,7 +40,7 @@ from kimi_k3.streaming.cache import (
     slots_per_layer,
 )
 from kimi_k3.streaming.io import ALIGN, PREFETCH, ExpertReadError, FileTable, ReadJob, ReadPool
-from kimi_k3.streaming.sources import SOURCES, expert_bytes, expert_layout, open_source
+from kimi_k3.streaming.sources import SOURCES, expert_bytes, expert_shapes, open_source
 from kimi_k3.streaming.stats import StreamStats
 
 _MX = {np.uint32: mx.uint32, np.uint8: mx.uint8}
@@ -584,7 +584,7 @@ def attach_streamer(
     if not moes:
         raise ValueError("attach_streamer: the model has no MoE layers")
     args = model.args
-    layout = expert_layout(args)
+    layout = expert_shapes(args)
     held = next(iter(moes.values())).expert_range  # this rank's experts, or all of them
     source = open_source(Path(path), index, args, sorted(moes), opts.source, held)
     if opts.verify_checksums and source.kind != "pack":
