@@ -186,7 +186,7 @@ def prompt_ids(tokenizer, args) -> list[int]:
 
 
 @dataclass
-class Generation:
+class Generated:
     """One generation's record as it runs: its token ids, the prompt's length and mlx-lm's
     last ``GenerationResponse`` (speed, peak memory). The reply's text and sections are
     ``kimi_k3.text.chat``'s ``Reply`` and ``ReplyStream``."""
@@ -196,7 +196,7 @@ class Generation:
     prompt_tokens: int = 0
 
 
-def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, reply: Generation):
+def generate(model, tokenizer, ids: list[int], args, cache, max_tokens: int, reply: Generated):
     """Stream a reply to ``ids`` on stdout, filling ``reply`` as tokens arrive.
 
     ``cache`` is extended in place: afterwards it holds ``ids`` and every token of
@@ -264,7 +264,7 @@ def run_once(model, tokenizer, args) -> int:
     max_tokens = check_room(len(ids), 0, context, args.max_tokens)
     cache = model.make_cache()
     return _generate_reporting(
-        model, tokenizer, ids, args, cache, max_tokens, Generation(), context
+        model, tokenizer, ids, args, cache, max_tokens, Generated(), context
     )
 
 
@@ -290,7 +290,7 @@ def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply, c
     return 0
 
 
-def stats_line(model, reply: Generation) -> str:
+def stats_line(model, reply: Generated) -> str:
     r = reply.last
     if r is None:
         parts = [
@@ -419,7 +419,7 @@ def chat_turn(session: ChatSession, text: str, args, context) -> int:
     except UserError as e:
         print(f"error: {e}; /reset to start over", file=sys.stderr)
         return 0
-    saved, reply = session.save(), Generation()
+    saved, reply = session.save(), Generated()
     code = _generate_reporting(
         session.model, session.tokenizer, ids, args, session.cache, max_tokens, reply, context
     )

@@ -21,7 +21,7 @@ from kimi_k3.cli import never_sample
 from kimi_k3.convert.convert import Settings, convert
 from kimi_k3.generate import (
     ChatSession,
-    Generation,
+    Generated,
     Shown,
     close_reply,
     generate,
@@ -336,7 +336,7 @@ def test_chat_ctrl_c_returns_to_the_prompt(tiny_ckpt):
 
 
 def _turn(session, text, capsys):
-    reply = Generation()
+    reply = Generated()
     ids = session.turn_ids(text)
     args = setup_arg_parser().parse_args(["--max-tokens", "7"])
     generate(session.model, session.tokenizer, ids, args, session.cache, 7, reply)

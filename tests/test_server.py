@@ -638,7 +638,7 @@ def test_stream_deltas_add_up_to_the_whole_reply(tok, stop):
     """A 4000-token chat reply streamed id by id (``StreamChunks`` over ``ReplyText``, no
     re-decoding) gives the reasoning and content the reply parsed whole gives, with
     stop strings cutting the content as they do there."""
-    from kimi_k3.server import Job, Outcome, ReplyText, StreamChunks
+    from kimi_k3.serve.protocol import Job, Outcome, ReplyText, StreamChunks
     from kimi_k3.text.chat import encode_segments, split_markers
 
     words = "think 中文 é a b c zz " * 60

@@ -15,7 +15,7 @@ limits a server exposed to clients it does not trust needs.
   invalid one, two ``Host`` headers, a ``Transfer-Encoding`` other than ``chunked``,
   headers past ``MAX_HEADER_BYTES`` still unfinished) is answered with h11's status and
   the connection closes. ``Transfer-Encoding`` beside ``Content-Length``, which h11 frames
-  by the former, is refused by the app (``kimi_k3.server``), also closing the connection.
+  by the former, is refused by the app (``kimi_k3.serve.app``), also closing the connection.
 
 Each refusal is OpenAI-style JSON (``kimi_k3.serve.protocol.ApiError``); only a
 connection opened and never written to, and one whose client reads nothing, close
