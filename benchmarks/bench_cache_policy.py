@@ -23,6 +23,7 @@ import numpy as np
 
 from benchmarks import timing
 from kimi_k3 import default_model
+from kimi_k3.cli import markdown_table
 from kimi_k3.streaming.cache import LRU, make_policy
 from kimi_k3.streaming.simulate import RoutingTrace, counts, record, replay
 
@@ -94,7 +95,7 @@ def policy_table(trace: RoutingTrace, phase: str, slots=SLOTS) -> tuple[str, dic
             found[label, s] = rate(trace, policy, s, phase, **kw)
             cells.append(f"{found[label, s][0]:.3f}")
         body.append([label] + cells)
-    return timing.markdown_table(header, body), found
+    return markdown_table(header, body), found
 
 
 def gap_table(found: dict[str, dict], traces: dict, E: int, slots=SLOTS) -> str:
@@ -122,7 +123,7 @@ def gap_table(found: dict[str, dict], traces: dict, E: int, slots=SLOTS) -> str:
                 + [f"{md / max(mb, 1):.2f}", f"{ml / max(md, 1):.3f}"]
                 + [_prompts_no_worse(trace, phase, s)]
             )
-    return timing.markdown_table(header, body)
+    return markdown_table(header, body)
 
 
 def _prompts_no_worse(trace: RoutingTrace, phase: str, slots: int) -> str:
@@ -268,7 +269,7 @@ def candidate_table(trace: RoutingTrace, found: dict, slots=SLOTS) -> str:
         ["default (lfu), per-layer slots by each layer's curve (cross-validated)"]
         + [f"{uneven_split(trace, s):.3f}" for s in slots]
     )
-    return timing.markdown_table(header, body)
+    return markdown_table(header, body)
 
 
 def describe(trace: RoutingTrace, name: str) -> str:

@@ -34,7 +34,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.timing import emit, environment, markdown_table, median_time
+from benchmarks.timing import emit, environment, median_time
+from kimi_k3.cli import markdown_table
 from kimi_k3.default_model import ensure_default_model
 from kimi_k3.serve import constrained
 from kimi_k3.text.tokenizer import load_tokenizer, write_synthetic_tokenizer

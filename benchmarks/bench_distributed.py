@@ -23,6 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from benchmarks import timing
+from kimi_k3.cli import markdown_table
 
 K3_EXPERT = {"moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584}
 QUICK_EXPERT = {"moe_intermediate_size": 128, "routed_expert_hidden_size": 128}
@@ -99,7 +100,7 @@ def table(results: dict) -> str:
             [n, f"{r['tps']:.2f}", " / ".join(f"{g:.2f}" for g in gb), f"{hits:.1%}", reduce]
         )
     header = ["ranks", "decode tokens/s", "GB read per rank", "hit rate", "all-sum [1, 7168] us"]
-    return timing.markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

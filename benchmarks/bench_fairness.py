@@ -26,6 +26,7 @@ from pathlib import Path
 
 from benchmarks import timing
 from benchmarks.bench_server import Server, completion, latency
+from kimi_k3.cli import markdown_table
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -85,7 +86,7 @@ def measure(path: Path, a, vocab: int) -> str:
         "largest s",
         "long prompt's request, s",
     ]
-    return timing.markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -31,6 +31,7 @@ import traceback
 import mlx.core as mx
 
 from benchmarks import timing
+from kimi_k3.cli import markdown_table
 from kimi_k3.kernels import kda_decode, kda_prefill, source
 from kimi_k3.model.kda import kda_chunked, kda_mix_reference, l2norm
 
@@ -261,7 +262,7 @@ def table(sections) -> str:
             ratio = f"{us / first[1]:.2f}x" if us and first and first[0] != name else ""
             rows.append((case, name, t, ratio, note))
     header = ("case", "implementation", "time (us)", "vs first row", "note")
-    return timing.markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def main(argv=None):

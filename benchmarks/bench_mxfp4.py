@@ -35,6 +35,7 @@ import numpy as np
 
 from benchmarks import timing
 from benchmarks.read_limit import read_call
+from kimi_k3.cli import markdown_table
 from kimi_k3.kernels import dispatch, expert_layout, source
 from kimi_k3.model.experts import expert_glu, expert_glu_reference, situ_glu, store_layout
 
@@ -247,7 +248,7 @@ def decode_table(args) -> str:
     return (
         f"### Decode: top-{args.topk} of {args.decode_experts} experts, chains of "
         f"{', '.join(map(str, args.lengths))} calls, best of {args.rounds} rounds x "
-        f"{args.repeats}\n\n" + timing.markdown_table(header, rows)
+        f"{args.repeats}\n\n" + markdown_table(header, rows)
     )
 
 
@@ -293,7 +294,7 @@ def prefill_table(args) -> str:
     return (
         f"### Prefill: one layer of {args.prefill_experts} experts, top-{args.topk}; best of "
         f"{args.rounds} interleaved rounds; oracle on the first {args.oracle_tokens} tokens\n\n"
-        + timing.markdown_table(header, rows)
+        + markdown_table(header, rows)
     )
 
 

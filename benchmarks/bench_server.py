@@ -45,6 +45,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks import timing
+from kimi_k3.cli import markdown_table
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.default_model import expert_bytes
 
@@ -329,7 +330,7 @@ def throughput_table(
         "server / forward",
         "server / forward, each round",
     ]
-    return timing.markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def overflow_effect(forward: ForwardAlone, tokens: int, rounds: int) -> str:
@@ -356,7 +357,7 @@ def overflow_effect(forward: ForwardAlone, tokens: int, rounds: int) -> str:
         one, many = (statistics.median(runs[name, r]) for r in (1, n))
         rows.append([name, f"{one:.1f}", f"{many:.1f}", f"{many / one:.2f}x"])
     header = ["overflow area", "1 row tok/s", f"{n} rows tok/s", f"{n} rows vs 1"]
-    return timing.markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def measure(path: Path, a) -> str:
@@ -372,18 +373,18 @@ def measure(path: Path, a) -> str:
             ["alone", f"{alone:.3f}"],
             [f"while a {a.long}-token prompt prefills", f"{beside:.3f}"],
         ]
-        out.append(timing.markdown_table(["1-token request", "seconds (median)"], rows))
+        out.append(markdown_table(["1-token request", "seconds (median)"], rows))
         turns = follow_up_ttft(server, a.system_words)
         rows = [
             [k, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], f"{t:.3f}"]
             for k, (t, u) in turns.items()
         ]
         header = ["chat request", "prompt tokens", "reused", "first token s"]
-        out.append(timing.markdown_table(header, rows))
+        out.append(markdown_table(header, rows))
     with Server(path, a.cache_fraction, "--max-batch", 4, "--max-waiting", 4) as server:
         counts = load_test(server, a.requests, a.limit_s)
     rows = [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in counts.items()]
-    out.append(timing.markdown_table([f"{a.requests} requests, 16 threads", "count"], rows))
+    out.append(markdown_table([f"{a.requests} requests, 16 threads", "count"], rows))
     with Server(path, None) as server:
         table = throughput_table(server, ForwardAlone(path, None), a.tokens, a.rounds, a.warmup)
         out.append("Experts resident:\n\n" + table)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import mmap
 import os
 import shutil
 import sys
@@ -38,7 +37,8 @@ from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.model.config import ModelArgs
 from kimi_k3.streaming import get_stats, readrate, reset_stats
-from kimi_k3.streaming.io import STAGES
+from kimi_k3.streaming.io import STAGES, open_file
+from kimi_k3.streaming.readrate import aligned_buffer
 from kimi_k3.streaming.sources import expert_bytes, expert_shapes, open_source
 from kimi_k3.streaming.store import SlotPool, find_streamer
 
@@ -86,15 +86,6 @@ def checkpoint(work: Path, name: str, overrides: dict) -> Path:
     return path
 
 
-def _aligned(n: int) -> np.ndarray:
-    return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
-
-
-def _open_direct(file: Path) -> int:
-    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-    return os.open(file, flags)
-
-
 def raw_read(files: list[Path], threads: int, block: int = 16 << 20) -> float:
     """GB/s reading ``files`` front to back in ``block``-byte direct reads; with several
     threads each takes the next block (a parallel sequential scan)."""
@@ -103,8 +94,8 @@ def raw_read(files: list[Path], threads: int, block: int = 16 << 20) -> float:
     lock, total = threading.Lock(), [0]
 
     def worker():
-        buf = _aligned(block)
-        fds = {f: _open_direct(f) for f in files}
+        buf = aligned_buffer(block)
+        fds = {f: open_file(f, True)[0] for f in files}
         while True:
             with lock:
                 if not jobs:
@@ -203,7 +194,7 @@ def mlx_path(slots: int = 16) -> list[dict]:
     layout = expert_shapes(
         SimpleNamespace(routed_expert_hidden_size=3584, moe_intermediate_size=3072)
     )
-    src = _aligned(expert_bytes(layout))  # stands in for a thread's aligned read buffer
+    src = aligned_buffer(expert_bytes(layout))  # stands in for a thread's aligned read buffer
     src[:] = np.random.default_rng(0).integers(0, 256, src.size, dtype=np.uint8)
     rows = []
     for mode in ("view", "mlx"):

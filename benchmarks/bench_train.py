@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from benchmarks import timing
 from kimi_k3 import train
+from kimi_k3.cli import markdown_table
 from kimi_k3.convert.synth import PRESETS
 from kimi_k3.kernels.dispatch import reference_paths
 
@@ -147,7 +148,7 @@ def table(m: dict, batch: int, seq: int, steps: int, peak_tflops: float | None) 
             row.append(f"{100 * tflops / peak_tflops:.2f}%")
         row.append(f"{base / med:.2f}x")
         rows.append(row)
-    return timing.markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def main(argv=None) -> str:

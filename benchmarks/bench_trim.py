@@ -38,6 +38,7 @@ import numpy as np
 from benchmarks import timing
 from kimi_k3 import default_model
 from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.cli import markdown_table
 from kimi_k3.eval import heldout_ids, windows
 from kimi_k3.model import routing
 from kimi_k3.streaming import clear_cache, get_stats, reset_stats
@@ -258,7 +259,7 @@ def table(settings, q: dict, runs: dict, expert_bytes: int, layers: int, top_k: 
                 *_speed_cells(runs.get(s)),
             ]
         )
-    return timing.markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def _speed_cells(r: list[dict] | None) -> list[str]:
@@ -277,7 +278,7 @@ def _speed_cells(r: list[dict] | None) -> list[str]:
 def layer_table(settings, q: dict) -> str:
     layers = list(q[settings[0]]["kept"])
     rows = [[s.label, *(f"{q[s]['kept'][i]:.2f}" for i in layers)] for s in settings]
-    return timing.markdown_table(["setting", *(f"layer {i}" for i in layers)], rows)
+    return markdown_table(["setting", *(f"layer {i}" for i in layers)], rows)
 
 
 def profile_table(profile: np.ndarray) -> str:
@@ -286,7 +287,7 @@ def profile_table(profile: np.ndarray) -> str:
         for name, row in zip(("mean", "10th percentile", "90th percentile"), profile, strict=True)
     ]
     ranks = [f"rank {i + 1}" for i in range(profile.shape[1])]
-    return timing.markdown_table(["untrimmed router weight, renormalised", *ranks], rows)
+    return markdown_table(["untrimmed router weight, renormalised", *ranks], rows)
 
 
 def recommend(settings, q: dict) -> Setting | None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from benchmarks import timing
 from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.cli import markdown_table
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.model.config import ModelArgs
 from kimi_k3.streaming import clear_cache
@@ -104,7 +105,7 @@ def table(results: dict) -> str:
         on = statistics.median(results[(what, True)])
         rows.append([f"{what} {unit}", f"{off:.3g}", f"{on:.3g}", f"{100 * (on / off - 1):+.1f}%"])
     header = ["", "without verification", "with verification", "change"]
-    return timing.markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

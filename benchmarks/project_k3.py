@@ -30,6 +30,7 @@ import sys
 import numpy as np
 
 from benchmarks import timing
+from kimi_k3.cli import markdown_table
 from kimi_k3.projection import (
     COLIBRI_KEPT,
     EXPERTS_GB,
@@ -180,13 +181,13 @@ def report(m: dict, args) -> str:
         [
             "Inputs:",
             "",
-            timing.markdown_table(["input", "value", "from"], inputs),
+            markdown_table(["input", "value", "from"], inputs),
             "",
-            timing.markdown_table(head, body),
+            markdown_table(head, body),
             "",
             "Published figures of the peers, for the same model:",
             "",
-            timing.markdown_table(["peer", "machine", "tok/s", "note"], peers),
+            markdown_table(["peer", "machine", "tok/s", "note"], peers),
             "",
         ]
     )

@@ -145,12 +145,6 @@ def environment() -> str:
     )
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
 def emit(text: str, out=None, append: bool = False) -> None:
     """Print a result and, with ``out``, write it there (after what the file holds, where
     ``append``)."""

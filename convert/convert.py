@@ -52,6 +52,7 @@ from kimi_k3.checkpoint.files import (
     TensorInfo,
     open_regular,
     read_capped,
+    sha256_file,
     write_text_atomic,
 )
 from kimi_k3.checkpoint.layouts import detect
@@ -550,7 +551,7 @@ class _Run:
         for rel in small:
             files[rel] = {
                 "bytes": (self.out / rel).stat().st_size,
-                "sha256": _sha256_file(self.out / rel),
+                "sha256": sha256_file(self.out / rel),
             }
         manifest = {
             "format": FORMAT,
@@ -616,16 +617,6 @@ def _aux_files(hf_path: Path) -> list[Path]:
         and f.name not in _NOT_COPIED
         and not f.name.startswith(".")
     )
-
-
-def _sha256_file(file: Path, progress: Progress | None = None) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
-            if progress:
-                progress.update(len(block))
-    return h.hexdigest()
 
 
 def _check_out(out: Path, fp: str) -> str:
@@ -757,7 +748,7 @@ def verify_output(out: str | Path, workers: int = 4, stream=None) -> int:
         if rel in pack_rel:
             got = pack.verify_file(pack_rel[rel], progress.update)
         else:
-            got = _sha256_file(out / rel, progress)
+            got = sha256_file(out / rel, progress.update if progress else None)
         if got != files[rel]["sha256"]:
             raise CheckpointError(
                 f"{out / rel}: sha256 does not match the manifest: the file "

@@ -376,3 +376,11 @@ def never_sample(tokenizer):
         return mx.where(banned[n], -mx.inf, logits)
 
     return mask
+
+
+def markdown_table(header, rows) -> str:
+    """A Markdown table of ``header`` and ``rows`` (cells as ``str`` gives them), one line
+    per row, ending in a newline."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
+from kimi_k3.checkpoint.files import sha256_file
 from kimi_k3.text.tokenizer import (
     KIMI_PATTERN,
     NUM_SPECIAL_TOKENS,
@@ -445,14 +446,6 @@ def archive_files(path: str | Path) -> dict[str, tuple[int, Callable[[], bytes]]
         (name.lstrip("/").split("/", 1)[1] if strip else name.lstrip("/")): item
         for name, item in items.items()
     }
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify(source: Source, path: str | Path) -> Path:

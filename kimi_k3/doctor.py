@@ -38,7 +38,16 @@ from kimi_k3.checkpoint import checksums
 from kimi_k3.checkpoint.expert_pack import is_pack_dir
 from kimi_k3.checkpoint.files import CheckpointIndex
 from kimi_k3.checkpoint.layouts import mlx_lm_expert_names
-from kimi_k3.cli import USAGE_ERROR, ArgumentError, HelpFormatter, Parser, UserError, fail, ram_gb
+from kimi_k3.cli import (
+    USAGE_ERROR,
+    ArgumentError,
+    HelpFormatter,
+    Parser,
+    UserError,
+    fail,
+    markdown_table,
+    ram_gb,
+)
 from kimi_k3.default_model import CACHE_FRACTION
 from kimi_k3.kernels import checks, dispatch, source, verdict
 from kimi_k3.model import experts, kda
@@ -185,12 +194,7 @@ def kernel_table(results: list, kernels: bool = True) -> list[str]:
                 verdict,
             ]
         )
-    return markdown_table(head, rows)
-
-
-def markdown_table(head: list, rows: list) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return markdown_table(head, rows).splitlines()
 
 
 # --- the cases: each kernel variant, and the reference paths where there is no kernel ---
@@ -361,8 +365,8 @@ def read_rates(path: Path, kind: str, read_gb: float, reps: int, log) -> dict:
     layers = list(range(args.first_k_dense_replace, args.num_hidden_layers))
     source = open_source(path, None, args, layers, kind)
     if kind != "pack":
-        found = [f for f in checksums.manifest_paths(path) if f.is_file()]
-        source.sums = checksums.read_manifest(found[0]) if found else None
+        found = checksums.recorded_file(path)
+        source.sums = checksums.read_manifest(found) if found else None
     layout = expert_shapes(args)
     one = expert_bytes(layout)
     k = min(args.num_experts_per_token, args.num_experts)
@@ -450,7 +454,7 @@ def model_lines(path: Path, opts, log) -> list[str]:
     lines += markdown_table(
         ["format", "GB a run", "streamer GB/s", "raw GB/s", "efficiency", "I/O", "checksums"],
         rows,
-    )
+    ).splitlines()
     if any(r["direct_io"] is False for r in rates):
         lines += ["", "Buffered reads may come from the page cache: not the drive's rate."]
     budget = expert_budget_gb(ram)
@@ -506,7 +510,7 @@ def model_lines(path: Path, opts, log) -> list[str]:
             "tok/s, overlapped",
         ],
         rows,
-    )
+    ).splitlines()
     lines += ["", *own_lines(path, rates, ram, mem, opts)]
     return lines
 
@@ -532,7 +536,7 @@ def own_lines(path: Path, rates: list, ram: float, mem: float, opts) -> list[str
         f"h = f = {f:.2f}; the same model as above, exact. Memory-bound compute: a small "
         "model's decode is bound by per-op overheads instead, so a measured decode is slower.",
         "",
-        *markdown_table(["format", "SSD MB / token", "tok/s"], rows),
+        *markdown_table(["format", "SSD MB / token", "tok/s"], rows).splitlines(),
     ]
 
 

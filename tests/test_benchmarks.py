@@ -24,6 +24,7 @@ from benchmarks import (
     quant_quality,
     timing,
 )
+from kimi_k3.cli import markdown_table
 
 
 def tables(text: str) -> list[list[dict]]:
@@ -92,7 +93,7 @@ def test_median_time_stops_at_its_budget():
 
 
 def test_markdown_table_and_environment(tmp_path):
-    text = timing.markdown_table(("a", "b"), [(1, "x")])
+    text = markdown_table(("a", "b"), [(1, "x")])
     assert tables(text) == [[{"a": "1", "b": "x"}]]
     assert mx.__version__ in timing.environment()
     out = tmp_path / "t.md"

@@ -26,6 +26,7 @@ from kimi_k3.text.chat import (
     open_tag,
     parse_reply,
 )
+from kimi_k3.text.tokenizer import stop_ids
 
 SCHEMA = {
     "type": "object",
@@ -72,7 +73,7 @@ def generate(demo, prompt, processors, n=120) -> list[int]:
     """Greedy tokens after ``prompt`` (text or ids), stop ids removed."""
     model, tok = demo
     out = [r.token for r in stream_generate(model, tok, prompt, n, logits_processors=processors)]
-    return [t for t in out if t not in constrained.stop_ids(tok)]
+    return [t for t in out if t not in stop_ids(tok)]
 
 
 def parses_to_dict(text: str) -> bool:
@@ -140,7 +141,7 @@ def special_ids(tok):
 
 
 def test_mask_never_allows_specials_inside_the_grammar(tok):
-    stops = set(constrained.stop_ids(tok))
+    stops = set(stop_ids(tok))
     doc = tok.encode('{"a": [1, 2.5, null], "b": {"c": "d"}}')
     masks = allowed_along(constrained.json_object(tok), doc)
     for mask in masks[:-1]:
@@ -163,7 +164,7 @@ def rendered_call(tok, name="get_weather", args=None, thinking=False) -> list[in
         msg["reasoning"] = "Rome, 3 days."
     full = encode_chat(tok, [msg], add_generation_prompt=False)
     prompt = encode_chat(tok, [], thinking=thinking)
-    assert full[: len(prompt)] == prompt and full[-1] in constrained.stop_ids(tok)
+    assert full[: len(prompt)] == prompt and full[-1] in stop_ids(tok)
     return full[len(prompt) : -1]
 
 
@@ -171,7 +172,7 @@ def rendered_call(tok, name="get_weather", args=None, thinking=False) -> list[in
 def test_grammars_accept_the_chat_formats_own_rendering(tok, thinking):
     """The rendered call is accepted; along it the only specials allowed are the chat
     markers (in the reasoning only ``<|close|>``), the stops only at the end."""
-    stops = set(constrained.stop_ids(tok))
+    stops = set(stop_ids(tok))
     markers = set(marker_ids(tok).values()) - stops
     reply = rendered_call(tok, thinking=thinking)
     proc = constrained.tool_call(tok, TOOLS, "get_weather", thinking=thinking)
@@ -205,7 +206,7 @@ def test_engine_gives_the_tokens_of_stream_generate(demo, tok):
             prompt,
             120,
             processors=[constrained.json_object(tok)],
-            stop_ids=frozenset(constrained.stop_ids(tok)),
+            stop_ids=frozenset(stop_ids(tok)),
         )
         engine.submit(seq)
         got = []

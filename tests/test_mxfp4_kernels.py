@@ -18,7 +18,7 @@ import pytest
 from conftest import broken, dispatch_defaults
 from numpy_ref import mxfp4_decode, situ_glu
 
-from kimi_k3.kernels import dispatch, expert_layout, mxfp4_mma, mxfp4_one, mxfp4_prefill_mma
+from kimi_k3.kernels import checks, dispatch, expert_layout, mxfp4_mma, mxfp4_one, mxfp4_prefill_mma
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
@@ -55,28 +55,18 @@ def rel_err(a, b) -> float:
 
 @functools.lru_cache(maxsize=2)
 def random_experts(E: int, D: int, I: int, seed: int) -> dict:
-    """A numpy stack of ``E`` random MXFP4 experts in MLX's layout, every code equally likely.
-
-    Scales put gate/up near unit variance for unit inputs, spread over 5 octaves so some rows
-    saturate SiTU's tanh and a few reach the up branch's cap.
-    """
-    r = np.random.default_rng(seed)
-
-    def quant(rows, cols):
-        wq = r.integers(0, 2**32, (E, rows, cols // 8), dtype=np.uint32)
-        base = 127 - int(np.round(np.log2(np.sqrt(cols) * 2.9)))
-        sc = r.integers(base - 2, base + 3, (E, rows, cols // 32)).astype(np.uint8)
-        return wq, sc
-
-    return {"w1": quant(I, D), "w3": quant(I, D), "w2": quant(D, I)}
+    """``checks.random_experts`` (every code equally likely; scales near unit variance for
+    unit inputs, spread over 5 octaves so some rows saturate SiTU's tanh and a few reach the
+    up branch's cap) as numpy stacks, kept for the next test."""
+    w = checks.random_experts(E, D, I, seed)
+    return {n: (np.array(q), np.array(sc)) for n, (q, sc) in w.items()}
 
 
 def routing(N: int, E: int, k: int, seed: int):
-    """``k`` distinct experts per token and positive weights summing to 1 (numpy)."""
-    r = np.random.default_rng(seed + 1)
-    inds = np.stack([r.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
-    wts = r.random((N, k)) + 0.1
-    return inds, (wts / wts.sum(axis=1, keepdims=True)).astype(np.float32)
+    """``checks.routing``: ``k`` distinct experts per token and positive weights summing to
+    1, as numpy."""
+    inds, wts = checks.routing(N, E, k, seed + 1)
+    return np.array(inds), np.array(wts)
 
 
 @functools.lru_cache(maxsize=24)

@@ -199,11 +199,17 @@ def _valid_entry(e) -> bool:
     )
 
 
+def recorded_file(path: Path) -> Path | None:
+    """The checksum file recorded for the checkpoint at ``path`` (``manifest_paths``' first
+    that exists), or None where none is."""
+    return next((f for f in manifest_paths(path) if f.is_file()), None)
+
+
 def obtain(path: Path, index: CheckpointIndex, log=None) -> Checksums:
     """The checkpoint's recorded checksums, checked against its files as they are now; read
     and recorded on first use (announced on ``log``, default stderr)."""
     log = log or sys.stderr
-    found = next((f for f in manifest_paths(path) if f.is_file()), None)
+    found = recorded_file(path)
     if found is None:
         total = sum(f.stat().st_size for f in index.files)
         log.write(

@@ -6,6 +6,7 @@ corrupted header, a tensor the index promises but the shard lacks.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -469,3 +470,15 @@ def write_text_atomic(file: Path, text: str):
     tmp = file.with_name(f".{file.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, file)
+
+
+def sha256_file(path: str | Path, progress=None) -> str:
+    """The hex SHA-256 of the file at ``path``, read in 16 MB blocks; ``progress(n)``, if
+    given, is called with each block's size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+            if progress is not None:
+                progress(len(block))
+    return h.hexdigest()

@@ -47,6 +47,7 @@ from kimi_k3.serve.protocol import (
     quote,
     response_body,
 )
+from kimi_k3.text.tokenizer import stop_ids
 
 log = logging.getLogger("kimi_k3.server")
 
@@ -379,7 +380,7 @@ def make_sequence(job: Job, state: ServerState, events: Events):
         max_tokens=job.max_tokens,
         sampling=sampling,
         processors=processors,
-        stop_ids=frozenset(state.tokenizer.eos_token_ids),
+        stop_ids=frozenset(stop_ids(state.tokenizer)),
         out=events,
         logprobs=job.logprobs,
         prompt_logprobs=job.logprobs if job.echo else None,

@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from kimi_k3.text.chat import _JSON_TYPES, OPEN, SEP, close_tag, escape_attr, marker_ids, open_tag
+from kimi_k3.text.tokenizer import stop_ids
 
 # Calls one ``tool_choice: "required"`` reply may hold (each index is spelled out).
 MAX_CALLS = 4
@@ -55,13 +56,6 @@ def _llguidance():
             "(pip install llguidance; it is a dependency of kimi-k3)"
         ) from e
     return llguidance
-
-
-def stop_ids(tokenizer) -> list[int]:
-    """The ids that end a reply: ``<|end_of_msg|>`` and ``[EOS]`` for a K3 tokenizer."""
-    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
 
 
 _LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

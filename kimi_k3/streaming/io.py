@@ -40,8 +40,10 @@ class ExpertReadError(CheckpointError):
     """Reading a routed expert failed; the message names the file and (layer, expert)."""
 
 
-def _open(path: Path, direct: bool) -> tuple[int, bool]:
-    """``(fd, aligned)``: ``aligned`` when reads must use page-aligned buffers."""
+def open_file(path: Path, direct: bool) -> tuple[int, bool]:
+    """Open ``path`` for reading; with ``direct``, past the page cache (``O_DIRECT`` on Linux,
+    ``F_NOCACHE`` on macOS; buffered on a filesystem without direct I/O). Returns ``(fd,
+    aligned)``: ``aligned`` when reads must use page-aligned buffers."""
     if direct and hasattr(os, "O_DIRECT") and hasattr(os, "preadv"):  # pread's buffer is unaligned
         try:
             return os.open(path, os.O_RDONLY | os.O_DIRECT), True
@@ -99,7 +101,7 @@ class FileTable:
                 if entry is not None:
                     self.retired.append(entry[0])
                 try:
-                    entry = (*_open(path, self.direct), st.st_ino)
+                    entry = (*open_file(path, self.direct), st.st_ino)
                 except OSError as e:
                     raise ExpertReadError(f"{path}: cannot open ({e.strerror}), {what}") from None
                 self.fds[path] = entry

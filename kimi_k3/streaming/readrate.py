@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kimi_k3.streaming.io import ALIGN, FileTable, ReadJob, ReadPool, _open
+from kimi_k3.streaming.io import ALIGN, FileTable, ReadJob, ReadPool, open_file
 from kimi_k3.streaming.store import SlotPool
 
 
@@ -61,7 +61,7 @@ def raw_read(source, calls: list[list], threads: int) -> dict:
     """``calls`` (after ``misses``) as plain reads (module docstring): ``{"gb",
     "wall_gbps"}``."""
     ranges = {c: source.extents(*c) for call in calls for c in call}
-    fds = {f: _open(f, True)[0] for f in source.files}
+    fds = {f: open_file(f, True)[0] for f in source.files}
     biggest = max(e.nbytes for ex in ranges.values() for e in ex) + 2 * ALIGN
     free = queue.SimpleQueue()  # one aligned buffer per thread
     for _ in range(threads):

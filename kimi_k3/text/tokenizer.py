@@ -417,6 +417,14 @@ def load_tokenizer(path: str | Path, cache: bool = True) -> TokenizerWrapper:
     return wrap_backend(*load_backend(path, cache=cache))
 
 
+def stop_ids(tokenizer) -> list[int]:
+    """The ids that end a reply (the server stops on them, and a grammar ends with one):
+    ``<|end_of_msg|>`` and ``[EOS]`` for a K3 tokenizer."""
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. It's a sentence that we've used, and you'll see
 it again; they're testing whether the tokenizer can't handle contractions like I'm or she'd.
