@@ -7,8 +7,8 @@
   through the best total times of chains of several lengths;
 - ``interleaved``: jobs timed once per round, the rounds one after another, so that a drift
   of the clocks over the run reaches every job alike;
-- ``environment``, ``markdown_table``, ``emit``: the line that says where a table was
-  measured, the table, and where it goes.
+- ``environment``, ``emit``: the line that says where a table was measured, and where the
+  table goes (``kimi_k3.cli.markdown_table`` draws it).
 """
 
 from __future__ import annotations
