@@ -124,6 +124,79 @@ def test_the_kernels_import_none_of_the_model():
             assert not _outside(deps, BELOW_THE_MODEL), (name, _outside(deps, BELOW_THE_MODEL))
 
 
+# docs/architecture.md's layers, top to bottom: a module imports modules of its own layer or
+# of those below it. A package's ``__init__`` is left out (each only names its modules).
+LAYERS = [
+    (
+        "commands",
+        (
+            "generate",
+            "server",
+            "eval",
+            "train",
+            "corpus",
+            "doctor",
+            "projection",
+            "convert.convert",
+            "convert.__main__",
+        ),
+    ),
+    ("shared CLI", ("cli", "distributed")),
+    ("serving", ("serve.",)),
+    (
+        "loading",
+        (
+            "checkpoint.loader",
+            "checkpoint.layouts",
+            "checkpoint.expert_pack",
+            "checkpoint.checksums",
+            "streaming.",
+            "trace",
+            "default_model",
+            "convert.synth",
+        ),
+    ),
+    ("model", ("model.",)),
+    ("bottom", ("kernels.", "checkpoint.files", "text.")),
+]
+
+
+def layer_of(module: str) -> int | None:
+    """The index in ``LAYERS`` of ``module`` (0 the top), or None for a package."""
+    name = module.removeprefix("kimi_k3.")
+    for i, (_, members) in enumerate(LAYERS):
+        if any(name == m or (m.endswith(".") and name.startswith(m)) for m in members):
+            return i
+    return None
+
+
+def test_every_module_has_a_layer():
+    packages = {n for n, p in modules().items() if p.name == "__init__.py"}
+    assert {n for n in modules() if layer_of(n) is None} == packages
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """The imports in ``g`` that reach a layer above the importer's."""
+    bad = []
+    for name, deps in g.items():
+        mine = layer_of(name)
+        for d in deps:
+            theirs = layer_of(d)
+            if mine is not None and theirs is not None and theirs < mine:
+                bad.append(f"{name} ({LAYERS[mine][0]}) imports {d} ({LAYERS[theirs][0]})")
+    return bad
+
+
+def test_each_layer_imports_only_its_own_and_those_below():
+    assert not upward(graph())
+
+
+def test_an_import_from_a_layer_above_is_found():
+    g = {"kimi_k3.model.moe": {"kimi_k3.model.routing", "kimi_k3.streaming.store"}}
+    g["kimi_k3.cli"] = {"kimi_k3.model.moe", "kimi_k3.distributed"}
+    assert upward(g) == ["kimi_k3.model.moe (model) imports kimi_k3.streaming.store (loading)"]
+
+
 def test_the_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
     assert cycles({"a": {"b"}, "b": set()}) == set()
