@@ -658,3 +658,29 @@ def test_stream_deltas_add_up_to_the_whole_reply(tok, stop):
     assert "".join(d.get("content", "") for d in deltas) == whole.content
     assert "".join(d.get("reasoning_content", "") for d in deltas) == whole.reasoning
     assert whole.stopped == bool(stop) and len(whole.reasoning) > 500
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_completion_logprobs_end_where_a_stop_string_cuts_the_text(tok, echo):
+    """``completion_logprobs`` keeps the generated tokens up to the one that starts past the
+    reply's text (a stop string cut it there), each offset the length of the text before
+    it, whole characters only (a character split across tokens counts once)."""
+    from kimi_k3.serve.protocol import Job, Outcome, ReplyText, completion_logprobs
+
+    prompt = tok.encode("x =", add_special_tokens=False)
+    gen = tok.encode(" 中文 and é, then STOP and more", add_special_tokens=False)
+    job = Job(prompt, 64, {}, {}, ["STOP"], False, False, chat=False, logprobs=0, echo=echo)
+    reply = ReplyText(job, tok)
+    for t in gen:
+        reply.add(t)
+    assert reply.content == " 中文 and é, then " and reply.stopped
+    pairs = [(-0.5, [])] * len(gen)
+    out = completion_logprobs(job, Outcome(reply, "stop", len(gen), 0, gen, pairs), tok)
+    n = len(prompt) if echo else 0
+    text = "x =" * echo + reply.content
+    kept = out["text_offset"][n:]
+    assert kept[0] == len("x =") * echo and all(o < len(text) for o in kept)
+    assert tok.decode(gen[: len(kept)]).startswith(reply.content)  # every token of the text
+    assert not tok.decode(gen[: len(kept) - 1]).startswith(reply.content)  # and no more
+    assert len(out["tokens"]) == len(out["token_logprobs"]) == len(out["text_offset"])
+    assert out["text_offset"] == sorted(out["text_offset"])

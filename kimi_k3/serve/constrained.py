@@ -47,6 +47,8 @@ PARAMETER_KEYWORDS = {"type", "properties", "required", "additionalProperties", 
 
 
 def _llguidance():
+    # Imported on the first grammar, not with the server: llguidance.hf alone takes about
+    # half a second to import, and most requests carry no grammar.
     try:
         import llguidance
         import llguidance.hf
@@ -80,13 +82,13 @@ class GrammarProcessor:
     """The logits processor of one sequence under a compiled Lark grammar (see the module
     docstring for how it is called)."""
 
-    def __init__(self, tokenizer, grammar: str):
+    def __init__(self, tokenizer, grammar: str, where: str = "grammar"):
         llg = _llguidance()
         self.ll = ll_tokenizer(tokenizer)
         self.grammar = grammar
         self.matcher = llg.LLMatcher(self.ll, grammar, log_level=0)
         if self.matcher.is_error():
-            raise ValueError(f"grammar does not compile: {self.matcher.get_error()}")
+            raise ValueError(f"{where}: {_first_error(self.matcher.get_error())}")
         self.stops = stop_ids(tokenizer)
         self.fed: int | None = None  # tokens of the sequence the matcher has seen
         self.ended = False  # a stop id followed the complete grammar
@@ -180,15 +182,17 @@ def _start(tokenizer, body: str, thinking: bool, extra: list[str] = ()) -> str:
     return "\n".join(rules) + "\n"
 
 
+def _first_error(error: str) -> str:
+    """llguidance's first error line (it names the schema keyword it does not implement)."""
+    return error.splitlines()[0].split("failed to compile JSON schema: ", 1)[-1]
+
+
 def _check(tokenizer, grammar: str, where: str) -> str:
     """``grammar`` if llguidance compiles it; else ValueError naming ``where`` with
-    llguidance's first error line (it names the schema keyword it does not implement)."""
-    llg = _llguidance()
-    error = llg.LLMatcher.validate_grammar(grammar, ll_tokenizer(tokenizer))
+    llguidance's first error line."""
+    error = _llguidance().LLMatcher.validate_grammar(grammar, ll_tokenizer(tokenizer))
     if error:
-        line = error.splitlines()[0]
-        line = line.split("failed to compile JSON schema: ", 1)[-1]
-        raise ValueError(f"{where}: {line}")
+        raise ValueError(f"{where}: {_first_error(error)}")
     return grammar
 
 
@@ -198,10 +202,11 @@ def _check(tokenizer, grammar: str, where: str) -> str:
 def json_schema_grammar(
     tokenizer, schema: dict, thinking: bool = False, where: str = "schema"
 ) -> str:
-    """The Lark grammar of a reply whose response is one JSON value of ``schema``."""
+    """The Lark grammar of a reply whose response is one JSON value of ``schema`` (compiled,
+    and so checked, by the processor that takes it)."""
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON object, got {type(schema).__name__}")
-    return _check(tokenizer, _start(tokenizer, _json_rule(schema), thinking), where)
+    return _start(tokenizer, _json_rule(schema), thinking)
 
 
 def json_schema(
@@ -209,7 +214,8 @@ def json_schema(
 ) -> GrammarProcessor:
     """A processor whose response is one JSON value of ``schema`` (llguidance's JSON-schema
     subset; a keyword it does not implement is a ValueError naming it, after ``where``)."""
-    return GrammarProcessor(tokenizer, json_schema_grammar(tokenizer, schema, thinking, where))
+    grammar = json_schema_grammar(tokenizer, schema, thinking, where)
+    return GrammarProcessor(tokenizer, grammar, where)
 
 
 def json_object(tokenizer, thinking: bool = False) -> GrammarProcessor:
@@ -344,7 +350,8 @@ def _functions(tools) -> list[dict]:
 
 
 def tool_call_grammar(tokenizer, tools, name: str | None = None, thinking: bool = False) -> str:
-    """The Lark grammar of a reply that is a tool call (see ``tool_call``)."""
+    """The Lark grammar of a reply that is a tool call (see ``tool_call``; compiled, and so
+    checked, by the processor that takes it)."""
     functions = _functions(tools)
     if name is not None:
         functions = [f for f in functions if f["name"] == name]
@@ -367,7 +374,7 @@ def tool_call_grammar(tokenizer, tools, name: str | None = None, thinking: bool 
     end = _lark_segments(tokenizer, close_tag("tools") + close_tag("message"))
     rules.append('KEY: /([^"&]|&amp;|&quot;)+/')  # an attribute value as escape_attr writes it
     grammar = _start(tokenizer, f"{segs} call1 {end}", thinking, rules)
-    return _check(tokenizer, grammar, "tools")
+    return grammar
 
 
 def tool_call(tokenizer, tools, name: str | None = None, thinking: bool = False):
@@ -382,7 +389,7 @@ def tool_call(tokenizer, tools, name: str | None = None, thinking: bool = False)
     type JSON constrained by the property's schema through llguidance. A function with no
     declared properties takes arguments of any key unless ``additionalProperties`` is
     false; declared functions never get undeclared arguments."""
-    return GrammarProcessor(tokenizer, tool_call_grammar(tokenizer, tools, name, thinking))
+    return GrammarProcessor(tokenizer, tool_call_grammar(tokenizer, tools, name, thinking), "tools")
 
 
 # The OpenAI request fields.

@@ -644,17 +644,21 @@ def completion_logprobs(job: Job, outcome: Outcome, tokenizer) -> dict:
         for lp, alts in outcome.prompt_logprobs:
             lps.append(lp)
             tops.append(alts)
-    shown = 0  # the generated text's length so far: tokens past a stop string are left out
+    reply_from = len(ids)  # the first generated token's place
     for token, (lp, alts) in zip(outcome.tokens, outcome.token_logprobs):
-        if token in outcome.stop_ids or shown >= len(outcome.reply.content):
+        if token in outcome.stop_ids:
             break
-        shown += len(tokenizer.decode([token]))
         ids.append(token)
         lps.append(lp)
         tops.append(alts)
-    texts, offsets, at = [], [], 0
+    texts, offsets, at, start = [], [], 0, 0
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for t in ids:  # a token's offset: the text its predecessors decode to (whole characters)
+    for i, t in enumerate(ids):  # a token's offset: the text its predecessors decode to
+        if i == reply_from:
+            start = at
+        if i >= reply_from and at - start >= len(outcome.reply.content):
+            del ids[i:], lps[i:], tops[i:]  # past a stop string: the text ended before it
+            break
         text, raw = token_text(tokenizer, t)
         texts.append(text)
         offsets.append(at)
