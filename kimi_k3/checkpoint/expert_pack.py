@@ -34,7 +34,7 @@ import numpy as np
 from kimi_k3.checkpoint.files import (
     MAX_LISTING_BYTES,
     CheckpointError,
-    load_json,
+    load_json_object,
     open_regular,
     read_capped,
     write_text_atomic,
@@ -245,12 +245,7 @@ class ExpertPack:
             raw = read_capped(file, MAX_LISTING_BYTES)
         except FileNotFoundError:
             raise PackError(f"{file}: no expert pack index (not a converted model?)") from None
-        try:
-            doc = load_json(raw)
-        except ValueError as e:
-            raise PackError(f"{file}: not valid JSON ({e})") from None
-        if not isinstance(doc, dict):
-            raise PackError(f"{file}: not a JSON object (got {type(doc).__name__})")
+        doc = load_json_object(raw, file, PackError)
         if doc.get("format") != FORMAT or doc.get("version") != VERSION:
             raise PackError(
                 f"{file}: format {doc.get('format')!r} version "

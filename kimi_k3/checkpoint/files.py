@@ -140,6 +140,19 @@ def load_json(raw: bytes | str) -> object:
     return json.loads(text, object_pairs_hook=_unique_keys)
 
 
+def load_json_object(raw: bytes | str, where, error: type[Exception] | None = None) -> dict:
+    """``load_json`` of a document that must be a JSON object; else ``error`` (default
+    ``CheckpointError``) naming ``where``: not valid JSON, or not an object."""
+    error = error or CheckpointError
+    try:
+        doc = load_json(raw)
+    except ValueError as e:
+        raise error(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise error(f"{where}: not a JSON object (got {type(doc).__name__})")
+    return doc
+
+
 def _unique_keys(pairs: list) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):
@@ -184,12 +197,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         raw = f.read(n)
     if len(raw) < n:
         raise CheckpointError(f"{file}: truncated while its header was read")
-    try:
-        header = load_json(raw)
-    except ValueError as e:
-        raise CheckpointError(f"{file}: corrupted safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: corrupted safetensors header (not a JSON object)")
+    header = load_json_object(raw, f"{file}: corrupted safetensors header")
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CheckpointError(f"{file}: __metadata__ must map names to strings, got {meta!r:.80}")

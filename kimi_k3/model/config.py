@@ -9,7 +9,7 @@ import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kimi_k3.checkpoint.files import MAX_CONFIG_BYTES, load_json, read_capped
+from kimi_k3.checkpoint.files import MAX_CONFIG_BYTES, load_json_object, read_capped
 
 INT_MAX = 2**31 - 1  # MLX shapes are int32
 # Config values by kind: what each must be (checked before anything uses them).
@@ -282,13 +282,7 @@ def read_config_json(path: str | Path) -> dict:
         raw = read_capped(file, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise FileNotFoundError(f"{file}: no config.json (not a model directory?)") from None
-    try:
-        config = load_json(raw)
-    except ValueError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{file}: not a JSON object (got {type(config).__name__})")
-    return config
+    return load_json_object(raw, file, ConfigError)
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from kimi_k3.checkpoint.files import (
     MAX_CONFIG_BYTES,
     MAX_RANK_FILE_BYTES,
     CheckpointError,
-    load_json,
+    load_json_object,
     read_capped,
 )
 from kimi_k3.text.chat import encode_chat, parse_tool_calls, render_text
@@ -196,12 +196,7 @@ def read_special_tokens(path: str | Path, n_ranks: int) -> list[str]:
         for name, off in SPECIAL_OFFSETS.items():
             names[off] = name
         return names
-    try:
-        doc = load_json(raw)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path}: not a JSON object (got {type(doc).__name__})")
+    doc = load_json_object(raw, path)
     decoder = doc.get("added_tokens_decoder", {})
     if not isinstance(decoder, dict):
         raise CheckpointError(f"{path}: added_tokens_decoder must be an object")
