@@ -8,6 +8,7 @@ model: the references its checks run are registered by ``kimi_k3.model.kda`` and
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,3 +206,12 @@ def test_the_finder_finds_a_cycle():
 def test_an_upward_import_fails_the_layer_check():
     deps = {"kimi_k3.model.config", "kimi_k3.streaming.store", "kimi_k3.kernels.dispatch"}
     assert _outside(deps, ("kimi_k3.model", *BELOW_THE_MODEL)) == {"kimi_k3.streaming.store"}
+
+
+def test_every_package_is_installed():
+    """Each package folder is in pyproject.toml's ``packages``: a wheel without one would
+    import in the source tree and fail once installed."""
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'^\s*"(kimi_k3[\w.]*)",?\s*$', text, re.M))
+    packages = {n for n, p in modules().items() if p.name == "__init__.py"}
+    assert packages <= listed, sorted(packages - listed)
