@@ -32,6 +32,9 @@ class DistributedError(RuntimeError):
     """A rank failed or the group could not form; the message names the rank."""
 
 
+# Partitions.
+
+
 def expert_range(num_experts: int, size: int, rank: int) -> range:
     """Rank ``rank``'s contiguous share of ``num_experts`` experts (low ranks take the
     remainder): 896 over 3 ranks is 0..298, 299..597, 598..895."""
@@ -70,6 +73,9 @@ def balanced_split(sizes: list[int], parts: int) -> list[int]:
 
 def layer_bytes(layers) -> list[int]:
     return [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in layers]
+
+
+# Pipeline.
 
 
 def pipeline_stage(text, group, split: list[int] | None = None):
@@ -125,6 +131,9 @@ def _after(cache, sent: mx.array):
         cache.keys = mx.depends(cache.keys, sent)
     else:
         cache[1] = mx.depends(cache[1], sent)
+
+
+# Tensor and expert parallel.
 
 
 def shard_model(model, group=None, experts: bool = True):
@@ -265,6 +274,9 @@ def held_experts(store, held: range, z, inds, weights) -> mx.array:
     return y.at[r].add(store(z[r], local, w))
 
 
+# Failures across ranks.
+
+
 @contextlib.contextmanager
 def deadline(seconds: float, what: str):
     """End this process with an error naming ``what`` if the block runs past ``seconds``:
@@ -301,6 +313,9 @@ def agree(group, error: BaseException | None, timeout: float = 300.0):
 
 def _text(row: np.ndarray) -> str:
     return bytes(row).rstrip(b"\0").decode(errors="replace")
+
+
+# Loading: before any tensor is read.
 
 
 def prepare(model, pipeline_group=None, expert_group=None):
