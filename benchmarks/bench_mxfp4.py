@@ -37,9 +37,9 @@ from benchmarks import timing
 from benchmarks.read_limit import read_call
 from kimi_k3.cli import markdown_table
 from kimi_k3.kernels import dispatch, expert_layout, source
+from kimi_k3.kernels.checks import BETA, CAP, rel_err
 from kimi_k3.model.experts import expert_glu, expert_glu_reference, situ_glu, store_layout
 
-BETA, CAP = 4.0, 25.0
 QUICK = dict(
     dim=128,
     hidden=128,
@@ -122,13 +122,6 @@ def routing(tokens: int, experts: int, topk: int, rng: np.random.Generator):
     weights = rng.random((tokens, topk)).astype(np.float32)
     weights /= weights.sum(axis=1, keepdims=True)
     return mx.array(inds), mx.array(weights)
-
-
-def rel_err(a: mx.array, b: mx.array) -> float:
-    """Relative L2 error of ``a`` against ``b``, in float64."""
-    a = np.asarray(a.astype(mx.float32), dtype=np.float64)
-    b = np.asarray(b.astype(mx.float32), dtype=np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def dequant(q: mx.array, s: mx.array) -> mx.array:

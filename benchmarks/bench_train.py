@@ -76,8 +76,8 @@ def model_flops_per_token(model, seq: int) -> float:
 
 
 def _path(preset: dict, compiled: bool, batch: int, seq: int, seed: int = 0):
-    """A model, its optimizer and step, and the batches: ``(step_fn, run_one)``."""
-    model = train.trainable(train.init_model(preset, seed=seed)).train()
+    """A model and one training step of it on the next batch: ``(model, run_one)``."""
+    model = train.init_model(preset, seed=seed)
     opt = train.make_optimizer(3e-3)
     step = train.make_step(model, opt, 1e-3, compiled)
     rng = np.random.default_rng(seed)
@@ -94,8 +94,8 @@ def _path(preset: dict, compiled: bool, batch: int, seq: int, seed: int = 0):
 
 
 def measure(preset: dict, batch: int, seq: int, steps: int, rounds: int, warmup: int) -> dict:
-    """``{path: {"round_s": [...], "flops_per_token": F}}`` for the eager and compiled
-    steps, interleaved."""
+    """The eager and compiled steps timed interleaved: ``{"flops_per_token": F, "rounds":
+    {path: [seconds a round, ...]}, "failed": {path: error}}``."""
     paths, flops = {}, None
     for name, compiled in (("eager (train run)", False), ("compiled (train run --compile)", True)):
         model, run_one = _path(preset, compiled, batch, seq)

@@ -32,17 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from benchmarks import timing
 from kimi_k3 import default_model
 from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.cli import markdown_table
-from kimi_k3.eval import heldout_ids, windows
+from kimi_k3.eval import ZeroRouted, heldout_ids, windows
 from kimi_k3.model import routing
+from kimi_k3.model.moe import moe_blocks, route_hooks
 from kimi_k3.streaming import clear_cache, get_stats, reset_stats
-from kimi_k3.streaming.store import moe_blocks
 
 NLL_BUDGET = 0.05  # nats per token: the largest cost a recommended setting may have
 
@@ -101,18 +100,17 @@ class KeptCounter:
 
     def __init__(self, model, weights: bool = False):
         self.moes = moe_blocks(model)
+        self.hooks = route_hooks(model, self.hook)
         self.pairs = dict.fromkeys(self.moes, 0)
         self.tokens = dict.fromkeys(self.moes, 0)
         self.weights = [] if weights else None
 
     def __enter__(self):
-        for moe in self.moes.values():
-            moe.route_hook = self.hook
+        self.hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for moe in self.moes.values():
-            del moe.route_hook
+        return self.hooks.__exit__(*exc)
 
     def hook(self, moe, flat):
         inds, w = moe.gate(flat)
@@ -133,19 +131,12 @@ class KeptCounter:
         return np.stack([r.mean(0), *np.percentile(r, [10, 90], axis=0)])
 
 
-class NoExperts(nn.Module):
-    """An expert store whose sum is zero: the MoE layers run their shared experts alone."""
-
-    def __call__(self, z: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
-        return mx.zeros((z.shape[0], z.shape[-1]), mx.float32)
-
-
 def _logprobs(model, x: mx.array, setting: Setting) -> mx.array:
     moes = moe_blocks(model)
     stores = {layer: moe.experts for layer, moe in moes.items()}
     if setting.kind == "none":
         for moe in moes.values():
-            moe.experts = NoExperts()
+            moe.experts = ZeroRouted()
     try:
         logits = model(x).astype(mx.float32)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -50,13 +50,14 @@ from kimi_k3.checkpoint.files import (
     CheckpointError,
     CheckpointIndex,
     TensorInfo,
+    load_json_object,
     open_regular,
     read_capped,
     sha256_file,
     write_text_atomic,
 )
 from kimi_k3.checkpoint.layouts import detect
-from kimi_k3.model.config import ConfigError, ModelArgs, read_config_json
+from kimi_k3.model.config import ConfigError, ModelArgs, naming
 from kimi_k3.model.model import Model, sanitize_weights
 from kimi_k3.model.parallel import expert_range
 
@@ -93,8 +94,7 @@ class Settings:
     rank: int = 0
 
     def experts(self, num_experts: int) -> range:
-        """The experts of every MoE layer the pack holds (``kimi_k3.distributed``'s split)."""
-
+        """The experts of every MoE layer the pack holds (``parallel.expert_range``)."""
         return expert_range(num_experts, self.ranks, self.rank)
 
 
@@ -288,7 +288,6 @@ def fingerprint(src: CheckpointIndex, config_text: str, settings: Settings) -> s
 
 
 def _versions() -> dict:
-
     try:
         ours = version("kimi-k3")
     except PackageNotFoundError:
@@ -520,7 +519,7 @@ class _Run:
         yield b"".join(scales), 0
         yield b"".join(biases), 0
 
-    def finish(self, hf_path: Path) -> dict:
+    def finish(self, hf_path: Path, config: dict) -> dict:
         done = self.state["done"]
         shards = zip(self.plan.shard_names, self.plan.shards, strict=True)
         weight_map = {
@@ -533,9 +532,8 @@ class _Run:
         )
         self._pack_index()
         self._checksums()
-        config = read_config_json(hf_path)
         if self.plan.quantization:
-            config["quantization"] = self.plan.quantization
+            config = {**config, "quantization": self.plan.quantization}
         write_text_atomic(self.out / "config.json", json.dumps(config, indent=1))
         for f in _aux_files(hf_path):
             tmp = self.out / f".{f.name}.tmp"
@@ -678,8 +676,11 @@ def convert(
             f"{hf_path}: is in the {layout!r} layout; convert from the published "
             "checkpoint (the converted and mlx-lm layouts load directly)"
         )
-    args = ModelArgs.from_path(hf_path)
-    config_text = read_capped(hf_path / "config.json", MAX_CONFIG_BYTES).decode("utf-8")
+    file = hf_path / "config.json"  # read once: what is fingerprinted is what is written
+    config_text = read_capped(file, MAX_CONFIG_BYTES).decode("utf-8")  # detect checked UTF-8
+    config = load_json_object(config_text, file, ConfigError)
+    with naming(file):
+        args = ModelArgs.from_dict(config)
     src = CheckpointIndex(hf_path)
     fp = fingerprint(src, config_text, settings)
     status = _check_out(out, fp)
@@ -707,7 +708,7 @@ def convert(
         start = time.monotonic()
         run.run(progress)
         progress.close()
-        run.finish(hf_path)
+        run.finish(hf_path, config)
         secs = time.monotonic() - start
         stream.write(
             f"converted {_fmt_bytes(total - done)} in {secs:.1f} s; peak RSS "
@@ -748,7 +749,7 @@ def verify_output(out: str | Path, workers: int = 4, stream=None) -> int:
         if rel in pack_rel:
             got = pack.verify_file(pack_rel[rel], progress.update)
         else:
-            got = sha256_file(out / rel, progress.update if progress else None)
+            got = sha256_file(out / rel, progress.update)
         if got != files[rel]["sha256"]:
             raise CheckpointError(
                 f"{out / rel}: sha256 does not match the manifest: the file "

@@ -9,9 +9,9 @@ the time of each.
 
 ``KERNELS`` names every kernel variant the dispatcher (``kimi_k3.kernels.dispatch``) can
 select, per backend; ``small_case(name, backend)`` is the quick case the first-use check
-runs (``kimi_k3.kernels.verdict``), ``cases(backend, k3=True)`` the doctor's list, with K3's
-shapes (``python -m kimi_k3.doctor``). ``reference_cases`` checks the reference paths
-against other pure-MLX renderings of the same maths (a machine without kernels).
+runs (``kimi_k3.kernels.verdict``); ``kda_case`` and ``expert_case`` build a case at any
+shape, which ``python -m kimi_k3.doctor`` uses for K3's shapes and for its checks of the
+reference paths against other pure-MLX renderings of the same maths.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ EXPERT_TOL = 1e-4  # RMS-relative, fp32 accumulation on both sides
 # stacks in ``expert_layout``'s tiles (CUDA's stores hold those where the dims allow).
 KERNELS = {
     "metal": ("kda_decode", "kda_prefill", "mxfp4_decode", "mxfp4_prefill"),
-    "emulator": ("kda_decode", "kda_prefill", "mxfp4_decode", "mxfp4_prefill"),
     "cuda": (
         "kda_decode",
         "kda_prefill",
@@ -46,6 +45,7 @@ KERNELS = {
         "mxfp4_prefill_mma_tiled",
     ),
 }
+KERNELS["emulator"] = KERNELS["metal"]  # the Metal source, run on the CPU
 
 # K3's shapes: KDA 96 heads of 128; experts of latent 3584 and hidden 3072, top-16. The
 # doctor's expert stacks hold 32 experts (560 MB): a call reads only the experts it routes to.
@@ -140,14 +140,21 @@ def _first_line(e: Exception) -> str:
 # --- KDA ---------------------------------------------------------------------------------
 
 
-def kda_layer(H: int, K: int, seed: int = 0, W: int = 4) -> dict:
-    """A KDA layer's constants (``kimi_k3.model.kda.kda_mix_reference``'s ``p``), random."""
+def _normal(seed: int):
+    """``normal(shape, scale=1.0)``: fp32 standard normal draws times ``scale``, from one
+    generator seeded with ``seed`` (each call draws the next)."""
     r = np.random.default_rng(seed)
-    P = H * K
 
     def normal(shape, scale=1.0):
         return mx.array(r.standard_normal(shape).astype(np.float32) * scale)
 
+    return normal
+
+
+def kda_layer(H: int, K: int, seed: int = 0, W: int = 4) -> dict:
+    """A KDA layer's constants (``kimi_k3.model.kda.kda_mix_reference``'s ``p``), random."""
+    normal = _normal(seed)
+    P = H * K
     p = {n: normal((P, 1, W), 0.5) for n in ("q_conv", "k_conv", "v_conv")}
     p.update(A_log=normal((H,), 0.5), dt_bias=normal((P,)), o_norm=1 + normal((K,), 0.1))
     return {**p, "heads": H, "head_dim": K, "lower_bound": -5.0, "eps": 1e-5}
@@ -155,12 +162,8 @@ def kda_layer(H: int, K: int, seed: int = 0, W: int = 4) -> dict:
 
 def kda_inputs(B: int, T: int, H: int, K: int, seed: int = 1, W: int = 4) -> tuple:
     """``kda_mix``'s activations and carried state (a sequence already under way)."""
-    r = np.random.default_rng(seed)
+    normal = _normal(seed)
     P = H * K
-
-    def normal(shape, scale=1.0):
-        return mx.array(r.standard_normal(shape).astype(np.float32) * scale)
-
     x = [normal((B, T, P)) for _ in range(4)]
     return (
         *x,
@@ -190,7 +193,6 @@ def reference(name: str) -> Callable:
 
 def kda_case(name: str, backend: str, B: int, T: int, H: int, K: int) -> Case:
     """``kda_decode`` (T = 1) or ``kda_prefill`` against ``kda_mix_reference``."""
-
     kda_mix_reference = reference("kda_mix_reference")
 
     p, args = kda_layer(H, K), kda_inputs(B, T, H, K)
@@ -241,9 +243,13 @@ _EXPERT_FNS = {
 }
 
 
+def module_of(name: str) -> str:
+    """The kernel module variant ``name`` lives in (``mxfp4_one_tiled``: ``mxfp4_one``)."""
+    return _EXPERT_FNS[name][0] if name in _EXPERT_FNS else name
+
+
 def expert_case(name: str, backend: str, E: int, D: int, I: int, N: int, k: int) -> Case:
     """An MXFP4 expert kernel variant against ``expert_glu_reference`` (fp32 latents)."""
-
     expert_glu_reference = reference("expert_glu_reference")
 
     w = random_experts(E, D, I)

@@ -29,7 +29,6 @@ def reference_forced(part: str) -> bool:
     """``KIMI_K3_REFERENCE=1`` (or ``all``, or ``part``: ``kda`` / ``experts``) forces the
     pure-MLX reference for that part of the model; ``0`` or unset forces nothing, and any
     other value is an error (a misspelt part would otherwise be silently ignored)."""
-
     value = env_choice("KIMI_K3_REFERENCE", ("0", "1", "all", "kda", "experts"), "0")
     return value in ("1", "all", part)
 
@@ -64,7 +63,6 @@ def kda_mix_kernel(p, x_q, conv_state, state):
     launch for T = 1, the chunk kernels for longer inputs; None (the reference) otherwise,
     and where the kernel failed its check on this machine (``checked``).
     """
-
     backend = source.backend()
     heads, head_dim = p["heads"], p["head_dim"]
     if (
@@ -97,7 +95,6 @@ def expert_decode_choice(pairs: int) -> str:
     ``pairs`` (token, choice) pairs: one launch up to ``EXPERT_ONE_LAUNCH_MAX_PAIRS``.
     ``KIMI_K3_EXPERT_DECODE=one`` / ``three`` forces either (another value is an error); both
     give the same bits."""
-
     default = "one" if pairs <= EXPERT_ONE_LAUNCH_MAX_PAIRS else "three"
     return env_choice("KIMI_K3_EXPERT_DECODE", ("one", "three"), default)
 
@@ -113,7 +110,6 @@ def expert_prefill_choice() -> str:
     experts are used). It is also slower than the tensor-core kernel that serves CUDA, as is
     the LUT kernel (Metal's), there (docs/benchmarks.md#dispatch-thresholds).
     """
-
     return env_choice("KIMI_K3_EXPERT_PREFILL", ("kernel", "reference"), "kernel")
 
 
@@ -133,7 +129,6 @@ def expert_glu_kernel(z, w, inds):
     ``KIMI_K3_REFERENCE=1`` (or ``experts``) forces the reference; a variant that failed its
     check on this machine gives None too (``checked``).
     """
-
     if reference_forced("experts"):
         return None
     backend = source.backend()

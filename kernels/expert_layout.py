@@ -52,7 +52,6 @@ def kernels_read(dim: int, hidden: int) -> bool:
     """Whether CUDA's tensor-core kernels read tiled stacks of these dims (their
     ``mxfp4_mma.eligible_dims``, which implies ``supports``): where ``expert_layout="auto"``
     tiles the store on CUDA."""
-
     return eligible_dims(dim, hidden)
 
 

@@ -106,7 +106,6 @@ def cache_dir() -> Path:
     """Where compiled kernels are kept: ``$KIMI_K3_EMULATOR_CACHE``, else ``metal_emulator``
     in the user's cache (``kimi_k3.cache_dir()``), created with mode 0700. A library found
     there is loaded into this process, so the directory must be private (``check_private``)."""
-
     path = Path(os.environ.get("KIMI_K3_EMULATOR_CACHE") or user_cache() / "metal_emulator")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_private(path, directory=True)

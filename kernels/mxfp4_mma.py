@@ -554,7 +554,6 @@ MXFP4_MMA_PRMT = byte_permute_decode(MXFP4_MMA)
 def eligible(z, w, inds) -> bool:
     """What ``mxfp4_decode.eligible`` accepts, with D and I multiples of 128 (scale bytes read
     four at a time) and the activations' fragments within threadgroup memory."""
-
     if not mxfp4_decode.eligible(z, w, inds):
         return False
     return eligible_dims(z.shape[-1], w["w1"][0].shape[-2])

@@ -38,7 +38,6 @@ from kimi_k3 import cache_dir
 from kimi_k3.checkpoint.files import write_text_atomic
 
 from . import checks
-from .checks import _EXPERT_FNS
 from .source import env_choice
 
 CHECK_ENV = "KIMI_K3_KERNEL_CHECK"
@@ -59,7 +58,6 @@ def usable(name: str, backend: str) -> bool:
 
 
 def _decide(name: str, backend: str) -> bool:
-
     with _LOCK:
         hit = _USABLE.get((name, backend))
         if hit is not None:
@@ -81,7 +79,6 @@ def _decide(name: str, backend: str) -> bool:
 
 def first_use_check(name: str, backend: str) -> dict:
     """Run ``name``'s small case against the reference; the verdict as recorded."""
-
     t0 = time.perf_counter()
     try:
         res = checks.run_case(checks.small_case(name, backend))
@@ -115,7 +112,6 @@ def warn(name: str, rec: dict) -> None:
 
 
 def verdicts_path() -> Path:
-
     return cache_dir() / FILE
 
 
@@ -132,7 +128,6 @@ def load() -> dict:
 def record(entries: dict) -> None:
     """Add ``{key: record}`` to the verdict file (written whole, atomically). A cache that
     cannot be written leaves the verdicts in this process only, with one line saying so."""
-
     path = verdicts_path()
     data = {**load(), **entries}
     try:
@@ -165,16 +160,15 @@ _HASHES: dict = {}
 
 
 def source_hash(name: str, backend: str) -> str:
-    """sha256 (16 hex digits) of the files the variant's code comes from: its module, the
-    kernel modules it imports (transitively), ``source.py``; and the emulator's files for
-    ``emulator``."""
-
-    module = _EXPERT_FNS[name][0] if name in _EXPERT_FNS else name
+    """sha256 (16 hex digits) of the files the variant's code comes from: its module and the
+    kernel modules it imports, transitively (``source.py`` and ``metal_emulator.py`` among
+    them); and the emulator's C++ files for ``emulator``."""
+    module = checks.module_of(name)
     key = (module, backend)
     if key not in _HASHES:
-        files = sorted(kernel_files(module) | {_HERE / "source.py"})
+        files = sorted(kernel_files(module))
         if backend == "emulator":
-            files += [_HERE / "metal_emulator.py", *sorted((_HERE / "emulator").glob("*"))]
+            files += sorted((_HERE / "emulator").glob("*"))
         h = hashlib.sha256()
         for f in files:
             h.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -185,7 +179,6 @@ def source_hash(name: str, backend: str) -> str:
 def kernel_files(module: str, seen: set | None = None) -> set:
     """``kernels/<module>.py`` and the kernel modules it imports (``from . import x``,
     ``from .x import y``, anywhere in the file), transitively."""
-
     seen = set() if seen is None else seen
     path = _HERE / f"{module}.py"
     if path in seen or not path.exists():

@@ -91,7 +91,7 @@ def reserved_token_mask(tokenizer):
     and the chat markers stay. The command line and the server sample through it; pass it
     to mlx-lm as ``stream_generate(..., logits_processors=[reserved_token_mask(tokenizer)])``.
     """
-    from kimi_k3.cli import never_sample
+    from kimi_k3.text.tokenizer import never_sample
 
     return never_sample(tokenizer)
 
@@ -136,7 +136,7 @@ def load(
             only its layers' tensors), tensor parallel dense projections (routed experts
             whole), and its range of every MoE layer's experts (held or streamed: only those
             are read); the same group as ``tensor_group`` and ``expert_group`` splits both,
-            as ``Model.shard`` does. ``kimi_k3.distributed`` and docs/distributed.md.
+            as ``Model.shard`` does. ``kimi_k3.model.parallel`` and docs/distributed.md.
         expert_top_p, expert_min_weight: per-token expert trimming, off by default (1 and
             0): keep a token's routed experts in decreasing renormalised router weight until
             the kept weights reach ``expert_top_p``, drop those below ``expert_min_weight``;

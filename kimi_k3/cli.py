@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
 import kimi_k3
@@ -26,7 +25,6 @@ from kimi_k3.model.config import ConfigError, ModelArgs
 from kimi_k3.model.experts import ROUTED_EXPERT_NAME
 from kimi_k3.streaming.cache import GB, available_memory, default_cache_gb, slots_per_layer
 from kimi_k3.streaming.sources import expert_bytes, expert_shapes
-from kimi_k3.text.tokenizer import BOS_TOKEN, PAD_TOKEN, UNK_TOKEN
 
 RESERVE_GB = 4.0  # memory left for the OS, activations and KV caches
 INTERRUPTED = 130
@@ -140,8 +138,12 @@ def positive(args, name: str):
         raise ArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
-def _in_range(args, name: str, low: float, high: float, low_open: bool = False):
+def in_range(args, name: str, low: float, high: float = math.inf, low_open: bool = False):
+    """``ArgumentError`` unless ``args.<name>`` is None or a finite number from ``low``
+    (above it, with ``low_open``) to ``high``."""
     value = getattr(args, name)
+    if value is None:
+        return
     ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
     if not ok:
         bounds = f"{'above' if low_open else 'at least'} {low}" + (
@@ -180,9 +182,9 @@ def trimming_options(args) -> dict:
 
 
 def check_sampling_arguments(args):
-    _in_range(args, "temp", 0, math.inf)
-    _in_range(args, "top_p", 0, 1, low_open=True)
-    _in_range(args, "min_p", 0, 1)
+    in_range(args, "temp", 0, math.inf)
+    in_range(args, "top_p", 0, 1, low_open=True)
+    in_range(args, "min_p", 0, 1)
     if args.top_k < 0:
         raise ArgumentError(f"--top-k must be at least 0, got {args.top_k}")
 
@@ -197,7 +199,6 @@ def resolve_model(path: Path | None, expert_cache_gb: float | None):
     """``(path, expert_cache_gb)`` after defaults: no path means the demo model (built on
     first use, a notice on stderr) with its streaming budget. Checks the directory, says
     so when its weights are random, and checks the budget holds a token's experts."""
-
     demo = path is None
     if demo:
         path = default_model.ensure_default_model()
@@ -215,22 +216,22 @@ def resolve_model(path: Path | None, expert_cache_gb: float | None):
 
 def check_expert_budget(path: Path, expert_cache_gb: float):
     """``ArgumentError`` unless the cache holds top-k experts of every MoE layer."""
-
     try:
         args = ModelArgs.from_path(path)
     except ConfigError:
         return  # a layout ModelArgs does not read directly: the streamer checks at load
     moe_layers = sum(args.is_moe(i) for i in range(args.num_hidden_layers))
+    one = expert_bytes(expert_shapes(args))
     try:
         slots_per_layer(
             round(expert_cache_gb * GB),
-            expert_bytes(expert_shapes(args)),
+            one,
             moe_layers,
             args.num_experts_per_token,
             args.num_experts,
         )
     except ValueError:
-        need = expert_bytes(expert_shapes(args)) * moe_layers * args.num_experts_per_token / GB
+        need = one * moe_layers * args.num_experts_per_token / GB
         raise ArgumentError(
             f"--expert-cache-gb {expert_cache_gb:g} is too small for {path}: {moe_layers} MoE "
             f"layers x top-{args.num_experts_per_token} experts need at least {need:.4g} GB"
@@ -349,33 +350,6 @@ def context_limit(model, max_context: int | None) -> tuple[int, str]:
     if max_context and max_context < limit:
         return max_context, "--max-context"
     return limit, "max_position_embeddings"
-
-
-def never_sampled_ids(tokenizer) -> list[int]:
-    """Special ids no reply may contain: the reserved slots, ``[BOS]``, ``[PAD]`` and
-    ``[UNK]``. Stop tokens and the chat markers stay."""
-    banned = (BOS_TOKEN, PAD_TOKEN, UNK_TOKEN)
-    return sorted(
-        i
-        for i, t in tokenizer.added_tokens_decoder.items()
-        if t.content in banned or t.content.startswith("<|reserved_token_")
-    )
-
-
-def never_sample(tokenizer):
-    """An mlx-lm logits processor that gives ``never_sampled_ids`` no probability."""
-    ids = np.array(never_sampled_ids(tokenizer), dtype=np.int64)
-    banned: dict[int, mx.array] = {}  # by vocabulary size: True where banned
-
-    def mask(tokens: mx.array, logits: mx.array) -> mx.array:
-        n = logits.shape[-1]
-        if n not in banned:
-            row = np.zeros(n, bool)
-            row[ids[ids < n]] = True
-            banned[n] = mx.array(row)
-        return mx.where(banned[n], -mx.inf, logits)
-
-    return mask
 
 
 def markdown_table(header, rows) -> str:

@@ -347,8 +347,7 @@ def stdlib_report(root: str | Path | None = None) -> SourceReport:
 def read_split(root: str | Path | None = None) -> tuple[list[str], list[str]]:
     """The standard library's ``(train_texts, heldout_texts)``: file contents, decoded as
     UTF-8 (undecodable files skipped)."""
-    docs = stdlib_report(root).docs
-    return [d.text for d in docs if not d.heldout], [d.text for d in docs if d.heldout]
+    return split_texts(stdlib_report(root).docs)
 
 
 # --- archives ----------------------------------------------------------------------------
@@ -384,20 +383,19 @@ def select_kind(source: Source, path: str) -> str | None:
     return None
 
 
-def reject_reason(data: bytes, max_bytes: int, keep_generated: bool = False) -> str | None:
-    """Why a selected file's bytes stay out of the corpus, or None to keep it."""
-    if len(data) > max_bytes:
-        return "over size cap"
+def reject_reason(data: bytes, keep_generated: bool = False) -> str | None:
+    """Why a selected file's bytes (within the size cap) stay out of the corpus, or None to
+    keep it."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return "not UTF-8"
     if not text.strip():
         return "empty"
-    head = "\n".join(text.splitlines()[:GENERATED_HEAD_LINES])
-    if not keep_generated and GENERATED_RE.search(head):
+    lines = text.splitlines()
+    if not keep_generated and GENERATED_RE.search("\n".join(lines[:GENERATED_HEAD_LINES])):
         return "generated"
-    if max(map(len, text.splitlines())) > MAX_LINE_CHARS:
+    if max(map(len, lines)) > MAX_LINE_CHARS:
         return "minified or data (long lines)"
     if sum(ch.isalpha() for ch in text) < MIN_LETTER_SHARE * len(text):
         return "data (few letters)"
@@ -480,7 +478,7 @@ def read_source(source: Source, corpus_dir: str | Path) -> SourceReport:
             report.skipped["over size cap"] += 1
             continue
         data = read()
-        reason = reject_reason(data, source.max_bytes, source.keep_generated)
+        reason = reject_reason(data, source.keep_generated)
         if reason:
             report.skipped[reason] += 1
         else:
@@ -579,8 +577,6 @@ def record_manifest(out: str | Path, corpus_dir, sources: Iterable[Source] | Non
             raise CorpusError(
                 f"{out} was prepared on another corpus ({path}); train in a new directory"
             )
-        if corpus_dir is None:
-            new["corpus_dir"] = old["corpus_dir"]
     path.write_text(json.dumps(new, indent=1))
     return new
 

@@ -60,7 +60,6 @@ def version() -> str:
 def default_dir() -> Path:
     """``<cache>/default-<version>``, the cache being ``kimi_k3.cache_dir()``
     (``$KIMI_K3_CACHE``, else ``$XDG_CACHE_HOME/kimi_k3``, else ``~/.cache/kimi_k3``)."""
-
     return cache_dir() / f"default-{version()}"
 
 
@@ -95,7 +94,6 @@ def heldout_text() -> str:
 
 def expert_bytes(path: str | Path) -> int:
     """Bytes of routed-expert tensors in a checkpoint (any layout)."""
-
     return sum(t.nbytes for n, t in CheckpointIndex(path).tensors.items() if ".experts." in n)
 
 

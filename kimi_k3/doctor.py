@@ -35,9 +35,7 @@ import numpy as np
 
 from kimi_k3 import cache_dir
 from kimi_k3.checkpoint import checksums
-from kimi_k3.checkpoint.expert_pack import is_pack_dir
 from kimi_k3.checkpoint.files import CheckpointIndex
-from kimi_k3.checkpoint.layouts import mlx_lm_expert_names
 from kimi_k3.cli import (
     USAGE_ERROR,
     ArgumentError,
@@ -52,7 +50,6 @@ from kimi_k3.default_model import CACHE_FRACTION
 from kimi_k3.kernels import checks, dispatch, source, verdict
 from kimi_k3.model import experts, kda
 from kimi_k3.model.config import ModelArgs
-from kimi_k3.model.experts import expert_keys
 from kimi_k3.projection import (
     COLIBRI_KEPT,
     DENSE_GB,
@@ -66,10 +63,8 @@ from kimi_k3.projection import (
     recommended_budget,
 )
 from kimi_k3.streaming import readrate
-from kimi_k3.streaming.sources import expert_bytes, expert_shapes, open_source
+from kimi_k3.streaming.sources import available, expert_bytes, expert_shapes, open_source
 from kimi_k3.streaming.store import StreamOptions
-
-FORMATS = ("pack", "shards", "mlx-lm")
 
 
 def setup_arg_parser() -> Parser:
@@ -100,7 +95,6 @@ def setup_arg_parser() -> Parser:
 
 
 def check_args(args) -> None:
-
     if args.reps < 1:
         raise ArgumentError(f"--reps {args.reps}: expected 1 or more")
     if not args.read_gb > 0:
@@ -130,7 +124,6 @@ def memory_gbps(mb: int = 256, reps: int = 5) -> float:
 
 
 def machine_lines(model: Path | None, backend: str | None, emulate: bool) -> list[str]:
-
     gpu = mx.metal.is_available() or mx.cuda.is_available()
     info = mx.device_info() if gpu else {}
     where = model if model is not None else cache_dir()
@@ -304,7 +297,6 @@ def _dense_experts_case(E: int, D: int, I: int, N: int, k: int) -> checks.Case:
 def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -> list:
     """Run every case; record one verdict per variant (all its cases pass, or the first
     failure) unless ``record`` is off or there is no backend."""
-
     todo = kernel_cases(backend, k3) if backend else reference_cases(k3)
     results, per_variant = [], {}
     for case in todo:
@@ -329,7 +321,6 @@ def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -
 def first_use_line(backend: str) -> str:
     """The time of the first-use check of every variant (its small case, as a model run
     makes it), the kernels already built: what a run pays once per machine."""
-
     names = checks.KERNELS[backend]
     t0 = time.perf_counter()
     for name in names:
@@ -344,26 +335,16 @@ def first_use_line(backend: str) -> str:
 # --- the model directory --------------------------------------------------------------------
 
 
-def formats(path: Path, layer: int) -> list[str]:
-    """The expert formats ``path`` holds, of ``FORMATS``."""
-
-    out = ["pack"] if is_pack_dir(path) else []
-    if any(path.glob("*.safetensors")):
-        index = CheckpointIndex(path)
-        if expert_keys(layer, 0)[0] in index:
-            out.append("shards")
-        if mlx_lm_expert_names(layer)["w1.weight"] in index:
-            out.append("mlx-lm")
-    return out
-
-
-def read_rates(path: Path, kind: str, read_gb: float, reps: int, log) -> dict:
+def read_rates(
+    path: Path, kind: str, read_gb: float, reps: int, log, args=None, index=None
+) -> dict:
     """Streamer and raw reads of ``kind``'s experts in ``path``, decode-shaped (top-k a layer
-    call, what the last call held not read again), interleaved ``reps`` times; medians."""
-
-    args = ModelArgs.from_path(path)
-    layers = list(range(args.first_k_dense_replace, args.num_hidden_layers))
-    source = open_source(path, None, args, layers, kind)
+    call, what the last call held not read again), interleaved ``reps`` times; medians.
+    ``args``, ``index``: ``path``'s ``ModelArgs`` and ``CheckpointIndex``, where the caller
+    has them."""
+    args = args or ModelArgs.from_path(path)
+    layers = moe_layers(args)
+    source = open_source(path, index, args, layers, kind)
     if kind != "pack":
         found = checksums.recorded_file(path)
         source.sums = checksums.read_manifest(found) if found else None
@@ -399,16 +380,18 @@ def read_rates(path: Path, kind: str, read_gb: float, reps: int, log) -> dict:
     return out
 
 
-def dir_sizes(path: Path):
-    """``projection.Sizes`` of the model in ``path`` (dense GB: its safetensors bytes that
-    are not routed experts)."""
+def moe_layers(args) -> list[int]:
+    return [i for i in range(args.num_hidden_layers) if args.is_moe(i)]
 
-    args = ModelArgs.from_path(path)
-    index = CheckpointIndex(path)
-    dense = sum(t.nbytes for n, t in index.tensors.items() if ".experts." not in n)
-    dense -= sum(t.nbytes for n, t in index.tensors.items() if "switch_mlp" in n)
+
+def dir_sizes(args, index) -> Sizes:
+    """``projection.Sizes`` of a model (its ``ModelArgs`` and ``CheckpointIndex``; dense GB:
+    its safetensors bytes that are not routed experts)."""
+    dense = sum(
+        t.nbytes for n, t in index.tensors.items() if not experts.ROUTED_EXPERT_NAME.search(n)
+    )
     return Sizes(
-        args.num_hidden_layers - args.first_k_dense_replace,
+        len(moe_layers(args)),
         args.num_experts,
         args.num_experts_per_token,
         expert_bytes(expert_shapes(args)),
@@ -417,13 +400,13 @@ def dir_sizes(path: Path):
 
 
 def model_lines(path: Path, opts, log) -> list[str]:
-
     args = ModelArgs.from_path(path)
-    kinds = formats(path, args.first_k_dense_replace)
+    index = CheckpointIndex(path) if any(path.glob("*.safetensors")) else None
+    kinds = available(path, index, moe_layers(args)[0])
     if not kinds:
         raise ValueError(f"--model {path}: no routed experts found (no pack, shards or mlx-lm)")
     log("read rates:")
-    rates = [read_rates(path, kind, opts.read_gb, opts.reps, log) for kind in kinds]
+    rates = [read_rates(path, kind, opts.read_gb, opts.reps, log, args, index) for kind in kinds]
     log("memory read rate ...")
     mem = memory_gbps()
     ram = ram_gb()
@@ -481,12 +464,11 @@ def model_lines(path: Path, opts, log) -> list[str]:
         "the H200).",
         "",
     ]
-    rows = []
+    rows, b = [], max(budget, 0.0)
     for r in rates:
         eff = min(1.0, r["streamer"] / r["raw"])
         mac = Mac("here", ram, r["raw"], mem)
         for setting, kept in (("exact", 1.0), ("trimmed to half (top-p 0.5)", COLIBRI_KEPT)):
-            b = max(budget, 0.0)
             got = project(mac, 1, min(1.0, b / EXPERTS_GB), kept, eff, KERNEL_EFFICIENCY)
             rows.append(
                 [
@@ -511,15 +493,13 @@ def model_lines(path: Path, opts, log) -> list[str]:
         ],
         rows,
     ).splitlines()
-    lines += ["", *own_lines(path, rates, ram, mem, opts)]
+    lines += ["", *own_lines(path, dir_sizes(args, index), rates, ram, mem, opts)]
     return lines
 
 
-def own_lines(path: Path, rates: list, ram: float, mem: float, opts) -> list[str]:
+def own_lines(path: Path, sizes: Sizes, rates: list, ram: float, mem: float, opts) -> list[str]:
     """The projection for the directory's own model (to compare with a measured streamed
     decode of it: ``python -m kimi_k3.generate --model DIR --expert-cache-gb GB``)."""
-
-    sizes = dir_sizes(path)
     gb = opts.expert_cache_gb
     gb = CACHE_FRACTION * sizes.experts_gb if gb is None else gb
     f = min(1.0, gb / sizes.experts_gb)

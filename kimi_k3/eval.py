@@ -30,7 +30,6 @@ import json
 import math
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -45,8 +44,8 @@ from kimi_k3.default_model import ensure_default_model, heldout_text
 from kimi_k3.kernels.dispatch import reference_paths
 from kimi_k3.model.config import ConfigError, read_config_json
 from kimi_k3.model.model import Model
+from kimi_k3.model.moe import moe_blocks, route_hooks
 from kimi_k3.text.tokenizer import RANK_FILE, load_tokenizer, read_ranks
-from kimi_k3.train import PRESET, dequantize_mxfp4
 
 
 def windows(ids: np.ndarray, seq: int, max_tokens: int | None = None) -> np.ndarray:
@@ -107,7 +106,6 @@ def compare(
 def token_byte_lengths(path: str | Path, vocab_size: int) -> np.ndarray:
     """Each token id's length in bytes under the tokenizer of the checkpoint at ``path``
     (special and unused ids: 0, they stand for no text). Shapes: returns int64 [V]."""
-
     lengths = np.zeros(vocab_size, np.int64)
     ranks = read_ranks(Path(path) / RANK_FILE)
     lengths[: len(ranks)] = [len(r) for r in ranks[:vocab_size]]
@@ -128,19 +126,6 @@ def perplexity(model: Model, wins: np.ndarray, batch: int = 4) -> float:
     return math.exp(total / count)
 
 
-@contextmanager
-def _route_hooks(model: Model, hook):
-    """Every MoE block calls ``hook(moe, flat)`` on its routed input inside the block."""
-    moes = _moe_blocks(model)
-    for moe in moes:
-        moe.route_hook = hook
-    try:
-        yield
-    finally:
-        for moe in moes:
-            del moe.route_hook
-
-
 def routing_choices(model: Model, wins: np.ndarray, batch: int = 4) -> dict[int, np.ndarray]:
     """The router's choices on ``wins``: ``{layer: inds [n, seq, k]}``."""
     seq = wins.shape[1] - 1
@@ -149,7 +134,7 @@ def routing_choices(model: Model, wins: np.ndarray, batch: int = 4) -> dict[int,
     def hook(moe, flat):
         seen.setdefault(moe.layer_index, []).append(moe.gate(flat)[0])
 
-    with _route_hooks(model, hook):
+    with route_hooks(model, hook):
         for i in range(0, len(wins), batch):
             model(mx.array(wins[i : i + batch, :-1]))
             for chunks in seen.values():
@@ -175,7 +160,7 @@ def moe_output_rms(model: Model, wins: np.ndarray, batch: int = 4) -> dict[int, 
             acc[j] = acc[j] + mx.square(t.astype(mx.float32)).sum()
         acc[2] += flat.size
 
-    with _route_hooks(model, hook):
+    with route_hooks(model, hook):
         for i in range(0, len(wins), batch):
             mx.eval(model(mx.array(wins[i : i + batch, :-1])), [a[:2] for a in sums.values()])
     return {
@@ -211,7 +196,6 @@ def routing_stats(inds: np.ndarray, num_experts: int) -> dict:
 def quantized_dense(path: str | Path, bits: int) -> Model:
     """The checkpoint with its dense weights MLX-quantized (affine, group 64) to ``bits``;
     the model's ``quant_predicate`` picks the layers (never the experts)."""
-
     model = load_model(path, dtype=mx.float32)
     predicate = model.quant_predicate
 
@@ -226,7 +210,6 @@ def quantized_dense(path: str | Path, bits: int) -> Model:
 def variants(path: str | Path, state: str | Path | None = None, random: bool = True) -> dict:
     """``{name: model}``: the checkpoint at ``path`` computed in fp32 (``"reference"``) and
     its variants (see the module docstring)."""
-
     out = {"reference": load_model(path, dtype=mx.float32)}
     if state is not None:
         fp32 = train.load_state(state)
@@ -247,7 +230,7 @@ def variants(path: str | Path, state: str | Path | None = None, random: bool = T
     return out
 
 
-class _ZeroRouted(nn.Module):
+class ZeroRouted(nn.Module):
     """An expert store whose every expert outputs zero: the routed sum is zero, and so
     is the latent norm's output (``RMSNorm(0) = 0``), so the MoE block gives its shared
     experts' output alone."""
@@ -261,21 +244,17 @@ class _ZeroShared(nn.Module):
         return mx.zeros_like(x)
 
 
-def _moe_blocks(model: Model):
-    return [layer.block_sparse_moe for layer in model.layers if "block_sparse_moe" in layer]
-
-
 def without_routed_experts(model: Model) -> Model:
     """``model`` with every routed expert's output zeroed (in place): the shared experts
     alone. What the routed experts carry is the NLL this costs."""
-    for moe in _moe_blocks(model):
-        moe.experts = _ZeroRouted()
+    for moe in moe_blocks(model).values():
+        moe.experts = ZeroRouted()
     return model
 
 
 def without_shared_experts(model: Model) -> Model:
     """``model`` with every MoE layer's shared experts zeroed (in place)."""
-    for moe in _moe_blocks(model):
+    for moe in moe_blocks(model).values():
         moe.shared_experts = _ZeroShared()
     return model
 
@@ -285,26 +264,23 @@ def set_top_k(model: Model, k: int) -> int:
     place; the router renormalises the kept weights as it does at full ``k``). Returns k."""
     if not 1 <= k <= model.args.num_experts:
         raise ValueError(f"top-k {k} is outside 1..{model.args.num_experts}")
-    for moe in _moe_blocks(model):
+    for moe in moe_blocks(model).values():
         moe.gate.top_k = k
     return k
 
 
 def _mxfp4_experts(model: Model) -> Model:
-
-    for layer in model.layers:
-        if "block_sparse_moe" in layer:
-            e = layer.block_sparse_moe.experts
-            e.w1, e.w2, e.w3 = (dequantize_mxfp4(w) for w in (e.w1, e.w2, e.w3))
+    for moe in moe_blocks(model).values():
+        e = moe.experts
+        e.w1, e.w2, e.w3 = (train.dequantize_mxfp4(w) for w in (e.w1, e.w2, e.w3))
     mx.eval(model.parameters())
     return model
 
 
 def random_model(path: str | Path, seed: int = 0) -> Model:
     """A random-weight model of the same shape as the checkpoint at ``path`` (seeded)."""
-
     text = read_config_json(path)["text_config"]
-    preset = {k: text[k] for k in PRESET if k in text}
+    preset = {k: text[k] for k in train.PRESET if k in text}
     preset["full"] = text["linear_attn_config"]["full_attn_layers"]
     preset["kda_heads"] = text["linear_attn_config"]["num_heads"]
     preset["kda_head_dim"] = text["linear_attn_config"]["head_dim"]
@@ -318,7 +294,6 @@ def random_model(path: str | Path, seed: int = 0) -> Model:
 def heldout_ids(path: str | Path, text_file: str | Path | None = None) -> np.ndarray:
     """The held-out text (default: the one shipped with the default model) as token ids of
     the checkpoint's tokenizer."""
-
     text = Path(text_file).read_text(encoding="utf-8") if text_file else heldout_text()
     return np.asarray(load_tokenizer(path).encode(text), dtype=np.int32)
 
@@ -376,7 +351,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Returns the exit status: 0, or 1 after one ``error:`` line for a checkpoint, text or
     state file that cannot be used (bad flags exit 2 through argparse)."""
-
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     for flag in ("tokens", "seq"):

@@ -34,7 +34,6 @@ from kimi_k3.cli import (
     context_limit,
     fail,
     load_for_cli,
-    never_sample,
     positive,
     resolve_model,
     trimming_options,
@@ -52,6 +51,7 @@ from kimi_k3.text.chat import (
     parse_segments,
     segments_from_ids,
 )
+from kimi_k3.text.tokenizer import never_sample
 
 DEFAULT_PROMPT = "Hello! Who are you?"
 
@@ -263,9 +263,7 @@ def run_once(model, tokenizer, args) -> int:
     context = context_limit(model, args.max_context)
     max_tokens = check_room(len(ids), 0, context, args.max_tokens)
     cache = model.make_cache()
-    return _generate_reporting(
-        model, tokenizer, ids, args, cache, max_tokens, Generated(), context
-    )
+    return _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, Generated(), context)
 
 
 def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply, context) -> int:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kimi_k3.streaming.io import read_buffer_bytes
+
 MOE_LAYERS, EXPERTS, TOP_K, EXPERT_BYTES = 92, 896, 16, 17_547_264
 EXPERTS_GB = MOE_LAYERS * EXPERTS * EXPERT_BYTES / 1e9  # 1,447
 DENSE_GB = 30.0  # the dense trunk at 4 bits
@@ -104,10 +106,10 @@ def project(
     }
 
 
-def recommended_budget(ram_gb: float, io_threads: int = 16, read_bytes: int = EXPERT_BYTES) -> int:
+def recommended_budget(ram_gb: float, io_threads: int = 16) -> int:
     """The ``--expert-cache-gb`` to give K3 on a machine of ``ram_gb``: the largest budget
     that leaves room for the dense weights and the reserve (``expert_budget_gb``), less the
-    streamer's direct-I/O read buffers (one expert read and two pages per reader thread,
-    outside the budget), in whole GB; 0 where nothing is left."""
-    buffers = io_threads * (read_bytes + 2 * 4096) / 1e9
+    streamer's direct-I/O read buffers (one expert read per reader thread, outside the
+    budget), in whole GB; 0 where nothing is left."""
+    buffers = read_buffer_bytes(io_threads, EXPERT_BYTES) / 1e9
     return max(0, math.floor(expert_budget_gb(ram_gb) - buffers))

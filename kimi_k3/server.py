@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
-import math
 import resource
 import socket
 import sys
@@ -46,8 +45,8 @@ from kimi_k3.cli import (
     check_sampling_arguments,
     context_limit,
     fail,
+    in_range,
     load_for_cli,
-    never_sample,
     positive,
     ram_gb,
     resolve_model,
@@ -57,10 +56,9 @@ from kimi_k3.model.config import ConfigError
 from kimi_k3.serve.app import ServerState, allowed_hosts, app_for
 from kimi_k3.serve.engine import Engine, activation_dtype, follow
 from kimi_k3.serve.http import ConnectionLimits, protocol_class
-from kimi_k3.serve.protocol import (
-    Limits,
-)
+from kimi_k3.serve.protocol import Limits
 from kimi_k3.streaming.store import find_streamer, overflow_for_batch
+from kimi_k3.text.tokenizer import never_sample
 
 log = logging.getLogger("kimi_k3.server")
 
@@ -199,7 +197,7 @@ def comma_list(text: str) -> list[str]:
 
 
 def check_arguments(args):
-    """``UserError`` naming the flag of the first invalid value."""
+    """``ArgumentError`` naming the flag of the first invalid value."""
     check_model_arguments(args)
     check_sampling_arguments(args)
     for name in (
@@ -209,31 +207,19 @@ def check_arguments(args):
         "max_batch",
         "prefill_step_size",
         "max_prompt_tokens",
+        "max_connections",
     ):
         positive(args, name)
-    if not (math.isfinite(args.prefill_step_seconds) and args.prefill_step_seconds >= 0):
-        raise UserError(
-            f"--prefill-step-seconds must be 0 or more seconds, got {args.prefill_step_seconds}"
-        )
     if args.max_tokens > args.max_tokens_limit:
-        raise UserError(
+        raise ArgumentError(
             f"--max-tokens {args.max_tokens} is above --max-tokens-limit {args.max_tokens_limit}"
         )
-    if args.max_waiting < 0:
-        raise UserError(f"--max-waiting must be at least 0, got {args.max_waiting}")
-    if not args.max_body_mb > 0:
-        raise UserError(f"--max-body-mb must be above 0, got {args.max_body_mb}")
-    if not args.prompt_cache_gb >= 0:
-        raise UserError(f"--prompt-cache-gb must be at least 0, got {args.prompt_cache_gb}")
-    if args.expert_overflow is not None and args.expert_overflow < 0:
-        raise UserError(f"--expert-overflow must be at least 0, got {args.expert_overflow}")
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be from 0 to 65535, got {args.port}")
-    positive(args, "max_connections")
-    for name in ("timeout_headers", "timeout_body", "timeout_write", "timeout_keep_alive"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            raise UserError(f"--{name.replace('_', '-')} must be above 0 seconds, got {value}")
+    for name in ("prefill_step_seconds", "max_waiting", "prompt_cache_gb", "expert_overflow"):
+        in_range(args, name, 0)
+    in_range(args, "port", 0, 65535)
+    timeouts = ("timeout_headers", "timeout_body", "timeout_write", "timeout_keep_alive")
+    for name in ("max_body_mb", *timeouts):
+        in_range(args, name, 0, low_open=True)
 
 
 def reserve_descriptors(max_connections: int):
@@ -278,7 +264,6 @@ def bind(host: str, port: int) -> socket.socket:
 def size_overflow(model, args):
     """Give streamed experts the overflow area ``--expert-overflow`` asks for (default: what
     ``--max-batch`` sequences can need, ``overflow_for_batch``), announced on stderr."""
-
     streamer = find_streamer(model)
     if streamer is None:
         return
@@ -296,7 +281,6 @@ def size_overflow(model, args):
 def cache_bytes_per_token(model) -> int:
     """Bytes one token adds to a sequence's caches: each MLA layer's latent and shared key
     in the activation dtype (KDA layers hold a fixed state, whatever the length)."""
-
     a = model.args
     mla = sum(not layer.is_linear for layer in model.layers)
     return mla * (a.kv_lora_rank + a.qk_rope_head_dim) * activation_dtype(model).size
@@ -306,7 +290,6 @@ def default_max_prompt(model, context: int, sequences: int, expert_cache_gb) -> 
     """The longest prompt whose caches fit, for ``sequences`` sequences at once, in a
     quarter of the memory that the model's resident weights and expert cache leave: at
     least 1, at most one less than ``context`` (the reply needs a token)."""
-
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     left = ram_gb() * 1e9 - weights - (expert_cache_gb or 0) * 1e9
     fit = int(max(left, 0) / 4 / sequences / max(cache_bytes_per_token(model), 1))
@@ -316,7 +299,6 @@ def default_max_prompt(model, context: int, sequences: int, expert_cache_gb) -> 
 def serve_model(args, sock: socket.socket, plan=None) -> ServerState:
     """Load the model and start the engine for an already bound server (on rank 0 of
     ``plan``'s group under ``--split``)."""
-
     model_path = args.model
     args.model, args.expert_cache_gb = resolve_model(args.model, args.expert_cache_gb)
     model, tokenizer = load_for_cli(
@@ -404,7 +386,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def http_server_for(args, state: ServerState):
     """uvicorn serving ``state``'s app with the connection limits of ``args``."""
-
     limits = ConnectionLimits(
         headers=args.timeout_headers,
         body=args.timeout_body,
@@ -429,7 +410,6 @@ def http_server_for(args, state: ServerState):
 def follow_rank(args, plan) -> int:
     """A rank other than 0 under ``--split``: load its share, agree on the port, then
     repeat rank 0's forward passes (``kimi_k3.serve.engine.follow``) until rank 0 stops."""
-
     with distributed.agreed(plan):  # rank 0 binds the port here
         pass
     path, budget = resolve_model(args.model, args.expert_cache_gb)

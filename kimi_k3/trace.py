@@ -160,7 +160,6 @@ def _swap(module, recorder) -> type:
 
 
 def _recorders(model, t: Trace):
-
     if not isinstance(model, Model):
         raise TypeError(f"trace() needs a kimi_k3 Model, got {type(model).__name__}")
     yield model, _model_call(model, t)

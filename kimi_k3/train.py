@@ -44,7 +44,6 @@ from mlx.utils import tree_flatten, tree_unflatten
 from kimi_k3 import corpus
 from kimi_k3.checkpoint.files import CheckpointError, ShardWriter, bf16_bits, write_text_atomic
 from kimi_k3.convert.synth import PREFIX, make_config
-from kimi_k3.corpus import DOC_SEPARATOR
 from kimi_k3.default_model import HELDOUT_FILE
 from kimi_k3.kernels.dispatch import reference_paths
 from kimi_k3.model.config import ModelArgs
@@ -216,7 +215,9 @@ def make_step(model: Model, opt: optim.Optimizer, bias_rate: float, compiled: bo
     gradients, clipped to norm 1, the optimizer's update, then the routers' balancing
     (``update_router_bias``). With ``compiled`` the whole step is one ``mx.compile``d
     function over the model's and the optimizer's state (the learning rate, set on the
-    optimizer between steps, is part of that state). Shapes: x, y int32 [B, T]."""
+    optimizer between steps, is part of that state). Sets ``model`` to train with the
+    routers' biases frozen (``trainable``). Shapes: x, y int32 [B, T]."""
+    trainable(model).train()
     value_and_grad = nn.value_and_grad(model, loss_fn)
 
     def step(x, y):
@@ -258,7 +259,6 @@ def train(
     carry a resumed run's state (``load_state``); ``compiled`` runs each step as one
     ``mx.compile``d function (``make_step``). ``on_step(step, loss, loads)`` is called
     after every step. Returns this call's losses."""
-    trainable(model).train()
     start = time.time()
     opt = optimizer if optimizer is not None else make_optimizer(lr)
     step_fn = make_step(model, opt, bias_rate, compiled)
@@ -310,7 +310,6 @@ def load_state(path: str | Path, preset: dict = PRESET) -> Model:
 
 def load_training(path: str | Path, preset: dict = PRESET):
     """``(model, optimizer state or None, info or None)`` from ``save_state``'s file."""
-
     try:
         tensors, metadata = mx.load(str(path), return_metadata=True)
     except (OSError, RuntimeError, ValueError) as e:
@@ -404,7 +403,6 @@ def export_checkpoint(model: Model, out: str | Path, tokenizer_dir: str | Path, 
     """Write ``model`` as a published-layout checkpoint in ``out``: shards, index,
     ``config.json`` (``info`` under ``training``), and the tokenizer files of
     ``tokenizer_dir``."""
-
     out = Path(out)
     writer = ShardWriter(out)
     for name, value, dtype in published_tensors(model, model.args):
@@ -427,12 +425,11 @@ def prepare(out: Path, vocab_size: int, corpus_dir: str | None = None):
     ``out/heldout-<kind>.txt``. The streams are kept in ``out/TRAIN_IDS`` and
     ``out/HELDOUT_IDS``, so a resumed run (or ``export``) reads them instead of
     tokenizing the corpus again."""
-
     corpus.record_manifest(out, corpus_dir)  # the same corpus as the run's, or an error
     tok_dir = out / "tokenizer"
     kept = [out / TRAIN_IDS, out / HELDOUT_IDS]
     if (tok_dir / "tiktoken.model").is_file() and all(f.is_file() for f in kept):
-        return load_tokenizer(tok_dir), *(np.load(f) for f in kept)
+        return load_tokenizer(tok_dir), *(np.load(f, mmap_mode="r") for f in kept)
     docs = corpus.read_corpus(corpus_dir)
     corpus.write_heldout_texts(out, docs)
     train_texts, heldout_texts = corpus.split_texts(docs)
@@ -452,7 +449,6 @@ RUN_FLAGS = ("steps", "minutes", "batch", "seq", "lr", "warmup", "bias_rate", "s
 def run(args) -> Path:
     """``train run``: a fresh run in an empty ``OUT``, or with ``--resume`` the run whose
     state ``OUT`` holds, continued where it stopped (same flags)."""
-    os.environ.setdefault("KIMI_K3_REFERENCE", "1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     state_file = out / STATE_FILE
@@ -525,8 +521,8 @@ def run(args) -> Path:
         elapsed=elapsed,
         compiled=args.compile,
     )
-    save(start_step + len(losses))
     done = start_step + len(losses)
+    save(done)
     finished = done >= args.steps or (
         seconds is not None and elapsed + time.time() - started >= seconds
     )
@@ -552,7 +548,6 @@ class RunError(Exception):
 
 
 def export(args) -> Path:
-
     out = Path(args.out)
     corpus_dir = corpus.recorded_dir(out, args.corpus_dir)
     model, _, state = load_training(out / STATE_FILE)
@@ -582,14 +577,13 @@ def export(args) -> Path:
 
 def heldout_sample(texts: list[str], max_chars: int) -> str:
     """Whole held-out files, in corpus order, up to ``max_chars`` characters."""
-
     kept, size = [], 0
     for text in texts:
         if kept and size + len(text) > max_chars:
             break
         kept.append(text)
-        size += len(text) + len(DOC_SEPARATOR)
-    return DOC_SEPARATOR.join(kept)
+        size += len(text) + len(corpus.DOC_SEPARATOR)
+    return corpus.DOC_SEPARATOR.join(kept)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -638,7 +632,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-
     args = setup_arg_parser().parse_args(argv)
 
     try:

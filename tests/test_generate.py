@@ -17,7 +17,6 @@ from mlx_lm.utils import save_config, save_model
 
 import kimi_k3
 from kimi_k3 import default_model
-from kimi_k3.cli import never_sample
 from kimi_k3.convert.convert import Settings, convert
 from kimi_k3.generate import (
     ChatSession,
@@ -30,7 +29,7 @@ from kimi_k3.generate import (
     setup_arg_parser,
 )
 from kimi_k3.text.chat import encode_chat, encode_segments, render_text
-from kimi_k3.text.tokenizer import load_tokenizer
+from kimi_k3.text.tokenizer import load_tokenizer, never_sample
 
 STATS = re.compile(
     r"stats: prompt: (\d+) tokens, [\d.]+ tok/s \| generation: (\d+) tokens, "

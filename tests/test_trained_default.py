@@ -20,10 +20,16 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 import kimi_k3
 from kimi_k3 import corpus, default_model, train
 from kimi_k3 import eval as k3eval
-from kimi_k3.cli import never_sample, never_sampled_ids
 from kimi_k3.convert.convert import Settings, convert
 from kimi_k3.convert.synth import PRESETS
-from kimi_k3.text.tokenizer import KIMI_PATTERN, load_tokenizer, read_ranks, read_special_tokens
+from kimi_k3.text.tokenizer import (
+    KIMI_PATTERN,
+    load_tokenizer,
+    never_sample,
+    never_sampled_ids,
+    read_ranks,
+    read_special_tokens,
+)
 
 # Held-out perplexity of the shipped model over the first 1024 tokens of the shipped
 # held-out sample (docs/training.md: the measured value and the random-weight one).

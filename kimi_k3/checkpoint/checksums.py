@@ -148,14 +148,12 @@ def record(index: CheckpointIndex, files: list[Path] | None = None, threads: int
 
 def manifest_paths(path: Path) -> list[Path]:
     """Where the manifest of checkpoint ``path`` may be: beside it, then in the cache."""
-
     key = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:24]
     return [Path(path) / NAME, cache_dir() / "checksums" / f"{key}.json"]
 
 
 def write_manifest(file: Path, sums: Checksums):
     """Atomically (a temporary file renamed over it)."""
-
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
@@ -274,7 +272,6 @@ def _save(path: Path, sums: Checksums) -> Checksums:
 
 def array_crc(a, rows: bool):
     """crc32 of an MLX array's bytes (per row of dimension 0 with ``rows``), as recorded."""
-
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     data = np.asarray(a)
@@ -286,7 +283,6 @@ def array_crc(a, rows: bool):
 def verify_arrays(arrays: dict, index: CheckpointIndex, sums: Checksums):
     """Evaluate each loaded tensor (``name -> mx.array`` as read from its shard) and check
     its bytes against the recorded crc32; ``CheckpointError`` names the file and tensor."""
-
     for name, a in arrays.items():
         t = index[name]
         want = sums.of(t)

@@ -140,10 +140,9 @@ def load_json(raw: bytes | str) -> object:
     return json.loads(text, object_pairs_hook=_unique_keys)
 
 
-def load_json_object(raw: bytes | str, where, error: type[Exception] | None = None) -> dict:
-    """``load_json`` of a document that must be a JSON object; else ``error`` (default
-    ``CheckpointError``) naming ``where``: not valid JSON, or not an object."""
-    error = error or CheckpointError
+def load_json_object(raw: bytes | str, where, error: type[Exception] = CheckpointError) -> dict:
+    """``load_json`` of a document that must be a JSON object; else ``error`` naming
+    ``where``: not valid JSON, or not an object."""
     try:
         doc = load_json(raw)
     except ValueError as e:

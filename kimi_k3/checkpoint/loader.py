@@ -23,9 +23,9 @@ from kimi_k3.model import routing
 from kimi_k3.model.config import ModelArgs
 from kimi_k3.model.experts import ROUTED_EXPERT_NAME, store_layout
 from kimi_k3.model.model import KEEP_FP32, Model, sanitize_weights
+from kimi_k3.model.moe import moe_blocks
 from kimi_k3.streaming import attach_streamer
 from kimi_k3.streaming.sources import open_source
-from kimi_k3.streaming.store import moe_blocks
 
 TRIM_NAMES = ("expert_top_p", "expert_min_weight")  # the loaders' names for the thresholds
 
@@ -69,7 +69,6 @@ def load_model(
             always kept. ``kimi_k3.set_expert_trimming`` changes them on a loaded model.
         stream_options: passed to the expert streamer (policy, prefetch, ...).
     """
-
     trim = routing.check(expert_top_p, expert_min_weight, TRIM_NAMES)
     path = Path(path)
     check_checkpoint(path)
@@ -82,14 +81,15 @@ def load_model(
     held = Held(model)
     stream = expert_cache_gb is not None
     moe = [i for i in held.layers if args.is_moe(i)]
+    source = None
     if moe and not stream:  # the experts' dtypes and shapes, named per tensor
-        open_source(path, index, args, moe, experts=held.experts)
+        source = open_source(path, index, args, moe, experts=held.experts)
     loaded = _read_tensors(index, skip_experts=stream, held=held)
     raw = {held.name(k): a for k, a in loaded.items()}
     if layout == "mlx-lm":
         raw = held.slice_stacks(from_mlx_lm(args, raw))
-    elif layout == "pack" and not stream:
-        raw.update(_pack_experts(path, verify_checksums, held))
+    elif layout == "pack" and source is not None:
+        raw.update(_pack_experts(source.pack, verify_checksums, held))
     quantize_dense(model, args, raw)
     weights = sanitize_weights(args, raw, len(held.experts))
     _check(model, weights, index, skip_experts=stream)
@@ -268,10 +268,9 @@ def _infer_quant(path: str, in_dims: int, weights: dict) -> dict:
     return {"group_size": group_size, "bits": bits, "mode": _MODES[(bits, group_size)]}
 
 
-def _pack_experts(path: Path, verify: bool, held: Held) -> dict:
-    """The held layers' routed experts (the held range) from the expert pack, stacked for
-    ``ResidentExperts``; ``verify`` checks each record's crc32."""
-    pack = ExpertPack(path)
+def _pack_experts(pack: ExpertPack, verify: bool, held: Held) -> dict:
+    """The held layers' routed experts (the held range) from the expert pack (closed after),
+    stacked for ``ResidentExperts``; ``verify`` checks each record's crc32."""
     out = {}
     for layer in pack.layers:
         if layer not in held.layers:

@@ -241,7 +241,6 @@ def kda_mix_reference(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state,
 def kda_mix(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
     """Dispatcher for the KDA token mixer: a custom kernel where one is eligible, else the
     reference. Same contract as ``kda_mix_reference``."""
-
     fn = dispatch.kda_mix_kernel(p, x_q, conv_state, state)
     if fn is not None:
         return _kernel_with_reference_grad(
@@ -256,7 +255,6 @@ def kda_mix(p: dict, x_q, x_k, x_v, g_raw, b_logits, gate, conv_state, state):
 
 def _kernel_with_reference_grad(fn, p, *inputs):
     """Run the kernel ``fn``; gradients (training) come from ``kda_mix_reference``."""
-
     B, _, P = inputs[0].shape
     conv_state, state = inputs[-2:]
     if conv_state is None:  # zeros are what both paths assume for a fresh sequence

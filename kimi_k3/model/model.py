@@ -59,7 +59,7 @@ class DecoderLayer(nn.Module):
 
 class TextModel(nn.Module):
     """The decoder stack. ``pipeline(group)`` keeps this process's stage of it (mlx-lm's
-    convention: ``start_idx``, ``end_idx``, ``pipeline_layers``; ``kimi_k3.distributed``)."""
+    convention: ``start_idx``, ``end_idx``, ``pipeline_layers``; ``kimi_k3.model.parallel``)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -130,7 +130,7 @@ class Model(nn.Module):
     def shard(self, group=None, experts: bool = True):
         """Tensor parallel over ``group`` (mlx-lm's convention): attention and dense MLP
         projections split by heads / hidden units, and with ``experts`` each MoE layer's
-        routed experts split into contiguous ranges (``kimi_k3.distributed``)."""
+        routed experts split into contiguous ranges (``kimi_k3.model.parallel``)."""
         shard_model(self, group, experts)
 
     def make_cache(self) -> list:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -134,3 +136,34 @@ class LatentMoE(nn.Module):
             y, shared = self.experts(z, inds, weights), self.shared_experts(flat)
         y = self.routed_expert_up_proj(self.routed_expert_norm(y.astype(x.dtype)))
         return (y + shared).reshape(shape)
+
+
+def moe_blocks(model) -> dict:
+    """``{layer index: LatentMoE}`` of a Kimi K3 model (the MoE layers this process holds)."""
+    return {
+        layer.block_sparse_moe.layer_index: layer.block_sparse_moe
+        for layer in model.layers
+        if "block_sparse_moe" in layer
+    }
+
+
+@contextmanager
+def route_hooks(model, hook):
+    """Inside the block every MoE block of ``model`` calls ``hook(moe, x)`` with its routed
+    input before its experts run (``LatentMoE.route_hook``), then the hook it had (the
+    streamer's prefetch), which it gets back after."""
+    moes = moe_blocks(model)
+    old = {layer: moe.route_hook for layer, moe in moes.items()}
+
+    def both(moe, x):
+        hook(moe, x)
+        if old[moe.layer_index] is not None:
+            old[moe.layer_index](moe, x)
+
+    for moe in moes.values():
+        moe.route_hook = both
+    try:
+        yield
+    finally:
+        for layer, moe in moes.items():
+            moe.route_hook = old[layer]

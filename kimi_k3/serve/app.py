@@ -64,6 +64,10 @@ class ServerState:
     allowed_hosts: set[str] | None
     allowed_origins: set[str]
     created: int = field(default_factory=lambda: int(time.time()))
+    stop_ids: frozenset = field(init=False)  # the ids that end every reply
+
+    def __post_init__(self):
+        self.stop_ids = frozenset(stop_ids(self.tokenizer))
 
     def origin_allowed(self, origin: str) -> bool:
         return "*" in self.allowed_origins or origin in self.allowed_origins
@@ -274,7 +278,6 @@ class Generation(Response):
     or as server-sent events; the sequence is cancelled when the client goes away."""
 
     def __init__(self, job: Job, state: ServerState):
-
         super().__init__()
         self.job, self.state = job, state
         self.events = Events(asyncio.get_running_loop(), each=job.stream or bool(job.stop))
@@ -365,7 +368,6 @@ class Generation(Response):
 def make_sequence(job: Job, state: ServerState, events: Events):
     """The engine's sequence for ``job``, its events going to ``events`` (the engine keeps
     reserved ids out of every reply: ``serve_model``)."""
-
     s = job.sampling
     processors = make_logits_processors(
         logit_bias=job.logit_bias or None,
@@ -380,7 +382,7 @@ def make_sequence(job: Job, state: ServerState, events: Events):
         max_tokens=job.max_tokens,
         sampling=sampling,
         processors=processors,
-        stop_ids=frozenset(stop_ids(state.tokenizer)),
+        stop_ids=state.stop_ids,
         out=events,
         logprobs=job.logprobs,
         prompt_logprobs=job.logprobs if job.echo else None,

@@ -5,13 +5,12 @@ One thread owns the model. Each step it prefills waiting prompts, up to
 ``prefill_step_size`` tokens in all, the prompt with the fewest tokens left first (so a
 short request is not held behind a long one, and a burst of short prompts is prefilled in
 one step; chunks of one length after as many tokens go through in one pass). A prompt's
-chunk is also bounded in time: once a chunk of it has run, the next holds at most what
-its last pass's rate feeds in ``prefill_step_seconds`` (a long prompt's passes slow as its
-context grows, and a request that arrives meanwhile waits for the pass in flight), then
-it decodes
-one token for every sequence whose prompt is in its cache, all in one batched forward pass
-(with streamed experts, the union of the batch's experts is read once). Sequences join the
-batch at step boundaries and leave it when they finish or are cancelled.
+chunk is also bounded in time: once a chunk of it has run, the next holds at most what its
+last pass's rate feeds in ``prefill_step_seconds`` (a long prompt's passes slow as its
+context grows, and a request that arrives meanwhile waits for the pass in flight), then it
+decodes one token for every sequence whose prompt is in its cache, all in one batched
+forward pass (with streamed experts, the union of the batch's experts is read once).
+Sequences join the batch at step boundaries and leave it when they finish or are cancelled.
 
 A prompt is prefilled into caches of its own (B = 1). Once it is in, the sequence joins the
 ``Batch``, whose caches hold every decoding sequence as a row and persist from step to step:
@@ -78,7 +77,6 @@ class Sampling:
 
     def pick(self, logprobs: mx.array, key: mx.array | None) -> mx.array:
         """Shapes: logprobs [1, V] -> [1] int."""
-
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
         if 0 < self.top_p < 1:

@@ -53,7 +53,7 @@ class ApiError(Exception):
 
     @property
     def kind(self) -> str:
-        return {404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(
+        return {404: "not_found_error", 429: "rate_limit_error"}.get(
             self.status, "invalid_request_error" if self.status < 500 else "server_error"
         )
 
@@ -327,15 +327,14 @@ class CompletionRequest(GenerationRequest):
     prompt: Annotated[Any, PlainValidator(_prompt)]
     logprobs: Bounded(0, MAX_COMPLETION_LOGPROBS, integer=True) = None
     echo: bool = False
+    best_of: Unsupported("one candidate is generated per request", 1) = None
+    suffix: Unsupported("the model completes text after the prompt only") = None
 
     @model_validator(mode="after")
     def check_echo(self):
         if self.echo and self.stream:
             raise invalid("with stream is not supported: ask for the whole reply", "echo")
         return self
-
-    best_of: Unsupported("one candidate is generated per request", 1) = None
-    suffix: Unsupported("the model completes text after the prompt only") = None
 
 
 # Words for pydantic's own error types (strict types, nested models, required fields).
@@ -491,7 +490,6 @@ def constraint_of(req: ChatRequest, tokenizer, thinking: bool):
     """The logits processor that enforces ``response_format`` and ``tool_choice``
     (grammar-constrained decoding, ``kimi_k3.serve.constrained``), or None; a value it cannot
     enforce is a 400 naming the field."""
-
     if (req.tool_choice == "required" or isinstance(req.tool_choice, dict)) and not req.tools:
         raise ApiError(400, "tool_choice needs tools to choose from", "tool_choice")
     try:

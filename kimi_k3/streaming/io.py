@@ -193,6 +193,13 @@ class Meter:
             return self.bytes, self.reads, busy, dict(self.stages)
 
 
+def read_buffer_bytes(threads: int, largest_read: int) -> int:
+    """What the reader threads' aligned buffers hold at most: a read of ``largest_read``
+    bytes each, with a block to spare at either end (a direct read starts and ends on block
+    boundaries)."""
+    return threads * (largest_read + 2 * ALIGN)
+
+
 class _Buffer:
     """A thread's page-aligned read buffer (anonymous mmap), grown on demand."""
 

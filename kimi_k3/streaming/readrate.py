@@ -97,14 +97,12 @@ def streamer_read(source, layout: dict, calls: list[list], threads: int, direct:
     """``calls`` (after ``misses``) through the streamer's readers into one layer's slots
     (module docstring): ``{"gb", "wall_gbps", "direct_io", "checked"}``; ``checked``: whether
     checksums were verified (the source has them: the expert pack, or a recorded manifest)."""
-
     slots = max(len(c) for c in calls)
     pool = SlotPool(layout, slots, "auto")
     files = FileTable(source.files, direct)
     readers = ReadPool(files, threads)
-    sums = getattr(source, "sums", None) is not None or source.kind == "pack"
     dests = [pool.dest(s) for s in range(slots)]
-    done = 0
+    done, checked = 0, False
     try:
         t0 = time.perf_counter()
         for call in calls:
@@ -114,11 +112,12 @@ def streamer_read(source, layout: dict, calls: list[list], threads: int, direct:
                     e,
                     source.extents(layer, e),
                     dests[i],
-                    source.checksum(layer, e) if sums else None,
+                    source.checksum(layer, e),
                     pool.place,
                 )
                 for i, (layer, e) in enumerate(call)
             ]
+            checked = checked or any(j.checksum is not None for j in jobs)
             readers.submit(jobs)
             for j in jobs:
                 j.wait(60.0)
@@ -131,5 +130,5 @@ def streamer_read(source, layout: dict, calls: list[list], threads: int, direct:
         "gb": done / 1e9,
         "wall_gbps": done / 1e9 / wall,
         "direct_io": direct_io,
-        "checked": sums,
+        "checked": checked,
     }

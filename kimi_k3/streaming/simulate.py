@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from kimi_k3.model.moe import moe_blocks, route_hooks
 from kimi_k3.streaming.cache import (
     POLICIES,
     SlotCache,
@@ -36,7 +37,6 @@ from kimi_k3.streaming.cache import (
     make_policy,
     overflow_split,
 )
-from kimi_k3.streaming.store import moe_blocks
 
 PHASES = ("prefill", "decode")
 
@@ -274,34 +274,24 @@ def record(
     each MoE block's ``route_hook`` (a hook already set, the streamer's prefetch, still
     runs), so the model may be resident or streamed.
     """
-
     for name, v in (("prefill_step_size", prefill_step_size), ("decode_tokens", decode_tokens)):
         if v < 1:
             raise ValueError(f"{name}={v}: expected at least 1")
-    moes = moe_blocks(model)
     E = model.args.num_experts
     trace = RoutingTrace(E, min(model.args.num_experts_per_token, E))
-    pending: dict[int, list] = {layer: [] for layer in moes}
-    old = {layer: moe.route_hook for layer, moe in moes.items()}
+    pending: dict[int, list] = {layer: [] for layer in moe_blocks(model)}
 
     def hook(moe, flat):
         pending[moe.layer_index].append(moe.gate(flat))
-        if old[moe.layer_index] is not None:
-            old[moe.layer_index](moe, flat)
 
     rng = np.random.default_rng(seed)
-    try:
-        for moe in moes.values():
-            moe.route_hook = hook
+    with route_hooks(model, hook):
         for prompt in prompts:
             trace.runs.append(
                 _record_run(
                     model, list(prompt), pending, prefill_step_size, decode_tokens, temp, rng
                 )
             )
-    finally:
-        for layer, moe in moes.items():
-            moe.route_hook = old[layer]
     return trace
 
 

@@ -129,7 +129,6 @@ class MlxLmSource:
     sums = None  # as ``ShardSource.sums``
 
     def __init__(self, index: CheckpointIndex, layout: dict, layers: list[int], num_experts: int):
-
         # Every expert's row of the stacks is checked; any range of them can be read.
         self.index, self.layout, self.tensors = index, layout, {}
         for layer in layers:
@@ -178,7 +177,6 @@ class PackSource:
     def __init__(
         self, path: Path, layout: dict, layers: list[int], num_experts: int, experts: range
     ):
-
         self.pack = ExpertPack(path)
         self.index, self.records = None, {}
         for layer in layers:
@@ -254,7 +252,6 @@ def open_source(
     ``auto`` picks the expert pack when ``path`` has one, else the published per-expert
     tensors, else mlx-lm's stacked ``switch_mlp`` tensors.
     """
-
     if kind not in SOURCES:
         raise ValueError(f"source={kind!r}: expected one of {SOURCES}")
     layout, E = expert_shapes(args), args.num_experts
@@ -269,17 +266,26 @@ def open_source(
     return MlxLmSource(index, layout, layers, E)
 
 
+def available(path: Path, index: CheckpointIndex | None, layer: int, expert: int = 0) -> list:
+    """The expert sources ``path`` holds for ``expert`` of ``layer``, in ``auto``'s order of
+    preference: the expert pack, the published per-expert tensors, mlx-lm's stacked ones
+    (the last two looked up in ``index``; none without one)."""
+    out = ["pack"] if is_pack_dir(path) else []
+    if index is not None and expert_keys(layer, expert)[0] in index:
+        out.append("shards")
+    if index is not None and mlx_lm_expert_names(layer)["w1.weight"] in index:
+        out.append("mlx-lm")
+    return out
+
+
 def _detect(
     path: Path, index: CheckpointIndex | None, layer: int, has_pack: bool, expert: int = 0
 ) -> str:
     if has_pack:
         return "pack"
-    index = index if index is not None else CheckpointIndex(path)
-    if expert_keys(layer, expert)[0] in index:
-        return "shards"
-
-    if mlx_lm_expert_names(layer)["w1.weight"] in index:
-        return "mlx-lm"
+    found = available(path, index if index is not None else CheckpointIndex(path), layer, expert)
+    if found:
+        return found[0]
     raise CheckpointError(
         f"{path}: no routed experts found for layer {layer}: neither an "
         "expert pack (experts/index.json), nor published experts."

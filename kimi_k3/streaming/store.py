@@ -25,11 +25,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kimi_k3.checkpoint import checksums as sums
+from kimi_k3.checkpoint.checksums import obtain as obtain_checksums
 from kimi_k3.checkpoint.files import CheckpointIndex
 from kimi_k3.kernels import expert_layout as tiles
 from kimi_k3.model import routing
 from kimi_k3.model.experts import EXPERT_TENSORS, expert_glu, expert_glu_plan, store_layout
+from kimi_k3.model.moe import moe_blocks
 from kimi_k3.streaming.cache import (
     GB,
     POLICIES,
@@ -39,7 +40,14 @@ from kimi_k3.streaming.cache import (
     overflow_split,
     slots_per_layer,
 )
-from kimi_k3.streaming.io import ALIGN, PREFETCH, ExpertReadError, FileTable, ReadJob, ReadPool
+from kimi_k3.streaming.io import (
+    PREFETCH,
+    ExpertReadError,
+    FileTable,
+    ReadJob,
+    ReadPool,
+    read_buffer_bytes,
+)
 from kimi_k3.streaming.sources import SOURCES, expert_bytes, expert_shapes, open_source
 from kimi_k3.streaming.stats import StreamStats
 
@@ -253,7 +261,7 @@ class Streamer:
             "overlap": opts.overlap,
             "io_threads": opts.io_threads,
             # aligned read buffers, one per thread (direct I/O only)
-            "overhead_bytes": opts.io_threads * (max_read + 2 * ALIGN) if opts.direct_io else 0,
+            "overhead_bytes": read_buffer_bytes(opts.io_threads, max_read) if opts.direct_io else 0,
         }
         self.stats = StreamStats(self.io.meter, info)
         self.overflow: SlotPool | None = None
@@ -553,15 +561,6 @@ class Streamer:
         self.io.close()
 
 
-def moe_blocks(model) -> dict:
-    """``{layer index: LatentMoE}`` of a Kimi K3 model."""
-    return {
-        layer.block_sparse_moe.layer_index: layer.block_sparse_moe
-        for layer in model.layers
-        if "block_sparse_moe" in layer
-    }
-
-
 def attach_streamer(
     model,
     path: str | Path,
@@ -588,7 +587,7 @@ def attach_streamer(
     held = next(iter(moes.values())).expert_range  # this rank's experts, or all of them
     source = open_source(Path(path), index, args, sorted(moes), opts.source, held)
     if opts.verify_checksums and source.kind != "pack":
-        source.sums = checksums or sums.obtain(Path(path), source.index)
+        source.sums = checksums or obtain_checksums(Path(path), source.index)
     budget = round(expert_cache_gb * GB)
     slots = slots_per_layer(
         budget,

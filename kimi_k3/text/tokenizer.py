@@ -31,6 +31,8 @@ from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import tokenizers
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -410,6 +412,33 @@ def load_tokenizer(path: str | Path, cache: bool = True) -> TokenizerWrapper:
     unk ``[UNK]``. ``encode`` adds no BOS.
     """
     return wrap_backend(*load_backend(path, cache=cache))
+
+
+def never_sampled_ids(tokenizer) -> list[int]:
+    """Special ids no reply may contain: the reserved slots, ``[BOS]``, ``[PAD]`` and
+    ``[UNK]``. Stop tokens and the chat markers stay."""
+    banned = (BOS_TOKEN, PAD_TOKEN, UNK_TOKEN)
+    return sorted(
+        i
+        for i, t in tokenizer.added_tokens_decoder.items()
+        if t.content in banned or t.content.startswith("<|reserved_token_")
+    )
+
+
+def never_sample(tokenizer):
+    """An mlx-lm logits processor that gives ``never_sampled_ids`` no probability."""
+    ids = np.array(never_sampled_ids(tokenizer), dtype=np.int64)
+    banned: dict[int, mx.array] = {}  # by vocabulary size: True where banned
+
+    def mask(tokens: mx.array, logits: mx.array) -> mx.array:
+        n = logits.shape[-1]
+        if n not in banned:
+            row = np.zeros(n, bool)
+            row[ids[ids < n]] = True
+            banned[n] = mx.array(row)
+        return mx.where(banned[n], -mx.inf, logits)
+
+    return mask
 
 
 def stop_ids(tokenizer) -> list[int]:
