@@ -6,6 +6,7 @@ the chat format's own rendering of a reply is what the grammars accept; bad requ
 naming their field."""
 
 import json
+import re
 import sys
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ from mlx_lm import stream_generate
 
 import kimi_k3
 from kimi_k3.default_model import PROMPT, ensure_default_model
-from kimi_k3.serve import constrained
+from kimi_k3.serve import constrained, grammar_check
 from kimi_k3.serve.engine import Engine, Sequence
 from kimi_k3.text.chat import (
     CLOSE,
@@ -374,3 +375,138 @@ def test_benchmark_table(capsys):
     bench_constrained.main(["--libraries", "llguidance", "--repeats", "1", "--decode-tokens", "0"])
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| llguidance")]
     assert [r.split(" | ")[2] for r in rows] == ["json_object", "json_schema"]
+
+
+# Grammars from hostile requests: bounded before compiling, compiled first in a worker.
+
+
+def ref_chain(depth: int) -> dict:
+    """Objects nested ``depth`` deep through a chain of ``$ref``s, an integer at the end."""
+    defs = {
+        f"d{i}": {
+            "type": "object",
+            "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}},
+            "required": ["a"],
+        }
+        for i in range(depth)
+    }
+    return {"$defs": {**defs, f"d{depth}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+def objects(n: int, prefix: str = "k") -> list[dict]:
+    """``n`` object schemas, each with one required key of its own."""
+    return [
+        {
+            "type": "object",
+            "properties": {f"{prefix}{i}": {"type": "integer"}},
+            "required": [f"{prefix}{i}"],
+        }
+        for i in range(n)
+    ]
+
+
+WHERE = "response_format.json_schema.schema"
+
+
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        (ref_chain(1000), r"\.\$defs\.d\d+: subschemas nested more than 32 deep"),
+        ({"anyOf": objects(2500)}, r": 2500 object or array alternatives"),
+        (
+            {"type": "object", "properties": {"x": {"anyOf": [{"anyOf": objects(50)}] * 50}}},
+            r"\.properties\.x: 2500 object or array alternatives",
+        ),
+        ({"allOf": [{"anyOf": objects(30, "a")}, {"anyOf": objects(30, "b")}]}, "900 object"),
+        (
+            {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(300)}},
+            r"\.properties: 300 properties; at most 256",
+        ),
+        ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, ": no text satisfies it"),
+        ({"$ref": "#"}, ": no text satisfies it"),
+    ],
+)
+def test_schemas_over_the_bounds_are_refused_naming_the_place(tok, schema, message):
+    """A schema nested too deep through ``$ref`` (1,000 deep overflows llguidance's stack),
+    with too many object alternatives for one value (2,500 compile, then fail at the first
+    token), too many properties, or that no JSON value matches (llguidance's matcher then
+    allows only a stop id: an empty reply) is refused naming its place."""
+    for thinking in (False, True):
+        with pytest.raises(ValueError, match=rf"^{re.escape(WHERE)}.*{message}") as e:
+            constrained.json_schema(tok, schema, thinking, WHERE)
+        assert len(str(e.value)) < 400
+
+
+def test_bounds_leave_recursive_and_wide_scalar_schemas_alone(tok):
+    """A schema that refers to itself through an array (a tree), and scalar enums and unions
+    of thousands of values (llguidance lexes those), compile; a depth of 10 through ``$ref``
+    too."""
+    tree = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "kids": {"type": "array", "items": {"$ref": "#"}},
+        },
+        "required": ["name"],
+    }
+    wide = {
+        "type": "object",
+        "properties": {
+            "tz": {"enum": [f"Zone/City{i}" for i in range(3000)]},
+            "n": {"anyOf": [{"const": i} for i in range(3000)]},
+        },
+    }
+    for schema in (tree, wide, ref_chain(10)):
+        proc = constrained.json_schema(tok, schema)
+        assert proc.allowed().any()
+
+
+def test_the_same_chain_in_a_tool_parameter_is_refused(tok):
+    params = {"type": "object", "properties": {"x": ref_chain(1000)}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    with pytest.raises(ValueError, match=r"^tools\[0\]\.function\.parameters\.properties\.x"):
+        constrained.processor_for(tok, None, "required", tools)
+    with pytest.raises(ValueError, match="at most 128"):
+        constrained.processor_for(tok, None, "required", [TOOLS[1]] * 129)
+
+
+def test_a_grammar_that_crashes_the_compiler_fails_alone(tok):
+    """The 1,000-deep chain, its bounds skipped, crashes the worker that compiles it (a
+    stack overflow in llguidance), not this process; the next grammar gets a new worker."""
+    grammar = constrained._start(tok, constrained._json_rule(ref_chain(1000)), False)
+    error = constrained.checker(tok).check(grammar)
+    assert error.startswith("refused: its compile crashed the grammar compiler"), error
+    assert constrained.checker(tok).check(constrained._start(tok, "%json{}", False)) is None
+    with pytest.raises(ValueError, match=r"^tools: refused: its compile crashed"):
+        constrained.GrammarProcessor(tok, grammar, "tools")
+
+
+def test_a_grammar_past_its_time_fails_alone(tok):
+    """A compile that runs past the checker's time limit is cut off (its worker killed)."""
+    slow = {"anyOf": objects(2500)}  # about 0.4 s to compile on a 2-core x86 machine
+    grammar = constrained._start(tok, constrained._json_rule(slow), False)
+    checker = grammar_check.GrammarChecker(
+        constrained._tokenizer_json(tok._tokenizer), stop_ids(tok), workers=1, seconds=0.005
+    )
+    try:
+        assert checker.check(grammar) == "refused: its compile took more than 0.005 s"
+        checker.seconds = 60
+        assert checker.check(grammar) is None
+    finally:
+        checker.close()
+
+
+def test_a_limit_reached_while_generating_is_a_grammar_error_naming_the_field(tok):
+    """2,500 object alternatives below a key (the bounds skipped) compile and pass the first
+    mask, then reach llguidance's limit of 2,000 items a row a few tokens in: the processor
+    raises ``GrammarError`` naming its field, in a message that does not quote the grammar."""
+    schema = {"type": "object", "properties": {"x": {"anyOf": [{"anyOf": objects(50)}] * 50}}}
+    proc = constrained.GrammarProcessor(
+        tok, constrained._start(tok, constrained._json_rule(schema), False), WHERE
+    )
+    with pytest.raises(constrained.GrammarError) as e:
+        for token in tok.encode('{"x": {"k', add_special_tokens=False):
+            proc.advance([token])
+            proc.allowed()
+    assert e.value.param == WHERE and "max is 2000" in str(e.value)
+    assert len(str(e.value)) < 400

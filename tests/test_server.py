@@ -16,7 +16,7 @@ import urllib.request
 import openai
 import pytest
 from test_chat import NoDecode
-from test_constrained import TOOLS
+from test_constrained import TOOLS, objects, ref_chain
 
 from kimi_k3.text.chat import encode_chat
 
@@ -327,6 +327,90 @@ def test_constraints_that_cannot_be_enforced_are_400(server, fields, param):
     body = {"messages": MESSAGES, "max_tokens": 4, **fields}
     status, _, reply = request(f"{server}/v1/chat/completions", body=body)
     assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def read_stream(sock: socket.socket, received: bytes = b"") -> list[dict]:
+    """The rest of a server-sent-event stream opened by ``open_stream``: its events."""
+    while b"data: [DONE]" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, received[-500:]
+        received += chunk
+    body = received.split(b"\r\n\r\n", 1)[1]
+    events = [line[6:] for line in body.split(b"\n") if line.startswith(b"data: {")]
+    return [json.loads(e) for e in events]
+
+
+def streams_in_flight(url: str, tok, n: int) -> list[tuple[socket.socket, bytes]]:
+    """``n`` chat streams of 24 tokens each, every one past its first event."""
+    body = {"messages": MESSAGES, "max_tokens": 24, "logit_bias": never_stop(tok)}
+    return [open_stream(url, body) for _ in range(n)]
+
+
+def ended_whole(stream: tuple[socket.socket, bytes]) -> bool:
+    """The stream ran to its 24 tokens: no error event, finish ``length``."""
+    sock, received = stream
+    with sock:
+        events = read_stream(sock, received)
+    return (
+        not any("error" in e for e in events)
+        and events[-1]["choices"][0]["finish_reason"] == "length"
+    )
+
+
+def test_a_schema_nested_1000_deep_fails_only_itself(server, tok):
+    """Reproduction: a ``$defs`` chain of objects 1,000 deep overflows llguidance's stack as
+    it compiles. In ``response_format``, or as a tool parameter with ``tool_choice``
+    ``"required"``, it is refused (400, its field named) before anything compiles it, and
+    a stream decoding meanwhile runs to its end."""
+    url = f"{server}/v1/chat/completions"
+    (stream,) = streams_in_flight(server, tok, 1)
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": ref_chain(1000)}}
+    status, _, reply = request(url, body={"messages": MESSAGES, "response_format": fmt})
+    assert status == 400 and reply["error"]["param"].startswith("response_format"), reply
+    assert "nested more than 32 deep" in reply["error"]["message"]
+    params = {"type": "object", "properties": {"a": ref_chain(1000)}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "deep", "parameters": params}}]
+    body = {"messages": MESSAGES, "tools": tools, "tool_choice": "required"}
+    status, _, reply = request(url, body=body)
+    assert status == 400 and reply["error"]["param"].startswith("tools[0]"), reply
+    assert ended_whole(stream)
+    assert request(f"{server}/health", "GET")[0] == 200
+
+
+def test_a_schema_that_fails_at_its_first_token_fails_only_itself(server, tok):
+    """Reproduction: ``anyOf`` of 2,500 object branches compiles, then fails at its first
+    token (2,500 items in a row, llguidance's limit is 2,000). It is refused (400, its field
+    named, a message of one short line without the schema) and three streams decoding
+    meanwhile run to their ends, with nothing of it in them."""
+    streams = streams_in_flight(server, tok, 3)
+    schema = {"anyOf": objects(2500)}
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}
+    body = {"messages": MESSAGES, "response_format": fmt, "max_tokens": 8}
+    status, _, reply = request(f"{server}/v1/chat/completions", body=body)
+    error = reply["error"]
+    assert status == 400 and error["param"] == "response_format.json_schema.schema", reply
+    assert "2500 object or array alternatives" in error["message"]
+    assert len(error["message"]) < 300 and "k2499" not in error["message"]
+    assert all(ended_whole(s) for s in streams)
+
+
+def test_a_schema_no_value_matches_is_400_not_an_empty_reply(server):
+    fmt = {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}
+    body = {"messages": MESSAGES, "response_format": fmt}
+    status, _, reply = request(f"{server}/v1/chat/completions", body=body)
+    assert status == 400 and "no text satisfies it" in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+def test_non_finite_numbers_in_tools_are_400(server, number):
+    raw = (
+        b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+        b'"function": {"name": "f", "parameters": {"type": "object", "properties": '
+        b'{"a": {"type": "number", "maximum": ' + number + b"}}}}}]}"
+    )
+    status, _, reply = request(f"{server}/v1/chat/completions", raw=raw)
+    assert status == 400 and reply["error"]["param"] == "tools", reply
+    assert "properties.a.maximum is not a finite number" in reply["error"]["message"]
 
 
 def test_logprobs_and_echo_with_stream_are_400(server):

@@ -195,6 +195,27 @@ def test_connections_all_busy_get_503(server, tok):
     assert idle_within(server, HANG)
 
 
+def test_slow_bodies_do_not_lock_out_new_clients(server):
+    """Every connection has sent its headers and one byte of its body: a new client is
+    served at once, the connection whose body has been arriving the longest refused 503
+    (--timeout-body would free them only after its deadline)."""
+    head = post(server, b"{" + b" " * 99)[:-99]  # the headers and the body's first byte
+    slow = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            sock = connect(server)
+            sock.sendall(head)
+            slow.append(sock)
+        time.sleep(0.2)  # their headers are read: each is in its body
+        status, _, body = request(f"{server}/health", "GET")
+        assert status == 200 and body["status"] == "ok"
+        error = refused(slow[0], 503, "--max-connections")
+        assert "slowest to arrive" in error["message"]
+    finally:
+        for sock in slow:
+            sock.close()
+
+
 @pytest.fixture(scope="module")
 def tok(tiny_ckpt):
     from kimi_k3.text.tokenizer import load_tokenizer
@@ -249,6 +270,16 @@ def test_oversized_headers_are_refused(server):
         big = "X-Big: " + "a" * 70_000  # the headers never end
         sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host(server)}\r\n{big}".encode())
         refused(sock, 431, "malformed HTTP request")
+
+
+def test_a_header_line_over_the_limit_is_refused_when_it_arrives_whole(server):
+    """A request whose 100 KB header line arrives whole in one read (h11 bounds only what
+    it buffers of a request not yet whole) is refused too."""
+    with connect(server) as sock:
+        big = "X-Big: " + "a" * 100_000
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host(server)}\r\n{big}\r\n\r\n".encode())
+        error = refused(sock, 431, "the limit is 65536")
+        assert len(error["message"]) < 300
 
 
 def test_unknown_path_and_method_are_json(server):

@@ -12,7 +12,15 @@ from mlx_lm import stream_generate
 
 import kimi_k3
 from kimi_k3.serve import engine as serving
-from kimi_k3.serve.engine import BatchLatents, Engine, PrefixCache, QueueFull, Sampling, Sequence
+from kimi_k3.serve.engine import (
+    BatchLatents,
+    Engine,
+    Failure,
+    PrefixCache,
+    QueueFull,
+    Sampling,
+    Sequence,
+)
 
 PROMPTS = [
     "Hello there, how are you doing today, my friend?",
@@ -370,7 +378,46 @@ def test_a_failed_step_ends_its_sequences_and_the_engine_goes_on(tiny, prompts, 
     try:
         s = sequence(prompts[0])
         e.submit(s)
-        assert s.out.get(timeout=120) == ("error", "OSError: expert read failed")
+        assert s.out.get(timeout=120) == ("error", Failure("OSError: expert read failed", 503))
         assert run(e, [prompts[0]])[0][1] == "length"
+    finally:
+        e.stop()
+
+
+def test_a_processor_that_fails_ends_its_own_sequence_only(tiny, prompts):
+    """A grammar that reaches one of llguidance's limits a few tokens in (2,500 object
+    alternatives below a key, its bounds skipped) ends its sequence with a 400 naming its
+    field, in a message of one short line that does not quote the grammar; the sequences
+    decoded in the same steps go on and give the tokens they give alone."""
+    from kimi_k3.serve import constrained
+
+    model, tok = tiny
+    alts = [
+        {"type": "object", "properties": {f"k{i}": {}}, "required": [f"k{i}"]} for i in range(50)
+    ]
+    schema = {
+        "type": "object",
+        "properties": {"x": {"anyOf": [{"anyOf": alts}] * 50}},
+        "required": ["x"],
+    }
+    grammar = constrained._start(tok, constrained._json_rule(schema), False)
+    where = "response_format.json_schema.schema"
+    e = Engine(model, reuse_bytes=0)
+    try:
+        others = prompts[1:]
+        alone = [run(e, [p], n=24)[0] for p in others]
+        bad = Sequence(
+            prompts[0], 40, processors=[constrained.GrammarProcessor(tok, grammar, where)]
+        )
+        seqs = [sequence(p, 24) for p in others]
+        for s in [bad, *seqs]:
+            e.submit(s)
+        tokens, failure = collect(bad)
+        assert isinstance(failure, Failure), failure
+        assert (failure.status, failure.param) == (400, where)
+        assert "max is 2000" in failure.message and "\n" not in failure.message
+        assert len(failure.message) <= 300 and "k49" not in failure.message
+        assert len(tokens) < 24  # it ended while the others were decoding beside it
+        assert [collect(s) for s in seqs] == alone
     finally:
         e.stop()

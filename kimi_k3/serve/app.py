@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kimi_k3.serve.engine import QueueFull, Sampling, Sequence
+from kimi_k3.serve.engine import Failure, QueueFull, Sampling, Sequence
 from kimi_k3.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -309,7 +309,7 @@ class Generation(Response):
         finish = "length"
         async for kind, value in self.events:
             if kind == "error":
-                return error_json(ApiError(503, f"generation failed: {value}"))
+                return error_json(failure_error(value))
             if kind == "done":
                 finish = value
             elif job.stop:  # stop strings are looked for as the text grows
@@ -349,7 +349,7 @@ class Generation(Response):
         finish = "length"
         async for kind, value in self.events:
             if kind == "error":
-                await sse(ApiError(503, f"generation failed: {value}").body())
+                await sse(failure_error(value).body())
                 break
             if kind == "done":
                 finish = value
@@ -363,6 +363,14 @@ class Generation(Response):
         for chunk in chunks.final(outcome):
             await sse(chunk)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def failure_error(failure: Failure) -> ApiError:
+    """The refusal of a sequence that ended in error (``kimi_k3.serve.engine.Failure``):
+    its own field at fault (400), its own processor (500), or a step it was in (503)."""
+    if failure.status < 500:
+        return ApiError(failure.status, failure.message, failure.param)
+    return ApiError(failure.status, f"generation failed: {failure.message}")
 
 
 def make_sequence(job: Job, state: ServerState, events: Events):

@@ -20,16 +20,26 @@ With ``thinking`` (the prompt opened ``think``) the reasoning is free text, whic
 grammar ends with ``<|close|>think<|sep|><|open|>response<|sep|>``; the constraint applies
 from the response on. Special ids are allowed only where the grammar names them (the chat
 markers of the format) and stop ids only once the grammar is complete.
+
+A grammar comes from a request, so it is bounded before anything compiles it
+(``check_schema``: nesting through ``$ref``, branches, properties, size) and compiled first
+in a worker process (``kimi_k3.serve.grammar_check``), where a grammar that crashes the
+compiler or runs past its time or memory fails alone; the server compiles it only then.
+A matcher that fails while the reply is generated (llguidance's per-token limits) raises
+``GrammarError`` naming the request's field, which ends that sequence alone.
 """
 
 from __future__ import annotations
 
 import json
 import weakref
+from copy import copy
+from urllib.parse import unquote
 
 import mlx.core as mx
 import numpy as np
 
+from kimi_k3.serve.grammar_check import GrammarChecker, bounded, parser_limits
 from kimi_k3.text.chat import _JSON_TYPES, OPEN, SEP, close_tag, escape_attr, marker_ids, open_tag
 from kimi_k3.text.tokenizer import stop_ids
 
@@ -44,6 +54,12 @@ JSON_SPACE = r"(\x20|\n\x20{0,16})?"
 STRING_KEYWORDS = {"type", "enum", "const", "pattern", "minLength", "maxLength"}
 ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated"}
 PARAMETER_KEYWORDS = {"type", "properties", "required", "additionalProperties", "$schema"}
+# Bounds on a schema from a request, checked before anything compiles it (``check_schema``).
+MAX_DEPTH = 32  # subschemas nested in each other, through $ref
+MAX_BRANCHES = 256  # object or array alternatives of one value (anyOf/oneOf, allOf's products)
+MAX_PROPERTIES = 256  # properties of one object
+MAX_NODES = 10_000  # subschemas in one schema
+MAX_TOOLS = 128  # functions one forced tool call may choose from
 
 
 def _llguidance():
@@ -63,19 +79,48 @@ def _llguidance():
 _LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def ll_tokenizer(tokenizer):
-    """llguidance's view of ``tokenizer`` (an mlx-lm ``TokenizerWrapper`` or a Hugging Face
-    fast tokenizer), built once per tokenizer object: its byte-level BPE, its special ids
-    and the stop ids as end-of-sequence."""
+def _tokenizer_json(hf) -> str:
+    """The tokenizers library's JSON of a Hugging Face fast tokenizer, its added tokens
+    included, without padding or truncation (what llguidance builds its tokenizer from)."""
+    backend = copy(hf.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
+
+
+def _llg_state(tokenizer) -> dict:
+    """llguidance's tokenizer and the grammar checker for ``tokenizer`` (an mlx-lm
+    ``TokenizerWrapper`` or a Hugging Face fast tokenizer), built once per tokenizer
+    object: its byte-level BPE, its special ids and the stop ids as end-of-sequence."""
     llg = _llguidance()
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     try:
         return _LL_TOKENIZERS[hf]
     except KeyError:
         pass
-    built = llg.hf.from_tokenizer(hf, eos_token=stop_ids(tokenizer))
-    _LL_TOKENIZERS[hf] = built
-    return built
+    text, eos = _tokenizer_json(hf), stop_ids(tokenizer)
+    state = {"ll": llg.LLTokenizer(text, eos_token=eos), "checker": GrammarChecker(text, eos)}
+    _LL_TOKENIZERS[hf] = state
+    return state
+
+
+def ll_tokenizer(tokenizer):
+    """llguidance's view of ``tokenizer`` (see ``_llg_state``)."""
+    return _llg_state(tokenizer)["ll"]
+
+
+def checker(tokenizer) -> GrammarChecker:
+    """The worker processes that compile ``tokenizer``'s grammars first."""
+    return _llg_state(tokenizer)["checker"]
+
+
+class GrammarError(ValueError):
+    """A grammar a request brought failed while its reply was generated; ``param`` names
+    the request's field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 class GrammarProcessor:
@@ -85,8 +130,9 @@ class GrammarProcessor:
     def __init__(self, tokenizer, grammar: str, where: str = "grammar"):
         llg = _llguidance()
         self.ll = ll_tokenizer(tokenizer)
-        self.grammar = grammar
-        self.matcher = llg.LLMatcher(self.ll, grammar, log_level=0)
+        self.grammar, self.where = grammar, where
+        _check(tokenizer, grammar, where)  # in a worker first: it may crash the compiler
+        self.matcher = llg.LLMatcher(self.ll, grammar, log_level=0, limits=parser_limits(llg))
         if self.matcher.is_error():
             raise ValueError(f"{where}: {_first_error(self.matcher.get_error())}")
         self.stops = stop_ids(tokenizer)
@@ -117,7 +163,9 @@ class GrammarProcessor:
             if self.ended or (token in self.stops and self.matcher.is_accepting()):
                 self.ended = True
             elif not self.matcher.consume_token(token):
-                raise ValueError(f"token outside the grammar: {self.matcher.get_error()}")
+                raise GrammarError(
+                    self.where, f"token outside the grammar: {bounded(self.matcher.get_error())}"
+                )
 
     def allowed(self) -> np.ndarray:
         """Bool [tokenizer vocabulary]: the tokens the grammar allows next (after the end,
@@ -127,6 +175,8 @@ class GrammarProcessor:
             allowed[self.stops] = True
             return allowed
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if self.matcher.is_error():  # a limit of llguidance's, reached at this token
+            raise GrammarError(self.where, bounded(self.matcher.get_error()))
         return np.unpackbits(bits, bitorder="little")[: self.ll.vocab_size].astype(bool)
 
     def mask(self, logits: mx.array) -> mx.array:
@@ -183,17 +233,167 @@ def _start(tokenizer, body: str, thinking: bool, extra: list[str] = ()) -> str:
 
 
 def _first_error(error: str) -> str:
-    """llguidance's first error line (it names the schema keyword it does not implement)."""
-    return error.splitlines()[0].split("failed to compile JSON schema: ", 1)[-1]
+    """llguidance's first error line (it names the schema keyword it does not implement),
+    bounded in length."""
+    return bounded(error).split("failed to compile JSON schema: ", 1)[-1]
 
 
-def _check(tokenizer, grammar: str, where: str) -> str:
-    """``grammar`` if llguidance compiles it; else ValueError naming ``where`` with
-    llguidance's first error line."""
-    error = _llguidance().LLMatcher.validate_grammar(grammar, ll_tokenizer(tokenizer))
-    if error:
+def _check(tokenizer, grammar: str, where: str):
+    """ValueError naming ``where`` unless ``grammar`` compiles, and has a first token mask,
+    in a worker process (``kimi_k3.serve.grammar_check``)."""
+    error = checker(tokenizer).check(grammar)
+    if error is not None:
         raise ValueError(f"{where}: {_first_error(error)}")
-    return grammar
+
+
+# Bounds on a schema.
+
+# Keywords whose value is a subschema, an object of subschemas, or a list of them.
+ONE_SCHEMA = (
+    "items", "additionalProperties", "additionalItems", "contains", "not", "if", "then",
+    "else", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+)  # fmt: skip
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+SCALARS = {"string", "number", "integer", "boolean", "null"}
+
+
+class _Bounds:
+    """One walk of a schema (``check_schema``): depth through ``$ref`` (a reference back
+    to a schema it is inside is recursion, which the grammar holds as a rule, not
+    nesting), object or array branches, properties, nodes."""
+
+    def __init__(self, root: dict, where: str):
+        self.root, self.where = root, where
+        self.nodes = 0
+        self.below: dict[str, int] = {}  # a reference's depth below it, walked once
+        self.branches: dict[str, int] = {}  # a reference's branch count
+
+    def fail(self, path: str, what: str):
+        if len(path) > 160:  # its start names the field, its end the place
+            path = f"{path[:80]}...{path[-77:]}"
+        raise ValueError(f"{path}: {what}")
+
+    def walk(self, node, path: str, depth: int = 0, refs: tuple = ()) -> int:
+        """The depth of subschemas below ``node``, which is ``depth`` deep (0 for a leaf);
+        ValueError past ``MAX_DEPTH``."""
+        if not isinstance(node, dict):
+            return 0
+        if depth > MAX_DEPTH:
+            self.fail(path, f"subschemas nested more than {MAX_DEPTH} deep (through $ref too)")
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            self.fail(self.where, f"more than {MAX_NODES} subschemas")
+        props = node.get("properties")
+        if isinstance(props, dict) and len(props) > MAX_PROPERTIES:
+            self.fail(f"{path}.properties", f"{len(props)} properties; at most {MAX_PROPERTIES}")
+        deepest = 0
+        for _, child, at in self._children(node, path):
+            deepest = max(deepest, 1 + self.walk(child, at, depth + 1, refs))
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref not in refs:
+            if ref not in self.below:
+                self.below[ref] = 0  # a reference reached again inside its own walk
+                target = self._resolve(ref)
+                at = self._place(ref)
+                self.below[ref] = self.walk(target, at, depth + 1, (*refs, ref))
+            elif depth + 1 + self.below[ref] > MAX_DEPTH:
+                self.fail(path, f"subschemas nested more than {MAX_DEPTH} deep (through $ref too)")
+            deepest = max(deepest, 1 + self.below[ref])
+        return deepest
+
+    @staticmethod
+    def _children(node: dict, path: str):
+        for key in ONE_SCHEMA:
+            if isinstance(node.get(key), dict):
+                yield key, node[key], f"{path}.{key}"
+        for key in SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                for name, child in node[key].items():
+                    yield key, child, f"{path}.{key}.{name}"
+        for key in SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                for i, child in enumerate(node[key]):
+                    yield key, child, f"{path}.{key}[{i}]"
+
+    def _place(self, ref: str) -> str:
+        """Where a reference's target is, as a path after the schema's field."""
+        return self.where + unquote(ref[1:]).replace("/", ".") if ref.startswith("#") else ref
+
+    def _resolve(self, ref: str):
+        """The subschema a local reference (``#/...``) names; None for any other."""
+        if not ref.startswith("#"):
+            return None
+        node = self.root
+        for part in filter(None, unquote(ref[1:]).split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def count(self, node, path: str, refs: tuple = ()) -> int:
+        """The object or array alternatives a value of ``node`` has: anyOf/oneOf branches
+        added (nested unions flattened), allOf parts multiplied, a reference's target's;
+        a branch that can only be a scalar counts none (llguidance lexes those)."""
+        if not isinstance(node, dict):
+            return 1
+        n = 1
+        for union in ("anyOf", "oneOf"):
+            if isinstance(node.get(union), list):
+                branches = enumerate(node[union])
+                n = sum(self.count(b, f"{path}.{union}[{i}]", refs) for i, b in branches)
+        if isinstance(node.get("allOf"), list):
+            for i, part in enumerate(node["allOf"]):
+                n *= max(1, self.count(part, f"{path}.allOf[{i}]", refs))
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref not in refs:
+            if ref not in self.branches:
+                self.branches[ref] = 1
+                target = self._resolve(ref)
+                self.branches[ref] = self.count(target, self._place(ref), (*refs, ref))
+            n *= max(1, self.branches[ref])
+        if n > MAX_BRANCHES:
+            what = f"{n} object or array alternatives for one value; at most {MAX_BRANCHES}"
+            self.fail(path, what)
+        return 0 if _scalar_only(node) else n
+
+    def check_branches(self, node, path: str):
+        """``count`` at every subschema."""
+        if not isinstance(node, dict):
+            return
+        self.count(node, path)
+        for _, child, at in self._children(node, path):
+            self.check_branches(child, at)
+
+
+def _scalar_only(node: dict) -> bool:
+    """A subschema whose values can only be scalars (by its type, const or enum)."""
+    kind = node.get("type")
+    if isinstance(kind, str):
+        return kind in SCALARS
+    if isinstance(kind, list) and kind:
+        return all(k in SCALARS for k in kind)
+    values = [node["const"]] if "const" in node else node.get("enum")
+    if isinstance(values, list) and values:
+        return not any(isinstance(v, (dict, list)) for v in values)
+    return False
+
+
+def check_schema(schema, where: str):
+    """ValueError naming the place in ``schema`` (a JSON schema from a request, at
+    ``where``) that is over a bound: subschemas nested more than ``MAX_DEPTH`` deep
+    (following ``$ref``), more than ``MAX_BRANCHES`` object or array alternatives for one
+    value, more than ``MAX_PROPERTIES`` properties in one object, more than ``MAX_NODES``
+    subschemas. Checked before any grammar is built from it."""
+    if not isinstance(schema, dict):
+        return
+    bounds = _Bounds(schema, where)
+    bounds.walk(schema, where)
+    bounds.check_branches(schema, where)
 
 
 # JSON responses.
@@ -206,6 +406,7 @@ def json_schema_grammar(
     and so checked, by the processor that takes it)."""
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON object, got {type(schema).__name__}")
+    check_schema(schema, where)
     return _start(tokenizer, _json_rule(schema), thinking)
 
 
@@ -215,6 +416,8 @@ def json_schema(
     """A processor whose response is one JSON value of ``schema`` (llguidance's JSON-schema
     subset; a keyword it does not implement is a ValueError naming it, after ``where``)."""
     grammar = json_schema_grammar(tokenizer, schema, thinking, where)
+    if thinking:  # the schema alone, so that one no value satisfies is named as such
+        _check(tokenizer, f"start: {_json_rule(schema)}\n", where)
     return GrammarProcessor(tokenizer, grammar, where)
 
 
@@ -282,12 +485,16 @@ def _argument_rule(tokenizer, key: str | None, schema, where: str) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON schema object")
+    check_schema(schema, where)  # its own root: its $ref resolve within it
     for union in ("anyOf", "oneOf"):
         if union in schema and "type" not in schema:
+            options = schema[union]
+            if not isinstance(options, list) or not all(isinstance(b, dict) for b in options):
+                raise ValueError(f"{where}.{union} must be a list of JSON schema objects")
             rest = {k: v for k, v in schema.items() if k != union}
             branches = [
                 _argument_rule(tokenizer, key, {**rest, **branch}, f"{where}.{union}[{i}]")
-                for i, branch in enumerate(schema[union])
+                for i, branch in enumerate(options)
             ]
             return "(" + " | ".join(branches) + ")"
     ids = marker_ids(tokenizer)
@@ -312,6 +519,7 @@ def _arguments(tokenizer, params, where: str) -> str:
         return ""
     if not isinstance(params, dict):
         raise ValueError(f"{where} must be a JSON schema object")
+    check_schema(params, where)
     extra = sorted(set(params) - PARAMETER_KEYWORDS - ANNOTATIONS)
     if extra:
         raise ValueError(f"{where}.{extra[0]}: not supported in tool parameters")
@@ -338,6 +546,8 @@ def _functions(tools) -> list[dict]:
     "function": {...}}`` entries or the function objects themselves)."""
     if not tools:
         raise ValueError("tools: a forced tool call needs at least one tool")
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"tools: {len(tools)} tools; a forced tool call takes at most {MAX_TOOLS}")
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function", tool) if isinstance(tool, dict) else None

@@ -54,6 +54,36 @@ class QueueFull(Exception):
     """The engine's waiting queue is full; try again later."""
 
 
+MESSAGE_CHARS = 300  # the longest error message a sequence ends with
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a sequence ended in error, as the server answers it: ``status`` 400 and the
+    request's field in ``param`` when its own logits processor refused to go on (a
+    grammar reached one of llguidance's limits, say), 500 when its own processor failed
+    otherwise, 503 when a forward pass it was in failed (a disk error reading experts).
+    ``message`` is at most ``MESSAGE_CHARS`` characters of one line and never holds
+    another sequence's content."""
+
+    message: str
+    status: int = 503
+    param: str | None = None
+
+    @classmethod
+    def of(cls, e: Exception, own: bool = False) -> Failure:
+        """The failure an exception ends a sequence with (``own``: raised by the sequence's
+        own processors)."""
+        param = getattr(e, "param", None) if own else None
+        status = 503 if not own else 400 if param else 500
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if not param:
+            text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+        if len(text) > MESSAGE_CHARS:
+            text = text[: MESSAGE_CHARS - 3] + "..."
+        return cls(text, status, param)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How a sequence picks its tokens: the likeliest at ``temp`` 0; else a draw at ``temp``
@@ -92,7 +122,7 @@ class Sampling:
 class Sequence:
     """One request to the engine. Events arrive on ``out``: ``("token", id)`` for each
     generated token (stop tokens excluded), then one ``("done", reason)`` with reason
-    ``"stop"``, ``"length"`` or ``"cancelled"``, or ``("error", message)``, after which
+    ``"stop"``, ``"length"`` or ``"cancelled"``, or ``("error", Failure)``, after which
     ``ended`` is set (a reader that needs only the whole reply waits on it instead of
     waking at every token).
 
@@ -132,8 +162,8 @@ class Sequence:
     def cancel(self):
         self.cancelled.set()
 
-    def end(self, kind: str, value: str):
-        """The last event: ``("done", reason)`` or ``("error", message)``."""
+    def end(self, kind: str, value):
+        """The last event: ``("done", reason)`` or ``("error", Failure)``."""
         self.out.put((kind, value))
         self.ended.set()
 
@@ -618,11 +648,17 @@ class Engine:
                 self._admit()
             try:
                 self.step()
-            except Exception as e:  # a failed step ends its sequences; the engine lives on
-                log.exception("generation step failed")
-                for s in self.active:
-                    s.end("error", f"{type(e).__name__}: {e}")
-                self._leave(list(self.active))
+            except Exception as e:  # a failed decode step ends its sequences; the engine lives on
+                self._fail(list(self.active), e)
+
+    def _fail(self, seqs: list[Sequence], e: Exception):
+        """End ``seqs``, whose forward pass raised ``e`` (logged, with its traceback)."""
+        log.exception("generation step failed for %d sequences", len(seqs))
+        failure = Failure.of(e)
+        self._leave(seqs)
+        for s in seqs:
+            s.cache = None
+            s.end("error", failure)
 
     def _admit(self):
         while self.waiting and len(self.active) < self.max_batch:
@@ -646,7 +682,10 @@ class Engine:
         for s in cancelled:
             s.end("done", "cancelled")
         for group, n in self._prefill_plan():
-            self._prefill(group, n)
+            try:
+                self._prefill(group, n)
+            except Exception as e:  # the group's pass: it alone ends
+                self._fail(group, e)
         ready = [s for s in self.active if s.prefilled]
         if ready:
             self._decode(ready)
@@ -697,7 +736,7 @@ class Engine:
         tokens = [s.tokens[-1] if s.tokens else s.prompt[-1] for s in rows]
         if self.peers:
             self.peers.send(DECODE, [s.key for s in rows], tokens)
-        picks, logprobs = self._sample(rows, self.batch.step(tokens))
+        picks, logprobs, failed = self._sample(rows, self.batch.step(tokens))
         mx.eval(picks, self.batch.state)
         by_top: dict[int, list[int]] = {}  # one evaluation per number of alternatives
         for i in logprobs:
@@ -706,20 +745,25 @@ class Engine:
             lps = mx.concatenate([logprobs[i] for i in idx])
             for i, entry in zip(idx, token_logprobs(lps, picks[mx.array(idx)], top)):
                 rows[i].token_logprobs.append(entry)
-        ends = [(s, reason) for s, t in zip(rows, picks.tolist()) if (reason := self._emit(s, t))]
+        ends = [
+            (s, ("done", reason) if s not in failed else ("error", failed[s]))
+            for s, t in zip(rows, picks.tolist())
+            if s in failed or (reason := self._emit(s, t))
+        ]
         self._leave([s for s, _ in ends])
-        for s, reason in ends:
-            s.end("done", reason)
+        for s, event in ends:
+            s.end(*event)
 
     @staticmethod
     def _own_cache(s: Sequence) -> list:
         cache, s.cache = s.cache, None  # its rows now live in the batch
         return cache
 
-    def _sample(self, rows: list[Sequence], logits: mx.array) -> tuple[mx.array, dict]:
-        """One token per row, [B] int, and ``{row: logprobs [1, V]}`` of the rows that ask
-        for log-probabilities. Rows with processors of their own or sampling parameters are
-        picked one by one, the rest by one argmax."""
+    def _sample(self, rows: list[Sequence], logits: mx.array) -> tuple[mx.array, dict, dict]:
+        """One token per row, [B] int, ``{row: logprobs [1, V]}`` of the rows that ask
+        for log-probabilities, and ``{sequence: Failure}`` of the rows whose own processors
+        raised (their token is a stand-in, never handed out). Rows with processors of their
+        own or sampling parameters are picked one by one, the rest by one argmax."""
         for p in self.processors:
             logits = p(None, logits)
         alone = [i for i, s in enumerate(rows) if s.processors or not s.sampling.greedy]
@@ -728,18 +772,24 @@ class Engine:
             if s.logprobs is not None and i not in alone:
                 logprobs[i] = log_softmax(logits[i : i + 1].astype(mx.float32))
         if not alone:
-            return _greedy(logits), logprobs
+            return _greedy(logits), logprobs, {}
         picks = [None] * len(rows)
         rest = sorted(set(range(len(rows))) - set(alone))
         if rest:
             chosen = _greedy(logits[mx.array(rest)])
             for j, i in enumerate(rest):
                 picks[i] = chosen[j : j + 1]
+        failed = {}
         for i in alone:
-            picks[i], lp = self._pick(rows[i], logits[i : i + 1])
-            if rows[i].logprobs is not None:
+            try:
+                picks[i], lp = self._pick(rows[i], logits[i : i + 1])
+            except Exception as e:  # its own processors: it alone ends
+                log.info("a sequence's logits processor failed: %s", e)
+                failed[rows[i]] = Failure.of(e, own=True)
+                picks[i], lp = mx.zeros((1,), dtype=mx.uint32), None
+            if rows[i].logprobs is not None and lp is not None:
                 logprobs[i] = lp
-        return mx.concatenate(picks), logprobs
+        return mx.concatenate(picks), logprobs, failed
 
     @staticmethod
     def _pick(s: Sequence, logits: mx.array) -> tuple[mx.array, mx.array]:

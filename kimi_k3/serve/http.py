@@ -9,13 +9,15 @@ limits a server exposed to clients it does not trust needs.
   socket's buffers full) is dropped: its reply is not held in memory, nor its connection
   open, for ever.
 * At most ``max_connections`` connections are open. One more evicts the connection idle
-  the longest (between requests, or still sending headers); when every connection has a
-  request in progress, the new one is answered 503 and closed.
+  the longest (between requests, or still sending headers), else refuses (503) the one
+  whose body has been arriving the longest; when every connection has a whole request in
+  progress, the new one is answered 503 and closed.
 * A request h11 cannot frame unambiguously (two different ``Content-Length`` values, an
-  invalid one, two ``Host`` headers, a ``Transfer-Encoding`` other than ``chunked``,
-  headers past ``MAX_HEADER_BYTES`` still unfinished) is answered with h11's status and
-  the connection closes. ``Transfer-Encoding`` beside ``Content-Length``, which h11 frames
-  by the former, is refused by the app (``kimi_k3.serve.app``), also closing the connection.
+  invalid one, two ``Host`` headers, a ``Transfer-Encoding`` other than ``chunked``) or
+  whose line and headers pass ``MAX_HEADER_BYTES`` (still unfinished, or whole) is
+  answered with h11's status (431 for the size) and the connection closes.
+  ``Transfer-Encoding`` beside ``Content-Length``, which h11 frames by the former, is
+  refused by the app (``kimi_k3.serve.app``), also closing the connection.
 
 Each refusal is OpenAI-style JSON (``kimi_k3.serve.protocol.ApiError``); only a
 connection opened and never written to, and one whose client reads nothing, close
@@ -53,16 +55,31 @@ class ConnectionLimits:
 
 
 class _H11(h11.Connection):
-    """h11's connection, keeping the protocol error that ended it (for the refusal)."""
+    """h11's connection, keeping the protocol error that ended it (for the refusal). h11
+    bounds what it buffers of a request not yet whole; a request line and headers that
+    arrive whole in one read are measured here, so that ``MAX_HEADER_BYTES`` bounds both."""
 
     error: h11.RemoteProtocolError | None = None
 
     def next_event(self):
         try:
-            return super().next_event()
+            event = super().next_event()
+            if isinstance(event, h11.Request) and header_bytes(event) > MAX_HEADER_BYTES:
+                raise h11.RemoteProtocolError(
+                    f"the request line and headers are {header_bytes(event)} bytes; the limit "
+                    f"is {MAX_HEADER_BYTES}",
+                    error_status_hint=431,
+                )
+            return event
         except h11.RemoteProtocolError as e:
             self.error = e
             raise
+
+
+def header_bytes(request: h11.Request) -> int:
+    """A request's line and headers as sent, in bytes (less any optional whitespace)."""
+    line = len(request.method) + len(request.target) + len(b" HTTP/1.1\r\n") + 1
+    return line + sum(len(k) + len(v) + 4 for k, v in request.headers.raw_items()) + 2
 
 
 def error_response(error: ApiError, headers: dict[str, str] | None = None) -> bytes:
@@ -87,6 +104,7 @@ class Connection(H11Protocol):
         super().__init__(*args, **kwargs)
         self.conn = _H11(h11.SERVER, MAX_HEADER_BYTES)
         self.phase: str | None = None  # "headers" or "body" while a deadline runs
+        self.phase_since = self.loop.time()
         self.deadline = None
         self.fresh = True  # no request has started on this connection
         self.draining = False  # refused: what arrives is dropped until the close
@@ -103,7 +121,7 @@ class Connection(H11Protocol):
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         open_ = [c for c in self.connections if not c.transport.is_closing()]
-        if len(open_) > self.limits.max_connections and not self._evict_idle(open_):
+        if len(open_) > self.limits.max_connections and not self._evict(open_):
             self.refuse(
                 ApiError(
                     503,
@@ -119,13 +137,33 @@ class Connection(H11Protocol):
         """No request in progress: between requests, still receiving headers, or refused."""
         return self.draining or self.cycle is None or self.cycle.response_complete
 
-    def _evict_idle(self, connections: list[Connection]) -> bool:
-        idle = [c for c in connections if c is not self and c.idle()]
-        if not idle:
+    def receiving(self) -> bool:
+        """Its request's body is still arriving (the app has nothing to work on yet)."""
+        return not self.draining and self.phase == "body"
+
+    def _evict(self, connections: list[Connection]) -> bool:
+        """Make room: close the connection idle the longest, else refuse the one whose
+        body has been arriving the longest (clients that send a byte now and then must not
+        hold every connection until ``--timeout-body``); False if every one is busy."""
+        others = [c for c in connections if c is not self]
+        idle = [c for c in others if c.idle()]
+        if idle:
+            oldest = min(idle, key=lambda c: c.idle_since)
+            log.info("--max-connections reached: closing the connection idle the longest")
+            oldest.transport.close()
+            return True
+        slow = [c for c in others if c.receiving()]
+        if not slow:
             return False
-        oldest = min(idle, key=lambda c: c.idle_since)
-        log.info("--max-connections reached: closing the connection idle the longest")
-        oldest.transport.close()
+        oldest = min(slow, key=lambda c: c.phase_since)
+        oldest.refuse(
+            ApiError(
+                503,
+                f"the server is at --max-connections {self.limits.max_connections}, and this "
+                "request's body was the slowest to arrive; retry later",
+            ),
+            {"retry-after": "1"},
+        )
         return True
 
     # Deadlines for a request's headers and body.
@@ -187,7 +225,7 @@ class Connection(H11Protocol):
         if self.deadline is not None:
             self.deadline.cancel()
             self.deadline = None
-        self.phase = phase
+        self.phase, self.phase_since = phase, self.loop.time()
         if phase is not None:
             seconds = getattr(self.limits, phase)
             self.deadline = self.loop.call_later(seconds, self._expire, phase, seconds)

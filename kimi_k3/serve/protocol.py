@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -226,19 +227,46 @@ def _n(v):
     return v
 
 
+def _non_finite(value, path: str = "") -> str | None:
+    """The place of the first NaN or infinity in a JSON value (``[0].a``), or None. JSON has
+    no such numbers, though Python's parser (and pydantic's) reads ``NaN`` and ``Infinity``
+    and turns ``1e999`` into one."""
+    stack = [(value, path)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return at
+        if isinstance(v, dict):
+            stack += [(item, f"{at}.{k}") for k, item in reversed(v.items())]
+        elif isinstance(v, list):
+            stack += [(item, f"{at}[{i}]") for i, item in reversed(list(enumerate(v)))]
+    return None
+
+
+def _finite(v):
+    """A JSON value (tools, a schema) without NaN or infinities, which no JSON holds."""
+    at = _non_finite(v)
+    if at is not None:
+        raise invalid(f"{at[:LOG_PREFIX]} is not a finite number (JSON numbers are finite)")
+    return v
+
+
+Finite = AfterValidator(_finite)
+
+
 def _tool_choice(v):
     if v is None or v in ("auto", "required"):
         return v
     if v == "none":
         return v  # accepted without tools only (ChatRequest.check_tools)
     if isinstance(v, dict):
-        return v  # a named function: checked against the tools (kimi_k3.serve.constrained)
+        return _finite(v)  # a named function: checked against the tools (serve.constrained)
     raise invalid('must be "auto", "required", "none" or {"type": "function", ...}')
 
 
 def _response_format(v):
     if v is None or isinstance(v, dict):
-        return v  # its type and schema are checked by kimi_k3.serve.constrained
+        return _finite(v)  # its type and schema are checked by kimi_k3.serve.constrained
     raise invalid("must be an object")
 
 
@@ -256,7 +284,7 @@ class Message(Strict):
     role: Role
     content: Content = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[dict[str, Any]] | None, Finite] = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # an earlier assistant turn's reasoning
     reasoning: str | None = None
@@ -302,7 +330,7 @@ class GenerationRequest(Strict):
 
 class ChatRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, Finite] = None
     tool_choice: Annotated[Any, PlainValidator(_tool_choice)] = None
     parallel_tool_calls: Unsupported("the model may call several tools in one reply", True) = None
     chat_template_kwargs: TemplateOptions | None = None
@@ -369,7 +397,7 @@ def refusal(error: ValidationError) -> ApiError:
         return ApiError(400, "the body must be a JSON object")
     param = ctx.get("param") or field_path(loc)
     words = first["msg"] if kind == "request" else ERROR_WORDS.get(kind, first["msg"])
-    space = "" if words.startswith("[") else " "
+    space = "" if words.startswith(("[", ".")) else " "
     return ApiError(400, f"{param}{space}{words}", param)
 
 
@@ -495,8 +523,9 @@ def constraint_of(req: ChatRequest, tokenizer, thinking: bool):
     try:
         return processor_for(tokenizer, req.response_format, req.tool_choice, req.tools, thinking)
     except ValueError as e:  # its message starts with the field's path
-        field_name = re.match(r"[\w.\[\]]+", str(e))
-        raise ApiError(400, str(e), field_name.group(0) if field_name else None) from None
+        field_name = re.match(r"[\w.\[\]$]+", str(e))
+        param = field_name.group(0).rstrip(".") if field_name else None
+        raise ApiError(400, str(e), param) from None
 
 
 def completion_job(req: CompletionRequest, tokenizer, limits: Limits) -> Job:
