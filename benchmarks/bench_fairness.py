@@ -1,18 +1,28 @@
-"""Short requests beside a long prefill: time to the first token of one-token requests
-sent while a long prompt prefills, with the engine's prefill chunks bounded in time
-(``--prefill-step-seconds``, the server's default) and without a bound (0).
+"""A one-line chat beside N long prompts: its time to first token while they prefill,
+and what serving it costs them, with the server's scheduling and without it.
 
-    python -m benchmarks.bench_fairness                    # the embedded default, 30k tokens
-    python -m benchmarks.bench_fairness --model DIR --long 30000 --short 8
+    python -m benchmarks.bench_fairness                    # the embedded default model
+    python -m benchmarks.bench_fairness --model DIR --long 1500 --counts 1 4 8
     python -m benchmarks.bench_fairness --quick            # a tiny synthetic model (tests)
 
-For each setting a server (``python -m kimi_k3.server``) is started on the model; a
-``--long``-token prompt is sent, and once the engine runs it (``/health``), ``--short``
-one-token completions are sent one after another, each timed from its send to its
-answer. The table gives each setting's median and largest latency and how far the long
-prompt had got; a setting whose long prompt finished before its short requests did is
-reported as such (raise ``--long``). Both settings run in one invocation, one after the
-other, on the same machine.
+Two settings, each a server (``python -m kimi_k3.server``) on the model, one after the
+other in one invocation:
+
+- the server's defaults: at most half of ``--max-batch`` long prompts prefill at once
+  (``--max-long-prefills``), a step's prompt chunks bounded in time together
+  (``--prefill-step-seconds``);
+- without them: every slot may take a long prompt (``--max-long-prefills`` =
+  ``--max-batch``) and chunks are bounded in tokens only (``--prefill-step-seconds 0``).
+
+For each N in ``--counts``: N completions of ``--long`` distinct token ids each (1 token
+of reply) are sent together; once the engine runs them (``/health``), ``--short`` one-line
+chats (1 token of reply) are sent one after another, each timed from its send to its
+answer (its time to first token). Then the same N long prompts (other ids: no prefix
+reuse) are sent with no chat beside them. The table gives the chat's median and largest
+time, its time alone, and the long prompts' wall time (the last one's answer) with and
+without the chats beside them. A row whose long prompts all ended before the last chat
+says so (raise ``--long``). One untimed long prompt and chat first (the first passes of
+each shape compile).
 """
 
 from __future__ import annotations
@@ -25,66 +35,105 @@ import time
 from pathlib import Path
 
 from benchmarks import timing
-from benchmarks.bench_server import Server, completion, latency
+from benchmarks.bench_server import Server, completion, in_threads, latency
 from kimi_k3.cli import markdown_table
+
+CHAT = {"messages": [{"role": "user", "content": "Say hello in one line."}], "max_tokens": 1}
+MAX_BATCH = 8  # the server's default --max-batch
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory (default: the embedded default)")
-    p.add_argument("--long", type=int, default=30000, help="tokens of the long prompt")
-    p.add_argument("--short", type=int, default=5, help="short requests timed per setting")
+    p.add_argument("--long", type=int, default=1500, help="tokens of each long prompt")
     p.add_argument(
-        "--bounded",
-        type=float,
-        default=None,
-        help="the bounded setting's --prefill-step-seconds (default: the server's)",
+        "--counts", type=int, nargs="+", default=[1, 4, 8], help="long prompts sent together"
     )
+    p.add_argument("--short", type=int, default=3, help="chats timed beside each set")
     p.add_argument("--quick", action="store_true", help="a tiny synthetic model, small counts")
     p.add_argument("--out", help="also write the table here")
     return p
 
 
-def beside_long_prefill(server: Server, long: int, short: int, vocab: int) -> dict:
-    """Latencies of ``short`` one-token requests sent while a ``long``-token prompt
-    prefills, and whether the long prompt was still in its prefill after the last."""
-    ids = [(7 * i) % (vocab - 300) + 1 for i in range(long)]
-    background = threading.Thread(target=lambda: completion(server, ids, 1))
+class Prompts:
+    """Long prompts of distinct token ids (no two share a prefix the server could reuse)."""
+
+    def __init__(self, vocab: int, length: int):
+        self.vocab, self.length, self.made = vocab, length, 0
+
+    def next(self) -> list[int]:
+        self.made += 1
+        k = self.made
+        return [(k * 131 + 7 * i) % (self.vocab - 300) + 1 for i in range(self.length)]
+
+
+def chat(server: Server) -> tuple[int, dict]:
+    return server.post("/v1/chat/completions", CHAT)
+
+
+def long_prompts(server: Server, prompts: Prompts, n: int, short: int) -> dict:
+    """``n`` long prompts sent together, and ``short`` chats timed one after another once
+    the engine runs them (none: the long prompts alone); their wall time, the chats'
+    times, and whether a long prompt was still unanswered after the last chat."""
+    bodies = [prompts.next() for _ in range(n)]
+    done = []
     t0 = time.perf_counter()
+
+    def send_all():
+        in_threads([lambda b=b: completion(server, b, 1) for b in bodies])
+        done.append(time.perf_counter() - t0)
+
+    background = threading.Thread(target=send_all)
     background.start()
     while server.get("/health")["running"] == 0:
         time.sleep(0.01)
-    times = [latency(lambda: completion(server, "Hello", 1)) for _ in range(short)]
+    times = [latency(lambda: chat(server)) for _ in range(short)]
     overlapped = background.is_alive()
     background.join()
-    return {"times": times, "overlapped": overlapped, "long_s": time.perf_counter() - t0}
+    return {"times": times, "overlapped": overlapped, "long_s": done[0]}
 
 
 def measure(path: Path, a, vocab: int) -> str:
-    settings = {"bounded (default)" if a.bounded is None else f"bounded, {a.bounded} s": a.bounded}
-    settings["unbounded (--prefill-step-seconds 0)"] = 0.0
+    settings = {
+        "server's defaults": [],
+        "without (--max-long-prefills 8 --prefill-step-seconds 0)": [
+            "--max-long-prefills",
+            MAX_BATCH,
+            "--prefill-step-seconds",
+            0,
+        ],
+    }
     rows = []
-    for name, seconds in settings.items():
-        flags = [] if seconds is None else ["--prefill-step-seconds", seconds]
-        with Server(path, None, *flags) as server:
-            alone = latency(lambda s=server: completion(s, "Hello", 1))
-            r = beside_long_prefill(server, a.long, a.short, vocab)
-        note = "" if r["overlapped"] else " (the long prompt ended first: raise --long)"
-        rows.append(
-            [
-                name + note,
-                f"{alone:.2f}",
-                f"{statistics.median(r['times']):.2f}",
-                f"{max(r['times']):.2f}",
-                f"{r['long_s']:.1f}",
-            ]
-        )
+    for name, flags in settings.items():
+        prompts = Prompts(vocab, a.long)
+        with Server(path, None, "--max-batch", MAX_BATCH, *flags) as server:
+            long_prompts(server, prompts, 1, 1)  # warm-up: each shape's first passes compile
+            alone = statistics.median(latency(lambda s=server: chat(s)) for _ in range(3))
+            for n in a.counts:
+                beside = long_prompts(server, prompts, n, a.short)
+                quiet = long_prompts(server, prompts, n, 0)
+                note = "" if beside["overlapped"] else " (the long prompts ended first)"
+                rows.append(
+                    [
+                        name + note,
+                        n,
+                        f"{alone:.2f}",
+                        f"{statistics.median(beside['times']):.2f}",
+                        f"{max(beside['times']):.2f}",
+                        f"{quiet['long_s']:.1f}",
+                        f"{beside['long_s']:.1f}",
+                        f"{beside['long_s'] / quiet['long_s']:.2f}x",
+                    ]
+                )
     header = [
-        "prefill chunks",
-        "1-token request alone, s",
-        f"beside a {a.long}-token prefill: median s",
+        "scheduling",
+        "long prompts",
+        "chat alone, s",
+        "chat beside them: median s",
         "largest s",
-        "long prompt's request, s",
+        "long prompts alone, s",
+        "with the chats, s",
+        "cost",
     ]
     return markdown_table(header, rows)
 
@@ -96,7 +145,7 @@ def main(argv: list[str] | None = None) -> str:
             from kimi_k3.convert.synth import write_checkpoint
 
             path = write_checkpoint(Path(tmp) / "ckpt", "tiny")
-            a.long, a.short = min(a.long, 2000), min(a.short, 2)
+            a.long, a.short, a.counts = min(a.long, 600), min(a.short, 2), [1, 2]
         elif a.model:
             path = Path(a.model)
         else:
@@ -106,7 +155,8 @@ def main(argv: list[str] | None = None) -> str:
         from kimi_k3.model.config import ModelArgs
 
         vocab = ModelArgs.from_path(path).vocab_size
-        text = f"{path.name}; {timing.environment()}\n\n" + measure(path, a, vocab)
+        head = f"{path.name}, {a.long}-token long prompts; {timing.environment()}"
+        text = head + "\n\n" + measure(path, a, vocab)
     timing.emit(text, a.out)
     return text
 

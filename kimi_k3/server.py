@@ -64,6 +64,10 @@ log = logging.getLogger("kimi_k3.server")
 
 DEMO_MODEL_ID = "kimi-k3-demo"
 FD_RESERVE = 128  # descriptors kept for the checkpoint's files, logs and the engine
+# The longest prompt a request may send by default: long context, yet what a machine
+# prefills in minutes (the demo model on the 2-core CPU machine: 30,000 tokens in about
+# 3.5 minutes, docs/benchmarks.md), so that no one request holds a slot for an hour.
+DEFAULT_MAX_PROMPT = 32768
 
 
 # Command line.
@@ -91,11 +95,20 @@ LIMIT_FLAGS = [
         "--prefill-step-size whatever they take)",
     ),
     (
+        "--max-long-prefills",
+        int,
+        None,
+        "prompts with more than --prefill-step-size tokens to prefill that are prefilled at "
+        "once (default: half of --max-batch, at least 1); one more waits, keeping its place, "
+        "while shorter requests behind it take the free slots",
+    ),
+    (
         "--max-prompt-tokens",
         int,
         None,
-        "the longest prompt a request may send (default: what a quarter of the memory the "
-        "model leaves holds in caches for --max-batch sequences, at most the context)",
+        f"the longest prompt a request may send (default: {DEFAULT_MAX_PROMPT}, or less where "
+        "the caches of --max-batch such prompts would not fit in a quarter of the memory the "
+        "model leaves, or the context is shorter)",
     ),
     (
         "--prompt-cache-gb",
@@ -207,6 +220,7 @@ def check_arguments(args):
         "max_batch",
         "prefill_step_size",
         "max_prompt_tokens",
+        "max_long_prefills",
         "max_connections",
     ):
         positive(args, name)
@@ -286,14 +300,19 @@ def cache_bytes_per_token(model) -> int:
     return mla * (a.kv_lora_rank + a.qk_rope_head_dim) * activation_dtype(model).size
 
 
-def default_max_prompt(model, context: int, sequences: int, expert_cache_gb) -> int:
-    """The longest prompt whose caches fit, for ``sequences`` sequences at once, in a
-    quarter of the memory that the model's resident weights and expert cache leave: at
-    least 1, at most one less than ``context`` (the reply needs a token)."""
+def default_max_prompt(model, context: int, sequences: int, expert_cache_gb) -> tuple[int, str]:
+    """``DEFAULT_MAX_PROMPT``, or less: the longest prompt whose caches fit, for
+    ``sequences`` sequences at once, in a quarter of the memory that the model's resident
+    weights and expert cache leave, at least 1, or one less than ``context`` (the reply
+    needs a token); with the reason, for the startup line."""
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     left = ram_gb() * 1e9 - weights - (expert_cache_gb or 0) * 1e9
-    fit = int(max(left, 0) / 4 / sequences / max(cache_bytes_per_token(model), 1))
-    return max(1, min(context - 1, fit))
+    fit = max(1, int(max(left, 0) / 4 / sequences / max(cache_bytes_per_token(model), 1)))
+    return min(
+        (DEFAULT_MAX_PROMPT, "the default"),
+        (fit, f"a quarter of the memory the model leaves, over {sequences} sequences"),
+        (context - 1, "the context, less a token for the reply"),
+    )
 
 
 def serve_model(args, sock: socket.socket, plan=None) -> ServerState:
@@ -315,12 +334,12 @@ def serve_model(args, sock: socket.socket, plan=None) -> ServerState:
         group=plan.group if plan else None,
         processors=[never_sample(tokenizer)],
         prefill_step_seconds=args.prefill_step_seconds or None,
+        max_long_prefills=args.max_long_prefills,
     )
     context = context_limit(model, args.max_context)[0]
     max_prompt, why = args.max_prompt_tokens, "--max-prompt-tokens"
     if max_prompt is None:
-        max_prompt = default_max_prompt(model, context, args.max_batch, args.expert_cache_gb)
-        why = f"a quarter of the memory the model leaves, over {args.max_batch} sequences"
+        max_prompt, why = default_max_prompt(model, context, args.max_batch, args.expert_cache_gb)
     print(f"prompts of at most {max_prompt:,} tokens ({why})", file=sys.stderr)
     limits = Limits(
         max_prompt=max_prompt,

@@ -468,6 +468,17 @@ def test_prompt_token_ids_are_checked(server):
     assert status == 400 and reply["error"]["param"] == "prompt"
 
 
+def test_the_default_prompt_bound_is_the_one_help_states(server, capsys):
+    from kimi_k3.server import DEFAULT_MAX_PROMPT, setup_arg_parser
+
+    setup_arg_parser().print_help()
+    assert f"(default: {DEFAULT_MAX_PROMPT}," in " ".join(capsys.readouterr().out.split())
+    body = {"prompt": [7] * (DEFAULT_MAX_PROMPT + 1), "max_tokens": 1}
+    status, _, reply = request(f"{server}/v1/completions", body=body)
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert f"at most {DEFAULT_MAX_PROMPT} (--max-prompt-tokens)" in reply["error"]["message"]
+
+
 def test_logit_bias_past_the_vocabulary_keeps_the_server_alive(served):
     """An id just past the vocabulary once scattered out of bounds (and far past it,
     SIGSEGV); now it is refused and the server process keeps serving."""
@@ -704,6 +715,7 @@ def test_bad_model_fails_before_listening(tmp_path, capsys):
         (["--prefill-step-seconds", "-1"], "--prefill-step-seconds"),
         (["--prefill-step-seconds", "inf"], "--prefill-step-seconds"),
         (["--max-prompt-tokens", "0"], "--max-prompt-tokens"),
+        (["--max-long-prefills", "0"], "--max-long-prefills"),
     ],
 )
 def test_bad_flags_exit_2(argv, flag, capsys):

@@ -242,6 +242,65 @@ def test_a_request_arriving_mid_prefill_waits_one_bounded_pass(tiny, prompts, mo
         e.stop()
 
 
+def test_long_prompts_share_a_step_and_a_short_one_goes_first(tiny, prompts):
+    """A step's chunks, the fewest tokens left first: after the first chunk, each is cut to
+    what its prompt's rate feeds in the time left of ``prefill_step_seconds``, and a prompt
+    whose chunk would be below ``MIN_CHUNK`` waits; a prompt with no rate of its own takes
+    the engine's last."""
+    e = Engine(tiny[0], start=False, prefill_step_size=512, prefill_step_seconds=0.5)
+    long_a, long_b = sequence(prompts[0] * 60), sequence(prompts[3] * 60)
+    short = sequence(prompts[1])
+    for s in (long_a, long_b, short):
+        e.submit(s)
+    e._admit()
+    long_a.fed, long_a.prefill_rate = 100, 200.0  # 200 tokens a second: 100 in 0.5 s
+    long_b.fed, long_b.prefill_rate = 40, 400.0
+    assert len(long_a.prompt) - long_a.fed < len(long_b.prompt) - long_b.fed
+    e.prefill_rate = 400.0  # the last pass's: the short prompt's estimate
+    left = len(short.prompt) - 1
+    assert e._prefill_plan() == [([short], left), ([long_a], int((0.5 - left / 400) * 200))]
+    short.fed = left  # prefilled
+    assert e._prefill_plan() == [([long_a], 100)]  # no time left for long_b
+    long_a.fed = len(long_a.prompt) - 1
+    assert e._prefill_plan() == [([long_b], 200)]
+
+
+def test_a_short_request_is_not_held_behind_long_prompts(tiny, prompts, monkeypatch):
+    """Four long prompts fill a batch of four, but at most two of them prefill at once
+    (``max_long_prefills``: half the batch by default), so a short request sent after them
+    takes a free slot at once: its first token comes before any long prompt has ended, in
+    the step that prefills it, before that step's long chunks; every long prompt ends."""
+    clock = PassClock(monkeypatch, per_token=1 / 256)
+    events = []
+    decode, prefill = Engine._decode, Engine._prefill
+    monkeypatch.setattr(
+        Engine, "_decode", lambda self, ready: (events.append("decode"), decode(self, ready))
+    )
+    monkeypatch.setattr(
+        Engine,
+        "_prefill",
+        lambda self, group, n: (events.append([id(s) for s in group]), prefill(self, group, n)),
+    )
+    e = Engine(tiny[0], max_batch=4, reuse_bytes=0, prefill_step_size=32, prefill_step_seconds=0.1)
+    e.clock = clock
+    try:
+        longs = [sequence(prompts[i % 2 * 3] * (6 + i), n=2) for i in range(4)]
+        for s in longs:
+            e.submit(s)
+        while not e.prefill_rate:
+            threading.Event().wait(0.01)
+        short = sequence(prompts[1], n=2)
+        e.submit(short)
+        assert short.out.get(timeout=120)[0] == "token"
+        assert not any(s.ended.is_set() for s in longs)
+        assert not all(s.prefilled for s in longs)
+        fed_short = next(i for i, ev in enumerate(events) if ev != "decode" and id(short) in ev)
+        assert events[fed_short + 1] == "decode"
+        assert all(collect(s)[1] == "length" for s in longs)
+    finally:
+        e.stop()
+
+
 def _top(vec, n):
     ids = np.argsort(-vec, kind="stable")[:n]
     return [(int(i), float(vec[i])) for i in ids]

@@ -583,9 +583,12 @@ class Engine:
         processors: list | None = None,
         prefill_step_seconds: float | None = 0.5,
         clock: Callable[[], float] = time.perf_counter,
+        max_long_prefills: int | None = None,
     ):
         self.model = model
         self.max_batch, self.max_waiting = max_batch, max_waiting
+        self.max_long_prefills = max_long_prefills or max(1, max_batch // 2)
+        self.prefill_rate: float | None = None  # prompt tokens a second, the last pass
         self.prefill_step_size = prefill_step_size
         self.prefill_step_seconds, self.clock = prefill_step_seconds, clock
         self.processors = list(processors or [])
@@ -660,59 +663,105 @@ class Engine:
             s.cache = None
             s.end("error", failure)
 
+    def _long(self, s: Sequence, fed: int | None = None) -> bool:
+        """``s`` has more than ``prefill_step_size`` prompt tokens left to prefill."""
+        return len(s.prompt) - 1 - (s.fed if fed is None else fed) > self.prefill_step_size
+
     def _admit(self):
+        """Waiting sequences into free slots, in their order, except that a long prompt
+        (``_long``) waits, keeping its place, while ``max_long_prefills`` long prompts are
+        prefilling: the sequences behind it go first, so a short request finds a slot
+        while long prompts prefill."""
+        prefilling = sum(not s.prefilled and self._long(s) for s in self.active)
+        held = []
         while self.waiting and len(self.active) < self.max_batch:
             s = self.waiting.popleft()
             if s.cancelled.is_set():
                 s.end("done", "cancelled")
                 continue
-            s.key, self.keys = self.keys, self.keys + 1
-            s.reused, snap = (
+            reused, snap = (
                 self.prefixes.longest(s.prompt) if s.prompt_logprobs is None else (0, None)
             )
+            if self._long(s, reused):
+                if prefilling >= self.max_long_prefills:
+                    held.append(s)
+                    continue
+                prefilling += 1
+            s.key, self.keys = self.keys, self.keys + 1
             s.cache = fresh_cache(self.model) if snap is None else restore(self.model, snap)
-            s.fed = s.reused
+            s.fed = s.reused = reused
             s.rng = s.sampling.key()
             self.active.append(s)
+        self.waiting.extendleft(reversed(held))
 
     def step(self):
-        """Prompt chunks (``_prefill_plan``), then one decode step."""
+        """Prompt chunks (``_prefill_plan``) and one decode step: the chunks that finish
+        their prompts first (so a short prompt's first token comes in the step that
+        prefills it), then the decode step, then the other chunks."""
         cancelled = [s for s in self.active if s.cancelled.is_set()]
         self._leave(cancelled)
         for s in cancelled:
             s.end("done", "cancelled")
-        for group, n in self._prefill_plan():
+        plan = self._prefill_plan()
+        finishing = [(g, n) for g, n in plan if all(s.fed + n >= len(s.prompt) - 1 for s in g)]
+        self._prefill_all(finishing)
+        ready = [s for s in self.active if s.prefilled]
+        if ready:
+            self._decode(ready)
+        self._prefill_all([p for p in plan if p not in finishing])
+
+    def _prefill_all(self, plan: list[tuple[list[Sequence], int]]):
+        for group, n in plan:
             try:
                 self._prefill(group, n)
             except Exception as e:  # the group's pass: it alone ends
                 self._fail(group, e)
-        ready = [s for s in self.active if s.prefilled]
-        if ready:
-            self._decode(ready)
 
     def _prefill_plan(self) -> list[tuple[list[Sequence], int]]:
-        """This step's prompt chunks, ``prefill_step_size`` tokens in all, the prompts with
-        the fewest tokens left first: ``(sequences, n)``, the sequences that feed ``n``
-        tokens after as many tokens fed (one pass for them all). A prompt that the budget
-        would cut waits for the next step when another at the same point got its whole
-        chunk (so the two go in one pass there, not in two uneven ones)."""
-        budget, groups = self.prefill_step_size, {}
+        """This step's prompt chunks, ``prefill_step_size`` tokens and about
+        ``prefill_step_seconds`` in all, the prompts with the fewest tokens left first:
+        ``(sequences, n)``, the sequences that feed ``n`` tokens after as many tokens fed
+        (one pass for them all). A chunk that finishes its prompt is bounded by the
+        token budget alone (a burst of short prompts is prefilled in one step); after the
+        step's first chunk, one that does not is cut to what its prompt's measured rate
+        (prompt tokens a second, of all the sequences in a pass) feeds in the time left,
+        and waits if that is below ``MIN_CHUNK`` (a prompt joining a pass waits if its
+        share does not fit), so several long prompts share a step's time rather than each
+        taking its own. A prompt that the token budget would cut
+        waits for the next step when another at the same point got its whole chunk (so
+        the two go in one pass there, not in two uneven ones)."""
+        budget, seconds, groups = self.prefill_step_size, self.prefill_step_seconds, {}
         waiting = [s for s in self.active if not s.prefilled]
         for s in sorted(waiting, key=lambda s: len(s.prompt) - s.fed):
             left = min(len(s.prompt) - 1 - s.fed, self._chunk_cap(s))
             if budget <= 0 or (budget < left and (s.fed, left) in groups):
                 continue
             n = min(budget, left)
+            rate = s.prefill_rate or self.prefill_rate
+            finishes = s.fed + n >= len(s.prompt) - 1
+            if groups and seconds is not None and not finishes:  # the time left
+                if rate is None:
+                    continue
+                if (s.fed, n) not in groups:
+                    n = min(n, int(seconds * rate))
+                    if n < min(left, self.MIN_CHUNK):
+                        continue
+                elif n / rate > seconds:
+                    continue
             groups.setdefault((s.fed, n), []).append(s)
             budget -= n
+            if seconds is not None and rate is not None:
+                seconds -= n / rate
         return [(group, n) for (_, n), group in groups.items()]
 
     def _chunk_cap(self, s: Sequence) -> int:
-        """The most prompt tokens ``s`` feeds in one pass: what its last pass's rate feeds
-        in ``prefill_step_seconds``, at least ``MIN_CHUNK`` (no bound before its first)."""
-        if self.prefill_step_seconds is None or s.prefill_rate is None:
+        """The most prompt tokens ``s`` feeds in one pass: what its last pass's rate (the
+        engine's last pass's, before its first) feeds in ``prefill_step_seconds``, at least
+        ``MIN_CHUNK`` (no bound before any pass)."""
+        rate = s.prefill_rate or self.prefill_rate
+        if self.prefill_step_seconds is None or rate is None:
             return self.prefill_step_size
-        return max(self.MIN_CHUNK, int(s.prefill_rate * self.prefill_step_seconds))
+        return max(self.MIN_CHUNK, int(rate * self.prefill_step_seconds))
 
     def _prefill(self, group: list[Sequence], n: int):
         chunks = [s.prompt[s.fed : s.fed + n] for s in group]
@@ -720,7 +769,8 @@ class Engine:
             self.peers.send(PREFILL, [s.key for s in group], [t for c in chunks for t in c])
         start = self.clock()
         logits = prefill(self.model, [s.cache for s in group], chunks)
-        rate = n / max(self.clock() - start, 1e-9)
+        rate = n * len(group) / max(self.clock() - start, 1e-9)  # prompt tokens a second
+        self.prefill_rate = rate
         for i, s in enumerate(group):
             if s.prompt_logprobs is not None:  # position j predicts prompt[fed + j + 1]
                 lp = log_softmax(logits[i].astype(mx.float32))
