@@ -255,6 +255,29 @@ class ForwardAlone:
         if (streamer := find_streamer(self.model)) is not None:  # as the server sizes it
             streamer.set_overflow(overflow_for_batch(streamer, rows))
 
+    def decode_steps(self, rows: int, tokens: int) -> list[float]:
+        """Seconds of each of ``tokens`` greedy decode steps of ``rows`` client prompts on
+        the engine's ``Batch``, prefill not included (``rate``'s loop)."""
+        import mlx.core as mx
+
+        from kimi_k3.serve.engine import Batch, fresh_cache, prefill
+
+        model = self.model
+        prompts = [self.tokenizer.encode(p) for p in client_prompts(rows)]
+        caches = [fresh_cache(model) for _ in prompts]
+        for i, p in enumerate(prompts):
+            prefill(model, [caches[i]], [p[:-1]])
+        batch = Batch(model)
+        batch.arrange(list(range(rows)), caches.__getitem__)
+        last, times = [p[-1] for p in prompts], []
+        for _ in range(tokens):
+            t0 = time.perf_counter()
+            picks = mx.argmax(batch.step(last), axis=-1)
+            mx.eval(picks, batch.state)
+            last = picks.tolist()
+            times.append(time.perf_counter() - t0)
+        return times
+
     def rate(self, rows: int, tokens: int) -> float:
         """Tokens/s of ``rows`` client prompts prefilled (those of one length in one pass)
         and decoded ``tokens`` greedy steps together on the engine's ``Batch``, prefill
@@ -360,6 +383,145 @@ def overflow_effect(forward: ForwardAlone, tokens: int, rounds: int) -> str:
     return markdown_table(header, rows)
 
 
+# Where a decode step's time goes (``--profile``).
+
+PARTS = {
+    "_inputs": "inputs",
+    "step": "forward graph",
+    "_sample": "picking",
+    "wait": "waiting on the device",
+    "entries": "log-probabilities",
+    "_hand_out": "handing out",
+    "_keep": "snapshots",
+}
+
+
+class StepClock:
+    """The engine's decode steps timed, and their parts: ``Engine._decode``'s wall time; the
+    host time of building the forward pass (``Batch.step``), of picking (``Engine._sample``:
+    the logits processors, the sampling graph), of handing the tokens out
+    (``Engine._hand_out``: events to each sequence's queue, ends), of its log-probability
+    lists and of snapshots; and the time blocked on the device (the picks evaluated before
+    they are handed out). Methods are wrapped on the instance (and ``Pending.entries`` on
+    the class, until ``close``)."""
+
+    def __init__(self, engine):
+        import mlx.core as mx
+
+        from kimi_k3.serve import engine as serving
+
+        self.steps: list[float] = []
+        self.parts = {name: 0.0 for name in PARTS}
+        self.serving, self.entries = serving, serving.Pending.entries
+        for name in ("_inputs", "_sample", "_keep"):
+            setattr(engine, name, self.timed(getattr(engine, name), name))
+        engine.batch.step = self.timed(engine.batch.step, "step")
+        decode, hand_out = engine._decode, engine._hand_out
+
+        def timed_decode(ready):
+            t0 = time.perf_counter()
+            decode(ready)
+            self.steps.append(time.perf_counter() - t0)
+
+        def timed_hand_out(p):
+            t0 = time.perf_counter()
+            mx.eval(p.picks, *(a for _, arrays in p.logprobs for a in arrays))
+            t1 = time.perf_counter()
+            hand_out(p)
+            self.parts["wait"] += t1 - t0
+            self.parts["_hand_out"] += time.perf_counter() - t1
+
+        engine._decode, engine._hand_out = timed_decode, timed_hand_out
+        clock = self
+
+        def entries(pending):
+            t0 = time.perf_counter()
+            out = list(clock.entries(pending))
+            clock.parts["entries"] += time.perf_counter() - t0
+            clock.parts["_hand_out"] -= time.perf_counter() - t0
+            return iter(out)
+
+        serving.Pending.entries = entries
+
+    def timed(self, fn, name):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.parts[name] += time.perf_counter() - t0
+
+        return run
+
+    def close(self):
+        self.serving.Pending.entries = self.entries
+
+
+def engine_steps(forward: ForwardAlone, rows: int, tokens: int, overlap: bool, logprobs):
+    """A ``StepClock`` of an in-process engine (as the server makes it: the reserved-token
+    mask as its batch-wide processor) decoding ``rows`` client prompts for ``tokens``
+    tokens each, greedy, with no stop ids (every sequence runs its length), each asking
+    for ``logprobs`` alternatives (None: none)."""
+    from kimi_k3.serve.engine import Engine, Sequence
+    from kimi_k3.text.tokenizer import never_sample
+
+    engine = Engine(
+        forward.model, start=False, overlap=overlap, processors=[never_sample(forward.tokenizer)]
+    )
+    clock = StepClock(engine)
+    prompts = [forward.tokenizer.encode(p) for p in client_prompts(rows)]
+    seqs = [Sequence(p, tokens, logprobs=logprobs) for p in prompts]
+    for s in seqs:
+        engine.submit(s)
+    try:
+        while engine.waiting or engine.active:
+            engine._admit()
+            engine.step()
+    finally:
+        clock.close()
+    return clock
+
+
+def step_profile(path: Path, cache_fraction: float | None, tokens: int, rounds: int) -> str:
+    """Milliseconds a decode step of 1, 4 and 8 sequences takes: the forward alone, the
+    engine with and without the overlap of the host's work and the device's, and the
+    engine's host time by part (per step, medians of ``rounds`` runs after an untimed one);
+    with 5 alternatives' log-probabilities asked too."""
+    import statistics as st
+
+    forward = ForwardAlone(path, cache_fraction)
+    rows = []
+    for n in CLIENTS:
+        for logprobs in (None, 5):
+            alone, runs = [], {False: [], True: []}
+            for r in range(1 + rounds):
+                direct = st.median(forward.decode_steps(n, tokens))
+                clocks = {o: engine_steps(forward, n, tokens, o, logprobs) for o in (False, True)}
+                if r:
+                    alone.append(direct)
+                    for o, c in clocks.items():
+                        runs[o].append(c)
+            row = [n, "-" if logprobs is None else logprobs, f"{st.median(alone) * 1e3:.2f}"]
+            for o in (False, True):
+                row.append(f"{st.median(st.median(c.steps) for c in runs[o]) * 1e3:.2f}")
+            for o in (False, True):
+                steps = st.median(len(c.steps) for c in runs[o])
+                parts = [st.median(c.parts[name] for c in runs[o]) / steps * 1e3 for name in PARTS]
+                row.append(" / ".join(f"{v:.2f}" for v in parts))
+            rows.append(row)
+    head = " / ".join(PARTS.values())
+    header = [
+        "sequences",
+        "log-probabilities",
+        "forward alone ms/step",
+        "engine, no overlap",
+        "engine, overlap",
+        f"host ms/step, no overlap: {head}",
+        "the same, overlap",
+    ]
+    return markdown_table(header, rows)
+
+
 def measure(path: Path, a) -> str:
     out = []
     with Server(path, a.cache_fraction, "--prefill-step-size", a.prefill_step) as server:
@@ -412,6 +574,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cache-fraction", type=float, default=0.25, help="expert cache size, share of the experts"
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="only where a decode step's time goes, in this process (no HTTP): the forward "
+        "alone, the engine with and without overlap, the engine's host time by part",
+    )
     p.add_argument("--out", default=None, help="also write the tables here")
     return p
 
@@ -424,7 +592,16 @@ def main(argv: list[str] | None = None) -> str:
         a.prefill_step, a.cache_fraction = 64, 0.5
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "ckpt", preset)
-        tables = measure(path, a)
+        if a.profile:
+            tables = "\n".join(
+                f"{name}:\n\n" + step_profile(path, fraction, a.tokens, a.rounds)
+                for name, fraction in (
+                    ("Experts streamed", a.cache_fraction),
+                    ("Experts resident", None),
+                )
+            )
+        else:
+            tables = measure(path, a)
     head = (
         f"{preset} preset, experts streamed ({a.cache_fraction:.0%} of their bytes cached); "
         f"{timing.environment()}"

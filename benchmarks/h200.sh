@@ -19,6 +19,9 @@
 #   doctor       python -m kimi_k3.doctor over the CUDA kernels, then --model on a
 #                synthetic k3-layers checkpoint (written under $OUT)                   (500)
 #   all          every step above, in that order (longer than one 600 s call)
+#   server       (not in all) bench_server (server / forward alone at 1, 4, 8 clients, streamed and
+#                resident) (300), its --profile (where a decode step's time goes) (150),
+#                bench_fairness (a chat beside 1, 4, 8 long prompts) (140)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -76,6 +79,10 @@ for step in "${steps[@]}"; do
       run doctor 400 python3 -m kimi_k3.doctor
       [ -d "$OUT/k3-layers" ] || python3 -m kimi_k3.convert synth "$OUT/k3-layers" --preset k3-layers >>"$log" 2>&1
       run doctor_model 100 python3 -m kimi_k3.doctor --small --model "$OUT/k3-layers" ;;
+    server)
+      run server 300 python3 -m benchmarks.bench_server --rounds 5 --warmup 1 --out "$OUT/bench_server.md"
+      run server_profile 150 python3 -m benchmarks.bench_server --profile --tokens 64 --rounds 3 --out "$OUT/bench_server_profile.md"
+      run fairness 140 python3 -m benchmarks.bench_fairness --out "$OUT/bench_fairness.md" ;;
     *) echo "unknown step $step" | tee -a "$log" ;;
   esac
 done

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import (
     bench_cache_policy,
+    bench_fairness,
     bench_kda,
     bench_mla,
     bench_mxfp4,
@@ -303,6 +304,32 @@ def test_bench_server_quick():
     answered = int(counts["200"]) + int(counts.get("429", 0))
     assert answered == 12
     assert counts["health after"] == "ok" and counts["a request after"] == "200"
+
+
+@pytest.mark.slow
+def test_bench_server_profile_quick():
+    """Where a decode step's time goes: a row per batch size and log-probability setting,
+    streamed and resident, each with positive step times and the engine's parts."""
+    streamed, resident = tables(bench_server.main(["--quick", "--profile"]))
+    for table in (streamed, resident):
+        assert [(r["sequences"], r["log-probabilities"]) for r in table] == [
+            (n, lp) for n in ("1", "4", "8") for lp in ("-", "5")
+        ]
+        for r in table:
+            for key in ("forward alone ms/step", "engine, no overlap", "engine, overlap"):
+                assert number(r[key]) > 0
+            parts = [number(v) for v in r["the same, overlap"].split(" / ")]
+            assert len(parts) == len(bench_server.PARTS) and parts[1] > 0  # the forward graph
+
+
+@pytest.mark.slow
+def test_bench_fairness_quick():
+    """A row per setting and count of long prompts, every time positive."""
+    (rows,) = tables(bench_fairness.main(["--quick"]))
+    assert [r["long prompts"] for r in rows] == ["1", "2"] * 2
+    assert rows[0]["scheduling"].startswith("server's defaults")
+    for r in rows:
+        assert number(r["chat beside them: median s"]) > 0 < number(r["long prompts alone, s"])
 
 
 @pytest.mark.slow

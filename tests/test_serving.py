@@ -135,6 +135,70 @@ def test_prompts_prefilled_together_equal_solo(tiny, monkeypatch):
         e.stop()
 
 
+def test_a_burst_on_an_idle_engine_is_prefilled_in_one_pass(tiny, monkeypatch):
+    """Requests that come one after another (here 20 ms apart) to an idle engine are
+    gathered while they keep coming (``gather_seconds``, made long here), then prefilled
+    in one pass and decoded together."""
+    ids = [tiny[1].encode(f"Client {i} asks about attention residuals.") for i in range(4)]
+    passes = []
+    prefill = serving.prefill
+    monkeypatch.setattr(
+        serving, "prefill", lambda m, c, chunks: (passes.append(len(c)), prefill(m, c, chunks))
+    )
+    e = Engine(tiny[0], reuse_bytes=0, gather_seconds=0.5, gather_max=10)
+    try:
+        seqs = [sequence(p, 4) for p in ids]
+        for s in seqs:
+            e.submit(s)
+            threading.Event().wait(0.02)
+        assert all(collect(s)[1] == "length" for s in seqs)
+        assert passes == [4]
+    finally:
+        e.stop()
+
+
+def test_overlapped_steps_give_what_steps_one_after_another_give(tiny, prompts):
+    """With ``overlap`` a step's tokens are handed out while the next step's forward pass
+    runs (a sequence's stop is seen a step late, its row fed once more and dropped): every
+    sequence gets the same tokens, ends and log-probabilities as without, greedy or
+    seeded, with a logits processor of its own, stopped by a stop id or by length; and a
+    stopped sequence's snapshot (its stop id included, with overlap: its row was fed it)
+    continues as a cold run of the conversation does."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    def workload():
+        stops = frozenset(run(Engine(tiny[0], reuse_bytes=0), [prompts[2]], n=3)[0][0][1:2])
+        bias = make_logits_processors(logit_bias={5: 3.0})
+        return [
+            Sequence(prompts[0], 12, logprobs=2),
+            Sequence(prompts[1], 7, Sampling(temp=1.0, seed=7), logprobs=0),
+            Sequence(prompts[2], 9, stop_ids=stops),
+            Sequence(prompts[3], 10, processors=bias),
+            Sequence(prompts[0] + prompts[1], 1),
+        ]
+
+    results, cold = {}, Engine(tiny[0], reuse_bytes=0)
+    for overlap in (False, True):
+        e = Engine(tiny[0], overlap=overlap)
+        try:
+            seqs = workload()
+            for q in seqs:
+                e.submit(q)
+            results[overlap] = [(collect(q), q.token_logprobs) for q in seqs]
+            stopped = seqs[2]
+            assert results[overlap][2][0][1] == "stop"
+            held, _ = e.prefixes.longest(stopped.prompt + stopped.tokens + [0])
+            assert held == len(stopped.prompt) + len(stopped.tokens) - (0 if overlap else 1)
+            follow = sequence(stopped.prompt + stopped.tokens + prompts[1], 6)
+            e.submit(follow)
+            assert collect(follow) == run(cold, [follow.prompt], n=6)[0]
+            assert follow.reused == held
+        finally:
+            e.stop()
+    cold.stop()
+    assert results[True] == results[False]
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny, prompts):
     """A seeded sequence draws from a key of its own: the same tokens alone, beside greedy
     and other seeded sequences, and again; another seed draws others."""

@@ -2,15 +2,18 @@
 between decode steps, conversation prefixes reused from snapshots of the caches.
 
 One thread owns the model. Each step it prefills waiting prompts, up to
-``prefill_step_size`` tokens in all, the prompt with the fewest tokens left first (so a
-short request is not held behind a long one, and a burst of short prompts is prefilled in
-one step; chunks of one length after as many tokens go through in one pass). A prompt's
-chunk is also bounded in time: once a chunk of it has run, the next holds at most what its
-last pass's rate feeds in ``prefill_step_seconds`` (a long prompt's passes slow as its
-context grows, and a request that arrives meanwhile waits for the pass in flight), then it
-decodes one token for every sequence whose prompt is in its cache, all in one batched
-forward pass (with streamed experts, the union of the batch's experts is read once).
-Sequences join the batch at step boundaries and leave it when they finish or are cancelled.
+``prefill_step_size`` tokens and about ``prefill_step_seconds`` in all, the prompt with the
+fewest tokens left first (so a short request is not held behind a long one, and a burst of
+short prompts is prefilled in one step; chunks of one length after as many tokens go
+through in one pass), and decodes one token for every sequence whose prompt is in its
+cache, all in one batched forward pass (with streamed experts, the union of the batch's
+experts is read once). The chunks that finish their prompts run before the decode step, the
+others after it. A long prompt's chunks are bounded in time by its measured rate (its
+passes slow as its context grows, and a request that arrives meanwhile waits for the pass
+in flight), and at most ``max_long_prefills`` long prompts are prefilling at once, so a
+short request finds a free slot while long prompts prefill (``_admit``). Sequences join
+the batch at step boundaries and leave it when they finish or are cancelled; an idle engine
+that gets a request waits a moment for the rest of its burst (``_gather``).
 
 A prompt is prefilled into caches of its own (B = 1). Once it is in, the sequence joins the
 ``Batch``, whose caches hold every decoding sequence as a row and persist from step to step:
@@ -25,6 +28,21 @@ Sampling: the engine's shared logits processors run on the whole batch's logits;
 rows without processors of their own take one argmax; a sampling row draws with its own
 random key when it has a ``seed`` (``Sampling``), so a seeded sequence gives the same
 tokens whatever else is in the batch.
+
+Overlap: a decode step's picks are not waited for. The next step queues its forward pass
+with them as its input (``mx.async_eval``), and only then are they read and handed out,
+their events put and their ends found, while the device computes; then that step's tokens
+are sampled (its logits processors see every token before). The host's work of a step
+(the forward graph's Python, picking, events, snapshots) thus runs beside the device's.
+A sequence's stop is seen a step late: its row was fed once more, and is dropped (its
+snapshot holds its stop id, as its row does); a sequence's end by length is known before
+the step and takes no row. Its tokens are the same as without overlap (``overlap=False``).
+On MLX's CPU backend ``async_eval`` computes most of a graph before it returns, so the
+overlap there is small; on a GPU the queued pass runs while the host works.
+
+Failures: a forward pass that raises ends the sequences in it (a prefill pass: its group),
+with a ``Failure`` of one short line (503); a sequence whose own logits processor raises
+(a grammar's limit, ``GrammarError``: 400 naming the field) ends alone.
 
 Across ranks (``kimi_k3.distributed``'s splits) every rank must run every forward pass. Rank
 0's engine sends each pass to the others before it runs it (``Peers``: the kind, the
@@ -170,6 +188,22 @@ class Sequence:
     @property
     def prefilled(self) -> bool:
         return self.fed >= len(self.prompt) - 1
+
+
+@dataclass(eq=False)
+class Pending:
+    """A sampled decode step whose tokens are not yet handed out: its rows, their picks
+    [B] (queued to compute) and, per number of alternatives, the rows (indices into
+    ``rows``) that ask for log-probabilities with their ``logprob_arrays``."""
+
+    rows: list[Sequence]
+    picks: mx.array
+    logprobs: list[tuple[list[int], list[mx.array]]] = field(default_factory=list)
+
+    def entries(self):
+        """``(row, (logprob, alternatives))`` of the rows that ask for log-probabilities."""
+        for idx, arrays in self.logprobs:
+            yield from zip(idx, logprob_entries(arrays))
 
 
 def fresh_cache(model) -> list:
@@ -344,8 +378,9 @@ class Batch:
             else:
                 c[0], c[1] = c[0][idx], c[1][idx]
 
-    def step(self, tokens: list[int]) -> mx.array:
-        """One decode pass: ``tokens[i]`` after row i. Returns logits [B, V] (unevaluated)."""
+    def step(self, tokens: list[int] | mx.array) -> mx.array:
+        """One decode pass: ``tokens[i]`` after row i (ids, or an array not yet evaluated:
+        the last step's picks). Returns logits [B, V] (unevaluated)."""
         lengths = [n + 1 for n in self.lengths]
         span = max(lengths)
         starts = mx.array([span - n for n in lengths])
@@ -353,7 +388,8 @@ class Batch:
         for c in self.caches:
             if isinstance(c, BatchLatents):
                 c.mask, c.span = mask, span
-        logits = self.model(mx.array(tokens)[:, None], cache=self.caches)[:, -1]
+        inputs = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
+        logits = self.model(inputs[:, None], cache=self.caches)[:, -1]
         self.lengths = lengths
         return logits
 
@@ -482,22 +518,35 @@ def prefill(model, caches: list[list], chunks: list[list[int]]):
     return logits
 
 
+def logprob_arrays(logprobs: mx.array, chosen: mx.array, top: int) -> list[mx.array]:
+    """Each row's chosen token's log-probability [N] and, with ``top``, its ``top``
+    likeliest tokens and their log-probabilities [N, top], likeliest first (unevaluated).
+    Shapes: logprobs [N, V] (normalised); chosen [N] int."""
+    picked = mx.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0]
+    if top == 0:
+        return [picked]
+    ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+    vals = mx.take_along_axis(logprobs, ids, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return [picked, mx.take_along_axis(ids, order, -1), mx.take_along_axis(vals, order, -1)]
+
+
+def logprob_entries(arrays: list[mx.array]) -> list[tuple]:
+    """``logprob_arrays``' result as ``[(logprob, [(id, logprob), ...]), ...]``."""
+    picked = arrays[0].tolist()
+    if len(arrays) == 1:
+        return [(lp, []) for lp in picked]
+    ids, vals = arrays[1].tolist(), arrays[2].tolist()
+    return [(lp, list(zip(i, v))) for lp, i, v in zip(picked, ids, vals)]
+
+
 def token_logprobs(logprobs: mx.array, chosen: mx.array, top: int) -> list[tuple]:
     """Each row's chosen token's log-probability and its ``top`` likeliest tokens:
     ``[(logprob, [(id, logprob), ...]), ...]``, the alternatives likeliest first.
     Shapes: logprobs [N, V] (normalised); chosen [N] int."""
-    picked = mx.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0]
-    if top > 0:
-        ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
-        vals = mx.take_along_axis(logprobs, ids, axis=-1)
-        order = mx.argsort(-vals, axis=-1)
-        ids, vals = mx.take_along_axis(ids, order, -1), mx.take_along_axis(vals, order, -1)
-        mx.eval(picked, ids, vals)
-        alts = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-    else:
-        mx.eval(picked)
-        alts = [[] for _ in range(picked.shape[0])]
-    return list(zip(picked.tolist(), alts))
+    arrays = logprob_arrays(logprobs, chosen, top)
+    mx.eval(arrays)
+    return logprob_entries(arrays)
 
 
 def _contents(c) -> list[mx.array]:
@@ -565,8 +614,13 @@ class Engine:
     own, on the whole batch at once (they get ``None`` for the tokens and must not need
     them). With ``start`` the loop runs in a thread of its own; otherwise the caller runs
     ``run()`` (the server runs it in the main thread: MLX's compiled functions used from
-    another thread abort the process at exit). ``prefill_step_seconds`` bounds a prompt's
-    chunk by its measured rate (at least ``MIN_CHUNK`` tokens; None: no bound).
+    another thread abort the process at exit). ``prefill_step_seconds`` bounds a step's
+    prompt chunks by their measured rates (at least ``MIN_CHUNK`` tokens; None: no bound);
+    ``max_long_prefills`` long prompts prefill at once (``_admit``; default half the
+    batch); ``overlap`` runs the host's work of a step beside the next step's forward pass
+    (``_decode``). An engine with nothing to do that gets a request waits until none more
+    has come for ``gather_seconds``, ``gather_max`` at most, so that a burst of requests
+    is prefilled in one pass and decoded together from its first step.
     """
 
     MIN_CHUNK = 16
@@ -584,6 +638,9 @@ class Engine:
         prefill_step_seconds: float | None = 0.5,
         clock: Callable[[], float] = time.perf_counter,
         max_long_prefills: int | None = None,
+        overlap: bool = True,
+        gather_seconds: float = 0.002,
+        gather_max: float = 0.02,
     ):
         self.model = model
         self.max_batch, self.max_waiting = max_batch, max_waiting
@@ -593,6 +650,11 @@ class Engine:
         self.prefill_step_seconds, self.clock = prefill_step_seconds, clock
         self.processors = list(processors or [])
         self.peers = Peers(group) if group is not None and group.size() > 1 else None
+        # the host's work of a step beside the next step's forward pass (the other ranks
+        # need each step's input ids before it runs: not across ranks)
+        self.pipelined = overlap and self.peers is None
+        self.pending: Pending | None = None
+        self.gather_seconds, self.gather_max = gather_seconds, gather_max
         self.prefixes = PrefixCache(0 if self.peers else reuse_bytes)
         self.batch = Batch(model)
         self.keys = 0
@@ -648,16 +710,31 @@ class Engine:
                     self.cond.wait()
                 if self.stopped:
                     return
+                if not self.active:
+                    self._gather()
                 self._admit()
             try:
                 self.step()
             except Exception as e:  # a failed decode step ends its sequences; the engine lives on
                 self._fail(list(self.active), e)
 
+    def _gather(self):
+        """With the lock held and a request waiting on an idle engine: wait for the rest of
+        its burst, until none has come for ``gather_seconds`` (``gather_max`` in all) or
+        the batch is full."""
+        deadline = time.monotonic() + self.gather_max
+        while not self.stopped and len(self.waiting) < self.max_batch:
+            left = min(self.gather_seconds, deadline - time.monotonic())
+            seen = len(self.waiting)
+            if left <= 0 or not self.cond.wait(left) or len(self.waiting) == seen:
+                return
+
     def _fail(self, seqs: list[Sequence], e: Exception):
         """End ``seqs``, whose forward pass raised ``e`` (logged, with its traceback)."""
         log.exception("generation step failed for %d sequences", len(seqs))
         failure = Failure.of(e)
+        if self.pending and any(s in seqs for s in self.pending.rows):
+            self.pending = None
         self._leave(seqs)
         for s in seqs:
             s.cache = None
@@ -706,7 +783,7 @@ class Engine:
         finishing = [(g, n) for g, n in plan if all(s.fed + n >= len(s.prompt) - 1 for s in g)]
         self._prefill_all(finishing)
         ready = [s for s in self.active if s.prefilled]
-        if ready:
+        if ready or self.pending:
             self._decode(ready)
         self._prefill_all([p for p in plan if p not in finishing])
 
@@ -781,39 +858,92 @@ class Engine:
             s.prefill_rate = rate
 
     def _decode(self, ready: list[Sequence]):
-        self.batch.arrange(ready, self._own_cache)
-        rows = self.batch.members
-        tokens = [s.tokens[-1] if s.tokens else s.prompt[-1] for s in rows]
-        if self.peers:
-            self.peers.send(DECODE, [s.key for s in rows], tokens)
-        picks, logprobs, failed = self._sample(rows, self.batch.step(tokens))
-        mx.eval(picks, self.batch.state)
-        by_top: dict[int, list[int]] = {}  # one evaluation per number of alternatives
-        for i in logprobs:
-            by_top.setdefault(rows[i].logprobs, []).append(i)
-        for top, idx in by_top.items():
-            lps = mx.concatenate([logprobs[i] for i in idx])
-            for i, entry in zip(idx, token_logprobs(lps, picks[mx.array(idx)], top)):
-                rows[i].token_logprobs.append(entry)
-        ends = [
-            (s, ("done", reason) if s not in failed else ("error", failed[s]))
-            for s, t in zip(rows, picks.tolist())
-            if s in failed or (reason := self._emit(s, t))
+        """One decode step for ``ready``, overlapped with the host's work of the last
+        (module docstring: Overlap): the rows whose last step's pick ends them by length
+        leave (snapshotted first), the forward pass is queued with the last step's picks
+        as input, the last step's tokens are handed out while it runs, then this step's
+        tokens are sampled and queued; they are handed out in the next step (at once
+        without ``pipelined``)."""
+        pending, self.pending = self.pending, None
+        last = [
+            s
+            for s in (pending.rows if pending else [])
+            if not s.ended.is_set() and len(s.tokens) + 1 >= s.max_tokens
         ]
+        for s in last:
+            if s.tokens:  # its row holds the prompt and every token but the pending one
+                self._keep(s)
+        self._leave(last)
+        rows = [s for s in ready if s not in last]
+        logits = None
+        if rows:
+            self.batch.arrange(rows, self._own_cache)
+            rows = list(self.batch.members)
+            fresh = [s for s in rows if not s.tokens and (not pending or s not in pending.rows)]
+            logits = self.batch.step(self._inputs(rows, pending))
+            for s in fresh:  # its row now holds exactly the prompt
+                self._keep(s)
+            mx.async_eval(logits, self.batch.state)
+        if pending:
+            self._hand_out(pending)
+        if logits is None:
+            return
+        live = [i for i, s in enumerate(rows) if not s.ended.is_set()]
+        if len(live) < len(rows):
+            logits = logits[mx.array(live)] if live else None
+        if logits is not None:
+            self.pending = self._sample([rows[i] for i in live], logits)
+            if not self.pipelined and self.pending:
+                pending, self.pending = self.pending, None
+                self._hand_out(pending)
+
+    def _inputs(self, rows: list[Sequence], pending: Pending | None) -> list[int] | mx.array:
+        """Each row's input token: its pick of the last step (``pending``'s, still being
+        computed), else the last of its prompt or of its tokens."""
+        at = {s: i for i, s in enumerate(pending.rows)} if pending else {}
+        if not any(s in at for s in rows):
+            tokens = [s.tokens[-1] if s.tokens else s.prompt[-1] for s in rows]
+            if self.peers:
+                self.peers.send(DECODE, [s.key for s in rows], tokens)
+            return tokens
+        held = [at[s] for s in rows if s in at]  # the batch keeps held rows first, in order
+        picks = pending.picks
+        if held != list(range(len(pending.rows))):
+            picks = picks[mx.array(held)]
+        new = [s.prompt[-1] for s in rows[len(held) :]]
+        return mx.concatenate([picks, mx.array(new, dtype=picks.dtype)]) if new else picks
+
+    def _hand_out(self, p: Pending):
+        """A sampled step's tokens (and log-probabilities) to their sequences, and the ends
+        they bring: a sequence still in the batch is snapshotted (its row holds the tokens
+        it was fed) and leaves."""
+        tokens = p.picks.tolist()
+        for i, entry in p.entries():
+            p.rows[i].token_logprobs.append(entry)
+        ends = []
+        for s, t in zip(p.rows, tokens):
+            if s.ended.is_set():  # cancelled since it was sampled
+                continue
+            if reason := self._emit(s, t):
+                ends.append((s, reason))
+        held = set(self.batch.members)
+        for s, _ in ends:
+            if s in held and len(s.tokens) > 1:
+                self._keep(s)
         self._leave([s for s, _ in ends])
-        for s, event in ends:
-            s.end(*event)
+        for s, reason in ends:
+            s.end("done", reason)
 
     @staticmethod
     def _own_cache(s: Sequence) -> list:
         cache, s.cache = s.cache, None  # its rows now live in the batch
         return cache
 
-    def _sample(self, rows: list[Sequence], logits: mx.array) -> tuple[mx.array, dict, dict]:
-        """One token per row, [B] int, ``{row: logprobs [1, V]}`` of the rows that ask
-        for log-probabilities, and ``{sequence: Failure}`` of the rows whose own processors
-        raised (their token is a stand-in, never handed out). Rows with processors of their
-        own or sampling parameters are picked one by one, the rest by one argmax."""
+    def _sample(self, rows: list[Sequence], logits: mx.array) -> Pending | None:
+        """This step's picks for ``rows`` (queued to compute: ``mx.async_eval``), with the
+        log-probabilities of the rows that ask for them. Rows with processors of their own
+        or sampling parameters are picked one by one, the rest by one argmax; a row whose
+        own processors raise ends now, alone (``Failure``), and leaves the batch."""
         for p in self.processors:
             logits = p(None, logits)
         alone = [i for i, s in enumerate(rows) if s.processors or not s.sampling.greedy]
@@ -821,25 +951,43 @@ class Engine:
         for i, s in enumerate(rows):
             if s.logprobs is not None and i not in alone:
                 logprobs[i] = log_softmax(logits[i : i + 1].astype(mx.float32))
-        if not alone:
-            return _greedy(logits), logprobs, {}
         picks = [None] * len(rows)
-        rest = sorted(set(range(len(rows))) - set(alone))
-        if rest:
-            chosen = _greedy(logits[mx.array(rest)])
-            for j, i in enumerate(rest):
-                picks[i] = chosen[j : j + 1]
+        if alone:
+            rest = sorted(set(range(len(rows))) - set(alone))
+            if rest:
+                chosen = _greedy(logits[mx.array(rest)])
+                for j, i in enumerate(rest):
+                    picks[i] = chosen[j : j + 1]
         failed = {}
         for i in alone:
             try:
                 picks[i], lp = self._pick(rows[i], logits[i : i + 1])
             except Exception as e:  # its own processors: it alone ends
                 log.info("a sequence's logits processor failed: %s", e)
-                failed[rows[i]] = Failure.of(e, own=True)
-                picks[i], lp = mx.zeros((1,), dtype=mx.uint32), None
-            if rows[i].logprobs is not None and lp is not None:
+                failed[i] = Failure.of(e, own=True)
+                continue
+            if rows[i].logprobs is not None:
                 logprobs[i] = lp
-        return mx.concatenate(picks), logprobs, failed
+        if failed:
+            self._leave([rows[i] for i in failed])
+            for i, failure in failed.items():
+                rows[i].end("error", failure)
+        keep = [i for i in range(len(rows)) if i not in failed]
+        if not alone:
+            chosen = _greedy(logits)
+        else:
+            chosen = mx.concatenate([picks[i] for i in keep]) if keep else None
+        pending = Pending([rows[i] for i in keep], chosen)
+        where = {i: j for j, i in enumerate(keep)}
+        by_top: dict[int, list[int]] = {}  # one evaluation per number of alternatives
+        for i in logprobs:
+            by_top.setdefault(rows[i].logprobs, []).append(where[i])
+        for top, idx in by_top.items():
+            lps = mx.concatenate([logprobs[keep[j]] for j in idx])
+            pending.logprobs.append((idx, logprob_arrays(lps, chosen[mx.array(idx)], top)))
+        if keep:
+            mx.async_eval(chosen, *(a for _, arrays in pending.logprobs for a in arrays))
+        return pending if keep else None
 
     @staticmethod
     def _pick(s: Sequence, logits: mx.array) -> tuple[mx.array, mx.array]:
@@ -856,21 +1004,17 @@ class Engine:
 
     def _emit(self, s: Sequence, token: int) -> str | None:
         """Hand ``token`` to ``s``; the reason it ends (``"stop"``, ``"length"``), if it does."""
-        if not s.tokens:  # its row holds exactly the prompt
-            self._keep(s, s.prompt)
         s.tokens.append(token)
         if token in s.stop_ids:
-            reason = "stop"
-        else:
-            s.out.put(("token", token))
-            reason = "length" if len(s.tokens) >= s.max_tokens else None
-        if reason and len(s.tokens) > 1:  # its row holds the prompt and all but the last
-            self._keep(s, s.prompt + s.tokens[:-1])
-        return reason
+            return "stop"
+        s.out.put(("token", token))
+        return "length" if len(s.tokens) >= s.max_tokens else None
 
-    def _keep(self, s: Sequence, tokens: list[int]):
-        """Snapshot ``s``'s row, which holds ``tokens``, for prefix reuse."""
+    def _keep(self, s: Sequence):
+        """Snapshot ``s``'s row for prefix reuse, under the tokens it holds (its prompt,
+        then the tokens it was fed), the copy queued to compute."""
         if self.prefixes.max_bytes:
+            held = self.batch.lengths[self.batch.members.index(s)]
             snap = self.batch.snapshot(s)
-            mx.eval([a for _, *arrays in snap for a in arrays if a is not None])
-            self.prefixes.put(tokens, snap)
+            mx.async_eval([a for _, *arrays in snap for a in arrays if a is not None])
+            self.prefixes.put((s.prompt + s.tokens)[:held], snap)
