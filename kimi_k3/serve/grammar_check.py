@@ -199,7 +199,9 @@ class GrammarChecker:
     ):
         header = json.dumps({"tokenizer": tokenizer_json, "eos": list(eos)}).encode() + b"\n"
         self.seconds = seconds
-        self.free: queue.Queue[Worker] = queue.Queue()
+        # the worker used last first: one started is reused, another starts only for a
+        # grammar that comes while every started one is busy
+        self.free: queue.LifoQueue[Worker] = queue.LifoQueue()
         for _ in range(workers):
             self.free.put(Worker(header, memory))
 
