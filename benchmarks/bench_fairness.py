@@ -14,15 +14,15 @@ other in one invocation:
 - without them: every slot may take a long prompt (``--max-long-prefills`` =
   ``--max-batch``) and chunks are bounded in tokens only (``--prefill-step-seconds 0``).
 
-For each N in ``--counts``: N completions of ``--long`` distinct token ids each (1 token
-of reply) are sent together; once the engine runs them (``/health``), ``--short`` one-line
-chats (1 token of reply) are sent one after another, each timed from its send to its
-answer (its time to first token). Then the same N long prompts (other ids: no prefix
-reuse) are sent with no chat beside them. The table gives the chat's median and largest
-time, its time alone, and the long prompts' wall time (the last one's answer) with and
-without the chats beside them. A row whose long prompts all ended before the last chat
-says so (raise ``--long``). One untimed long prompt and chat first (the first passes of
-each shape compile).
+For each N in ``--counts``, ``--rounds`` times: N completions of ``--long`` distinct token
+ids each (1 token of reply) are sent together; once the engine runs them (``/health``),
+``--short`` one-line chats (1 token of reply) are sent one after another, each timed from
+its send to its answer (its time to first token). Then N long prompts (other ids: no
+prefix reuse) are sent with no chat beside them. The table gives the chats' median and
+largest time over the rounds, a chat's time alone, and the long prompts' wall time (the
+last one's answer) with and without the chats beside them: medians and ranges. A row
+whose long prompts all ended before the last chat of a round says so (raise ``--long``).
+One untimed long prompt and chat first (the first passes of each shape compile).
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--counts", type=int, nargs="+", default=[1, 4, 8], help="long prompts sent together"
     )
     p.add_argument("--short", type=int, default=3, help="chats timed beside each set")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds of each count, with the chats and without"
+    )
+    p.add_argument(
+        "--defaults-only",
+        action="store_true",
+        help="the server's defaults only (a server of another version, say)",
+    )
     p.add_argument("--quick", action="store_true", help="a tiny synthetic model, small counts")
     p.add_argument("--out", help="also write the table here")
     return p
@@ -104,25 +112,31 @@ def measure(path: Path, a, vocab: int) -> str:
         ],
     }
     rows = []
-    for name, flags in settings.items():
+    for name, flags in list(settings.items())[: 1 if a.defaults_only else None]:
         prompts = Prompts(vocab, a.long)
         with Server(path, None, "--max-batch", MAX_BATCH, *flags) as server:
             long_prompts(server, prompts, 1, 1)  # warm-up: each shape's first passes compile
             alone = statistics.median(latency(lambda s=server: chat(s)) for _ in range(3))
             for n in a.counts:
-                beside = long_prompts(server, prompts, n, a.short)
-                quiet = long_prompts(server, prompts, n, 0)
-                note = "" if beside["overlapped"] else " (the long prompts ended first)"
+                times, quiet, beside, overlapped = [], [], [], True
+                for _ in range(a.rounds):  # each round: with the chats, then without
+                    r = long_prompts(server, prompts, n, a.short)
+                    times += r["times"]
+                    beside.append(r["long_s"])
+                    overlapped = overlapped and r["overlapped"]
+                    quiet.append(long_prompts(server, prompts, n, 0)["long_s"])
+                note = "" if overlapped else " (the long prompts ended first)"
+                mid_quiet, mid_beside = statistics.median(quiet), statistics.median(beside)
                 rows.append(
                     [
                         name + note,
                         n,
                         f"{alone:.2f}",
-                        f"{statistics.median(beside['times']):.2f}",
-                        f"{max(beside['times']):.2f}",
-                        f"{quiet['long_s']:.1f}",
-                        f"{beside['long_s']:.1f}",
-                        f"{beside['long_s'] / quiet['long_s']:.2f}x",
+                        f"{statistics.median(times):.2f}",
+                        f"{max(times):.2f}",
+                        f"{mid_quiet:.1f} ({min(quiet):.1f}-{max(quiet):.1f})",
+                        f"{mid_beside:.1f} ({min(beside):.1f}-{max(beside):.1f})",
+                        f"{mid_beside / mid_quiet:.2f}x",
                     ]
                 )
     header = [
@@ -131,8 +145,8 @@ def measure(path: Path, a, vocab: int) -> str:
         "chat alone, s",
         "chat beside them: median s",
         "largest s",
-        "long prompts alone, s",
-        "with the chats, s",
+        "long prompts alone, s (range)",
+        "with the chats, s (range)",
         "cost",
     ]
     return markdown_table(header, rows)
@@ -145,7 +159,7 @@ def main(argv: list[str] | None = None) -> str:
             from kimi_k3.convert.synth import write_checkpoint
 
             path = write_checkpoint(Path(tmp) / "ckpt", "tiny")
-            a.long, a.short, a.counts = min(a.long, 600), min(a.short, 2), [1, 2]
+            a.long, a.short, a.counts, a.rounds = min(a.long, 600), min(a.short, 2), [1, 2], 1
         elif a.model:
             path = Path(a.model)
         else:

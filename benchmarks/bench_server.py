@@ -8,7 +8,8 @@ temporary directory and served by ``python -m kimi_k3.server`` on 127.0.0.1 with
 experts streamed into a cache of a quarter of their bytes (``--cache-fraction``).
 Everything goes over HTTP:
 
-- throughput: N clients (1, 4, 8) each send one completion of ``--tokens`` tokens at once;
+- throughput: N clients (1, 4, 8) each send one completion of ``--tokens`` tokens at once
+  (the stop ids biased away with ``logit_bias``, so that every reply has them all);
   aggregate tokens/s is every reply's tokens over the wall time of the slowest; ``--rounds``
   interleaved rounds of 1, 4 and 8 clients after ``--warmup`` untimed ones (each batch
   size's first steps compile what later ones reuse, for the server and the forward alone
@@ -26,6 +27,12 @@ Everything goes over HTTP:
 - load: ``--requests`` requests from 16 threads, each with a time limit, against a server
   that runs 4 sequences and queues 4 more; every request must be answered (200) or
   refused (429), and the server must answer ``/health`` and one more request afterwards.
+
+``--profile`` instead shows where a decode step's time goes, in this process, for 1, 4 and
+8 sequences, with and without log-probabilities: ms per step of the forward alone and of
+the engine (as the server makes it) with and without the overlap of the host's work and
+the device's, and the engine's host time per step by part (``StepClock``), streamed and
+resident.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from benchmarks import timing
 from kimi_k3.cli import markdown_table
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.default_model import expert_bytes
+from kimi_k3.text.tokenizer import stop_ids
 
 
 def free_port() -> int:
@@ -146,11 +154,17 @@ def client_prompts(clients: int) -> list[str]:
     return [f"Client {i} asks about attention residuals." for i in range(clients)]
 
 
-def throughput(server: Server, clients: int, tokens: int) -> tuple[float, int]:
-    """(aggregate tokens/s, tokens) of ``clients`` completions sent together."""
+def throughput(server: Server, clients: int, tokens: int, stops: list[int]) -> tuple[float, int]:
+    """(aggregate tokens/s, tokens) of ``clients`` completions sent together, each of
+    ``tokens`` tokens: its ``stops`` (the stop ids) biased away, so that no reply ends
+    early (the forward alone decodes every row to the end)."""
     prompts = client_prompts(clients)
+    bias = {str(i): -100 for i in stops}
+    body = {"max_tokens": tokens, "logit_bias": bias}
     t0 = time.perf_counter()
-    replies = in_threads([lambda p=p: completion(server, p, tokens) for p in prompts])
+    replies = in_threads(
+        [lambda p=p: server.post("/v1/completions", {**body, "prompt": p}) for p in prompts]
+    )
     seconds = time.perf_counter() - t0
     made = sum(body["usage"]["completion_tokens"] for status, body in replies if status == 200)
     return made / seconds, made
@@ -315,7 +329,8 @@ def throughput_table(
     alone = {n: [] for n in CLIENTS}
     for r in range(warmup + rounds):  # interleaved: a slow spell hits every N alike
         for n in CLIENTS:
-            served, direct = throughput(server, n, tokens), forward.rate(n, tokens)
+            served = throughput(server, n, tokens, stop_ids(forward.tokenizer))
+            direct = forward.rate(n, tokens)
             if r >= warmup:
                 runs[n].append(served)
                 alone[n].append(direct)

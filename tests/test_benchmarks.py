@@ -329,7 +329,8 @@ def test_bench_fairness_quick():
     assert [r["long prompts"] for r in rows] == ["1", "2"] * 2
     assert rows[0]["scheduling"].startswith("server's defaults")
     for r in rows:
-        assert number(r["chat beside them: median s"]) > 0 < number(r["long prompts alone, s"])
+        assert number(r["chat beside them: median s"]) > 0
+        assert number(r["long prompts alone, s (range)"].split(" (")[0]) > 0
 
 
 @pytest.mark.slow

@@ -199,6 +199,29 @@ def test_overlapped_steps_give_what_steps_one_after_another_give(tiny, prompts):
     assert results[True] == results[False]
 
 
+def test_logit_bias_is_added_to_the_whole_batch_as_mlx_lm_adds_it(tiny, prompts):
+    """Sequences with a ``logit_bias`` decoded beside one without (one scatter for the
+    batch, the greedy rows still one argmax) give what mlx-lm's ``logit_bias`` processor
+    gives each alone."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    plain = [run(Engine(tiny[0], reuse_bytes=0), [p], n=8)[0][0] for p in prompts[:3]]
+    bias = {plain[0][0]: -100.0, plain[2][0]: -100.0, 7: 4.0}
+    want = []
+    for p in prompts[:3]:
+        procs = make_logits_processors(logit_bias=bias)
+        want.append([r.token for r in stream_generate(*tiny, p, 8, logits_processors=procs)])
+    assert want[0] != plain[0]
+    e = Engine(tiny[0], reuse_bytes=0)
+    try:
+        seqs = [Sequence(prompts[i], 8, logit_bias=bias if i != 1 else None) for i in range(3)]
+        for q in seqs:
+            e.submit(q)
+        assert [collect(q)[0] for q in seqs] == [want[0], plain[1], want[2]]
+    finally:
+        e.stop()
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny, prompts):
     """A seeded sequence draws from a key of its own: the same tokens alone, beside greedy
     and other seeded sequences, and again; another seed draws others."""

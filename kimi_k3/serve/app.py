@@ -377,8 +377,7 @@ def make_sequence(job: Job, state: ServerState, events: Events):
     """The engine's sequence for ``job``, its events going to ``events`` (the engine keeps
     reserved ids out of every reply: ``serve_model``)."""
     s = job.sampling
-    processors = make_logits_processors(
-        logit_bias=job.logit_bias or None,
+    processors = make_logits_processors(  # after logit_bias, which the engine adds
         presence_penalty=s["presence_penalty"] or None,
         frequency_penalty=s["frequency_penalty"] or None,
     )
@@ -391,6 +390,7 @@ def make_sequence(job: Job, state: ServerState, events: Events):
         sampling=sampling,
         processors=processors,
         stop_ids=state.stop_ids,
+        logit_bias=job.logit_bias or None,
         out=events,
         logprobs=job.logprobs,
         prompt_logprobs=job.logprobs if job.echo else None,

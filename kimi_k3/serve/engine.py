@@ -144,8 +144,10 @@ class Sequence:
     ``ended`` is set (a reader that needs only the whole reply waits on it instead of
     waking at every token).
 
-    ``processors``: mlx-lm logits processors of this sequence (``(tokens, logits) ->
-    logits``), after the engine's shared ones.
+    ``logit_bias``: ``{token id: bias}`` added to this sequence's logits after the engine's
+    shared processors, for every row of a step at once (as mlx-lm's ``logit_bias``
+    processor adds it); ``processors``: mlx-lm logits processors of this sequence
+    (``(tokens, logits) -> logits``), after those.
 
     ``logprobs`` (None: off) asks for each generated token's log-probability and the
     ``logprobs`` likeliest alternatives (0: none), appended to ``token_logprobs`` before the
@@ -162,6 +164,8 @@ class Sequence:
     sampling: Sampling = Sampling()
     processors: list = field(default_factory=list)
     stop_ids: frozenset = frozenset()
+    logit_bias: dict[int, float] | None = None
+    _bias: tuple | None = field(default=None, init=False, repr=False)  # its arrays, made once
     out: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)
@@ -179,6 +183,12 @@ class Sequence:
 
     def cancel(self):
         self.cancelled.set()
+
+    def bias_arrays(self) -> tuple[mx.array, mx.array]:
+        """``logit_bias`` as ids [K] and values [K]."""
+        if self._bias is None:
+            self._bias = (mx.array(list(self.logit_bias)), mx.array(list(self.logit_bias.values())))
+        return self._bias
 
     def end(self, kind: str, value):
         """The last event: ``("done", reason)`` or ``("error", Failure)``."""
@@ -604,6 +614,17 @@ def _greedy(logits: mx.array) -> mx.array:
     return mx.argmax(log_softmax(logits), axis=-1)
 
 
+def _biased(rows: list[Sequence], logits: mx.array) -> mx.array:
+    """``logits`` [B, V] with each row's ``logit_bias`` added, all rows in one scatter."""
+    biased = [(i, s.bias_arrays()) for i, s in enumerate(rows) if s.logit_bias]
+    if not biased:
+        return logits
+    where = mx.concatenate([mx.full(ids.shape, i, dtype=mx.int32) for i, (ids, _) in biased])
+    ids = mx.concatenate([ids for _, (ids, _) in biased])
+    values = mx.concatenate([values for _, (_, values) in biased])
+    return logits.at[where, ids].add(values)
+
+
 class Engine:
     """Runs sequences on ``model`` in a thread of its own; see the module docstring.
 
@@ -946,6 +967,7 @@ class Engine:
         own processors raise ends now, alone (``Failure``), and leaves the batch."""
         for p in self.processors:
             logits = p(None, logits)
+        logits = _biased(rows, logits)
         alone = [i for i, s in enumerate(rows) if s.processors or not s.sampling.greedy]
         logprobs = {}
         for i, s in enumerate(rows):
