@@ -729,6 +729,39 @@ def test_bad_flags_exit_2(argv, flag, capsys):
 # Streamed replies, without a server.
 
 
+def test_events_reach_the_loop_in_order_and_none_is_lost():
+    """The engine's thread puts a stream's events while the loop takes them (wake-ups
+    coalesced: one on its way takes every event put before it runs): every token arrives,
+    in order, then the end, however the two threads interleave."""
+    import asyncio
+    import random
+
+    from kimi_k3.serve.app import Events
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        for each in (True, False):
+            events = Events(loop, each)
+
+            async def take(events=events):
+                return [item async for item in events]
+
+            taken = asyncio.run_coroutine_threadsafe(take(), loop)
+            rng = random.Random(0)
+            for i in range(3000):
+                events.put(("token", i))
+                if rng.random() < 0.01:
+                    time.sleep(0.0005)
+            events.put(("done", "length"))
+            got = taken.result(timeout=60)
+            assert got == [("token", i) for i in range(3000)] + [("done", "length")]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(timeout=10)
+
+
 @pytest.mark.parametrize("stop", [[], ["zz q"], ["q", "zz q"], ["中文", "nowhere"]])
 def test_stream_deltas_add_up_to_the_whole_reply(tok, stop):
     """A 4000-token chat reply streamed id by id (``StreamChunks`` over ``ReplyText``, no

@@ -246,20 +246,28 @@ def check_model(state: ServerState, name: str):
 
 class Events:
     """A sequence's engine events, handed from the engine's thread to the event loop.
-    ``each``: wake the loop at every token (streams, stop strings); else only at the end."""
+    ``each``: wake the loop at every token (streams, stop strings); else only at the end.
+    A wake-up already on its way to the loop takes the events put before it runs: the
+    engine's thread asks for another only once the loop has taken it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, each: bool):
         self.loop, self.each = loop, each
         self.items: deque = deque()
         self.ready = asyncio.Event()
+        self.waking = False  # a wake-up is on its way to the loop
 
     def put(self, item):  # the engine's thread
         self.items.append(item)
-        if self.each or item[0] != "token":
+        if (self.each or item[0] != "token") and not self.waking:
+            self.waking = True
             try:
-                self.loop.call_soon_threadsafe(self.ready.set)
+                self.loop.call_soon_threadsafe(self._wake)
             except RuntimeError:  # the loop has closed: the server is stopping
                 pass
+
+    def _wake(self):  # the loop's thread
+        self.waking = False
+        self.ready.set()
 
     async def __aiter__(self):
         """Events until the last (``done`` or ``error``)."""

@@ -759,7 +759,8 @@ class Engine:
         self._leave(seqs)
         for s in seqs:
             s.cache = None
-            s.end("error", failure)
+            if not s.ended.is_set():  # one its step handed out may have ended already
+                s.end("error", failure)
 
     def _long(self, s: Sequence, fed: int | None = None) -> bool:
         """``s`` has more than ``prefill_step_size`` prompt tokens left to prefill."""
@@ -786,9 +787,14 @@ class Engine:
                     continue
                 prefilling += 1
             s.key, self.keys = self.keys, self.keys + 1
-            s.cache = fresh_cache(self.model) if snap is None else restore(self.model, snap)
+            try:
+                s.cache = fresh_cache(self.model) if snap is None else restore(self.model, snap)
+                s.rng = s.sampling.key()
+            except Exception as e:  # its own start: it alone ends
+                log.exception("a sequence could not start")
+                s.end("error", Failure.of(e))
+                continue
             s.fed = s.reused = reused
-            s.rng = s.sampling.key()
             self.active.append(s)
         self.waiting.extendleft(reversed(held))
 
