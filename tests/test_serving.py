@@ -263,17 +263,19 @@ def test_short_request_overtakes_a_long_prefill(tiny, prompts):
 
 
 class PassClock:
-    """A clock that a prefill pass advances by ``per_token`` seconds a token fed: the
-    engine's measured rates are what the test sets, whatever the machine."""
+    """A clock that a prefill pass advances by ``per_token`` seconds a token fed, or by
+    ``cost(tokens)``: the engine's measured pass times are what the test sets, whatever
+    the machine."""
 
-    def __init__(self, monkeypatch, per_token: float):
+    def __init__(self, monkeypatch, per_token: float = 0.0, cost=None):
         self.now, self.chunks = 0.0, []
+        cost = cost or (lambda tokens: per_token * tokens)
         prefill = serving.prefill
 
         def timed(m, caches, chunks):
             prefill(m, caches, chunks)
             self.chunks.append(len(chunks[0]))
-            self.now += per_token * sum(map(len, chunks))
+            self.now += cost(sum(map(len, chunks)))
 
         monkeypatch.setattr(serving, "prefill", timed)
 
@@ -281,22 +283,24 @@ class PassClock:
         return self.now
 
 
-def test_prefill_chunks_are_bounded_in_time(tiny, prompts, monkeypatch):
-    """After a prompt's first pass, its chunks hold what its measured rate feeds in
-    ``prefill_step_seconds`` (at least ``MIN_CHUNK``), and it decodes what it decodes
-    with whole chunks."""
-    clock = PassClock(monkeypatch, per_token=1 / 128)  # 128 tokens a second, exact in binary
+def test_prefill_chunks_are_sized_by_their_measured_times(tiny, prompts, monkeypatch):
+    """A long prompt's chunk sizes (``MIN_CHUNK`` doubled up to ``prefill_step_size``) are
+    tried from the smallest up while each, scaled from the one below, would fit
+    ``prefill_step_seconds``; then the size that fits and fed the most tokens a second is
+    kept (the largest, at equal rates); ``MIN_CHUNK`` where none fits; whole chunks
+    without a bound. It decodes what it decodes with whole chunks."""
+    clock = PassClock(monkeypatch, per_token=1 / 128)  # 16 tokens: 0.125 s, 32: 0.25, 64: 0.5
     long = prompts[0] * 12
     e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=64, prefill_step_seconds=0.25)
     e.clock = clock
     try:
         bounded = run(e, [long], n=4)
-        assert clock.chunks[0] == 64  # no rate before the first pass
-        assert set(clock.chunks[1:-1]) == {32}  # 128 tokens/s x 0.25 s
+        assert clock.chunks[:2] == [16, 32] and set(clock.chunks[2:-1]) == {32}
+        assert e.pass_times == {16: 0.125, 32: 0.25}
         clock.chunks.clear()
-        e.prefill_step_seconds = 1 / 16  # 8 tokens: raised to MIN_CHUNK
+        e.prefill_step_seconds = 1 / 16  # none fits
         assert run(e, [long], n=4) == bounded
-        assert set(clock.chunks[1:-1]) == {Engine.MIN_CHUNK}
+        assert set(clock.chunks[:-1]) == {Engine.MIN_CHUNK}
         clock.chunks.clear()
         e.prefill_step_seconds = None
         assert run(e, [long], n=4) == bounded
@@ -305,16 +309,31 @@ def test_prefill_chunks_are_bounded_in_time(tiny, prompts, monkeypatch):
         e.stop()
 
 
+def test_a_chunk_size_that_costs_less_per_token_is_kept(tiny, prompts, monkeypatch):
+    """Where a pass of 16 tokens costs 0.05 s and one of more costs 0.4 s and more (as on
+    MLX's CPU backend, where the expert and attention paths change with the tokens of a
+    pass), 32 is tried once and 16 kept: it feeds the most tokens a second."""
+    clock = PassClock(monkeypatch, cost=lambda n: 0.05 if n <= 16 else 0.4 + n / 128)
+    e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=64, prefill_step_seconds=0.5)
+    e.clock = clock
+    try:
+        assert run(e, [prompts[0] * 12], n=2)[0][1] == "length"
+        assert clock.chunks[:2] == [16, 32] and set(clock.chunks[2:-1]) == {16}
+    finally:
+        e.stop()
+
+
 def test_a_request_arriving_mid_prefill_waits_one_bounded_pass(tiny, prompts, monkeypatch):
-    """A short request submitted while a long prompt is prefilling gets its first token
-    after a few of the long prompt's bounded passes, long before the long prompt is in."""
+    """A short request submitted while a long prompt is prefilling (in chunks of 32, what
+    fits 0.25 s here) gets its first token after a few of its passes, long before the
+    long prompt is in."""
     clock = PassClock(monkeypatch, per_token=1 / 128)
     long, short = sequence(prompts[0] * 40, n=2), sequence(prompts[1], n=2)
     e = Engine(tiny[0], reuse_bytes=0, prefill_step_size=256, prefill_step_seconds=0.25)
     e.clock = clock
     try:
         e.submit(long)
-        while long.fed < 256 + 32:  # its first pass and at least one bounded one
+        while long.fed < 16 + 32 + 32:  # its sizes tried (16, 32), and one pass of 32
             assert long.out.empty()
             threading.Event().wait(0.01)
         fed_at_submit = long.fed
@@ -330,26 +349,25 @@ def test_a_request_arriving_mid_prefill_waits_one_bounded_pass(tiny, prompts, mo
 
 
 def test_long_prompts_share_a_step_and_a_short_one_goes_first(tiny, prompts):
-    """A step's chunks, the fewest tokens left first: after the first chunk, each is cut to
-    what its prompt's rate feeds in the time left of ``prefill_step_seconds``, and a prompt
-    whose chunk would be below ``MIN_CHUNK`` waits; a prompt with no rate of its own takes
-    the engine's last."""
-    e = Engine(tiny[0], start=False, prefill_step_size=512, prefill_step_seconds=0.5)
+    """A step's chunks, the fewest tokens left first: a short prompt whole, then each long
+    prompt a chunk of the size that fits the time left of ``prefill_step_seconds`` and fed
+    the most tokens a second (the largest, at equal rates), or none where no size fits."""
+    e = Engine(tiny[0], start=False, prefill_step_size=512, prefill_step_seconds=0.625)
     long_a, long_b = sequence(prompts[0] * 60), sequence(prompts[3] * 60)
     short = sequence(prompts[1])
     for s in (long_a, long_b, short):
         e.submit(s)
     e._admit()
-    long_a.fed, long_a.prefill_rate = 100, 200.0  # 200 tokens a second: 100 in 0.5 s
-    long_b.fed, long_b.prefill_rate = 40, 400.0
+    long_a.fed, long_b.fed = 100, 40
     assert len(long_a.prompt) - long_a.fed < len(long_b.prompt) - long_b.fed
-    e.prefill_rate = 400.0  # the last pass's: the short prompt's estimate
+    e.pass_times = {n: n / 256 for n in e.chunk_sizes}  # 256 tokens a second, every size
     left = len(short.prompt) - 1
-    assert e._prefill_plan() == [([short], left), ([long_a], int((0.5 - left / 400) * 200))]
+    assert left <= 16  # the short prompt leaves 0.625 - left / 256 s: 128 tokens, then 16
+    assert e._prefill_plan() == [([short], left), ([long_a], 128), ([long_b], 16)]
     short.fed = left  # prefilled
-    assert e._prefill_plan() == [([long_a], 100)]  # no time left for long_b
-    long_a.fed = len(long_a.prompt) - 1
-    assert e._prefill_plan() == [([long_b], 200)]
+    assert e._prefill_plan() == [([long_a], 128), ([long_b], 32)]
+    e.pass_times[16] = 1 / 64  # 16 tokens for less a token than any other size
+    assert e._prefill_plan() == [([long_a], 16), ([long_b], 16)]
 
 
 def test_a_short_request_is_not_held_behind_long_prompts(tiny, prompts, monkeypatch):
@@ -374,7 +392,7 @@ def test_a_short_request_is_not_held_behind_long_prompts(tiny, prompts, monkeypa
         longs = [sequence(prompts[i % 2 * 3] * (6 + i), n=2) for i in range(4)]
         for s in longs:
             e.submit(s)
-        while not e.prefill_rate:
+        while not e.pass_times:
             threading.Event().wait(0.01)
         short = sequence(prompts[1], n=2)
         e.submit(short)

@@ -8,10 +8,10 @@ short prompts is prefilled in one step; chunks of one length after as many token
 through in one pass), and decodes one token for every sequence whose prompt is in its
 cache, all in one batched forward pass (with streamed experts, the union of the batch's
 experts is read once). The chunks that finish their prompts run before the decode step, the
-others after it. A long prompt's chunks are bounded in time by its measured rate (its
-passes slow as its context grows, and a request that arrives meanwhile waits for the pass
-in flight), and at most ``max_long_prefills`` long prompts are prefilling at once, so a
-short request finds a free slot while long prompts prefill (``_admit``). Sequences join
+others after it. A long prompt's chunks are bounded in time by their passes' measured
+times (its passes slow as its context grows, and a request that arrives meanwhile waits for
+the pass in flight), and at most ``max_long_prefills`` long prompts are prefilling at once,
+so a short request finds a free slot while long prompts prefill (``_admit``). Sequences join
 the batch at step boundaries and leave it when they finish or are cancelled; an idle engine
 that gets a request waits a moment for the rest of its burst (``_gather``).
 
@@ -175,7 +175,6 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     reused: int = 0  # prompt tokens restored from a snapshot
     rng: mx.array | None = None  # the next random key (seeded sampling)
-    prefill_rate: float | None = None  # prompt tokens a second in its last prefill pass
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     token_logprobs: list = field(default_factory=list)  # (logprob, [(id, logprob), ...])
@@ -636,7 +635,8 @@ class Engine:
     them). With ``start`` the loop runs in a thread of its own; otherwise the caller runs
     ``run()`` (the server runs it in the main thread: MLX's compiled functions used from
     another thread abort the process at exit). ``prefill_step_seconds`` bounds a step's
-    prompt chunks by their measured rates (at least ``MIN_CHUNK`` tokens; None: no bound);
+    prompt chunks by their passes' measured times (at least ``MIN_CHUNK`` tokens; None:
+    no bound);
     ``max_long_prefills`` long prompts prefill at once (``_admit``; default half the
     batch); ``overlap`` runs the host's work of a step beside the next step's forward pass
     (``_decode``). An engine with nothing to do that gets a request waits until none more
@@ -666,7 +666,7 @@ class Engine:
         self.model = model
         self.max_batch, self.max_waiting = max_batch, max_waiting
         self.max_long_prefills = max_long_prefills or max(1, max_batch // 2)
-        self.prefill_rate: float | None = None  # prompt tokens a second, the last pass
+        self.pass_times: dict[int, float] = {}  # chunk size -> a sequence's last pass, s
         self.prefill_step_size = prefill_step_size
         self.prefill_step_seconds, self.clock = prefill_step_seconds, clock
         self.processors = list(processors or [])
@@ -825,47 +825,78 @@ class Engine:
         """This step's prompt chunks, ``prefill_step_size`` tokens and about
         ``prefill_step_seconds`` in all, the prompts with the fewest tokens left first:
         ``(sequences, n)``, the sequences that feed ``n`` tokens after as many tokens fed
-        (one pass for them all). A chunk that finishes its prompt is bounded by the
-        token budget alone (a burst of short prompts is prefilled in one step); after the
-        step's first chunk, one that does not is cut to what its prompt's measured rate
-        (prompt tokens a second, of all the sequences in a pass) feeds in the time left,
-        and waits if that is below ``MIN_CHUNK`` (a prompt joining a pass waits if its
-        share does not fit), so several long prompts share a step's time rather than each
-        taking its own. A prompt that the token budget would cut
-        waits for the next step when another at the same point got its whole chunk (so
-        the two go in one pass there, not in two uneven ones)."""
+        (one pass for them all). A prompt whose rest fits in one pass, in tokens and in the
+        time left (``_pass_time``), takes it whole; a longer one takes a chunk of the size
+        whose pass fits the time left (``_chunk_size``), and waits if none does (after the
+        step's first chunk), so several long prompts share a step's time rather than each
+        taking its own. Joining a pass another prompt at the same point takes costs no
+        time (a burst of short prompts is prefilled in one pass). A prompt that the token
+        budget would cut waits for the next step when another at the same point got its
+        whole chunk (so the two go in one pass there, not in two uneven ones)."""
         budget, seconds, groups = self.prefill_step_size, self.prefill_step_seconds, {}
         waiting = [s for s in self.active if not s.prefilled]
         for s in sorted(waiting, key=lambda s: len(s.prompt) - s.fed):
-            left = min(len(s.prompt) - 1 - s.fed, self._chunk_cap(s))
-            if budget <= 0 or (budget < left and (s.fed, left) in groups):
+            left = len(s.prompt) - 1 - s.fed
+            if seconds is None:
+                n = min(left, self.prefill_step_size)
+            elif (s.fed, left) in groups or (
+                left <= self.prefill_step_size and self._pass_time(left) <= seconds
+            ):
+                n = left
+            else:
+                n = min(left, self._chunk_size(seconds, first=not groups))
+            if not n or budget <= 0 or (budget < n and (s.fed, n) in groups):
                 continue
-            n = min(budget, left)
-            rate = s.prefill_rate or self.prefill_rate
-            finishes = s.fed + n >= len(s.prompt) - 1
-            if groups and seconds is not None and not finishes:  # the time left
-                if rate is None:
-                    continue
-                if (s.fed, n) not in groups:
-                    n = min(n, int(seconds * rate))
-                    if n < min(left, self.MIN_CHUNK):
-                        continue
-                elif n / rate > seconds:
-                    continue
+            n = min(n, budget)
+            if seconds is not None and (s.fed, n) not in groups:
+                seconds -= self._pass_time(n)
             groups.setdefault((s.fed, n), []).append(s)
             budget -= n
-            if seconds is not None and rate is not None:
-                seconds -= n / rate
         return [(group, n) for (_, n), group in groups.items()]
 
-    def _chunk_cap(self, s: Sequence) -> int:
-        """The most prompt tokens ``s`` feeds in one pass: what its last pass's rate (the
-        engine's last pass's, before its first) feeds in ``prefill_step_seconds``, at least
-        ``MIN_CHUNK`` (no bound before any pass)."""
-        rate = s.prefill_rate or self.prefill_rate
-        if self.prefill_step_seconds is None or rate is None:
+    @property
+    def chunk_sizes(self) -> list[int]:
+        """The chunk sizes a long prompt is fed in: ``MIN_CHUNK`` doubled up to
+        ``prefill_step_size``."""
+        sizes, n = [], self.MIN_CHUNK
+        while n < self.prefill_step_size:
+            sizes.append(n)
+            n *= 2
+        return [*sizes, self.prefill_step_size]
+
+    def _chunk_size(self, seconds: float | None, first: bool) -> int:
+        """The size of a long prompt's chunk with ``seconds`` left in the step (None: no
+        bound, ``prefill_step_size``): of the sizes whose last passes fit, the one that fed
+        the most tokens a second; before that, sizes are tried from the smallest up while
+        the one below fits and this one's time, scaled from it, would too (a pass's time
+        need not grow in proportion to its tokens: on MLX's CPU backend a 16-token pass
+        can cost a fifth of a 17-token one). 0 where none fits, unless ``first`` (the
+        step's first chunk: ``MIN_CHUNK``)."""
+        if seconds is None:
             return self.prefill_step_size
-        return max(self.MIN_CHUNK, int(rate * self.prefill_step_seconds))
+        times, below = self.pass_times, None
+        for size in self.chunk_sizes:  # a size not yet tried, where the ones below fit
+            if size not in times:
+                guess = 0.0 if below is None else times[below] * size / below
+                if guess <= seconds:
+                    return size
+                break
+            if times[size] > seconds:
+                break
+            below = size
+        fit = [n for n in self.chunk_sizes if n in times and times[n] <= seconds]
+        if fit:
+            return max(fit, key=lambda n: (n / max(times[n], 1e-9), n))
+        return self.MIN_CHUNK if first else 0
+
+    def _pass_time(self, n: int) -> float:
+        """Seconds a pass of ``n`` tokens is expected to take (a sequence's share): the
+        last time of the nearest size tried, scaled to ``n`` (0 before any)."""
+        times = self.pass_times
+        if not times:
+            return 0.0
+        near = min(times, key=lambda size: abs(size - n))
+        return times[near] * n / near
 
     def _prefill(self, group: list[Sequence], n: int):
         chunks = [s.prompt[s.fed : s.fed + n] for s in group]
@@ -873,8 +904,8 @@ class Engine:
             self.peers.send(PREFILL, [s.key for s in group], [t for c in chunks for t in c])
         start = self.clock()
         logits = prefill(self.model, [s.cache for s in group], chunks)
-        rate = n * len(group) / max(self.clock() - start, 1e-9)  # prompt tokens a second
-        self.prefill_rate = rate
+        if n in self.chunk_sizes:  # a sequence's share of the pass
+            self.pass_times[n] = (self.clock() - start) / len(group)
         for i, s in enumerate(group):
             if s.prompt_logprobs is not None:  # position j predicts prompt[fed + j + 1]
                 lp = log_softmax(logits[i].astype(mx.float32))
@@ -882,7 +913,6 @@ class Engine:
                 s.prompt_token_logprobs += token_logprobs(lp, nxt, s.prompt_logprobs)
         for s in group:
             s.fed += n
-            s.prefill_rate = rate
 
     def _decode(self, ready: list[Sequence]):
         """One decode step for ``ready``, overlapped with the host's work of the last
