@@ -90,9 +90,9 @@ LIMIT_FLAGS = [
         "--prefill-step-seconds",
         float,
         0.5,
-        "a prompt's prefill pass takes about this long at most (its chunk sized by its "
-        "measured rate), so a request arriving meanwhile waits little (0: chunks of "
-        "--prefill-step-size whatever they take)",
+        "a step's prompt chunks take about this long in all (a long prompt's chunk of the "
+        "size whose measured pass fits), so a request arriving meanwhile waits little (0: "
+        "chunks of --prefill-step-size whatever they take)",
     ),
     (
         "--max-long-prefills",
