@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> str:
             from kimi_k3.convert.synth import write_checkpoint
 
             path = write_checkpoint(Path(tmp) / "ckpt", "tiny")
-            a.long, a.short, a.counts, a.rounds = min(a.long, 600), min(a.short, 2), [1, 2], 1
+            a.long, a.short, a.counts, a.rounds = min(a.long, 300), 1, [1, 2], 1
         elif a.model:
             path = Path(a.model)
         else:

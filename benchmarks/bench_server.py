@@ -497,11 +497,13 @@ def engine_steps(forward: ForwardAlone, rows: int, tokens: int, overlap: bool, l
     return clock
 
 
-def step_profile(path: Path, cache_fraction: float | None, tokens: int, rounds: int) -> str:
+def step_profile(
+    path: Path, cache_fraction: float | None, tokens: int, rounds: int, warmup: int = 1
+) -> str:
     """Milliseconds a decode step of 1, 4 and 8 sequences takes: the forward alone, the
     engine with and without the overlap of the host's work and the device's, and the
-    engine's host time by part (per step, medians of ``rounds`` runs after an untimed one);
-    with 5 alternatives' log-probabilities asked too."""
+    engine's host time by part (per step, medians of ``rounds`` runs after ``warmup``
+    untimed ones); with 5 alternatives' log-probabilities asked too."""
     import statistics as st
 
     forward = ForwardAlone(path, cache_fraction)
@@ -509,10 +511,10 @@ def step_profile(path: Path, cache_fraction: float | None, tokens: int, rounds: 
     for n in CLIENTS:
         for logprobs in (None, 5):
             alone, runs = [], {False: [], True: []}
-            for r in range(1 + rounds):
+            for r in range(warmup + rounds):
                 direct = st.median(forward.decode_steps(n, tokens))
                 clocks = {o: engine_steps(forward, n, tokens, o, logprobs) for o in (False, True)}
-                if r:
+                if r >= warmup:
                     alone.append(direct)
                     for o, c in clocks.items():
                         runs[o].append(c)
@@ -580,7 +582,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="throughput rounds, and short requests timed per setting",
     )
     p.add_argument(
-        "--warmup", type=int, default=1, help="untimed throughput rounds before the timed ones"
+        "--warmup", type=int, default=1, help="untimed rounds before the timed ones (--quick: 0)"
     )
     p.add_argument("--system-words", type=int, default=200, help="length of the chat's system note")
     p.add_argument("--requests", type=int, default=100, help="requests in the load test")
@@ -604,12 +606,13 @@ def main(argv: list[str] | None = None) -> str:
     preset = "small"
     if a.quick:
         preset, a.tokens, a.long, a.rounds, a.system_words, a.requests = "tiny", 4, 600, 1, 40, 12
+        a.warmup = 0
         a.prefill_step, a.cache_fraction = 64, 0.5
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "ckpt", preset)
         if a.profile:
             tables = "\n".join(
-                f"{name}:\n\n" + step_profile(path, fraction, a.tokens, a.rounds)
+                f"{name}:\n\n" + step_profile(path, fraction, a.tokens, a.rounds, a.warmup)
                 for name, fraction in (
                     ("Experts streamed", a.cache_fraction),
                     ("Experts resident", None),
