@@ -32,6 +32,7 @@ A matcher that fails while the reply is generated (llguidance's per-token limits
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from copy import copy
 from urllib.parse import unquote
@@ -77,6 +78,7 @@ def _llguidance():
 
 
 _LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LL_LOCK = threading.Lock()
 
 
 def _tokenizer_json(hf) -> str:
@@ -94,13 +96,12 @@ def _llg_state(tokenizer) -> dict:
     object: its byte-level BPE, its special ids and the stop ids as end-of-sequence."""
     llg = _llguidance()
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    try:
-        return _LL_TOKENIZERS[hf]
-    except KeyError:
-        pass
-    text, eos = _tokenizer_json(hf), stop_ids(tokenizer)
-    state = {"ll": llg.LLTokenizer(text, eos_token=eos), "checker": GrammarChecker(text, eos)}
-    _LL_TOKENIZERS[hf] = state
+    with _LL_LOCK:  # requests' threads: one state (and one set of workers) per tokenizer
+        state = _LL_TOKENIZERS.get(hf)
+        if state is None:
+            text, eos = _tokenizer_json(hf), stop_ids(tokenizer)
+            ll = llg.LLTokenizer(text, eos_token=eos)
+            state = _LL_TOKENIZERS[hf] = {"ll": ll, "checker": GrammarChecker(text, eos)}
     return state
 
 
