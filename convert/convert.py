@@ -60,6 +60,7 @@ from kimi_k3.checkpoint.layouts import detect
 from kimi_k3.model.config import ConfigError, ModelArgs, naming
 from kimi_k3.model.model import Model, sanitize_weights
 from kimi_k3.model.parallel import expert_range
+from kimi_k3.text.tokenizer import HF_FILE, RANK_FILE, write_hf_tokenizer
 
 MANIFEST = "kimi_k3_manifest.json"
 STATE = ".kimi_k3_convert_state.json"
@@ -535,17 +536,16 @@ class _Run:
         if self.plan.quantization:
             config = {**config, "quantization": self.plan.quantization}
         write_text_atomic(self.out / "config.json", json.dumps(config, indent=1))
+        aux = [f.name for f in _aux_files(hf_path)]
         for f in _aux_files(hf_path):
             tmp = self.out / f".{f.name}.tmp"
             shutil.copyfile(f, tmp)
             os.replace(tmp, self.out / f.name)
+        if HF_FILE not in aux and (self.out / RANK_FILE).is_file():
+            write_hf_tokenizer(self.out)  # Hugging Face loaders then need no remote code
+            aux.append(HF_FILE)
         files = {rel: {"bytes": d["bytes"], "sha256": d["sha256"]} for rel, d in done.items()}
-        small = [
-            "model.safetensors.index.json",
-            f"{ep.PACK_DIR}/{ep.INDEX}",
-            "config.json",
-            *(f.name for f in _aux_files(hf_path)),
-        ]
+        small = ["model.safetensors.index.json", f"{ep.PACK_DIR}/{ep.INDEX}", "config.json", *aux]
         for rel in small:
             files[rel] = {
                 "bytes": (self.out / rel).stat().st_size,
