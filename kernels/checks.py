@@ -7,6 +7,14 @@ runs both and gives a ``Result``: the error, a verdict (``pass``; ``mismatch``;
 ``non-finite`` for NaN or inf; ``error`` for a compile or launch failure) and, when asked,
 the time of each.
 
+The KDA kernels' contract is fp32 whatever MLX's ``MLX_ENABLE_TF32`` says (their tensor-core
+state pass splits fp32 operands in three tf32 products), while the pure-MLX reference's
+matmuls follow that setting: on a GPU with TF32 allowed (MLX's default on CUDA) the
+reference itself is off by about 4e-4. So a KDA case's values to compare with (its
+``oracle``) are the reference computed on the CPU (``exact``), where fp32 matmuls are fp32;
+the reference on the device is what ``reference_ms`` times. The expert kernels' reference
+runs MLX's quantized matmuls, which TF32 does not touch, so it serves as both.
+
 ``KERNELS`` names every kernel variant the dispatcher (``kimi_k3.kernels.dispatch``) can
 select, per backend; ``small_case(name, backend)`` is the quick case the first-use check
 runs (``kimi_k3.kernels.verdict``); ``kda_case`` and ``expert_case`` build a case at any
@@ -62,6 +70,7 @@ class Case:
     run: Callable[[], list]  # the kernel's outputs
     reference: Callable[[], list]  # the reference's outputs, the same structure
     tol: float
+    oracle: Callable[[], list] | None = None  # the values to compare with (else reference's)
 
 
 @dataclass
@@ -114,6 +123,8 @@ def run_case(case: Case, reps: int = 0) -> Result:
         return res
     try:
         want, res.reference_ms = _timed(case.reference, reps)
+        if case.oracle is not None:
+            want = _outputs(case.oracle())
     except Exception as e:  # no verdict on the kernel without the reference's answer
         res.verdict, res.detail = "error", f"the reference failed: {type(e).__name__}: {e}"
         return res
@@ -191,8 +202,22 @@ def reference(name: str) -> Callable:
         ) from None
 
 
+def exact(fn: Callable[[], list]) -> Callable[[], list] | None:
+    """``fn`` run on the CPU, where MLX's fp32 matmuls are fp32 whatever
+    ``MLX_ENABLE_TF32`` says; None where the CPU is the default device already."""
+    if mx.default_device() == mx.cpu:
+        return None
+
+    def on_cpu():
+        with mx.stream(mx.cpu):
+            return _outputs(fn())
+
+    return on_cpu
+
+
 def kda_case(name: str, backend: str, B: int, T: int, H: int, K: int) -> Case:
-    """``kda_decode`` (T = 1) or ``kda_prefill`` against ``kda_mix_reference``."""
+    """``kda_decode`` (T = 1) or ``kda_prefill`` against ``kda_mix_reference``, compared
+    with the reference in fp32 (``exact``)."""
     kda_mix_reference = reference("kda_mix_reference")
 
     p, args = kda_layer(H, K), kda_inputs(B, T, H, K)
@@ -201,7 +226,10 @@ def kda_case(name: str, backend: str, B: int, T: int, H: int, K: int) -> Case:
     def run():
         return getattr(module, name)(backend, p, *args)
 
-    return Case(name, f"B={B} T={T} H={H} K={K}", run, lambda: kda_mix_reference(p, *args), KDA_TOL)
+    def ref():
+        return kda_mix_reference(p, *args)
+
+    return Case(name, f"B={B} T={T} H={H} K={K}", run, ref, KDA_TOL, oracle=exact(ref))
 
 
 # --- MXFP4 experts -----------------------------------------------------------------------
