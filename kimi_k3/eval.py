@@ -279,11 +279,7 @@ def _mxfp4_experts(model: Model) -> Model:
 
 def random_model(path: str | Path, seed: int = 0) -> Model:
     """A random-weight model of the same shape as the checkpoint at ``path`` (seeded)."""
-    text = read_config_json(path)["text_config"]
-    preset = {k: text[k] for k in train.PRESET if k in text}
-    preset["full"] = text["linear_attn_config"]["full_attn_layers"]
-    preset["kda_heads"] = text["linear_attn_config"]["num_heads"]
-    preset["kda_head_dim"] = text["linear_attn_config"]["head_dim"]
+    preset = train.preset_of(read_config_json(path)["text_config"])
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(tmp, preset, seed=seed, tokenizer=False)
         model = load_model(tmp, dtype=mx.float32, verify_checksums=False)
