@@ -5,7 +5,9 @@ counts it once). A *hit* is an expert needing no demand read: resident, or alrea
 read ahead by the prefetcher; *overflow misses* are the misses read into the overflow area
 (``StreamOptions.overflow_experts``), counted in the misses too. A *pass* is one model call
 (it starts at the first MoE layer). *Pairs* are the (token, expert) choices the MoE layers
-kept: k per token and layer, fewer where trimming (``kimi_k3.model.routing``) dropped some.
+kept: k per token and layer, fewer where trimming or shedding (``kimi_k3.model.routing``)
+dropped some; *shed pairs* and *shed mass* are the choices shedding dropped and their
+renormalised router weight (``shed_per_token``, ``shed_mass_share``: per token and MoE layer).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ _COUNTS = (
     "predicted_needed",
     "predicted_right",
     "pairs",
+    "shed_pairs",
+    "shed_mass",
     "tokens",
     "passes",
 )
@@ -80,6 +84,8 @@ class StreamStats:
     def _derived(self, d: dict) -> dict:
         d["hit_rate"] = _ratio(d["hits"], d["hits"] + d["misses"])
         d["experts_per_token"] = _ratio(d["pairs"], d["tokens"] * self.info["layers"])
+        d["shed_per_token"] = _ratio(d["shed_pairs"], d["tokens"] * self.info["layers"])
+        d["shed_mass_share"] = _ratio(d["shed_mass"], d["tokens"] * self.info["layers"])
         d["read_gbps"] = _ratio(d["bytes_read"] / 1e9, d["read_seconds"])
         d["compute_seconds"] = max(d["span_seconds"] - d["wait_seconds"], 0.0)
         d["prefetch_accuracy"] = _ratio(d["prefetch_hits"], d["prefetch_issued"])

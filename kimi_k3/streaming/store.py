@@ -209,6 +209,18 @@ class StreamedExperts(nn.Module):
         """Shapes: z [N, Dl]; inds [N, k] int; weights [N, k]. Returns fp32 [N, Dl]."""
         return self.streamer.run(self, z, inds, weights)
 
+    def cached(self, ids: np.ndarray) -> np.ndarray:
+        """Which experts of ``ids`` (store numbers, any shape) need no demand read now:
+        resident, or being read ahead (what shedding keeps, ``kimi_k3.model.routing``)."""
+        self.streamer._reap(self)
+        present = np.zeros(self.streamer.num_experts, bool)
+        present[list(self.cache.slot_of)] = True
+        return present[ids]
+
+    def note_shed(self, pairs: int, mass: float):
+        """Count the (token, choice) pairs shedding dropped and their renormalised weight."""
+        self.streamer.stats.add(shed_pairs=pairs, shed_mass=mass)
+
 
 class Streamer:
     """Shared by every layer's store: the source, the reader pool, options and counters."""
