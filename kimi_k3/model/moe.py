@@ -145,7 +145,7 @@ class LatentMoE(nn.Module):
                 note(*dropped)
         elif self.gate.trims:  # the columns no token keeps are not computed
             inds, weights = used_columns(inds, weights)
-        if self.route_hook is not None:  # the expert streamer's prefetch (kimi_k3.streaming)
+        if self.route_hook is not None:  # traces (kimi_k3.trace, streaming.simulate)
             self.route_hook(self, flat)
         z = self.routed_expert_down_proj(flat)
         if self.sharding_group is not None:
@@ -154,7 +154,6 @@ class LatentMoE(nn.Module):
             y, shared = self.experts(z, inds, weights), self.shared_experts(flat)
         y = self.routed_expert_up_proj(self.routed_expert_norm(y.astype(x.dtype)))
         return (y + shared).reshape(shape)
-
 
     def cached_choices(self, ids: np.ndarray) -> np.ndarray:
         """Which of the chosen experts ``ids`` [N, k] need no read (bool [N, k]): the store's
@@ -183,8 +182,8 @@ def moe_blocks(model) -> dict:
 @contextmanager
 def route_hooks(model, hook):
     """Inside the block every MoE block of ``model`` calls ``hook(moe, x)`` with its routed
-    input before its experts run (``LatentMoE.route_hook``), then the hook it had (the
-    streamer's prefetch), which it gets back after."""
+    input before its experts run (``LatentMoE.route_hook``), then the hook it had, which it
+    gets back after."""
     moes = moe_blocks(model)
     old = {layer: moe.route_hook for layer, moe in moes.items()}
 

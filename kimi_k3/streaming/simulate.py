@@ -271,8 +271,8 @@ def record(
     ``prefill_step_size`` (prefill calls), then ``decode_tokens`` one-token calls, the first
     on the prompt's last token, each next token greedy (``temp`` 0) or sampled at ``temp``
     from a numpy generator seeded with ``seed``. The router's choice is recorded through
-    each MoE block's ``route_hook`` (a hook already set, the streamer's prefetch, still
-    runs), so the model may be resident or streamed.
+    each MoE block's ``route_hook`` (a hook already set still runs), so the model may be
+    resident or streamed.
     """
     for name, v in (("prefill_step_size", prefill_step_size), ("decode_tokens", decode_tokens)):
         if v < 1:
