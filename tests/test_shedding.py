@@ -254,3 +254,30 @@ def test_load_and_cli_flags_reach_the_model(small, tiny_ckpt, capsys, monkeypatc
             assert status == 2
             err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and err[0].startswith("error:") and "--shed-misses" in err[0]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_replay_with_shedding_matches_the_streamer(small, policy):
+    """A shedding streamed run (a prefill in chunks of 8 needing more experts than the 9
+    slots, then greedy steps) and the replay of its recorded routing with the same shedding
+    count the same hits, misses, pairs kept and weight dropped."""
+    from kimi_k3.streaming.simulate import counts, hit_rates, record
+
+    model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 9), policy=policy)
+    routing.set_shed_misses(model, 0.4)
+    prompt = np.random.default_rng(5).integers(0, 1500, 25).tolist()
+    trace = record(model, [prompt], prefill_step_size=8, decode_tokens=6)
+    stats = get_stats(model)
+    assert stats["shed_pairs"] > 0
+    got = counts(trace, policy, 9, shed=0.4, detail=True)
+    both = got["prefill"] + got["decode"]
+    assert (stats["hits"], stats["misses"], stats["pairs"]) == tuple(both[:3].astype(int))
+    assert both[3] == pytest.approx(stats["shed_mass"])
+    unshed = counts(trace, policy, 9, detail=True)
+    assert unshed["decode"][2] > got["decode"][2]  # without shedding every choice is kept
+    (_, shed_rate), (_, rate) = hit_rates(trace, policy, [9], shed=0.4) + hit_rates(
+        trace, policy, [9]
+    )
+    assert shed_rate > rate
+    with pytest.raises(ValueError, match="no Belady replay"):
+        counts(trace, "belady", 9, shed=0.4)
