@@ -22,6 +22,13 @@ trained ones, so its prediction figures say nothing of K3's, but its reads and c
 K3's size. Rounds interleave the settings; medians and min-max over ``--rounds``. Reads are
 direct (no page cache). Per decoded token: wait = time the model blocked on reads, compute
 = the rest of the time from the first MoE layer to the last (``get_stats``).
+
+Predictors (a count, no timing): on the trained default with its experts resident, over
+held-out prompts decoded ``--tokens`` steps sampled at temperature 0.6, the experts layer
+L+1 uses against the m most likely by three predictors, each layer L+1's router applied to:
+layer L's MoE input; layer L's state before its FFN mixed and normalised as layer L+1 does
+(the shipped one); layer L's output, mixed and normalised alike (known only once L's
+experts ran, too late to read ahead during them).
 """
 
 from __future__ import annotations
@@ -165,6 +172,87 @@ def table(results: dict[str, list[dict]], kb_unit: str = "KB") -> str:
     return markdown_table(head, rows)
 
 
+PREDICTORS = ("L's MoE input", "L's state before its FFN (shipped)", "L's output")
+
+
+def predictor_counts(prompts: int, tokens: int, ms: tuple[int, ...]) -> dict:
+    """``{(predictor, m): [right, needed, named]}`` over sampled decode steps (module
+    docstring); the predicted experts by biased router score, top m."""
+    from benchmarks.bench_cache_policy import prompts as held_out_prompts
+    from kimi_k3.default_model import package_dir
+    from kimi_k3.model.moe import moe_blocks, route_hooks
+    from kimi_k3.streaming.simulate import _next_token
+
+    model = load_model(package_dir())
+    moes = moe_blocks(model)
+    order = sorted(moes)
+    after = dict(zip(order, order[1:], strict=False))
+    decoders = {d.index: d for d in model.layers}
+    seen, inner = {}, [False]
+
+    def ranked(layer: int, state: mx.array) -> mx.array:
+        gate = moes[layer].gate
+        logits = gate.logits(state.reshape(-1, state.shape[-1])).astype(mx.float32)
+        return mx.argsort(-(mx.sigmoid(logits) + gate.e_score_correction_bias), axis=-1)[0]
+
+    def state_hook(d, snaps, p):
+        nxt = after.get(d.index)
+        if nxt is None:
+            return
+        n = decoders[nxt]
+        x = d.post_attention_layernorm(d.mlp_res(snaps, p))
+        inner[0] = True
+        out = p + d.ffn(x)
+        inner[0] = False
+        mix = lambda part: n.post_attention_layernorm(  # noqa: E731
+            n.mlp_res(snaps + [part] if n.starts_block else snaps, part)
+        )
+        seen[d.index] = [ranked(nxt, x), ranked(nxt, mix(p)), ranked(nxt, mix(out))]
+
+    def route_hook(moe, flat):
+        if not inner[0]:
+            seen[("used", moe.layer_index)] = moe.gate(flat)[0]
+
+    for d in decoders.values():
+        d.state_hook = state_hook
+    found: dict = {}
+    rng = np.random.default_rng(0)
+    try:
+        with route_hooks(model, route_hook):
+            for prompt in held_out_prompts(prompts, 256):
+                cache = model.make_cache()
+                mx.eval(model(mx.array([prompt[:-1]]), cache=cache))
+                token = prompt[-1]
+                for _ in range(tokens):
+                    seen.clear()
+                    logits = model(mx.array([[token]]), cache=cache)[0, -1]
+                    mx.eval(logits, list(seen.values()))
+                    for layer, nxt in after.items():
+                        used = np.array(seen[("used", nxt)])[0]
+                        for name, pred in zip(PREDICTORS, seen[layer], strict=True):
+                            pred = np.array(pred)
+                            for m in ms:
+                                c = found.setdefault((name, m), [0, 0, 0])
+                                c[0] += len(np.intersect1d(pred[:m], used))
+                                c[1], c[2] = c[1] + len(used), c[2] + m
+                    token = _next_token(np.array(logits.astype(mx.float32)), 0.6, rng)
+    finally:
+        for d in decoders.values():
+            d.state_hook = None
+    return found
+
+
+def predictor_table(found: dict, ms: tuple[int, ...]) -> str:
+    rows = []
+    for name in PREDICTORS:
+        cells = []
+        for m in ms:
+            right, needed, named = found[(name, m)]
+            cells.append(f"{right / needed:.3f} / {right / named:.3f}")
+        rows.append([name, *cells])
+    return markdown_table(["layer L+1's router on", *(f"m = {m}" for m in ms)], rows)
+
+
 def slice_checkpoint(path: Path, quick: bool) -> Path:
     """The K3-width slice at ``path``, written there when missing (or of another shape)."""
     from benchmarks.bench_streaming import checkpoint
@@ -178,6 +266,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int, default=32, help="prefill tokens")
     p.add_argument("--steps", type=int, default=128, help="decode steps, trained default")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--prompts", type=int, default=4, help="held-out prompts, predictors")
+    p.add_argument("--tokens", type=int, default=64, help="decode steps a prompt, predictors")
     p.add_argument("--slice", type=Path, help="a K3-width slice here (written if missing)")
     p.add_argument("--slice-steps", type=int, default=12, help="decode steps on the slice")
     p.add_argument("--slice-rounds", type=int, default=3, help="rounds on the slice")
@@ -191,11 +281,12 @@ def main(argv: list[str] | None = None) -> str:
     from kimi_k3.eval import heldout_ids
 
     a = setup_arg_parser().parse_args(argv)
-    for name in ("slots", "prompt", "steps", "rounds", "slice_steps", "slice_rounds"):
+    for name in ("slots", "prompt", "steps", "rounds", "tokens", "slice_steps", "slice_rounds"):
         if getattr(a, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1")
     if a.quick:
         a.steps, a.rounds, a.prompt, a.slice_steps, a.slice_rounds = 6, 1, 8, 2, 1
+        a.prompts, a.tokens = 0, 4
     path = ensure_default_model()
     margs = ModelArgs.from_path(path)
     if not margs.num_experts_per_token <= a.slots <= margs.num_experts:
@@ -204,6 +295,9 @@ def main(argv: list[str] | None = None) -> str:
         )
     ids = [int(t) for t in heldout_ids(path)[: a.prompt + a.steps + 1]]
     load_before = os.getloadavg()[0]
+    k = margs.num_experts_per_token
+    ms = tuple(sorted({1, 2, k // 2, k, 2 * k} - {0}))
+    found = predictor_counts(a.prompts, a.tokens, ms)
     trained = section(path, a.slots, ids, a)
     command = " ".join(sys.argv[1:] if argv is None else argv)
     parts = [
@@ -215,6 +309,12 @@ def main(argv: list[str] | None = None) -> str:
         f"{a.rounds} rounds",
         "",
         table(trained),
+        "",
+        f"## Predictors on the trained default: recall / precision of the m most likely, "
+        f"{a.prompts} held-out prompts and two short ones, {a.tokens} decode steps each "
+        "sampled at temperature 0.6",
+        "",
+        predictor_table(found, ms),
     ]
     if a.slice is not None:
         sl = slice_checkpoint(a.slice, a.quick)

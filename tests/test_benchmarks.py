@@ -394,9 +394,12 @@ def test_bench_prefetch_quick(tmp_path):
     """Off and on rows on the trained default and on a (small) slice: reads ahead only with
     prediction on, never more read in vain than read ahead, recall and precision shares."""
     text = bench_prefetch.main(["--quick", "--slice", str(tmp_path / "slice")])
-    found = tables(text)
-    assert len(found) == 2
-    for table in found:
+    trained, predictors, sliced = tables(text)
+    assert [r["layer L+1's router on"] for r in predictors] == list(bench_prefetch.PREDICTORS)
+    for r in predictors:  # recall / precision: recall grows with m
+        recall = [number(v.split(" / ")[0]) for k, v in r.items() if k.startswith("m = ")]
+        assert recall == sorted(recall) and 0 < recall[-1] <= 1
+    for table in (trained, sliced):
         assert [r["prediction"] for r in table] == [label for label, _ in bench_prefetch.SETTINGS]
         ahead = next(k for k in table[0] if k.startswith("read ahead"))
         vain = next(k for k in table[0] if k.startswith("read in vain"))
