@@ -295,47 +295,43 @@ def main(argv: list[str] | None = None) -> str:
         )
     ids = [int(t) for t in heldout_ids(path)[: a.prompt + a.steps + 1]]
     load_before = os.getloadavg()[0]
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    parts = [f"Command: `python -m benchmarks.bench_prefetch {command}`; {timing.environment()}"]
+    if a.out is not None:
+        a.out.write_text("")
     k = margs.num_experts_per_token
     ms = tuple(sorted({1, 2, k // 2, k, 2 * k} - {0}))
     found = predictor_counts(a.prompts, a.tokens, ms)
     trained = section(path, a.slots, ids, a)
-    command = " ".join(sys.argv[1:] if argv is None else argv)
-    parts = [
-        f"Command: `python -m benchmarks.bench_prefetch {command}`; {timing.environment()}",
-        "",
-        f"## The trained default: {margs.num_experts} experts of "
-        f"{expert_bytes(expert_shapes(margs)) / 1e3:.1f} KB a MoE layer, top-"
-        f"{margs.num_experts_per_token}, {a.slots} slots a layer; {a.steps} decode steps, "
-        f"{a.rounds} rounds",
-        "",
-        table(trained),
-        "",
-        f"## Predictors on the trained default: recall / precision of the m most likely, "
+    parts.append(
+        f"\n## The trained default: {margs.num_experts} experts of "
+        f"{expert_bytes(expert_shapes(margs)) / 1e3:.1f} KB a MoE layer, top-{k}, {a.slots} "
+        f"slots a layer; {a.steps} decode steps, {a.rounds} rounds; load average "
+        f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after\n\n"
+        + table(trained)
+        + f"\n## Predictors on the trained default: recall / precision of the m most likely, "
         f"{a.prompts} held-out prompts and two short ones, {a.tokens} decode steps each "
-        "sampled at temperature 0.6",
-        "",
-        predictor_table(found, ms),
-    ]
+        "sampled at temperature 0.6\n\n" + predictor_table(found, ms)
+    )
+    timing.emit("\n".join(parts), a.out, append=True)  # kept if the slice does not finish
     if a.slice is not None:
         sl = slice_checkpoint(a.slice, a.quick)
         sargs = ModelArgs.from_path(sl)
         rng = np.random.default_rng(0)
         sids = rng.integers(0, sargs.vocab_size - 256, a.prompt + a.slice_steps + 1).tolist()
         b = argparse.Namespace(**{**vars(a), "steps": a.slice_steps, "rounds": a.slice_rounds})
+        before = os.getloadavg()[0]
         found = section(sl, 16, sids, b)
-        parts += [
-            "",
-            f"## A K3-width slice: {sargs.num_experts} experts of "
+        text = (
+            f"\n## A K3-width slice: {sargs.num_experts} experts of "
             f"{expert_bytes(expert_shapes(sargs)) / 1e6:.2f} MB a MoE layer, top-"
             f"{sargs.num_experts_per_token}, 16 slots a layer, random weights and tokens; "
-            f"{a.slice_steps} decode steps, {a.slice_rounds} rounds",
-            "",
-            table(found, "MB"),
-        ]
-    parts[0] += f"; load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
-    text = "\n".join(parts) + "\n"
-    timing.emit(text, a.out)
-    return text
+            f"{a.slice_steps} decode steps, {a.slice_rounds} rounds; load average "
+            f"{before:.2f} before, {os.getloadavg()[0]:.2f} after\n\n" + table(found, "MB")
+        )
+        timing.emit(text, a.out, append=True)
+        parts.append(text)
+    return "\n".join(parts) + "\n"
 
 
 if __name__ == "__main__":
