@@ -136,7 +136,7 @@ class LatentMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         inds, weights = self.gate(flat)
-        if self.gate.sheds:  # uncached choices dropped; the columns no token keeps cut
+        if self.gate.sheds and self.may_shed:  # uncached choices dropped, unused columns cut
             g = self.gate
             inds, weights, *dropped = shed(
                 inds, weights, self.cached_choices, g.shed_p, g.scale, g.renormalize
@@ -154,6 +154,12 @@ class LatentMoE(nn.Module):
             y, shared = self.experts(z, inds, weights), self.shared_experts(flat)
         y = self.routed_expert_up_proj(self.routed_expert_norm(y.astype(x.dtype)))
         return (y + shared).reshape(shape)
+
+    @property
+    def may_shed(self) -> bool:
+        """Whether shedding can drop anything here: the store says what it caches, or the
+        ranks of expert parallel answer together (a resident store holds every expert)."""
+        return hasattr(self.experts, "cached") or self.sharding_group is not None
 
     def cached_choices(self, ids: np.ndarray) -> np.ndarray:
         """Which of the chosen experts ``ids`` [N, k] need no read (bool [N, k]): the store's
