@@ -21,6 +21,8 @@
 #   mxfp4        bench_mxfp4: decode at 1 and 8 tokens, prefill at 512 and 4096      (500)
 #   e2e          bench_e2e on two K3-width layers, resident and streamed             (400)
 #   streaming    bench_streaming, one repetition                                      (500)
+#   prefetch     bench_prefetch: prediction off and on, the trained default and a K3-width
+#                slice of four MoE layers (written under $OUT, 4.5 GB)                   (550)
 #   reads        bench_streaming's reads (against raw at the same depth), the path into
 #                MLX, and prefetch on the trained default, three repetitions           (500)
 #   ptxas        profile_kernels --ptxas and --sass (registers, spills, loop costs)   (300)
@@ -51,7 +53,7 @@ run() {
 steps=()
 for s in "$@"; do
   case $s in
-    all) steps+=(kda_tests mxfp4_tests kda mxfp4 e2e streaming ptxas profile doctor) ;;
+    all) steps+=(kda_tests mxfp4_tests kda mxfp4 e2e streaming prefetch ptxas profile doctor) ;;
     tests) steps+=(kda_tests mxfp4_tests) ;;
     tests_fp32) steps+=(kda_tests_fp32 mxfp4_tests_fp32) ;;
     *) steps+=("$s") ;;
@@ -79,6 +81,7 @@ for step in "${steps[@]}"; do
         --expert-cache-gb 0.6 --out "$OUT/bench_e2e.md" ;;
     reads) run reads 500 python3 -m benchmarks.bench_streaming --sections reads,mlx,trained --reps 3 --tokens 64 --out "$OUT/bench_reads.md" ;;
     streaming) run streaming 500 python3 -m benchmarks.bench_streaming --reps 1 --tokens 32 --out "$OUT/bench_streaming.md" ;;
+    prefetch) run prefetch 550 python3 -m benchmarks.bench_prefetch --rounds 3 --slice "$OUT/k3slice" --slice-steps 32 --slice-rounds 3 --out "$OUT/bench_prefetch.md" ;;
     ptxas)
       run ptxas 200 python3 -m benchmarks.profile_kernels --ptxas
       run sass 100 python3 -m benchmarks.profile_kernels --sass ;;

@@ -13,6 +13,7 @@ from benchmarks import (
     bench_kda,
     bench_mla,
     bench_mxfp4,
+    bench_prefetch,
     bench_server,
     bench_streaming,
     bench_trace,
@@ -308,11 +309,26 @@ def test_bench_server_quick():
 @pytest.mark.slow
 def test_bench_trim_quick(tmp_path):
     """Every quick setting a row; the untrimmed one keeps all 4 experts at no cost; trimming
-    keeps fewer, costs some KL and reads fewer experts on the same decode inputs."""
+    keeps fewer, costs some KL and reads fewer experts on the same decode inputs. Shedding
+    misses drops weight, keeps fewer experts and reads fewer bytes than the exact streamed
+    decode, beside the routed experts zeroed."""
     out, png = tmp_path / "trim.md", tmp_path / "trim.png"
     text = bench_trim.main(["--quick", "--out", str(out), "--plot", str(png)])
     assert out.read_text() == text and png.stat().st_size > 0
-    rows, layers, weights = tables(text)
+    rows, layers, weights, shed = tables(text)
+    labels = [label for label, _, _ in bench_trim.shed_settings(True)]
+    assert [r["setting"] for r in shed] == [
+        *labels,
+        "routed experts zeroed (kimi_k3.eval's ablation)",
+    ]
+    kb, kl = "KB read / token", "KL from exact (nats/token)"
+    exact, cut = shed[0], shed[2]
+    assert abs(number(exact[kl])) < 1e-4 and number(exact["weight dropped / token and layer"]) == 0
+    assert number(cut["weight dropped / token and layer"]) > 0
+    assert number(cut["experts kept / token and layer"]) < 4 and number(cut[kb]) < number(exact[kb])
+    assert number(shed[-1][kl]) > 0 and shed[-1][kb] == "0"
+    assert bench_trim.at_equal_bytes([(0, 1.0), (10, 0.0)], 2.5) == 0.75
+    assert bench_trim.at_equal_bytes([(0, 1.0), (10, 0.0)], 11) is None
     mean = [number(v) for k, v in weights[0].items() if k.startswith("rank")]
     assert mean == sorted(mean, reverse=True) and sum(mean) == pytest.approx(1, abs=0.003)
     by = {r["setting"]: r for r in rows}
@@ -331,23 +347,68 @@ def test_bench_trim_quick(tmp_path):
 
 @pytest.mark.slow
 def test_project_k3_quick():
-    text = project_k3.main(["--quick", "--read-efficiency", "0.9"])
-    inputs, projection, peers = tables(text)
-    assert inputs[0]["value"] == "0.90"
-    rows = {(r["configuration"], r["experts"]): r for r in projection}
-    exact = rows[("M5 Max 128 GB", "exact")]
-    assert 0 <= number(exact["h (traces)"]) <= number(exact["h (optimum)"]) <= 1
+    """A row per machine, format, setting and prediction; each row's tok/s follows from its
+    own cells; shedding, trimming, fewer bits and more machines read less a token; the
+    published points, gmlx's check, the yardstick's quality beside its ablation, and the
+    peers with this model at their configuration."""
+    from kimi_k3.projection import PUBLISHED_HITS, shed_flat
+
+    text = project_k3.main(["--quick", "--read-efficiency", "0.9", "--format-bits", "4.25,2.5"])
+    published, check, quality, projection, peers = tables(text)
+    assert len(published) == len(PUBLISHED_HITS)
+    for r in check:
+        want = shed_flat(0.499, number(r["P"]))
+        assert abs(number(r["model"]) - want["hit_rate"]) < 1e-3
+    assert quality[-1]["setting"].startswith("routed experts zeroed")
+    assert len(projection) == len(project_k3.MACHINES) * 2 * len(project_k3.SETTINGS) * 2
+    rows = {
+        (r["configuration"], r["experts"], r["setting"], r["prediction"]): r for r in projection
+    }
+    exact = rows[("M5 Max 128 GB", "4.25 bits", "exact", "off")]
     # the formula, from the row's own cells: SSD bytes at 13.5 GB/s x 0.9, then compute
     ssd_s = number(exact["SSD GB / token"]) / (13.5 * 0.9)
     assert abs(ssd_s - number(exact["SSD s"])) < 0.01
-    assert abs(1 / (ssd_s + number(exact["compute s"])) - number(exact["tok/s"])) < 0.02
-    half = rows[("M5 Max 128 GB", "trimmed to half (top-p 0.5)")]
-    assert number(half["SSD GB / token"]) < number(exact["SSD GB / token"])
-    four = rows[("4 x M5 Max 128 GB, expert parallel", "exact")]
+    assert (
+        abs(1 / (ssd_s + number(exact["compute s"])) - number(exact["tok/s (published h)"])) < 0.02
+    )
+    on = rows[("M5 Max 128 GB", "4.25 bits", "exact", "on")]
+    spent = number(on["SSD s"]) + number(on["compute s"]) - number(on["saved by prediction s"])
+    assert abs(1 / spent - number(on["tok/s (published h)"])) < 0.02
+    assert number(on["tok/s (published h)"]) >= number(exact["tok/s (published h)"])
+    for setting in ("top-p 0.5", "shed misses 0.8", "shed misses 0.65"):
+        r = rows[("M5 Max 128 GB", "4.25 bits", setting, "off")]
+        assert number(r["SSD GB / token"]) < number(exact["SSD GB / token"])
+    small = rows[("M5 Max 128 GB", "2.5 bits", "exact", "off")]
+    assert number(small["cache / experts"]) > number(exact["cache / experts"])
+    assert number(small["SSD GB / token"]) < number(exact["SSD GB / token"])
+    four = rows[("4 x M5 Max 128 GB, expert parallel", "4.25 bits", "exact", "off")]
     assert number(four["cache / experts"]) > number(exact["cache / experts"])
-    assert [p["tok/s"] for p in peers] == ["0.28", "0.36", "0.18"]
-    with pytest.raises(SystemExit):
-        project_k3.main(["--read-efficiency", "1.5"])
+    assert [p["tok/s measured"] for p in peers] == [f"{p[8]:.2f}" for p in project_k3.PEERS]
+    for bad in (["--read-efficiency", "1.5"], ["--format-bits", "x"], ["--format-bits", "0.5"]):
+        with pytest.raises(SystemExit):
+            project_k3.main(bad)
+
+
+@pytest.mark.slow
+def test_bench_prefetch_quick(tmp_path):
+    """Off and on rows on the trained default and on a (small) slice: reads ahead only with
+    prediction on, never more read in vain than read ahead, recall and precision shares."""
+    text = bench_prefetch.main(["--quick", "--slice", str(tmp_path / "slice")])
+    trained, predictors, sliced = tables(text)
+    assert [r["layer L+1's router on"] for r in predictors] == list(bench_prefetch.PREDICTORS)
+    for r in predictors:  # recall / precision: recall grows with m
+        recall = [number(v.split(" / ")[0]) for k, v in r.items() if k.startswith("m = ")]
+        assert recall == sorted(recall) and 0 < recall[-1] <= 1
+    for table in (trained, sliced):
+        assert [r["prediction"] for r in table] == [label for label, _ in bench_prefetch.SETTINGS]
+        ahead = next(k for k in table[0] if k.startswith("read ahead"))
+        vain = next(k for k in table[0] if k.startswith("read in vain"))
+        off, *on = table
+        assert off["recall"] == "-" and number(off[ahead]) == 0
+        for r in on:
+            assert number(r[vain]) <= number(r[ahead])
+            assert 0 < number(r["recall"]) <= 1 and 0 < number(r["precision"]) <= 1
+            assert number(r["tok/s"].split()[0]) > 0
 
 
 @pytest.mark.slow
