@@ -29,7 +29,8 @@
 #   profile      profile_kernels under ncu: every dispatched kernel's time and bytes  (300)
 #   doctor       python -m kimi_k3.doctor over the CUDA kernels, then --model on a
 #                synthetic k3-layers checkpoint (written to /tmp)                      (500)
-#   bench_train  bench_train at the preset, eager against compiled, batch $BATCH (128)  (400)
+#   bench_train  bench_train at the preset, eager against compiled, batch $BATCH (32; 128 ran
+#                out of the H100's 80 GB)                                               (400)
 #   all          every step above, in that order (longer than one 600 s call)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -94,7 +95,7 @@ for step in "${steps[@]}"; do
         [ -d /tmp/k3-layers ] || python3 -m kimi_k3.convert synth /tmp/k3-layers --preset k3-layers >>"$log" 2>&1
         run "${step}_model" 100 python3 -m kimi_k3.doctor --small --model /tmp/k3-layers ) ;;
     bench_train)
-      run bench_train 400 python3 -m benchmarks.bench_train --batch "${BATCH:-128}" --rounds 5 \
+      run bench_train 400 python3 -m benchmarks.bench_train --batch "${BATCH:-32}" --rounds 5 \
         --peak-tflops 67 --out "$OUT/bench_train.md" ;;
     *) echo "unknown step $step" | tee -a "$log" ;;
   esac

@@ -11,7 +11,14 @@ counts: routed weights a token goes through over the shared experts' weights (K3
 routed experts' share of all parameters (K3: 97%).
 
     python -m benchmarks.preset_trial OUT                 # OUT keeps the tokenizer and streams
-    python -m benchmarks.preset_trial OUT --steps 400 --every 100 --out trial.md
+    python -m benchmarks.preset_trial OUT --steps 400 --every 100 --out-md trial.md
+    python -m benchmarks.preset_trial OUT --only "128e top-16, 2 shared" --recipes plain k3
+
+``--recipes`` trains each candidate under each recipe: ``k3`` is ``train run``'s (the routed
+up-projections start at zero, weight decay on matrices alone), ``plain`` starts them at
+random and decays every parameter. Each check also reports the routed gain
+(``train.routed_gain``, the mean over MoE layers): the size of the routed part whatever the
+experts compute, which falls towards zero when a model switches its routed experts off.
 """
 
 from __future__ import annotations
@@ -77,11 +84,15 @@ def heldout_nll(model, wins: np.ndarray, routed: bool) -> float:
             m.experts = kept[i]
 
 
-def trial(preset: dict, train_ids, wins, args, log) -> list[tuple[int, float, float]]:
-    """Train ``preset`` for ``args.steps`` steps; ``(step, NLL, routed-zeroed NLL)`` every
+RECIPES = {"k3": dict(plain=False), "plain": dict(plain=True)}
+
+
+def trial(preset: dict, train_ids, wins, args, log, plain: bool = False) -> list[tuple]:
+    """Train ``preset`` for ``args.steps`` steps (``plain``: random routed up-projections,
+    decay on every parameter); ``(step, NLL, routed-zeroed NLL, routed gain)`` every
     ``args.every`` steps."""
-    model = train.init_model(preset, seed=args.seed)
-    opt = train.make_optimizer(args.lr)
+    model = train.init_model(preset, seed=args.seed, zero_routed_up=not plain)
+    opt = train.make_optimizer(args.lr, decay_vectors=plain)
     data = train.batches(train_ids, args.batch, args.seq, args.seed)
     rows, step = [], 0
     t0 = time.time()
@@ -95,10 +106,12 @@ def trial(preset: dict, train_ids, wins, args, log) -> list[tuple[int, float, fl
         step += n
         model.eval()
         full, zeroed = heldout_nll(model, wins, True), heldout_nll(model, wins, False)
-        rows.append((step, full, zeroed))
+        gain = float(np.mean(train.routed_gain(model)))
+        rows.append((step, full, zeroed, gain))
         log(
             f"  step {step}: train loss {np.mean(losses):.3f}, held-out NLL {full:.3f}, routed "
-            f"zeroed {zeroed:.3f} (+{zeroed - full:.3f}), {time.time() - t0:.0f} s"
+            f"zeroed {zeroed:.3f} (+{zeroed - full:.3f}), routed gain {gain:.3f}, "
+            f"{time.time() - t0:.0f} s"
         )
     return rows
 
@@ -119,6 +132,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heldout-tokens", type=int, default=4096)
     parser.add_argument("--only", nargs="*", help="candidate names to run (default: all)")
+    parser.add_argument(
+        "--recipes", nargs="*", default=["k3"], choices=sorted(RECIPES), help="(default: k3)"
+    )
     parser.add_argument("--out-md", help="write the markdown table here")
     return parser
 
@@ -129,19 +145,26 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _, train_ids, heldout_ids = train.prepare(out, train.PRESET["vocab_size"])
     wins = k3eval.windows(np.asarray(heldout_ids), args.seq, args.heldout_tokens)
-    header = ["candidate", "routed active / shared", "routed share", "parameters", "step",
-              "held-out NLL", "routed zeroed", "routed carries (nats)"]  # fmt: skip
+    header = ["candidate", "recipe", "routed active / shared", "routed share", "parameters",
+              "step", "held-out NLL", "routed zeroed", "routed carries (nats)",
+              "routed gain"]  # fmt: skip
     table = []
     names = args.only or list(CANDIDATES)
+    unknown = [n for n in names if n not in CANDIDATES]
+    if unknown:
+        raise SystemExit(f"error: --only: no candidate {unknown[0]!r} ({sorted(CANDIDATES)})")
     for name in names:
         preset = candidate(CANDIDATES[name], args.layers)
         ratio, share, total = proportions(preset)
-        print(f"{name}: routed/shared {ratio:.1f}x, routed share {share:.0%}, {total:,} params")
-        with reference_paths():
-            rows = trial(preset, train_ids, wins, args, print)
-        for step, full, zeroed in rows:
-            table.append([name, f"{ratio:.1f}x", f"{share:.0%}", f"{total:,}", str(step),
-                          f"{full:.3f}", f"{zeroed:.3f}", f"{zeroed - full:+.3f}"])  # fmt: skip
+        for recipe in args.recipes:
+            print(f"{name}, {recipe}: routed/shared {ratio:.1f}x, routed share {share:.0%}, "
+                  f"{total:,} params")  # fmt: skip
+            with reference_paths():
+                rows = trial(preset, train_ids, wins, args, print, **RECIPES[recipe])
+            for step, full, zeroed, gain in rows:
+                table.append([name, recipe, f"{ratio:.1f}x", f"{share:.0%}", f"{total:,}",
+                              str(step), f"{full:.3f}", f"{zeroed:.3f}",
+                              f"{zeroed - full:+.3f}", f"{gain:.3f}"])  # fmt: skip
     text = markdown_table(header, table)
     print(text)
     if args.out_md:

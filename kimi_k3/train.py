@@ -134,8 +134,9 @@ def preset_of(text_config: dict) -> dict:
     return preset
 
 
-def init_model(preset: dict = PRESET, seed: int = 0) -> Model:
-    """A freshly initialised fp32 model of ``preset`` with ``FloatExperts``."""
+def init_model(preset: dict = PRESET, seed: int = 0, zero_routed_up: bool = True) -> Model:
+    """A freshly initialised fp32 model of ``preset`` with ``FloatExperts``; the routed
+    up-projections start at zero unless ``zero_routed_up`` is False."""
     mx.random.seed(seed)
     args = model_args(preset)
     model = Model(args)
@@ -149,6 +150,12 @@ def init_model(preset: dict = PRESET, seed: int = 0) -> Model:
         if "block_sparse_moe" in layer:
             moe = layer.block_sparse_moe
             moe.gate.weight = mx.random.normal(moe.gate.weight.shape) * args.hidden_size**-0.5
+            # the routed part starts at zero and grows as far as it helps: at a random start
+            # its noise (RMS about 0.6 per layer) taught the model to turn the routed
+            # experts off (docs/training.md)
+            up = moe.routed_expert_up_proj
+            if zero_routed_up:
+                up.weight = mx.zeros_like(up.weight)
             moe.experts = FloatExperts(
                 args.num_experts,
                 args.routed_expert_hidden_size,
@@ -221,8 +228,37 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def make_optimizer(lr: float) -> optim.AdamW:
-    return optim.AdamW(learning_rate=lr, weight_decay=0.1)
+class AdamWMatrices(optim.AdamW):
+    """AdamW whose weight decay reaches matrices and stacks alone: the vectors (norm
+    weights, ``A_log``, ``dt_bias``) take Adam's step undecayed, so no norm's gain is pulled
+    to zero by decay alone. Its state is AdamW's, so a run saved by either resumes under
+    the other."""
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        if parameter.ndim < 2:
+            return optim.Adam.apply_single(self, gradient, parameter, state)
+        return super().apply_single(gradient, parameter, state)
+
+
+def make_optimizer(lr: float, decay_vectors: bool = False) -> optim.AdamW:
+    """AdamW, weight decay 0.1 on the matrices (``AdamWMatrices``), or on every parameter
+    with ``decay_vectors``."""
+    kind = optim.AdamW if decay_vectors else AdamWMatrices
+    return kind(learning_rate=lr, weight_decay=0.1)
+
+
+def routed_gain(model: Model) -> list[float]:
+    """Per MoE layer, the RMS the routed part (``up(RMSNorm(y))``) would have for a latent
+    of random direction: ``||up diag(norm weight)||_F / sqrt(hidden)``. The routed part's
+    size is this whatever the experts compute (the norm fixes the latent's RMS), so a gain
+    near zero means the layer has switched its routed experts off."""
+    gains = []
+    for layer in model.layers:
+        if "block_sparse_moe" in layer:
+            moe = layer.block_sparse_moe
+            w = moe.routed_expert_up_proj.weight * moe.routed_expert_norm.weight[None, :]
+            gains.append(float(mx.sqrt(mx.square(w).sum() / w.shape[0])))
+    return gains
 
 
 def make_step(model: Model, opt: optim.Optimizer, bias_rate: float, compiled: bool = False):
@@ -526,11 +562,14 @@ def run(args) -> Path:
         rec = {"step": step + 1, "loss": round(loss, 4), "elapsed_s": round(time.time() - t0, 1)}
         rec["train_s"] = round(elapsed + time.time() - started, 1)
         rec["max_load_ratio"] = round(max(float(ld.max() / ld.mean()) for ld in loads), 2)
+        if (step + 1) % args.log_every == 0:
+            rec["routed_gain"] = [round(g, 4) for g in routed_gain(model)]
+            tps = (step + 1 - start_step) * args.batch * args.seq / (time.time() - started)
+            gain = sum(rec["routed_gain"]) / len(rec["routed_gain"])
+            line = f"step {step + 1}  loss {loss:.4f}  routed gain {gain:.3f}  {tps:.0f} tok/s"
+            print(line, flush=True)
         log.write(json.dumps(rec) + "\n")
         log.flush()
-        if (step + 1) % args.log_every == 0:
-            tps = (step + 1 - start_step) * args.batch * args.seq / (time.time() - started)
-            print(f"step {step + 1}  loss {loss:.4f}  {tps:.0f} tok/s", flush=True)
         if (step + 1) % args.save_every == 0:
             save(step + 1)
 
