@@ -18,6 +18,11 @@
 #   profile      profile_kernels under ncu: every dispatched kernel's time and bytes  (300)
 #   doctor       python -m kimi_k3.doctor over the CUDA kernels, then --model on a
 #                synthetic k3-layers checkpoint (written under $OUT)                   (500)
+#   formats      the lower-bit experts (--expert-bits 3, 2): -m cuda of their kernel and
+#                model tests, then bench_mxfp4 --formats 3 2 (decode at 1 and 8 tokens,
+#                prefill at 512 and 4096) beside MXFP4                                 (500)
+#   formats_streaming  bench_streaming's formats section: bytes read a decode token per
+#                format at the same cache size, one repetition                         (500)
 #   all          every step above, in that order (longer than one 600 s call)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -41,7 +46,7 @@ run() {
 steps=()
 for s in "$@"; do
   case $s in
-    all) steps+=(kda_tests mxfp4_tests kda mxfp4 e2e streaming ptxas profile doctor) ;;
+    all) steps+=(kda_tests mxfp4_tests kda mxfp4 e2e streaming ptxas profile doctor formats formats_streaming) ;;
     tests) steps+=(kda_tests mxfp4_tests) ;;
     *) steps+=("$s") ;;
   esac
@@ -76,6 +81,15 @@ for step in "${steps[@]}"; do
       run doctor 400 python3 -m kimi_k3.doctor
       [ -d "$OUT/k3-layers" ] || python3 -m kimi_k3.convert synth "$OUT/k3-layers" --preset k3-layers >>"$log" 2>&1
       run doctor_model 100 python3 -m kimi_k3.doctor --small --model "$OUT/k3-layers" ;;
+    formats)
+      MLX_ENABLE_TF32=0 run formats_tests 200 python3 -m pytest -q -m cuda tests/test_affine_kernels.py \
+        tests/test_model_kernels.py -k "test_affine_kernels or lower_bit"
+      # TF32 off: the decode rows' errors are against gather_qmm in fp32
+      MLX_ENABLE_TF32=0 run formats_bench 300 python3 -m benchmarks.bench_mxfp4 --formats 3 2 \
+        --decode-tokens 1 8 --out "$OUT/bench_formats.md" ;;
+    formats_streaming)
+      run formats_streaming 500 python3 -m benchmarks.bench_streaming --sections formats --reps 1 \
+        --tokens 32 --work "$OUT/bs" --out "$OUT/bench_streaming_formats.md" ;;
     *) echo "unknown step $step" | tee -a "$log" ;;
   esac
 done
