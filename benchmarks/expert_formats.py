@@ -159,7 +159,8 @@ def layer_outputs(stacks: dict, z, inds, weights) -> mx.array:
 
 def random_layer_errors(dims: tuple[int, int], experts: int, tokens: int) -> tuple[dict, float]:
     """``{bits: relative error}`` of a random layer's routed sum per format against MXFP4,
-    and seconds to requantize one expert (each format's mean over the layer)."""
+    and the CPU seconds to requantize one expert (the mean over the layer and the formats;
+    CPU time, not wall time, so other work on the machine does not count)."""
     D, I = dims
     shapes = {"w1": (I, D), "w3": (I, D), "w2": (D, I)}
     mxfp4 = {}
@@ -179,9 +180,9 @@ def random_layer_errors(dims: tuple[int, int], experts: int, tokens: int) -> tup
     for bits, fmt in FORMATS.items():
         if fmt == MXFP4:
             continue
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU seconds: numpy here runs on one core
         stacks = requant.requantize_stacks(mxfp4, fmt)
-        secs.append((time.perf_counter() - t0) / experts)
+        secs.append((time.process_time() - t0) / experts)
         errors[bits] = rel_err(layer_outputs(stacks, z, inds, wts), want)
     return errors, float(np.mean(secs))
 
@@ -255,8 +256,8 @@ def layer_section(model, wins, dims, experts, tokens) -> list[str]:
         f"MXFP4's. Random: {experts} experts at {D} x {I} (Gaussian weights through MXFP4), "
         f"each of {tokens} unit-normal latents routed to all {experts} with random weights. "
         f"The checkpoint: each MoE layer ({E} experts, top-{k}) on the latents and routing of "
-        f"{n} held-out tokens. Requantizing one {D} x {I} expert took {secs:.2f} s on one "
-        "core here (the converter's writer threads run it in parallel).",
+        f"{n} held-out tokens. Requantizing one {D} x {I} expert took {secs:.2f} CPU seconds "
+        "here (numpy on one core; the converter's writer threads run in parallel).",
         "",
         markdown_table(head, rows),
         markdown_table(per, per_rows),
