@@ -85,15 +85,15 @@ FORMATS = {4: MXFP4, 3: ExpertFormat("affine", 3, 64), 2: ExpertFormat("affine",
 def format_from_json(entry, where: str) -> ExpertFormat:
     """The format an index or config entry names (``to_json``'s dict); one of ``FORMATS``,
     else ``ValueError`` naming ``where``."""
-    known = {json_key(f.to_json()): f for f in FORMATS.values()}
-    fmt = known.get(json_key(entry)) if isinstance(entry, dict) else None
+    known = {_json_key(f.to_json()): f for f in FORMATS.values()}
+    fmt = known.get(_json_key(entry)) if isinstance(entry, dict) else None
     if fmt is None:
         names = "; ".join(str(f.to_json()) for f in FORMATS.values())
         raise ValueError(f"{where}: expert format {entry!r:.120} is not one of: {names}")
     return fmt
 
 
-def json_key(entry: dict) -> tuple:
+def _json_key(entry: dict) -> tuple:
     return tuple(entry.get(k) for k in ("mode", "bits", "group_size"))
 
 
