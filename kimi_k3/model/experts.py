@@ -100,8 +100,9 @@ def _json_key(entry: dict) -> tuple:
 def expert_format(args) -> ExpertFormat:
     """The experts' format of a model: the config's ``quantization.routed_experts`` entry
     (written by the converter for lower-bit experts), else MXFP4. An entry naming no known
-    format raises ``ConfigError`` naming the key."""
-    entry = (args.quantization or {}).get(FORMAT_KEY)
+    format raises ``ConfigError`` naming the key. ``args`` is a ``ModelArgs``, or any object
+    with the fields read (one without ``quantization`` has MXFP4 experts)."""
+    entry = (getattr(args, "quantization", None) or {}).get(FORMAT_KEY)
     if entry is None:
         return MXFP4
     try:
