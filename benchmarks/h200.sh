@@ -31,6 +31,11 @@
 #                synthetic k3-layers checkpoint (written to /tmp)                      (500)
 #   bench_train  bench_train at the preset, eager against compiled, batch $BATCH (32; 128 ran
 #                out of the H100's 80 GB)                                               (400)
+#   formats      the lower-bit experts (--expert-bits 3, 2): -m cuda of their kernel and
+#                model tests, then bench_mxfp4 --formats 3 2 (decode at 1 and 8 tokens,
+#                prefill at 512 and 4096) beside MXFP4                                 (500)
+#   formats_streaming  bench_streaming's formats section: bytes read a decode token per
+#                format at the same cache size, one repetition                         (500)
 #   all          every step above, in that order (longer than one 600 s call)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -54,7 +59,7 @@ run() {
 steps=()
 for s in "$@"; do
   case $s in
-    all) steps+=(kda_tests mxfp4_tests kda mxfp4 e2e streaming prefetch ptxas profile doctor) ;;
+    all) steps+=(kda_tests mxfp4_tests kda mxfp4 e2e streaming prefetch ptxas profile doctor formats formats_streaming) ;;
     tests) steps+=(kda_tests mxfp4_tests) ;;
     tests_fp32) steps+=(kda_tests_fp32 mxfp4_tests_fp32) ;;
     *) steps+=("$s") ;;
@@ -97,6 +102,15 @@ for step in "${steps[@]}"; do
     bench_train)
       run bench_train 400 python3 -m benchmarks.bench_train --batch "${BATCH:-32}" --rounds 5 \
         --peak-tflops 67 --out "$OUT/bench_train.md" ;;
+    formats)
+      run formats_tests 200 python3 -m pytest -q -m cuda tests/test_affine_kernels.py \
+        tests/test_model_kernels.py -k "test_affine_kernels or lower_bit"
+      # TF32 off: the decode rows' errors are against gather_qmm in fp32
+      MLX_ENABLE_TF32=0 run formats_bench 300 python3 -m benchmarks.bench_mxfp4 --formats 3 2 \
+        --decode-tokens 1 8 --out "$OUT/bench_formats.md" ;;
+    formats_streaming)
+      run formats_streaming 500 python3 -m benchmarks.bench_streaming --sections formats --reps 1 \
+        --tokens 32 --work "$OUT/bs" --out "$OUT/bench_streaming_formats.md" ;;
     *) echo "unknown step $step" | tee -a "$log" ;;
   esac
 done

@@ -40,8 +40,11 @@ EXPERT_TOL = 1e-4  # RMS-relative, fp32 accumulation on both sides
 
 # Variants per backend, in the order the dispatcher tries them. ``_tiled``: the kernel on
 # stacks in ``expert_layout``'s tiles (CUDA's stores hold those where the dims allow).
+# ``affine<bits>_*``: the lower-bit experts' kernels at 2 and 3 bits (one source each, two
+# widths: each width has its own verdict).
+AFFINE = ("affine2_decode", "affine3_decode", "affine2_prefill", "affine3_prefill")
 KERNELS = {
-    "metal": ("kda_decode", "kda_prefill", "mxfp4_decode", "mxfp4_prefill"),
+    "metal": ("kda_decode", "kda_prefill", "mxfp4_decode", "mxfp4_prefill", *AFFINE),
     "cuda": (
         "kda_decode",
         "kda_prefill",
@@ -51,6 +54,7 @@ KERNELS = {
         "mxfp4_mma_tiled",
         "mxfp4_prefill_mma",
         "mxfp4_prefill_mma_tiled",
+        *AFFINE,
     ),
 }
 KERNELS["emulator"] = KERNELS["metal"]  # the Metal source, run on the CPU
@@ -249,6 +253,25 @@ def random_experts(E: int, D: int, I: int, seed: int = 0) -> dict:
     return out
 
 
+def random_affine_experts(E: int, D: int, I: int, bits: int, group: int = 64, seed: int = 0):
+    """``E`` random experts in MLX's ``affine`` layout at ``bits`` (``w1``/``w3`` [I, D],
+    ``w2`` [D, I]: codes uint32, float16 scales and biases per ``group``): every code equally
+    likely, scales spread over two octaves around the one that puts a row's products near
+    unit variance, biases centring each group's grid near zero."""
+    r = np.random.default_rng(seed)
+    top = (1 << bits) - 1
+    out = {}
+    for n, (rows, cols) in {"w1": (I, D), "w3": (I, D), "w2": (D, I)}.items():
+        codes = r.integers(0, 2**32, (E, rows, cols * bits // 32), dtype=np.uint32)
+        shape = (E, rows, cols // group)
+        scale = 2.0 / (top * np.sqrt(cols)) * np.exp2(r.uniform(-1, 1, shape))
+        bias = -scale * top / 2 * r.uniform(0.8, 1.2, shape)
+        out[n] = tuple(
+            mx.array(a) for a in (codes, scale.astype(np.float16), bias.astype(np.float16))
+        )
+    return out
+
+
 def routing(N: int, E: int, k: int, seed: int = 1) -> tuple:
     """``k`` distinct experts per token, positive weights summing to one."""
     r = np.random.default_rng(seed)
@@ -268,6 +291,10 @@ _EXPERT_FNS = {
     "mxfp4_mma_tiled": ("mxfp4_mma", "expert_glu_decode_tiled"),
     "mxfp4_prefill_mma": ("mxfp4_prefill_mma", "expert_glu_prefill_mma"),
     "mxfp4_prefill_mma_tiled": ("mxfp4_prefill_mma", "expert_glu_prefill_mma"),
+    "affine2_decode": ("affine_decode", "expert_glu_decode"),
+    "affine3_decode": ("affine_decode", "expert_glu_decode"),
+    "affine2_prefill": ("affine_prefill", "expert_glu_prefill"),
+    "affine3_prefill": ("affine_prefill", "expert_glu_prefill"),
 }
 
 
@@ -277,10 +304,12 @@ def module_of(name: str) -> str:
 
 
 def expert_case(name: str, backend: str, E: int, D: int, I: int, N: int, k: int) -> Case:
-    """An MXFP4 expert kernel variant against ``expert_glu_reference`` (fp32 latents)."""
+    """An expert kernel variant (MXFP4, or ``affine<bits>_*`` on affine experts of groups of
+    64) against ``expert_glu_reference`` (fp32 latents)."""
     expert_glu_reference = reference("expert_glu_reference")
 
-    w = random_experts(E, D, I)
+    affine = name.startswith("affine")
+    w = random_affine_experts(E, D, I, int(name[6])) if affine else random_experts(E, D, I)
     inds, wts = routing(N, E, k)
     z = mx.array(np.random.default_rng(2).standard_normal((N, D)).astype(np.float32))
     tiled = name.endswith("_tiled")

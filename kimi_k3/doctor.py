@@ -200,7 +200,9 @@ def kernel_cases(backend: str, k3: bool = True) -> list[checks.Case]:
     small case, then (``k3``) K3's shapes at the sizes where the dispatcher picks each
     variant: KDA decode at batch 1 and 4 and chunked prefill of 64 and 300 tokens; expert
     decode at 1 and 2 tokens (the one-launch kernel's range on CUDA) and 8 (128 pairs, the
-    per-pair kernels' largest), the grouped prefill at 64 tokens (1024 pairs)."""
+    per-pair kernels' largest), the grouped prefill at 64 tokens (1024 pairs); the lower-bit
+    experts' kernels (``affine2_*``, ``affine3_*``, on random 2- and 3-bit stacks) likewise:
+    decode at 1 and 8 tokens, prefill at 64."""
     out = []
     for name in checks.KERNELS[backend]:
         out.append(checks.small_case(name, backend))

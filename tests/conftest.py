@@ -67,6 +67,34 @@ def tiny_b_ckpt(ckpt_factory):
     return ckpt_factory("tiny-b")
 
 
+# The tiny preset with experts whose widths split into the lower-bit formats' groups of 64.
+FORMAT_SHAPES = dict(moe_intermediate_size=64)
+
+
+@pytest.fixture(scope="session")
+def lower_bit(ckpt_factory, tmp_path_factory):
+    """``lower_bit(bits, preset="tiny", ranks=1, rank=0, **overrides)`` -> that synthetic
+    checkpoint (``FORMAT_SHAPES`` applied) converted with ``--expert-bits bits --dense-bits
+    16``, one rank's pack where ``ranks`` > 1 (cached)."""
+    from kimi_k3.convert.convert import Settings, convert
+
+    made = {}
+
+    def make(bits: int, preset: str = "tiny", ranks: int = 1, rank: int = 0, **overrides):
+        overrides = {**FORMAT_SHAPES, **overrides}
+        key = (bits, preset, ranks, rank, repr(sorted(overrides.items())))
+        if key not in made:
+            src = ckpt_factory(preset, **overrides)
+            out = tmp_path_factory.mktemp(f"bits{bits}") / "out"
+            settings = Settings(dense_bits=16, expert_bits=bits, ranks=ranks, rank=rank)
+            with open(os.devnull, "w") as log:
+                convert(src, out, settings, stream=log)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
 def published_experts(path) -> dict:
     """``{layer: [{"w1.weight_packed": u8 array, ...} per expert]}`` read from a checkpoint's
     shards: the input ``kimi_k3.checkpoint.expert_pack.write_pack`` takes."""

@@ -20,6 +20,7 @@ from benchmarks import (
     bench_train,
     bench_trim,
     bf16_drift,
+    expert_formats,
     profile_kernels,
     project_k3,
     quant_quality,
@@ -115,27 +116,35 @@ def test_oracle_agrees_with_gather_qmm_in_fp32():
 def test_bench_mxfp4_quick(monkeypatch, tmp_path):
     monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
     out = tmp_path / "mxfp4.md"
-    text = bench_mxfp4.main(["--quick", "--out", str(out)])
+    text = bench_mxfp4.main(["--quick", "--formats", "2", "--out", str(out)])
     assert out.read_text() == text
     decode, prefill = tables(text)
     jobs = [r["job"] for r in decode]
+    two = "2-bit affine, groups of 64"
     assert jobs == [
         "MLX gather_qmm",
         "dispatched: mxfp4_decode.expert_glu_decode, on MLX's layout",
         "read limit (reads the same bytes, one launch)",
+        f"MLX gather_qmm, {two}",
+        f"dispatched: affine_decode.expert_glu_decode, {two}",
     ]
     for r in decode:
         assert math.isfinite(number(r["ms per call (slope)"]))
         assert math.isfinite(number(r["intercept (ms)"]))
-    assert number(decode[1]["rel err vs gather_qmm fp32"]) < 1e-5
+    for i in (1, 4):
+        assert number(decode[i]["rel err vs gather_qmm fp32 (its format's)"]) < 1e-5
     assert [r["job"] for r in prefill] == [
         "MLX gather_qmm (sorted)",
         "dispatched: mxfp4_prefill.expert_glu_prefill, on MLX's layout",
+        f"MLX gather_qmm (sorted), {two}",
+        f"dispatched: affine_prefill.expert_glu_prefill, {two}",
     ]
     for r in prefill:
         assert number(r["ms"]) > 0 and number(r["tok/s"]) > 0
-    assert number(prefill[0]["rel err vs fp32 oracle"]) < 0.05  # bf16 latent in gather_qmm
-    assert number(prefill[1]["rel err vs fp32 oracle"]) < 1e-5  # the kernel computes in fp32
+    for i in (0, 2):  # bf16 latents in gather_qmm
+        assert number(prefill[i]["rel err vs fp32 oracle"]) < 0.05
+    for i in (1, 3):  # the kernels compute in fp32
+        assert number(prefill[i]["rel err vs fp32 oracle"]) < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["emulator", "none"])
@@ -237,6 +246,52 @@ def test_bench_streaming_quick(tmp_path):
     lru = {number(r["slots / layer"]): number(r["hit rate"]) for r in cache if r["policy"] == "lru"}
     assert list(lru) == [16, 32] and 0 <= lru[16] <= lru[32] <= 1  # LRU: more slots, more hits
     assert all(number(r["tokens/s"]) > 0 for r in cache + switches)
+
+
+def test_bench_streaming_formats_quick(tmp_path):
+    """The formats section: at one cache size, the smaller the experts the more slots it
+    buys and the fewer bytes a token reads."""
+    text = bench_streaming.main(["--quick", "--sections", "formats", "--work", str(tmp_path)])
+    (rows,) = tables(text)
+    assert [r["experts"] for r in rows] == [
+        "MXFP4",
+        "3-bit affine, groups of 64",
+        "2-bit affine, groups of 64",
+    ]
+    assert len({r["cache GB"] for r in rows}) == 1
+    slots = [number(r["slots / layer"]) for r in rows]
+    assert slots[0] < slots[1] < slots[2]
+    assert number(rows[0]["vs MXFP4"]) == 1 and number(rows[2]["vs MXFP4"]) < 1
+    assert all(number(r["tokens/s"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_expert_formats_quick(tmp_path):
+    """``benchmarks/expert_formats.py --quick``: the candidates, the layer errors (the 2-bit
+    format's larger than the 3-bit one's), and the model rows beside the ablation."""
+    text = expert_formats.main(["--quick", "--out", str(tmp_path / "f.md")])
+    candidates, layers, per_layer, model = tables(text)
+    shipped = [r for r in candidates if "(shipped)" in r["format"]]
+    assert [r["fit"] for r in shipped] == ["least squares"] * 2
+    for r in candidates[1:]:  # least squares beats mx.quantize at every width and group
+        if r["fit"] == "least squares":
+            twin = next(
+                c
+                for c in candidates
+                if c["format"] == r["format"].replace(" (shipped)", "")
+                and c["fit"] == "mx.quantize"
+            )
+            assert number(r[list(r)[5]]) < number(twin[list(twin)[5]])
+    errs = {r["experts"]: number(r["the checkpoint's layers: mean"]) for r in layers}
+    assert 0 < errs["3-bit affine, groups of 64"] < errs["2-bit affine, groups of 64"] < 1
+    assert len(per_layer) == 7
+    assert [r["model"] for r in model] == [
+        "MXFP4 experts (the checkpoint)",
+        "experts 3-bit affine, groups of 64 (--expert-bits 3)",
+        "experts 2-bit affine, groups of 64 (--expert-bits 2)",
+        "routed experts zeroed (shared only)",
+    ]
+    assert all(number(r["KL from MXFP4 (nats/token)"]) >= 0 for r in model)
 
 
 @pytest.mark.slow

@@ -157,6 +157,28 @@ def test_four_ranks_read_only_their_experts(tiny_ckpt, per_rank, tmp_path):
 
 
 @pytest.mark.slow
+def test_two_ranks_with_lower_bit_experts(lower_bit, tmp_path):
+    """2-bit experts (``--expert-bits 2``), each rank's pack written for it (``--ranks 2``):
+    held and streamed expert parallel give one process's tokens on the whole conversion,
+    logits within LOGIT_TOL, and each rank reads only its pack."""
+    from dist_worker import reference
+
+    for r in range(2):
+        (tmp_path / f"rank{r}").symlink_to(lower_bit(2, ranks=2, rank=r))
+    out = tmp_path / "out"
+    out.mkdir()
+    run = launch(2, str(WORKER), str(tmp_path / "rank{rank}"), str(out), "expert", "expert:0.001")
+    assert "Traceback" not in run.stderr + run.stdout, run.stderr + run.stdout
+    tokens, logits = reference(lower_bit(2))
+    for case in ("expert", "expert:0.001"):
+        for r, got in enumerate(results(out, case, 2)):
+            assert got["tokens"] == tokens and close(got["logits"], logits) <= LOGIT_TOL, (case, r)
+    for got in results(out, "expert:0.001", 2):
+        mine = got["mine"]
+        assert mine["misses"] > 0 and mine["bytes_read"] == mine["misses"] * mine["expert_bytes"]
+
+
+@pytest.mark.slow
 def test_generate_cli_stats_per_rank(tiny_ckpt):
     """``python -m kimi_k3.generate --split tensor`` with streamed experts, through mlx-lm's
     generation (which evaluates a step ahead on its own stream): rank 0 alone prints the

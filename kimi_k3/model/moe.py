@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 
 from kimi_k3.model.config import ModelArgs
-from kimi_k3.model.experts import ResidentExperts, situ_glu
+from kimi_k3.model.experts import ResidentExperts, expert_format, situ_glu
 from kimi_k3.model.parallel import moe_parts
 from kimi_k3.model.routing import OFF, SHED_OFF, is_on, route, route_trimmed, shed, used_columns
 
@@ -123,7 +123,9 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
         self.routed_expert_norm = nn.RMSNorm(Dl, eps=args.rms_norm_eps)
         self.shared_experts = SituMLP(D, args.moe_intermediate_size * args.num_shared_experts, *act)
-        self.experts = ResidentExperts(args.num_experts, Dl, args.moe_intermediate_size, *act)
+        self.experts = ResidentExperts(
+            args.num_experts, Dl, args.moe_intermediate_size, *act, expert_format(args)
+        )
         self.layer_index = -1  # set by the model; expert stores and traces key on it
         # Expert parallel (``kimi_k3.model.parallel``): this rank's experts [lo, hi) and the
         # group whose all-sum adds the ranks' parts; ``shared_partial`` when the shared

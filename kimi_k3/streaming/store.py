@@ -29,7 +29,13 @@ from kimi_k3.checkpoint.checksums import obtain as obtain_checksums
 from kimi_k3.checkpoint.files import CheckpointIndex
 from kimi_k3.kernels import expert_layout as tiles
 from kimi_k3.model import routing
-from kimi_k3.model.experts import EXPERT_TENSORS, expert_glu, expert_glu_plan, store_layout
+from kimi_k3.model.experts import (
+    EXPERT_TENSORS,
+    expert_format,
+    expert_glu,
+    expert_glu_plan,
+    store_layout,
+)
 from kimi_k3.model.moe import moe_blocks
 from kimi_k3.streaming.cache import (
     GB,
@@ -51,7 +57,7 @@ from kimi_k3.streaming.io import (
 from kimi_k3.streaming.sources import SOURCES, expert_bytes, expert_shapes, open_source
 from kimi_k3.streaming.stats import StreamStats
 
-_MX = {np.uint32: mx.uint32, np.uint8: mx.uint8}
+_MX = {np.uint32: mx.uint32, np.uint8: mx.uint8, np.float16: mx.float16}
 
 
 @dataclass
@@ -118,7 +124,9 @@ class StreamOptions:
 
 
 class SlotPool:
-    """One layer's slots: per cache tensor an MLX array [slots, ...] the kernels read.
+    """One layer's slots: per cache tensor an MLX array [slots, ...] the kernels read
+    (``layout``, ``sources.expert_shapes``: MXFP4's weight and scales, or an affine format's
+    weight, scales and biases per matrix).
 
     ``dest(slot)`` gives the writable bytes of one slot per tensor; in ``view`` mode they
     are the pool's own memory, in ``mlx`` mode scratch buffers that ``commit`` assigns with
@@ -138,7 +146,8 @@ class SlotPool:
                 "write_mode='view': this MLX backend does not expose array "
                 "memory to the host; use write_mode='mlx'"
             )
-        w = {w: (self.arrays[f"{w}.weight"], self.arrays[f"{w}.scales"]) for w in EXPERT_TENSORS}
+        kinds = [n.split(".")[1] for n in layout if n.startswith("w1.")]
+        w = {w: tuple(self.arrays[f"{w}.{k}"] for k in kinds) for w in EXPERT_TENSORS}
         self.w = tiles.TiledStacks(w) if tiled else w
 
     @property
@@ -246,7 +255,8 @@ class Streamer:
     ):
         self.source, self.layout, self.opts = source, layout, opts
         Dl, I = args.routed_expert_hidden_size, args.moe_intermediate_size
-        self.expert_layout = store_layout(opts.expert_layout, Dl, I)
+        self.format = expert_format(args)
+        self.expert_layout = store_layout(opts.expert_layout, Dl, I, self.format)
         # The experts streamed (one rank's range when expert parallel); stores number them
         # from 0, the source by their checkpoint numbers.
         self.held = range(args.num_experts) if experts is None else experts
@@ -283,6 +293,7 @@ class Streamer:
             "budget_bytes": budget_bytes,
             "cache_bytes": sum(s.pool.nbytes for s in self.stores.values()),
             "expert_bytes": expert_bytes(layout),
+            "expert_format": str(self.format),
             "expert_layout": self.expert_layout,
             "slots_per_layer": slots,
             "layers": len(self.order),
