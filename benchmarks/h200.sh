@@ -37,9 +37,9 @@
 #   formats_streaming  bench_streaming's formats section: bytes read a decode token per
 #                format at the same cache size, one repetition                         (500)
 #   all          every step above, in that order (longer than one 600 s call)
-#   server       (not in all) bench_server (server / forward alone at 1, 4, 8 clients, streamed and
-#                resident) (300), its --profile (where a decode step's time goes) (150),
-#                bench_fairness (a chat beside 1, 4, 8 long prompts) (140)
+#   server       (not in all) bench_server: server / forward alone at 1, 4 and 8 clients,
+#                streamed and resident (300); its --profile: where a decode step's time
+#                goes (150); bench_fairness: a chat beside 1, 4 and 8 long prompts (140)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
