@@ -303,7 +303,7 @@ PREFILL_MUTATIONS = [
     ("* sc[0] + bi[0];", "* sc[0];"),
     ("const int grp = (32 * g) / GS;", "const int grp = g;"),
     ("v[r] >>= BITS * JS * jpart;", "v[r] >>= JS * jpart;"),
-    ("if (eighth > 0) BARRIER();", ""),
+    ("if (quarter > 0) BARRIER();", ""),
 ]
 
 
