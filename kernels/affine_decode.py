@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from .expert_bodies import DOWN, GATE_UP, fill
 from .mxfp4_decode import HEADER, K3, glu_decode, launch_template
-from .source import Instance, Kernel
+from .source import Instance, Kernel, swap
 from .source import backend as default_backend
 
 BITS = (2, 3)  # the code widths the kernels take
@@ -80,8 +80,10 @@ STAGE = """\
 """
 
 # Loads of one matrix's set of R rows (codes, scale, bias of each of a lane's groups), then
-# the dot products: MAT names the matrix (its inputs wM, sM, bM), ACC the row sums.
+# the dot products: MAT names the matrix (its inputs wMAT, sMAT, bMAT), ACC the row sums.
 LOADS = """\
+    uint qMAT[R][IT][WG];
+    float sMAT_[R][IT], bMAT_[R][IT];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const bool ok = row0 + r < tile1;
@@ -128,38 +130,27 @@ DOTS = """\
 """
 
 
+def _body(body: str, name: str, src: str, row: str, mats: tuple) -> str:
+    """``body`` (``expert_bodies.GATE_UP`` or ``DOWN``) for affine weights: ``STAGE`` of the
+    vector ``src`` (its declaration) at row ``row``, then ``LOADS`` and ``DOTS`` of each
+    (matrix, row sums) of ``mats``."""
+    return fill(
+        body,
+        name,
+        STAGE=swap(STAGE, (("XROW", row), ("const DEVICE T* src = x", src)), name),
+        LOADS="".join(_mat(LOADS, mat) for mat, _ in mats),
+        DOTS="".join(_mat(DOTS, mat, acc) for mat, acc in mats),
+    )
+
+
 def _mat(text: str, mat: str, acc: str = "") -> str:
     return text.replace("MAT", mat).replace("ACC", acc)
 
 
-GATE_UP_BODY = fill(
-    GATE_UP,
-    "affine_gate_up",
-    STAGE=STAGE.replace("XROW", "p / K").replace(
-        "const DEVICE T* src = x", "const DEVICE T* src = z"
-    ),
-    LOADS="""\
-    uint q1[R][IT][WG], q3[R][IT][WG];
-    float s1_[R][IT], b1_[R][IT], s3_[R][IT], b3_[R][IT];
-"""
-    + _mat(LOADS, "1")
-    + _mat(LOADS, "3"),
-    DOTS=_mat(DOTS, "1", "gate") + _mat(DOTS, "3", "up"),
+GATE_UP_BODY = _body(
+    GATE_UP, "affine_gate_up", "const DEVICE T* src = z", "p / K", (("1", "gate"), ("3", "up"))
 )
-
-DOWN_BODY = fill(
-    DOWN,
-    "affine_down",
-    STAGE=STAGE.replace("XROW", "p").replace(
-        "const DEVICE T* src = x", "const DEVICE float* src = h"
-    ),
-    LOADS="""\
-    uint q2[R][IT][WG];
-    float s2_[R][IT], b2_[R][IT];
-"""
-    + _mat(LOADS, "2"),
-    DOTS=_mat(DOTS, "2", "acc"),
-)
+DOWN_BODY = _body(DOWN, "affine_down", "const DEVICE float* src = h", "p", (("2", "acc"),))
 
 U32, F16, F32, I32 = mx.uint32, mx.float16, mx.float32, mx.int32
 # Launch shape: rows per simdgroup set, simdgroups, rows per threadgroup tile

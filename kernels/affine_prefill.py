@@ -17,12 +17,14 @@ pair's routing weight; a gather and a sum over the choices finish the call.
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 
 from .affine_decode import BITS, params
 from .expert_bodies import GROUPED, fill
 from .mxfp4_decode import HEADER, K3
-from .mxfp4_prefill import THREADS, TILE_SHAPES, grouped_glu, rows_per_group, tile_tokens_for
+from .mxfp4_prefill import TILE_SHAPES, grouped_gemm, grouped_glu, tile_tokens_for
 from .source import Instance, Kernel
 from .source import backend as default_backend
 
@@ -120,21 +122,8 @@ def expert_glu_prefill(
     Shapes: z [N, D]; w maps ``w1``/``w3``/``w2`` to ``(weight, scales, biases)`` (leading
     axis: experts or cache slots); inds [N, k]; weights [N, k]. Returns fp32 [N, D].
     """
-    backend = backend or default_backend()
     bits, gs = params(w)
     tm = tile_tokens or tile_tokens_for(inds.size, w["w1"][0].shape[0])
-
-    def launch(x, a, b, kd, nout, nmat, xrow, tiles, pair_w, act):
-        bn = rows_per_group(nmat, tm)
-        (out,) = AFFINE_GROUPED(
-            backend,
-            inputs=[x, xrow, tiles, *a, *b, pair_w, act],
-            output_shapes=[(inds.size, nout)],
-            output_dtypes=[F32],
-            grid=(THREADS * tiles.shape[0], -(-nout // bn), 1),
-            threadgroup=(THREADS, 1, 1),
-            template=template(x.dtype, kd, nout, nmat, tm, bits, gs),
-        )
-        return out
-
-    return grouped_glu(z, w, inds, weights, beta, cap, tm, launch)
+    values = partial(template, TM=tm, bits=bits, gs=gs)
+    gemm = grouped_gemm(AFFINE_GROUPED, backend or default_backend(), values)
+    return grouped_glu(z, w, inds, weights, beta, cap, tm, gemm)

@@ -22,6 +22,8 @@ Tile descriptors are computed on the device (no host sync): the grid is sized by
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 
 from .expert_bodies import GROUPED, fill
@@ -170,20 +172,28 @@ def expert_glu_prefill(
     Shapes: z [N, D]; w as ``expert_glu_reference`` (leading axis: experts or cache slots);
     inds [N, k]; weights [N, k]. Returns fp32 [N, D].
     """
-    backend = backend or default_backend()
     tm = tile_tokens or tile_tokens_for(inds.size, w["w1"][0].shape[0])
+    gemm = grouped_gemm(MXFP4_GROUPED, backend or default_backend(), partial(template, TM=tm))
+    return grouped_glu(z, w, inds, weights, beta, cap, tm, gemm)
 
-    def launch(x, a, b, kd, nout, nmat, xrow, tiles, pair_w, act):
-        bn = rows_per_group(nmat, tm)
-        (out,) = MXFP4_GROUPED(
+
+def grouped_gemm(kernel: Kernel, backend: str, template):
+    """``grouped_glu``'s ``gemm`` for a kernel of ``expert_bodies.GROUPED`` (``MXFP4_GROUPED``'s
+    inputs, each matrix as ``w`` holds it); ``template(dtype, KD, NOUT, NMAT)`` gives a
+    launch's template values."""
+
+    def gemm(x, a, b, kd, nout, nmat, xrow, tiles, pair_w, act):
+        values = template(x.dtype, kd, nout, nmat)
+        bn = rows_per_group(nmat, dict(values)["TM"])
+        (out,) = kernel(
             backend,
             inputs=[x, xrow, tiles, *a, *b, pair_w, act],
-            output_shapes=[(inds.size, nout)],
+            output_shapes=[(xrow.size, nout)],
             output_dtypes=[F32],
             grid=(THREADS * tiles.shape[0], -(-nout // bn), 1),
             threadgroup=(THREADS, 1, 1),
-            template=template(x.dtype, kd, nout, nmat, tm),
+            template=values,
         )
         return out
 
-    return grouped_glu(z, w, inds, weights, beta, cap, tm, launch)
+    return gemm
