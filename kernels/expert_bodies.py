@@ -1,4 +1,4 @@
-"""Kernel source that the expert formats (MXFP4, affine) share.
+"""Kernel source that MXFP4's table-lookup kernels and the affine kernels share.
 
 The decode and prefill kernels of both formats do the same work around their weights: the
 same threads walk the same rows, accumulate in the same order and end alike. Only how a
@@ -11,15 +11,15 @@ with a line ``//@NAME`` marking each place a format fills in (``fill``):
   its dot products into ``gate[R]``/``up[R]`` or ``acc[R]`` (``DOTS``); one SIMD sum per row,
   then SiTU-GLU into ``h`` or the pair's routing weight into ``part``.
 - ``GROUPED``: the grouped prefill GEMM (``mxfp4_prefill``, ``affine_prefill``), per (tile of
-  pairs, block of ``BN`` output rows), 256 threads (the module docstring of
-  ``mxfp4_prefill`` describes the work). The format declares its constants and threadgroup
-  arrays (``FORMAT``, which defines ``W`` and ``G``), sets up once per threadgroup
-  (``SETUP``), points ``wq`` and its scales at the 4 rows a staging thread decodes
-  (``POINTERS``; ``second``: those rows are slab 1 of gate/up, the second matrix;
-  ``first_row``: the first of them in the stack), loads what a 32-wide step of the
-  reduction axis needs (``STEP``, with ``g`` the step), and per quarter of the step (8
-  codes) takes the thread's codes (``CODES``: ``uint v[4]``, one per row, the thread's ``JS``
-  codes from bit 0) and decodes code ``j`` of each row into ``float4 d`` (``DECODE``).
+  pairs, block of ``BN`` output rows), 256 threads (``mxfp4_prefill``'s module docstring
+  describes the work). A staging thread decodes 4 weight rows (from ``srow``; ``second``: they
+  are slab 1 of gate/up, so the second matrix; ``first_row``: the first of them in the
+  stack). The format declares its constants and threadgroup arrays (``FORMAT``), sets up
+  once per threadgroup (``SETUP``), points at its rows' weights (``POINTERS``), loads what a
+  32-wide step ``g`` of the reduction axis needs (``STEP``), and per ``quarter`` of the step
+  (8 codes) takes the thread's codes (``CODES``: ``uint v[4]``, one per row, with the
+  thread's ``JS`` codes from bit 0) and decodes code ``j`` of each row into ``float4 d``
+  (``DECODE``).
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ from .expert_bodies import DOWN, GATE_UP, fill
 from .source import Instance, Kernel, constant
 from .source import backend as default_backend
 
-# Shared with mxfp4_prefill: the E2M1 table entry for a code, SiTU-GLU, and one word's dot
-# product with 8 latent values held as two float4 (the table is the body's `lut` array).
+# Shared with mxfp4_prefill: the E2M1 table entry for a code, SiTU-GLU (which the affine
+# kernels take from here too), and one word's dot product with 8 latent values held as two
+# float4 (the table is the body's `lut` array).
 HEADER = """
 HELPER float kk_e2m1(uint c) {
   uint m = c & 7u;

@@ -18,7 +18,15 @@ import pytest
 from conftest import broken, dispatch_defaults, header_broken, on_cuda, rel_err
 from numpy_ref import mxfp4_decode, routed_experts
 
-from kimi_k3.kernels import checks, dispatch, expert_layout, mxfp4_mma, mxfp4_one, mxfp4_prefill_mma
+from kimi_k3.kernels import (
+    checks,
+    dispatch,
+    expert_bodies,
+    expert_layout,
+    mxfp4_mma,
+    mxfp4_one,
+    mxfp4_prefill_mma,
+)
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
@@ -520,6 +528,17 @@ def test_reads_cache_slots_as_given(backend):
             want = fn(z, w, inds, wts, beta, cap, backend=backend)
             got = fn(z, pool, slot_inds, wts, beta, cap, backend=backend)
             assert np.array_equal(np.array(got), np.array(want)), name
+
+
+def test_a_format_fills_every_mark_of_a_shared_body_once():
+    """``expert_bodies.fill`` refuses a piece left out or one the body has no mark for, so a
+    format's kernel is never built from a body with a hole or without a piece it gave."""
+    pieces = {"STAGE": "", "LOADS": "", "DOTS": ""}
+    assert "//@" not in expert_bodies.fill(expert_bodies.GATE_UP, "gate/up", **pieces)
+    with pytest.raises(AssertionError, match="gate/up: unfilled //@DOTS"):
+        expert_bodies.fill(expert_bodies.GATE_UP, "gate/up", STAGE="", LOADS="")
+    with pytest.raises(AssertionError, match="down: the kernel changed near '//@CODES"):
+        expert_bodies.fill(expert_bodies.DOWN, "down", **pieces, CODES="")
 
 
 def _tiles_numpy(flat: np.ndarray, tm: int) -> list[tuple[int, int, int]]:
