@@ -38,17 +38,17 @@ import gc
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from benchmarks import timing
+from benchmarks.bench_streaming import K3_EXPERTS, budget_gb, checkpoint, timed_decode
 from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.cli import markdown_table
 from kimi_k3.model.config import ModelArgs
-from kimi_k3.streaming import clear_cache, get_stats, reset_stats
+from kimi_k3.streaming import clear_cache, get_stats
 from kimi_k3.streaming.sources import expert_bytes, expert_shapes
 
 # (label, streamer options)
@@ -58,22 +58,10 @@ SETTINGS = (
     ("on, 2 reads ahead", {"prefetch": True, "prefetch_limit": 2}),
     ("on, 1 read ahead", {"prefetch": True, "prefetch_limit": 1}),
 )
-SLICE = dict(  # four MoE layers (a dense first layer), K3's 3:1 KDA:MLA pattern
-    num_hidden_layers=5,
-    full=(4,),
-    num_experts=64,
-    num_experts_per_token=16,
-    routed_expert_hidden_size=3584,
-    moe_intermediate_size=3072,
-)
+# bench_streaming's experts of K3's width in four MoE layers (a dense first layer), K3's 3:1
+# KDA:MLA pattern
+SLICE = dict(K3_EXPERTS, num_hidden_layers=5, full=(4,))
 QUICK_SLICE = dict(SLICE, routed_expert_hidden_size=256, moe_intermediate_size=256)
-
-
-def budget_gb(path: Path, slots: int) -> float:
-    """The budget that gives every MoE layer of ``path`` ``slots`` slots."""
-    args = ModelArgs.from_path(path)
-    layers = sum(args.is_moe(i) for i in range(args.num_hidden_layers))
-    return slots * layers * expert_bytes(expert_shapes(args)) / 1e9
 
 
 def decode_run(path: Path, slots: int, ids: list[int], prompt: int, steps: int, **opts) -> dict:
@@ -81,14 +69,7 @@ def decode_run(path: Path, slots: int, ids: list[int], prompt: int, steps: int, 
     tokens; per decoded token the streaming counters and the time."""
     gc.collect()
     model = load_model(path, expert_cache_gb=budget_gb(path, slots), **opts)
-    cache = model.make_cache()
-    mx.eval(model(mx.array([ids[:prompt]]), cache=cache))
-    mx.eval(model(mx.array([[ids[prompt]]]), cache=cache))  # untimed: compiles, warms up
-    reset_stats(model)
-    t0 = time.perf_counter()
-    for t in ids[prompt + 1 : prompt + 1 + steps]:
-        mx.eval(model(mx.array([[t]]), cache=cache))
-    seconds = time.perf_counter() - t0
+    seconds = timed_decode(model, ids, prompt, steps)
     clear_cache(model)  # reads ahead still in flight land, and are counted
     s = get_stats(model)
     per = s["per_token"]
@@ -255,8 +236,6 @@ def predictor_table(found: dict, ms: tuple[int, ...]) -> str:
 
 def slice_checkpoint(path: Path, quick: bool) -> Path:
     """The K3-width slice at ``path``, written there when missing (or of another shape)."""
-    from benchmarks.bench_streaming import checkpoint
-
     return checkpoint(path.parent, path.name, QUICK_SLICE if quick else SLICE)
 
 

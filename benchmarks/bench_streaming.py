@@ -123,7 +123,7 @@ def raw_read(files: list[Path], threads: int, block: int = 16 << 20) -> float:
 
 
 def _streamed(path: Path, slots: int, **opts):
-    return load_model(path, dtype=mx.float32, expert_cache_gb=_budget_gb(path, slots), **opts)
+    return load_model(path, dtype=mx.float32, expert_cache_gb=budget_gb(path, slots), **opts)
 
 
 def expert_read(path: Path, pattern: str, threads: int, direct: bool, calls: int = 6) -> dict:
@@ -491,16 +491,9 @@ def trained_run(slots: int, prompt: int, tokens: int, **opts) -> dict:
     gc.collect()
     drop_caches()
     path = ensure_default_model()
-    model, _ = kimi_k3.load(path, expert_cache_gb=_budget_gb(path, slots), **opts)
+    model, _ = kimi_k3.load(path, expert_cache_gb=budget_gb(path, slots), **opts)
     ids = [int(t) for t in heldout_ids(path)[: prompt + tokens + 1]]
-    cache = model.make_cache()
-    mx.eval(model(mx.array(ids[:prompt])[None], cache=cache))
-    mx.eval(model(mx.array([[ids[prompt]]]), cache=cache))  # untimed: compiles, warms up
-    reset_stats(model)
-    t0 = time.perf_counter()
-    for t in ids[prompt + 1 : prompt + 1 + tokens]:
-        mx.eval(model(mx.array([[t]]), cache=cache))
-    dt = time.perf_counter() - t0
+    dt = timed_decode(model, ids, prompt, tokens)
     s = get_stats(model)
     return {
         "slots": slots,
@@ -515,10 +508,24 @@ def trained_run(slots: int, prompt: int, tokens: int, **opts) -> dict:
     }
 
 
-def _budget_gb(path: Path, slots: int) -> float:
+def timed_decode(model, ids: list[int], prompt: int, steps: int) -> float:
+    """Prefill ``ids[:prompt]``, one untimed decode step (compiles, warms up), the streaming
+    counters reset, then ``steps`` decode steps fed ``ids``' next tokens (teacher forcing:
+    the same steps in every run); the seconds those took."""
+    cache = model.make_cache()
+    mx.eval(model(mx.array([ids[:prompt]]), cache=cache))
+    mx.eval(model(mx.array([[ids[prompt]]]), cache=cache))
+    reset_stats(model)
+    t0 = time.perf_counter()
+    for t in ids[prompt + 1 : prompt + 1 + steps]:
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    return time.perf_counter() - t0
+
+
+def budget_gb(path: Path, slots: int) -> float:
     """The budget that gives every MoE layer of ``path`` ``slots`` slots."""
     args = ModelArgs.from_path(path)
-    layers = args.num_hidden_layers - args.first_k_dense_replace
+    layers = sum(args.is_moe(i) for i in range(args.num_hidden_layers))
     return slots * layers * expert_bytes(expert_shapes(args)) / 1e9
 
 
@@ -592,7 +599,7 @@ def formats_section(work: Path, sweep: Path, args) -> list[str]:
     E = margs.num_experts
     rows = []
     for slots in args.format_slots:
-        gb = _budget_gb(packs[4], slots)
+        gb = budget_gb(packs[4], slots)
         base = None
         for bits, path in packs.items():
             row = repeated(

@@ -26,10 +26,13 @@ formats.
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 
-from .mxfp4_decode import HEADER, K3, sum_pairs
-from .source import Instance, Kernel, constant
+from .expert_bodies import DOWN, GATE_UP, fill
+from .mxfp4_decode import HEADER, K3, glu_decode, launch_template
+from .source import Instance, Kernel, swap
 from .source import backend as default_backend
 
 BITS = (2, 3)  # the code widths the kernels take
@@ -45,7 +48,7 @@ CODE = """
 """
 
 # Staging of a row vector (the latent, or h) and its per-group sums, shared by both bodies.
-STAGE = """
+STAGE = """\
   constexpr int G = KD / GS;          // groups per row
   constexpr int IT = (G + 31) / 32;   // groups per lane per row
   constexpr int WG = GS * BITS / 32;  // code words per group (even)
@@ -77,8 +80,10 @@ STAGE = """
 """
 
 # Loads of one matrix's set of R rows (codes, scale, bias of each of a lane's groups), then
-# the dot products: MAT names the matrix (its inputs wM, sM, bM), ACC the row sums.
-LOADS = """
+# the dot products: MAT names the matrix (its inputs wMAT, sMAT, bMAT), ACC the row sums.
+LOADS = """\
+    uint qMAT[R][IT][WG];
+    float sMAT_[R][IT], bMAT_[R][IT];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const bool ok = row0 + r < tile1;
@@ -101,7 +106,7 @@ LOADS = """
     }
 """
 
-DOTS = """
+DOTS = """\
 #pragma unroll
     for (int it = 0; it < IT; ++it) {
       const uint g = lane + 32 * it;
@@ -125,80 +130,27 @@ DOTS = """
 """
 
 
+def _body(body: str, name: str, src: str, row: str, mats: tuple) -> str:
+    """``body`` (``expert_bodies.GATE_UP`` or ``DOWN``) for affine weights: ``STAGE`` of the
+    vector ``src`` (its declaration) at row ``row``, then ``LOADS`` and ``DOTS`` of each
+    (matrix, row sums) of ``mats``."""
+    return fill(
+        body,
+        name,
+        STAGE=swap(STAGE, (("XROW", row), ("const DEVICE T* src = x", src)), name),
+        LOADS="".join(_mat(LOADS, mat) for mat, _ in mats),
+        DOTS="".join(_mat(DOTS, mat, acc) for mat, acc in mats),
+    )
+
+
 def _mat(text: str, mat: str, acc: str = "") -> str:
     return text.replace("MAT", mat).replace("ACC", acc)
 
 
-GATE_UP_BODY = (
-    _mat(STAGE, "")
-    .replace("XROW", "p / K")
-    .replace("const DEVICE T* src = x", "const DEVICE T* src = z")
-    + """
-  const uint tile0 = GROUP_POS.x * TILE;
-  const uint tile1 = tile0 + TILE < I ? tile0 + TILE : I;
-  const size_t e0 = (size_t)inds[p] * I;
-  for (uint row0 = tile0 + SIMDGROUP * R; row0 < tile1; row0 += NSG * R) {
-    uint q1[R][IT][WG], q3[R][IT][WG];
-    float s1_[R][IT], b1_[R][IT], s3_[R][IT], b3_[R][IT];
-"""
-    + _mat(LOADS, "1")
-    + _mat(LOADS, "3")
-    + """
-    float gate[R], up[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) gate[r] = up[r] = 0.0f;
-"""
-    + _mat(DOTS, "1", "gate")
-    + _mat(DOTS, "3", "up")
-    + """
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      gate[r] = SIMD_SUM(gate[r]);
-      up[r] = SIMD_SUM(up[r]);
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (row0 + r < tile1)
-          h[(size_t)p * I + row0 + r] = kk_situ_glu(gate[r], up[r], act[0], act[1]);
-      }
-    }
-  }
-"""
+GATE_UP_BODY = _body(
+    GATE_UP, "affine_gate_up", "const DEVICE T* src = z", "p / K", (("1", "gate"), ("3", "up"))
 )
-
-DOWN_BODY = (
-    _mat(STAGE, "")
-    .replace("XROW", "p")
-    .replace("const DEVICE T* src = x", "const DEVICE float* src = h")
-    + """
-  const float wt = weights[p];
-  const uint tile0 = GROUP_POS.x * TILE;
-  const uint tile1 = tile0 + TILE < D ? tile0 + TILE : D;
-  const size_t e0 = (size_t)inds[p] * D;
-  for (uint row0 = tile0 + SIMDGROUP * R; row0 < tile1; row0 += NSG * R) {
-    uint q2[R][IT][WG];
-    float s2_[R][IT], b2_[R][IT];
-"""
-    + _mat(LOADS, "2")
-    + """
-    float acc[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-"""
-    + _mat(DOTS, "2", "acc")
-    + """
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = SIMD_SUM(acc[r]);
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (row0 + r < tile1) part[(size_t)p * D + row0 + r] = wt * acc[r];
-      }
-    }
-  }
-"""
-)
+DOWN_BODY = _body(DOWN, "affine_down", "const DEVICE float* src = h", "p", (("2", "acc"),))
 
 U32, F16, F32, I32 = mx.uint32, mx.float16, mx.float32, mx.int32
 # Launch shape: rows per simdgroup set, simdgroups, rows per threadgroup tile
@@ -207,31 +159,12 @@ LAUNCH = {"gate_up": (1, 8, 96), "down": (4, 8, 128)}
 
 
 def gate_up_template(dtype, D, I, K, bits, gs):
-    R, NSG, TILE = LAUNCH["gate_up"]
-    return [
-        ("T", dtype),
-        ("KD", D),
-        ("I", I),
-        ("K", K),
-        ("BITS", bits),
-        ("GS", gs),
-        ("R", R),
-        ("NSG", NSG),
-        ("TILE", TILE),
-    ]
+    shape = [("T", dtype), ("KD", D), ("I", I), ("K", K), ("BITS", bits), ("GS", gs)]
+    return shape + launch_template(LAUNCH["gate_up"])
 
 
-def down_template(D, I, bits, gs):
-    R, NSG, TILE = LAUNCH["down"]
-    return [
-        ("KD", I),
-        ("D", D),
-        ("BITS", bits),
-        ("GS", gs),
-        ("R", R),
-        ("NSG", NSG),
-        ("TILE", TILE),
-    ]
+def down_template(D, I, K, bits, gs):
+    return [("KD", I), ("D", D), ("BITS", bits), ("GS", gs)] + launch_template(LAUNCH["down"])
 
 
 AFFINE_GATE_UP = Kernel(
@@ -258,7 +191,11 @@ AFFINE_DOWN = Kernel(
     DOWN_BODY,
     header=HEADER + CODE,
     instances=[
-        Instance([F32, U32, F16, F16, I32, F32], [F32], down_template(K3["D"], K3["I"], bits, 64))
+        Instance(
+            [F32, U32, F16, F16, I32, F32],
+            [F32],
+            down_template(K3["D"], K3["I"], K3["K"], bits, 64),
+        )
         for bits in BITS
     ],
 )
@@ -277,33 +214,10 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
     Shapes: z [N, D]; w maps ``w1``/``w3``/``w2`` to ``(weight, scales, biases)`` (leading
     axis: experts or cache slots); inds [N, k]; weights [N, k]. Returns fp32 [N, D].
     """
-    backend = backend or default_backend()
-    N, k = inds.shape
-    D = z.shape[-1]
-    I = w["w1"][0].shape[-2]
     bits, gs = params(w)
-    flat = inds.reshape(-1).astype(I32)
-    _, nsg, tile = LAUNCH["gate_up"]
-    (h,) = AFFINE_GATE_UP(
-        backend,
-        inputs=[z, *w["w1"], *w["w3"], flat, constant((beta, cap))],
-        output_shapes=[(N * k, I)],
-        output_dtypes=[F32],
-        grid=(32 * nsg * -(-I // tile), N * k, 1),
-        threadgroup=(32 * nsg, 1, 1),
-        template=gate_up_template(z.dtype, D, I, k, bits, gs),
-    )
-    _, nsg, tile = LAUNCH["down"]
-    (part,) = AFFINE_DOWN(
-        backend,
-        inputs=[h, *w["w2"], flat, weights.reshape(-1).astype(F32)],
-        output_shapes=[(N * k, D)],
-        output_dtypes=[F32],
-        grid=(32 * nsg * -(-D // tile), N * k, 1),
-        threadgroup=(32 * nsg, 1, 1),
-        template=down_template(D, I, bits, gs),
-    )
-    return sum_pairs(backend, part, N, k)
+    gate_up = (AFFINE_GATE_UP, partial(gate_up_template, bits=bits, gs=gs))
+    down = (AFFINE_DOWN, partial(down_template, bits=bits, gs=gs))
+    return glu_decode(backend or default_backend(), gate_up, down, z, w, inds, weights, beta, cap)
 
 
 def eligible(z, w, inds) -> bool:

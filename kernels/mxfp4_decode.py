@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .expert_bodies import DOWN, GATE_UP, fill
 from .source import Instance, Kernel, constant
 from .source import backend as default_backend
 
-# Shared with mxfp4_prefill: the E2M1 table entry for a code, SiTU-GLU, and one word's dot
-# product with 8 latent values held as two float4 (the table is the body's `lut` array).
+# Shared with mxfp4_prefill: the E2M1 table entry for a code, SiTU-GLU (which the affine
+# kernels take from here too), and one word's dot product with 8 latent values held as two
+# float4 (the table is the body's `lut` array).
 HEADER = """
 HELPER float kk_e2m1(uint c) {
   uint m = c & 7u;
@@ -52,7 +54,10 @@ HELPER float kk_e8m0_bits(uint s) { return s ? AS_FLOAT(s << 23) : ldexp(1.0f, -
 # Gate and up: a threadgroup owns a tile of TILE rows of one pair and stages its latent
 # once; each simdgroup walks its sets of R rows, every 128-bit code load and scale byte of
 # a set issued before any math (2 R IT loads in flight per lane).
-GATE_UP_BODY = """
+GATE_UP_BODY = fill(
+    GATE_UP,
+    "mxfp4_gate_up",
+    STAGE="""\
   constexpr int G = D / 32;           // 16-byte chunks (scale groups) per row
   constexpr int IT = (G + 31) / 32;   // chunks per lane per row
   constexpr int GP = G + 1;           // padded stride of the staged latent
@@ -70,11 +75,8 @@ GATE_UP_BODY = """
     zs[(i % 8) * GP + i / 8] = a;
   }
   BARRIER();
-
-  const uint tile0 = GROUP_POS.x * TILE;
-  const uint tile1 = tile0 + TILE < I ? tile0 + TILE : I;
-  const size_t e0 = (size_t)inds[p] * I;
-  for (uint row0 = tile0 + SIMDGROUP * R; row0 < tile1; row0 += NSG * R) {
+""",
+    LOADS="""\
     uint4 qg[R][IT], qu[R][IT];
     uint sg[R][IT], su[R][IT];
 #pragma unroll
@@ -94,9 +96,8 @@ GATE_UP_BODY = """
         su[r][it] = in ? uint(s3[row * G + gg]) : 0u;
       }
     }
-    float gate[R], up[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) gate[r] = up[r] = 0.0f;
+""",
+    DOTS="""\
 #pragma unroll
     for (int it = 0; it < IT; ++it) {
       const uint g = lane + 32 * it;
@@ -125,25 +126,16 @@ GATE_UP_BODY = """
         }
       }
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      gate[r] = SIMD_SUM(gate[r]);
-      up[r] = SIMD_SUM(up[r]);
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (row0 + r < tile1)
-          h[(size_t)p * I + row0 + r] = kk_situ_glu(gate[r], up[r], act[0], act[1]);
-      }
-    }
-  }
-"""
+""",
+)
 
 # The down projection: per (pair, tile of TILE rows of D) with the pair's h staged once, the
 # same loads-first row sets; each pair's rows, scaled by its routing weight, land in
 # ``part [N*k, D]``, and ``mxfp4_sum`` adds the k pairs of each token in order (no atomics).
-DOWN_BODY = """
+DOWN_BODY = fill(
+    DOWN,
+    "mxfp4_down",
+    STAGE="""\
   constexpr int G = I / 32;
   constexpr int IT = (G + 31) / 32;
   constexpr int GP = G + 1;
@@ -157,12 +149,8 @@ DOWN_BODY = """
     hs[(i % 8) * GP + i / 8] = ((const DEVICE float4*)(h + (size_t)p * I))[i];
   }
   BARRIER();
-
-  const float wt = weights[p];
-  const uint tile0 = GROUP_POS.x * TILE;
-  const uint tile1 = tile0 + TILE < D ? tile0 + TILE : D;
-  const size_t e0 = (size_t)inds[p] * D;
-  for (uint row0 = tile0 + SIMDGROUP * R; row0 < tile1; row0 += NSG * R) {
+""",
+    LOADS="""\
     uint4 q[R][IT];
     uint sc[R][IT];
 #pragma unroll
@@ -179,9 +167,8 @@ DOWN_BODY = """
         sc[r][it] = in ? uint(s2[row * G + gg]) : 0u;
       }
     }
-    float acc[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+""",
+    DOTS="""\
 #pragma unroll
     for (int it = 0; it < IT; ++it) {
       const uint g = lane + 32 * it;
@@ -204,16 +191,8 @@ DOWN_BODY = """
         for (int r = 0; r < R; ++r) acc[r] += kk_e8m0_bits(sc[r][it]) * d[r];
       }
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = SIMD_SUM(acc[r]);
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (row0 + r < tile1) part[(size_t)p * D + row0 + r] = wt * acc[r];
-      }
-    }
-  }
-"""
+""",
+)
 
 # y[n, d] = sum over the k pairs of token n, in order.
 SUM_BODY = """
@@ -234,14 +213,18 @@ U32, U8, F32, I32 = mx.uint32, mx.uint8, mx.float32, mx.int32
 LAUNCH = {"gate_up": (1, 8, 96), "down": (4, 8, 128)}
 
 
+def launch_template(shape: tuple) -> list:
+    """A launch shape (``LAUNCH``'s values) as template values."""
+    R, NSG, TILE = shape
+    return [("R", R), ("NSG", NSG), ("TILE", TILE)]
+
+
 def gate_up_template(dtype, D, I, K):
-    R, NSG, TILE = LAUNCH["gate_up"]
-    return [("T", dtype), ("D", D), ("I", I), ("K", K), ("R", R), ("NSG", NSG), ("TILE", TILE)]
+    return [("T", dtype), ("D", D), ("I", I), ("K", K)] + launch_template(LAUNCH["gate_up"])
 
 
 def down_template(D, I, K):
-    R, NSG, TILE = LAUNCH["down"]
-    return [("D", D), ("I", I), ("R", R), ("NSG", NSG), ("TILE", TILE)]
+    return [("D", D), ("I", I)] + launch_template(LAUNCH["down"])
 
 
 MXFP4_GATE_UP = Kernel(
@@ -281,31 +264,38 @@ def expert_glu_decode(z, w, inds, weights, beta, cap, backend: str | None = None
     inds [N, k]; weights [N, k]. Returns fp32 [N, D]. The 128-bit loads need 16-byte aligned
     weight rows, which whole experts or slots of a stack are.
     """
-    backend = backend or default_backend()
+    gate_up, down = (MXFP4_GATE_UP, gate_up_template), (MXFP4_DOWN, down_template)
+    return glu_decode(backend or default_backend(), gate_up, down, z, w, inds, weights, beta, cap)
+
+
+def glu_decode(backend: str, gate_up, down, z, w, inds, weights, beta, cap):
+    """The three decode launches, whatever the experts' format: ``gate_up`` = (kernel, its
+    template for ``(dtype, D, I, K)``) writes ``h [N*k, I]``, ``down`` = (kernel, its template
+    for ``(D, I, K)``) writes the weighted ``part [N*k, D]``, and ``sum_pairs`` adds each
+    token's pairs. The kernels take ``MXFP4_GATE_UP``'s and ``MXFP4_DOWN``'s inputs with each
+    matrix as ``w`` holds it; a grid follows its template's ``NSG`` and ``TILE``."""
     N, k = inds.shape
     D = z.shape[-1]
     I = w["w1"][0].shape[-2]
     flat = inds.reshape(-1).astype(I32)
-    _, nsg, tile = LAUNCH["gate_up"]
-    (h,) = MXFP4_GATE_UP(
-        backend,
-        inputs=[z, *w["w1"], *w["w3"], flat, constant((beta, cap))],
-        output_shapes=[(N * k, I)],
-        output_dtypes=[F32],
-        grid=(32 * nsg * -(-I // tile), N * k, 1),
-        threadgroup=(32 * nsg, 1, 1),
-        template=gate_up_template(z.dtype, D, I, k),
-    )
-    _, nsg, tile = LAUNCH["down"]
-    (part,) = MXFP4_DOWN(
-        backend,
-        inputs=[h, *w["w2"], flat, weights.reshape(-1).astype(F32)],
-        output_shapes=[(N * k, D)],
-        output_dtypes=[F32],
-        grid=(32 * nsg * -(-D // tile), N * k, 1),
-        threadgroup=(32 * nsg, 1, 1),
-        template=down_template(D, I, k),
-    )
+
+    def launch(kernel, template, inputs, rows):
+        nsg, tile = dict(template)["NSG"], dict(template)["TILE"]
+        (out,) = kernel(
+            backend,
+            inputs=inputs,
+            output_shapes=[(N * k, rows)],
+            output_dtypes=[F32],
+            grid=(32 * nsg * -(-rows // tile), N * k, 1),
+            threadgroup=(32 * nsg, 1, 1),
+            template=template,
+        )
+        return out
+
+    act = constant((beta, cap))
+    h = launch(gate_up[0], gate_up[1](z.dtype, D, I, k), [z, *w["w1"], *w["w3"], flat, act], I)
+    wts = weights.reshape(-1).astype(F32)
+    part = launch(down[0], down[1](D, I, k), [h, *w["w2"], flat, wts], D)
     return sum_pairs(backend, part, N, k)
 
 

@@ -385,12 +385,12 @@ def expert_glu_prefill_mma(
     rt, kc = launch or LAUNCH[tm]
     kernel = tiled_layout(MXFP4_GROUPED_MMA, scales_for(tm)) if tiled else MXFP4_GROUPED_MMA
 
-    def gemm(x, wa, sa, wb, sb, kd, nout, nmat, xrow, tiles, pair_w, act):
+    def gemm(x, a, b, kd, nout, nmat, xrow, tiles, pair_w, act):
         frag, unscale = b_fragments(x, backend)
         units = nout // 16 if nmat == 2 else nout // 32
         (out,) = kernel(
             backend,
-            inputs=[frag, unscale, xrow, tiles, wa, sa, wb, sb, pair_w, act],
+            inputs=[frag, unscale, xrow, tiles, *a, *b, pair_w, act],
             output_shapes=[(inds.size, nout)],
             output_dtypes=[F32],
             grid=(32 * rt * tiles.shape[0], -(-units // rt), 1),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -76,7 +78,7 @@ def lower_bit(ckpt_factory, tmp_path_factory):
     """``lower_bit(bits, preset="tiny", ranks=1, rank=0, **overrides)`` -> that synthetic
     checkpoint (``FORMAT_SHAPES`` applied) converted with ``--expert-bits bits --dense-bits
     16``, one rank's pack where ``ranks`` > 1 (cached)."""
-    from kimi_k3.convert.convert import Settings, convert
+    from kimi_k3.convert.convert import Settings
 
     made = {}
 
@@ -87,12 +89,32 @@ def lower_bit(ckpt_factory, tmp_path_factory):
             src = ckpt_factory(preset, **overrides)
             out = tmp_path_factory.mktemp(f"bits{bits}") / "out"
             settings = Settings(dense_bits=16, expert_bits=bits, ranks=ranks, rank=rank)
-            with open(os.devnull, "w") as log:
-                convert(src, out, settings, stream=log)
+            convert_log(src, out, settings)
             made[key] = out
         return made[key]
 
     return make
+
+
+def convert_log(src, out, settings, **kw) -> str:
+    """``kimi_k3.convert.convert.convert(src, out, settings, **kw)``; what it logged."""
+    from kimi_k3.convert.convert import convert
+
+    log = io.StringIO()
+    convert(src, out, settings, stream=log, **kw)
+    return log.getvalue()
+
+
+def tree_bytes(root: Path, skip: tuple = ()) -> dict[str, bytes]:
+    """Every file's bytes below ``root`` by relative path, but the checksum manifest (a load
+    records the shards' mtimes there) and the file names in ``skip``."""
+    from kimi_k3.checkpoint import checksums
+
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != checksums.NAME and p.name not in skip
+    }
 
 
 def published_experts(path) -> dict:
@@ -156,6 +178,11 @@ def dispatch_defaults(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+def on_cuda(*values):
+    """A parametrize case run on CUDA alone (the ``backend`` fixture)."""
+    return pytest.param(*values, marks=pytest.mark.cuda)
+
+
 def broken(kernel, old: str, new: str):
     """A copy of the ``source.Kernel`` ``kernel`` with the one occurrence of ``old`` in its body
     replaced by ``new``: a mutation the kernel tests must catch."""
@@ -165,3 +192,13 @@ def broken(kernel, old: str, new: str):
 
     body = swap(kernel.body, [(old, new)], f"mutation of {kernel.name}")
     return replace(kernel, name=kernel.name + "_broken", body=body, _built={})
+
+
+def header_broken(kernel, old: str, new: str):
+    """``broken`` in the kernel's header: the one occurrence of ``old`` replaced by ``new``."""
+    from dataclasses import replace
+
+    from kimi_k3.kernels.source import swap
+
+    header = swap(kernel.header, [(old, new)], f"mutation of {kernel.name}")
+    return replace(kernel, name=kernel.name + "_broken", header=header, _built={})

@@ -326,6 +326,23 @@ def expert_weights(w, e):
     )
 
 
+def routed_experts(z, inds, wts, dense, beta, cap):
+    """``sum_k w_k * down(situ(gate z) * cap*tanh(up z / cap))`` over each token's chosen
+    experts, expert by expert, in float64: what the expert kernels compute.
+
+    Shapes: z [N, D]; inds, wts [N, k]. ``dense(e)`` gives expert ``e``'s (w1, w2, w3) as
+    arrays ([I, D], [D, I], [I, D]), whatever their format was. Returns [N, D].
+    """
+    z = np.asarray(z, np.float64)
+    out = np.zeros_like(z)
+    for e in np.unique(inds):
+        w1, w2, w3 = (np.asarray(a, np.float64) for a in dense(int(e)))
+        tok, choice = np.nonzero(inds == e)
+        h = situ_glu(z[tok] @ w1.T, z[tok] @ w3.T, beta, cap)
+        np.add.at(out, tok, wts[tok, choice, None] * (h @ w2.T))
+    return out
+
+
 def latent_moe(x, w, cfg: RefConfig):
     """Stable LatentMoE: ``up(RMSNorm(sum_e w_e * GLU_e(down x))) + shared(x)``.
 

@@ -11,13 +11,13 @@ the same oracle.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import broken, dispatch_defaults
-from numpy_ref import affine_decode, situ_glu
+from conftest import broken, dispatch_defaults, header_broken, on_cuda, rel_err
+from numpy_ref import affine_decode, routed_experts
+from test_mxfp4_kernels import BETA, CAP, K3, TOL, assert_broken, inputs, slot_pool
 
 from kimi_k3.kernels import affine_decode as decode_kernels
 from kimi_k3.kernels import affine_prefill as prefill_kernels
@@ -25,21 +25,6 @@ from kimi_k3.kernels import checks, dispatch
 from kimi_k3.kernels.affine_decode import eligible, expert_glu_decode
 from kimi_k3.kernels.affine_prefill import expert_glu_prefill
 from kimi_k3.model.experts import expert_glu, expert_glu_reference
-
-BETA, CAP = 4.0, 25.0
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-TOL = 2e-6  # kernel vs float64 oracle, RMS-relative; fp32 accumulation
-K3 = (3584, 3072)
-
-
-def on_cuda(*values):
-    return pytest.param(*values, marks=pytest.mark.cuda)
-
-
-def rel_err(a, b) -> float:
-    a = np.asarray(a.astype(mx.float32) if isinstance(a, mx.array) else a, dtype=np.float64)
-    b = np.asarray(b.astype(mx.float32) if isinstance(b, mx.array) else b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @functools.lru_cache(maxsize=4)
@@ -56,35 +41,15 @@ def dequantized(E, D, I, bits, gs, seed, e) -> tuple:
 
 
 def oracle(z, stack, inds, wts):
-    """Dequantize, then ``sum_k w_k * down(situ(gate z) * cap*tanh(up z / cap))`` in float64."""
-    z = z.astype(np.float64)
-    out = np.zeros_like(z)
-    for e in np.unique(inds):
-        w1, w2, w3 = dequantized(*stack, int(e))
-        tok, choice = np.nonzero(inds == e)
-        h = situ_glu(z[tok] @ w1.T, z[tok] @ w3.T, BETA, CAP)
-        np.add.at(out, tok, wts[tok, choice, None] * (h @ w2.T))
-    return out
+    """Dequantize, then ``numpy_ref.routed_experts`` in float64. ``stack`` is the
+    ``(E, D, I, bits, gs, seed)`` of ``random_experts``."""
+    return routed_experts(z, inds, wts, lambda e: dequantized(*stack, e), BETA, CAP)
 
 
 def case(E, D, I, N, k, dtype, bits, gs=64, seed=0):
     """MLX inputs for one case, and the oracle's output on exactly those (rounded) inputs."""
-    w = random_experts(E, D, I, bits, gs, seed)
-    inds, wts = (np.array(a) for a in checks.routing(N, E, k, seed + 1))
-    z = mx.array(np.random.default_rng(seed + 2).standard_normal((N, D)), dtype=DTYPES[dtype])
-    want = oracle(np.array(z.astype(mx.float32)), (E, D, I, bits, gs, seed), inds, wts)
-    wm = {n: tuple(mx.array(a) for a in t) for n, t in w.items()}
-    return (z, wm, mx.array(inds), mx.array(wts), BETA, CAP), want
-
-
-def assert_broken(run, want, factor: float = 100):
-    """A mutated kernel fails: the emulator refuses the launch, or the result misses the
-    oracle by ``factor`` x TOL or more (NaN counts as a miss)."""
-    try:
-        got = run()
-    except RuntimeError:
-        return
-    assert not rel_err(got, want) < factor * TOL
+    stack = (E, D, I, bits, gs, seed)
+    return inputs(random_experts(*stack), N, k, dtype, seed, stack, oracle)
 
 
 # (experts, D, I, tokens, top-k, dtype, bits, group): rows of fewer groups than lanes; a
@@ -159,14 +124,7 @@ def test_reads_cache_slots_as_given():
     args, want = case(6, 128, 128, 3, 2, "float32", 2)
     z, w, inds, wts = args[:4]
     slots = np.random.default_rng(3).permutation(10)[:6]  # expert e lives in slot slots[e]
-    pool = {}
-    for n, t in w.items():
-        pool[n] = []
-        for a in t:
-            big = mx.zeros((11, *a.shape[1:]), a.dtype)
-            big[mx.array(slots + 1)] = a
-            pool[n].append(big[1:])
-    pool = {n: tuple(t) for n, t in pool.items()}
+    pool = slot_pool(w, slots, 10)
     sinds = mx.array(slots[np.array(inds)].astype(np.int32))
     for fn in (expert_glu_decode, expert_glu_prefill):
         assert rel_err(fn(z, pool, sinds, wts, BETA, CAP, backend="emulator"), want) < TOL
@@ -213,14 +171,6 @@ def test_eligibility():
     assert not eligible(z, w4, inds)  # 4 bits: no affine kernel
     g32 = case(2, 128, 128, 1, 1, "float32", 2, 32)[0][1]
     assert not eligible(z, g32, inds)  # groups of 32: a group's codes are no whole 8 bytes
-
-
-def header_broken(kernel, old: str, new: str):
-    """``kernel`` with ``old`` in its header replaced by ``new``."""
-    assert kernel.header.count(old) == 1
-    return replace(
-        kernel, name=kernel.name + "_broken", header=kernel.header.replace(old, new), _built={}
-    )
 
 
 DECODE_MUTATIONS = [
@@ -271,7 +221,7 @@ def test_a_broken_decode_kernel_fails(monkeypatch, name, old, new):
     projections (D = 2560: 40 groups; I = 2304: 36) and span several tiles."""
     monkeypatch.setattr(decode_kernels, name, broken(getattr(decode_kernels, name), old, new))
     args, want = case(4, 2560, 2304, 2, 2, "float32", 3)
-    assert_broken(lambda: expert_glu_decode(*args, backend="emulator"), want)
+    assert_broken(lambda: expert_glu_decode(*args, backend="emulator"), want, 100)
 
 
 @pytest.mark.slow
@@ -290,7 +240,7 @@ def test_a_code_read_from_the_wrong_place_fails(monkeypatch, bits):
         )
     monkeypatch.setattr(decode_kernels, "AFFINE_DOWN", bad)
     args, want = case(4, 256, 256, 2, 2, "float32", bits)
-    assert_broken(lambda: expert_glu_decode(*args, backend="emulator"), want)
+    assert_broken(lambda: expert_glu_decode(*args, backend="emulator"), want, 100)
 
 
 def test_the_unbroken_decode_kernels_pass_the_mutation_case():
@@ -303,7 +253,7 @@ PREFILL_MUTATIONS = [
     ("* sc[0] + bi[0];", "* sc[0];"),
     ("const int grp = (32 * g) / GS;", "const int grp = g;"),
     ("v[r] >>= BITS * JS * jpart;", "v[r] >>= JS * jpart;"),
-    ("if (eighth > 0) BARRIER();", ""),
+    ("if (quarter > 0) BARRIER();", ""),
 ]
 
 
@@ -317,7 +267,7 @@ def test_a_broken_prefill_kernel_fails(monkeypatch, old, new):
     kernel = prefill_kernels.AFFINE_GROUPED
     monkeypatch.setattr(prefill_kernels, "AFFINE_GROUPED", broken(kernel, old, new))
     args, want = case(5, 192, 256, 40, 3, "float32", 3)
-    assert_broken(lambda: expert_glu_prefill(*args, tile_tokens=16, backend="emulator"), want)
+    assert_broken(lambda: expert_glu_prefill(*args, tile_tokens=16, backend="emulator"), want, 100)
 
 
 def test_the_unbroken_prefill_kernel_passes_the_mutation_case():

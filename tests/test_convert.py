@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from conftest import convert_log, tree_bytes
 from mlx.utils import tree_flatten
 
 from kimi_k3.checkpoint import checksums
@@ -28,7 +29,6 @@ from kimi_k3.convert.convert import (
     STATE,
     ConvertError,
     Settings,
-    convert,
     verify_output,
 )
 from kimi_k3.convert.convert import main as convert_main
@@ -36,21 +36,6 @@ from kimi_k3.convert.synth import write_checkpoint
 
 TOKENS = mx.array([[1, 5, 9, 100, 7, 3, 44, 2, 900, 17, 64]])
 SMALL = Settings(shard_bytes=50_000, pack_file_bytes=20_000)  # several files of each kind
-
-
-def _convert(src, out, settings=SMALL, **kw) -> str:
-    log = io.StringIO()
-    convert(src, out, settings, stream=log, **kw)
-    return log.getvalue()
-
-
-def _files(root: Path) -> dict[str, bytes]:
-    """Every file's bytes, but the checksum manifest: a load records the shards' mtimes."""
-    return {
-        str(p.relative_to(root)): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != checksums.NAME
-    }
 
 
 def _rel(a: mx.array, b: mx.array) -> float:
@@ -65,7 +50,9 @@ def converted(tiny_ckpt, tmp_path_factory):
     def make(bits: int) -> Path:
         if bits not in made:
             out = tmp_path_factory.mktemp(f"conv{bits}") / "out"
-            _convert(tiny_ckpt, out, Settings(bits, 64, SMALL.shard_bytes, SMALL.pack_file_bytes))
+            convert_log(
+                tiny_ckpt, out, Settings(bits, 64, SMALL.shard_bytes, SMALL.pack_file_bytes)
+            )
             made[bits] = out
         return made[bits]
 
@@ -134,14 +121,14 @@ def test_quantized_dense_matches_in_memory_quantization(tiny_ckpt, converted, bi
 
 
 def test_chunk_size_does_not_change_the_output(tiny_ckpt, converted, tmp_path):
-    _convert(
+    convert_log(
         tiny_ckpt,
         tmp_path / "o",
         Settings(4, 64, SMALL.shard_bytes, SMALL.pack_file_bytes),
         chunk_bytes=1000,
         workers=3,
     )
-    assert _files(tmp_path / "o") == _files(converted(4))
+    assert tree_bytes(tmp_path / "o") == tree_bytes(converted(4))
 
 
 @pytest.mark.slow
@@ -178,10 +165,10 @@ def test_killed_conversion_resumes_to_identical_bytes(tiny_ckpt, converted, tmp_
     for rel, st in kept.items():  # complete files are not rewritten
         now = (out / rel).stat()
         assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
-    assert _files(out) == _files(converted(4))
+    assert tree_bytes(out) == tree_bytes(converted(4))
     large = list(out.glob("model-*.safetensors")) + list(out.glob("experts/*.pack"))
     assert 0 < len(done) < len(large)
-    assert "already converted" in _convert(tiny_ckpt, out, Settings(4, 64, *_sizes()))
+    assert "already converted" in convert_log(tiny_ckpt, out, Settings(4, 64, *_sizes()))
 
 
 def _sizes():
@@ -248,19 +235,19 @@ def test_corrupted_input_is_named(tiny_ckpt, tmp_path, capsys):
     data[8:12] = b"\xff\xfe{["
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=rf"{shard.name}: corrupted safetensors header"):
-        _convert(bad, tmp_path / "o2")
+        convert_log(bad, tmp_path / "o2", SMALL)
 
     name = "language_model.model.layers.2.block_sparse_moe.experts.5.w3.weight_scale"
     bad = _rewrite(tiny_ckpt, tmp_path / "missing", lambda k, a: None if k == name else a)
     with pytest.raises(CheckpointError, match=rf"tensor {name} is missing"):
-        _convert(bad, tmp_path / "o3")
+        convert_log(bad, tmp_path / "o3", SMALL)
     bad = _rewrite(tiny_ckpt, tmp_path / "shape", lambda k, a: a[:-1] if k == name else a)
     with pytest.raises(
         CheckpointError,
         match=rf"tensor {name} is U8\[31, 2\], expected "
         r"U8\[32, 2\]",
     ):
-        _convert(bad, tmp_path / "o4")
+        convert_log(bad, tmp_path / "o4", SMALL)
 
 
 def _rewrite(src: Path, dst: Path, edit) -> Path:
@@ -282,11 +269,11 @@ def test_refuses_foreign_or_mismatched_output(tiny_ckpt, converted, tmp_path):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     with pytest.raises(ConvertError, match="exists and is not empty"):
-        _convert(tiny_ckpt, tmp_path / "busy")
+        convert_log(tiny_ckpt, tmp_path / "busy", SMALL)
     with pytest.raises(ConvertError, match="another source or with other settings"):
-        _convert(tiny_ckpt, converted(16), Settings(8, 64, *_sizes()))
+        convert_log(tiny_ckpt, converted(16), Settings(8, 64, *_sizes()))
     with pytest.raises(ConvertError, match="'pack' layout"):
-        _convert(converted(16), tmp_path / "again")
+        convert_log(converted(16), tmp_path / "again", SMALL)
 
 
 @pytest.mark.slow
@@ -344,7 +331,7 @@ def test_copies_no_code_and_checks_its_dense_shards(tiny_ckpt, tmp_path):
     (src / "modeling_kimi.py").write_text("raise SystemExit('never run, never copied')\n")
     (src / "chat_template.jinja").write_text("{{ messages }}")
     out = tmp_path / "out"
-    _convert(src, out, Settings(16, 64, SMALL.shard_bytes, SMALL.pack_file_bytes))
+    convert_log(src, out, Settings(16, 64, SMALL.shard_bytes, SMALL.pack_file_bytes))
     assert not list(out.glob("*.py"))
     assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
     sums = json.loads((out / checksums.NAME).read_text())["files"]

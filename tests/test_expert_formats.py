@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FORMAT_SHAPES, rel_err
+from conftest import FORMAT_SHAPES, convert_log, rel_err, tree_bytes
 from test_streaming import budget_gb
 
 from kimi_k3 import eval as k3eval
@@ -37,7 +37,6 @@ from kimi_k3.convert.convert import (
     STATE,
     ConvertError,
     Settings,
-    convert,
     verify_output,
 )
 from kimi_k3.convert.convert import main as convert_main
@@ -179,28 +178,14 @@ def test_reference_reads_affine_stacks_like_the_dequantized_weights():
 # --- the converter -------------------------------------------------------------------------
 
 
-def _files(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name not in ("kimi_k3_checksums.json", MANIFEST)
-    }
-
-
-def _convert(src, out, **settings) -> str:
-    log = io.StringIO()
-    convert(src, out, Settings(dense_bits=16, **settings), stream=log)
-    return log.getvalue()
-
-
 def test_expert_bits_4_writes_the_published_bytes(ckpt_factory, lower_bit, tmp_path):
     """``--expert-bits 4`` is the default: the pack holds the published MXFP4 bytes, its
     index is version 1 and names no format, the config names none; only the manifest's
     settings record the flag."""
     src = ckpt_factory("tiny", **FORMAT_SHAPES)
-    _convert(src, tmp_path / "default")
+    convert_log(src, tmp_path / "default", Settings(dense_bits=16))
     out = lower_bit(4)
-    assert _files(out) == _files(tmp_path / "default")
+    assert tree_bytes(out, skip=(MANIFEST,)) == tree_bytes(tmp_path / "default", skip=(MANIFEST,))
     index = json.loads((out / "experts/index.json").read_text())
     assert index["version"] == 1 and "expert_format" not in index
     assert "quantization" not in json.loads((out / "config.json").read_text())
@@ -294,11 +279,11 @@ def test_checksums_catch_a_flipped_byte(lower_bit, tmp_path):
 def test_bad_settings_are_refused(ckpt_factory, lower_bit, tmp_path, capsys):
     src = ckpt_factory("tiny", **FORMAT_SHAPES)
     with pytest.raises(ConvertError, match="holds a conversion from another source or with other"):
-        _convert(src, lower_bit(2), expert_bits=3)
+        convert_log(src, lower_bit(2), Settings(dense_bits=16, expert_bits=3))
     with pytest.raises(ConvertError, match="moe_intermediate_size=32 is not a multiple of 64"):
-        _convert(ckpt_factory("tiny"), tmp_path / "o", expert_bits=2)
+        convert_log(ckpt_factory("tiny"), tmp_path / "o", Settings(dense_bits=16, expert_bits=2))
     with pytest.raises(ConvertError, match="--expert-bits 5: use 4, 3 or 2"):
-        _convert(src, tmp_path / "o5", expert_bits=5)
+        convert_log(src, tmp_path / "o5", Settings(dense_bits=16, expert_bits=5))
     for bad in ("5", "two", "8"):
         with pytest.raises(SystemExit) as e:
             convert_main(
@@ -411,10 +396,9 @@ def test_killed_lower_bit_conversion_resumes_to_identical_bytes(ckpt_factory, lo
     resumed = subprocess.run(cmd, capture_output=True, text=True)
     assert resumed.returncode == 0 and f"resuming: {len(done)} of" in resumed.stderr
     whole = tmp_path / "whole"
-    _convert(
-        src, whole, expert_bits=2, pack_file_bytes=int(0.02 * 2**20), shard_bytes=int(0.05 * 2**20)
-    )
-    assert _files(out) == _files(whole)
+    sizes = dict(pack_file_bytes=int(0.02 * 2**20), shard_bytes=int(0.05 * 2**20))
+    convert_log(src, whole, Settings(dense_bits=16, expert_bits=2, **sizes))
+    assert tree_bytes(out, skip=(MANIFEST,)) == tree_bytes(whole, skip=(MANIFEST,))
 
 
 # --- the evaluation's rows -----------------------------------------------------------------

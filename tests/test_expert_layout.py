@@ -7,8 +7,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import on_cuda, rel_err
 from mlx.utils import tree_flatten
-from test_mxfp4_kernels import K3, TOL, case, lazy_stack, on_cuda, rel_err
+from test_mxfp4_kernels import K3, TOL, case, lazy_stack
 from test_streaming import PROMPT, STEPS, budget_gb, greedy
 
 from kimi_k3.checkpoint.loader import load_model

@@ -15,10 +15,18 @@ import functools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import broken, dispatch_defaults
-from numpy_ref import mxfp4_decode, situ_glu
+from conftest import broken, dispatch_defaults, header_broken, on_cuda, rel_err
+from numpy_ref import mxfp4_decode, routed_experts
 
-from kimi_k3.kernels import checks, dispatch, expert_layout, mxfp4_mma, mxfp4_one, mxfp4_prefill_mma
+from kimi_k3.kernels import (
+    checks,
+    dispatch,
+    expert_bodies,
+    expert_layout,
+    mxfp4_mma,
+    mxfp4_one,
+    mxfp4_prefill_mma,
+)
 from kimi_k3.kernels import mxfp4_decode as decode_kernels
 from kimi_k3.kernels.metal_emulator import check_cuda_grid
 from kimi_k3.kernels.mxfp4_decode import expert_glu_decode
@@ -32,11 +40,6 @@ TOL = 2e-6  # kernel vs float64 oracle, RMS-relative; fp32 accumulation over <= 
 K3 = (3584, 3072)  # K3's expert dims (D, I)
 
 
-def on_cuda(*values):
-    """A parametrize case run on CUDA alone (``backend`` fixture, tests/conftest.py)."""
-    return pytest.param(*values, marks=pytest.mark.cuda)
-
-
 def lazy_stack(E: int, D: int, I: int) -> dict:
     """MXFP4 stacks of these shapes, never evaluated (only their shapes are read)."""
 
@@ -44,13 +47,6 @@ def lazy_stack(E: int, D: int, I: int) -> dict:
         return mx.zeros((E, rows, cols // 8), mx.uint32), mx.zeros((E, rows, cols // 32), mx.uint8)
 
     return {"w1": q(I, D), "w3": q(I, D), "w2": q(D, I)}
-
-
-def rel_err(a, b) -> float:
-    """``||a - b|| / ||b||`` in float64 (mx arrays or numpy)."""
-    a = np.asarray(a.astype(mx.float32) if isinstance(a, mx.array) else a, dtype=np.float64)
-    b = np.asarray(b.astype(mx.float32) if isinstance(b, mx.array) else b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @functools.lru_cache(maxsize=2)
@@ -81,27 +77,25 @@ def dequantized(E: int, D: int, I: int, seed: int, e: int) -> tuple:
 
 
 def oracle(z: np.ndarray, stack: tuple, inds: np.ndarray, wts: np.ndarray) -> np.ndarray:
-    """Dequantize, then ``sum_k w_k * down(situ(gate z) * cap*tanh(up z / cap))`` in float64.
-
-    ``stack`` is the ``(E, D, I, seed)`` of ``random_experts``.
-    """
-    z = z.astype(np.float64)
-    out = np.zeros_like(z)
-    for e in np.unique(inds):
-        w1, w2, w3 = (a.astype(np.float64) for a in dequantized(*stack, int(e)))
-        tok, choice = np.nonzero(inds == e)
-        h = situ_glu(z[tok] @ w1.T, z[tok] @ w3.T, BETA, CAP)
-        np.add.at(out, tok, wts[tok, choice, None] * (h @ w2.T))
-    return out
+    """Dequantize, then ``numpy_ref.routed_experts`` in float64. ``stack`` is the
+    ``(E, D, I, seed)`` of ``random_experts``."""
+    return routed_experts(z, inds, wts, lambda e: dequantized(*stack, e), BETA, CAP)
 
 
 def case(E, D, I, N, k, dtype, seed=0):
     """MLX inputs for one case, and the oracle's output on exactly those (rounded) inputs."""
-    w = random_experts(E, D, I, seed)
+    return inputs(random_experts(E, D, I, seed), N, k, dtype, seed, (E, D, I, seed), oracle)
+
+
+def inputs(w: dict, N: int, k: int, dtype: str, seed: int, stack: tuple, oracle) -> tuple:
+    """A case of any expert format: latents and ``routing`` drawn from ``seed`` for the numpy
+    stacks ``w`` (a tuple of arrays per matrix), as MLX inputs, and ``oracle(z, stack, inds,
+    wts)`` on exactly those (rounded) inputs."""
+    E, D = w["w2"][0].shape[:2]
     inds, wts = routing(N, E, k, seed)
     z = mx.array(np.random.default_rng(seed + 2).standard_normal((N, D)), dtype=DTYPES[dtype])
-    want = oracle(np.array(z.astype(mx.float32)), (E, D, I, seed), inds, wts)
-    wm = {n: (mx.array(q), mx.array(s)) for n, (q, s) in w.items()}
+    want = oracle(np.array(z.astype(mx.float32)), stack, inds, wts)
+    wm = {n: tuple(mx.array(a) for a in t) for n, t in w.items()}
     return (z, wm, mx.array(inds), mx.array(wts), BETA, CAP), want
 
 
@@ -324,13 +318,7 @@ def test_a_broken_mma_kernel_fails(monkeypatch, old, new):
 def test_a_broken_byte_permute_decode_fails(monkeypatch, old, new):
     """The dispatched decode (``DECODE``: byte permutes, ``kk_e2m1_pair_prmt`` in the header)
     is what the emulator tests run: a wrong selector or mask is caught."""
-    from dataclasses import replace
-
-    kernel = mxfp4_mma.MXFP4_MMA
-    assert kernel.header.count(old) == 1, old
-    header = kernel.header.replace(old, new)
-    broken_kernel = replace(kernel, name=kernel.name + "_broken", header=header, _built={})
-    monkeypatch.setattr(mxfp4_mma, "MXFP4_MMA", broken_kernel)
+    monkeypatch.setattr(mxfp4_mma, "MXFP4_MMA", header_broken(mxfp4_mma.MXFP4_MMA, old, new))
     args, want = case(4, 1280, 1152, 2, 2, "float32")
     assert_broken(lambda: mxfp4_mma.expert_glu_decode(*args, backend="emulator"), want)
 
@@ -540,6 +528,17 @@ def test_reads_cache_slots_as_given(backend):
             want = fn(z, w, inds, wts, beta, cap, backend=backend)
             got = fn(z, pool, slot_inds, wts, beta, cap, backend=backend)
             assert np.array_equal(np.array(got), np.array(want)), name
+
+
+def test_a_format_fills_every_mark_of_a_shared_body_once():
+    """``expert_bodies.fill`` refuses a piece left out or one the body has no mark for, so a
+    format's kernel is never built from a body with a hole or without a piece it gave."""
+    pieces = {"STAGE": "", "LOADS": "", "DOTS": ""}
+    assert "//@" not in expert_bodies.fill(expert_bodies.GATE_UP, "gate/up", **pieces)
+    with pytest.raises(AssertionError, match="gate/up: unfilled //@DOTS"):
+        expert_bodies.fill(expert_bodies.GATE_UP, "gate/up", STAGE="", LOADS="")
+    with pytest.raises(AssertionError, match="down: the kernel changed near '//@CODES"):
+        expert_bodies.fill(expert_bodies.DOWN, "down", **pieces, CODES="")
 
 
 def _tiles_numpy(flat: np.ndarray, tm: int) -> list[tuple[int, int, int]]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import broken
-from test_mxfp4_kernels import K3, MMA_CASES, TOL, assert_broken, case, on_cuda, rel_err
+from conftest import broken, on_cuda, rel_err
+from test_mxfp4_kernels import K3, MMA_CASES, TOL, assert_broken, case
 
 from kimi_k3.kernels import mxfp4_mma, mxfp4_one
 
