@@ -294,17 +294,30 @@ def _dense_experts_case(E: int, D: int, I: int, N: int, k: int) -> checks.Case:
     )
 
 
+SLOW_NOTE = (
+    ": the cases at K3's shapes run on the CPU here and take minutes (a few on a quiet "
+    "2-core machine; --small skips them)"
+)
+NO_MODEL_HINT = (
+    "How fast K3 would run here: python -m kimi_k3.doctor --model DIR, DIR a K3 checkpoint, "
+    "or without one a synthetic checkpoint of K3's expert size "
+    "(docs/usage.md#how-fast-k3-would-run-here)"
+)
+
+
 def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -> list:
     """Run every case; record one verdict per variant (all its cases pass, or the first
     failure) unless ``record`` is off or there is no backend."""
     todo = kernel_cases(backend, k3) if backend else reference_cases(k3)
+    slow = k3 and backend in (None, "emulator")  # K3's shapes computed on the CPU
+    log(f"{len(todo)} cases" + (SLOW_NOTE if slow else ""))
     results, per_variant = [], {}
-    for case in todo:
+    for i, case in enumerate(todo):
         t0 = time.perf_counter()
         res = checks.run_case(case, reps)
         results.append(res)
         seconds = time.perf_counter() - t0
-        log(f"  {res.kernel} {res.shape}: {res.verdict} ({seconds:.1f} s)")
+        log(f"  [{i + 1}/{len(todo)}] {res.kernel} {res.shape}: {res.verdict} ({seconds:.1f} s)")
         first = per_variant.get(res.kernel)
         if first is None or (first[0].ok and not res.ok):
             per_variant[res.kernel] = (res, seconds)
@@ -566,6 +579,8 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as e:
             return fail(str(e))
         print("\n" + "\n".join(text), flush=True)
+    else:
+        print("\n" + NO_MODEL_HINT, flush=True)
     return 1 if bad else 0
 
 

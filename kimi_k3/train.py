@@ -49,6 +49,7 @@ from kimi_k3.kernels.dispatch import reference_paths
 from kimi_k3.model.config import ModelArgs
 from kimi_k3.model.experts import situ_glu
 from kimi_k3.model.model import KEEP_FP32, Model
+from kimi_k3.progress import duration
 from kimi_k3.text.tokenizer import CONFIG_FILE, RANK_FILE, load_tokenizer
 
 PRESET = dict(
@@ -501,10 +502,15 @@ def run(args) -> Path:
         log.flush()
         if (step + 1) % args.log_every == 0:
             tps = (step + 1 - start_step) * args.batch * args.seq / (time.time() - started)
-            print(f"step {step + 1}  loss {loss:.4f}  {tps:.0f} tok/s", flush=True)
+            left = time_left(step + 1 - start_step, args.steps - step - 1, started, seconds,
+                             elapsed, deadline)  # fmt: skip
+            print(f"step {step + 1}  loss {loss:.4f}  {tps:.0f} tok/s  {left}", flush=True)
         if (step + 1) % args.save_every == 0:
             save(step + 1)
 
+    limits = [f"step {args.steps}"] + [f"{args.minutes:g} min of training"] * bool(seconds)
+    limits += [f"{args.segment_minutes:g} min in this process"] * bool(deadline)
+    print(f"training until {' or '.join(limits)}, whichever comes first", flush=True)
     data = batches(train_ids, args.batch, args.seq, args.seed, start=start_step)
     losses = train(
         model,
@@ -533,6 +539,19 @@ def run(args) -> Path:
         + ("" if finished else " (the run's budget is not spent: --resume continues it)")
     )
     return out
+
+
+def time_left(done, steps_left, started, seconds, elapsed, deadline) -> str:
+    """``"about 12 min left"``: the sooner of the steps left at this process's rate so far
+    (``done`` steps since ``started``), the run's training time left (``seconds`` in all,
+    ``elapsed`` before this process) and this process's ``deadline``."""
+    now = time.time()
+    left = steps_left * (now - started) / max(done, 1)
+    if seconds is not None:
+        left = min(left, seconds - elapsed - (now - started))
+    if deadline is not None:
+        left = min(left, deadline - now)
+    return f"about {duration(max(left, 0))} left"
 
 
 def _truncate_log(path: Path, step: int):
@@ -587,7 +606,9 @@ def heldout_sample(texts: list[str], max_chars: int) -> str:
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kimi_k3.train", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train; the state and log go to OUT")
     r.add_argument("out")

@@ -158,7 +158,7 @@ LAYERS = [
         ),
     ),
     ("model", ("model.",)),
-    ("bottom", ("kernels.", "checkpoint.files", "text.")),
+    ("bottom", ("kernels.", "checkpoint.files", "text.", "progress")),
 ]
 
 
