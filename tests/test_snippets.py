@@ -10,8 +10,9 @@ so a renamed flag fails here. Every rule of ``NOT_RUN`` matches some command.
 
 The real model's directory, ``~/models/Kimi-K3``, is a synthetic checkpoint in the published
 layout (random weights, K3's tensor names and dtypes): ``HOME`` is a temporary folder that
-holds one; the user cache (``XDG_CACHE_HOME``) is one temporary folder for all. ``/tmp/``
-and ``/data/`` in a command stand for folders in the test's temporary folder.
+holds one; the user cache (``XDG_CACHE_HOME``) is one temporary folder for all. ``/tmp/``,
+``/data/`` and ``$(mktemp -d)`` in a command stand for folders in the test's temporary
+folder.
 """
 
 from __future__ import annotations
@@ -135,7 +136,6 @@ def home(tmp_path, user_cache) -> dict:
     env.update(
         HOME=str(home),
         XDG_CACHE_HOME=str(user_cache),
-        TMPDIR=str(tmp_path),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         MPLBACKEND="Agg",
     )
@@ -143,7 +143,15 @@ def home(tmp_path, user_cache) -> dict:
 
 
 def _local(command: str, tmp: Path) -> str:
-    return command.replace("/tmp/", f"{tmp}/t/").replace("/data/", f"{tmp}/data/")
+    """``command`` with ``/tmp/``, ``/data/`` and ``$(mktemp -d)`` in ``tmp``. (``TMPDIR``
+    stays as it is: MLX keeps the CPU kernels it compiles in the temporary folder.)"""
+    for old, new in (
+        ("/tmp/", f"{tmp}/t/"),
+        ("/data/", f"{tmp}/data/"),
+        ("$(mktemp -d)", f"{tmp}/m"),
+    ):
+        command = command.replace(old, new)
+    return command
 
 
 def _ran(proc, what: str):
@@ -191,8 +199,8 @@ RUN_BASH = [b for b in BASH if any(not_run(c) is None for c in commands(b.code))
 @pytest.mark.parametrize("block", RUN_BASH, ids=lambda b: b.id)
 def test_bash_example_runs(block, home, tmp_path):
     """The block's commands that ``NOT_RUN`` leaves, in order, in one shell."""
-    (tmp_path / "t").mkdir()
-    (tmp_path / "data").mkdir()
+    for name in ("t", "data", "m"):
+        (tmp_path / name).mkdir()
     script = "\n".join(_local(c, tmp_path) for c in commands(block.code) if not_run(c) is None)
     proc = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", script],
