@@ -294,10 +294,12 @@ def _dense_experts_case(E: int, D: int, I: int, N: int, k: int) -> checks.Case:
     )
 
 
-SLOW_NOTE = (
-    ": the cases at K3's shapes run on the CPU here and take minutes (a few on a quiet "
-    "2-core machine; --small skips them)"
-)
+SLOW_NOTE = {  # on a CPU, by backend: what the cases at K3's shapes cost
+    None: ": those at K3's shapes take most of the time, tens of seconds on a CPU "
+    "(--small skips them)",
+    "emulator": ": those at K3's shapes run the Metal kernels through the CPU emulator and "
+    "take minutes (--small skips them)",
+}
 NO_MODEL_HINT = (
     "How fast K3 would run here: python -m kimi_k3.doctor --model DIR, DIR a K3 checkpoint, "
     "or without one a synthetic checkpoint of K3's expert size "
@@ -309,8 +311,7 @@ def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -
     """Run every case; record one verdict per variant (all its cases pass, or the first
     failure) unless ``record`` is off or there is no backend."""
     todo = kernel_cases(backend, k3) if backend else reference_cases(k3)
-    slow = k3 and backend in (None, "emulator")  # K3's shapes computed on the CPU
-    log(f"{len(todo)} cases" + (SLOW_NOTE if slow else ""))
+    log(f"{len(todo)} cases" + (SLOW_NOTE.get(backend, "") if k3 else ""))
     results, per_variant = [], {}
     for i, case in enumerate(todo):
         t0 = time.perf_counter()
