@@ -4,10 +4,10 @@
 layout on disk, experts streamed from the SSD through a bounded cache, the tokenizer) works
 with no download. The checkpoint is package data (``kimi_k3/default/``): K3's architecture
 at small width, trained by ``kimi_k3.train`` (docs/training.md), MXFP4 routed experts and
-bf16 dense weights, plus its own byte-level BPE tokenizer. It completes Python source; it
-has never seen the chat format. ``describe`` says so in one line, read from the checkpoint.
-On first use it is copied into the user cache, where the
-loader may record its checksums beside it.
+bf16 dense weights, plus its own byte-level BPE tokenizer. It continues Python source with
+code-like text; it has never seen the chat format. ``describe`` says what it is in one line,
+read from the checkpoint. On first use it is copied into the user cache, where the loader
+may record its checksums beside it.
 """
 
 from __future__ import annotations
