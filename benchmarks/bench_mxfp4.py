@@ -22,7 +22,14 @@ dispatched grouped kernel, timed in interleaved rounds (each the best of batches
 each path's output on the first tokens against an fp32 dense oracle (``oracle``: each expert
 dequantized by ``mx.dequantize`` and applied by elementwise products, no matmul).
 
+``--formats 3 2`` adds, in the same rounds and on the same routing, the lower-bit experts
+(``python -m kimi_k3.convert --expert-bits``: MLX ``affine``, groups of 64) as random stacks
+of each width: ``gather_qmm`` and the dispatched kernel (``affine_decode``,
+``affine_prefill``); GB/s over that format's bytes, errors against its own ``gather_qmm`` in
+fp32 (decode) and its dense oracle (prefill).
+
     python -m benchmarks.bench_mxfp4 --out bench_mxfp4.md                    # on the GPU
+    python -m benchmarks.bench_mxfp4 --formats 3 2 --out bench_formats.md    # with 3, 2 bits
     KIMI_K3_KERNEL_BACKEND=emulator python -m benchmarks.bench_mxfp4 --quick  # CPU, seconds
 """
 
@@ -38,7 +45,14 @@ from benchmarks.read_limit import read_call
 from kimi_k3.cli import markdown_table
 from kimi_k3.kernels import dispatch, expert_layout, source
 from kimi_k3.kernels.checks import BETA, CAP, rel_err
-from kimi_k3.model.experts import expert_glu, expert_glu_reference, situ_glu, store_layout
+from kimi_k3.model.experts import (
+    FORMATS,
+    expert_glu,
+    expert_glu_reference,
+    situ_glu,
+    stack_format,
+    store_layout,
+)
 
 QUICK = dict(
     dim=128,
@@ -73,6 +87,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM datasheet peak")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--formats",
+        type=int,
+        nargs="*",
+        default=[],
+        choices=[3, 2],
+        help="also time the lower-bit experts of these widths (--expert-bits)",
+    )
     p.add_argument("--quick", action="store_true", help="small dims, one round: a smoke run")
     p.add_argument("--out", default=None, help="write the markdown tables here")
     return p
@@ -116,6 +138,36 @@ def random_experts(n: int, dim: int, hidden: int, seed: int, scales=fixed_scales
     return w
 
 
+def random_affine(n: int, dim: int, hidden: int, bits: int, seed: int) -> dict:
+    """A stack of ``n`` random experts in ``FORMATS[bits]`` (MLX ``affine``), built on the
+    device: uniform codes, float16 scales near 2^-6 / (2^bits - 1) x 2 (weights of about the
+    MXFP4 stacks' size), biases centring each group's grid."""
+    fmt = FORMATS[bits]
+    ks = mx.random.split(mx.random.key(seed), 9)
+    top = (1 << bits) - 1
+
+    def quant(k1, k2, k3, rows, cols):
+        shape = (n, rows, cols // fmt.group_size)
+        wq = random_words((n, rows, cols * bits // 32), k1)
+        s = mx.random.uniform(0.75, 1.25, shape, key=k2) * (2.0**-5 / top)
+        b = -s * top / 2 * mx.random.uniform(0.8, 1.2, shape, key=k3)
+        return wq, s.astype(mx.float16), b.astype(mx.float16)
+
+    w = {
+        "w1": quant(*ks[0:3], hidden, dim),
+        "w3": quant(*ks[3:6], hidden, dim),
+        "w2": quant(*ks[6:9], dim, hidden),
+    }
+    mx.eval(w)
+    return w
+
+
+def format_bytes(bits: int, dim: int, hidden: int) -> int:
+    """Bytes of one expert in ``FORMATS[bits]`` (what a call reads per distinct expert)."""
+    shapes = [FORMATS[bits].shapes(*d) for d in ((hidden, dim), (hidden, dim), (dim, hidden))]
+    return sum(int(np.prod(s)) * np.dtype(t).itemsize for m in shapes for s, t in m.values())
+
+
 def routing(tokens: int, experts: int, topk: int, rng: np.random.Generator):
     """Distinct top-k experts per token (flat popularity, as K3's router is trained to give)."""
     inds = np.argsort(rng.random((tokens, experts)), axis=1)[:, :topk].astype(np.int32)
@@ -124,9 +176,15 @@ def routing(tokens: int, experts: int, topk: int, rng: np.random.Generator):
     return mx.array(inds), mx.array(weights)
 
 
-def dequant(q: mx.array, s: mx.array) -> mx.array:
-    """MXFP4 [..., rows, cols / 8] uint32 + [..., rows, cols / 32] uint8 -> fp32."""
-    return mx.dequantize(q, s, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32)
+def dequant(stack: tuple, fmt=None) -> mx.array:
+    """One expert's matrix -> fp32: MXFP4 ``(uint32 [rows, cols / 8], uint8 [rows, cols /
+    32])``, or an affine ``fmt``'s ``(codes, scales, biases)``."""
+    if fmt is None or fmt.mode == "mxfp4":
+        return mx.dequantize(*stack, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32)
+    q, s, b = stack
+    return mx.dequantize(
+        q, s.astype(mx.float32), b.astype(mx.float32), group_size=fmt.group_size, bits=fmt.bits
+    )
 
 
 def oracle(z, w, inds, weights) -> mx.array:
@@ -134,11 +192,11 @@ def oracle(z, w, inds, weights) -> mx.array:
     elementwise products and sums (no TF32 path, no grouped kernel).
 
     Shapes: z: [N, D]; w: stacks in MLX's layout; inds, weights: [N, k] -> [N, D] fp32."""
-    out = []
+    out, fmt = [], stack_format(w)
     for t in range(inds.shape[0]):
         e = inds[t]
         x = z[t].astype(mx.float32)
-        w1, w3, w2 = (dequant(w[n][0][e], w[n][1][e]) for n in ("w1", "w3", "w2"))
+        w1, w3, w2 = (dequant(tuple(a[e] for a in w[n]), fmt) for n in ("w1", "w3", "w2"))
         h = situ_glu((w1 * x).sum(-1), (w3 * x).sum(-1), BETA, CAP)  # [k, I]
         y = (w2 * h[:, None, :]).sum(-1)  # [k, D]
         out.append((y * weights[t].astype(mx.float32)[:, None]).sum(0))
@@ -148,7 +206,7 @@ def oracle(z, w, inds, weights) -> mx.array:
 
 def store(w: dict, dim: int, hidden: int) -> dict:
     """``w`` in the layout the expert store holds for these dims (``store_layout``)."""
-    if store_layout(None, dim, hidden) != "tiled":
+    if store_layout(None, dim, hidden, stack_format(w)) != "tiled":
         return w
     tiled = expert_layout.tile(w)
     mx.eval(tiled)
@@ -184,6 +242,10 @@ def decode_table(args) -> str:
     """The decode section: one row per job and token count."""
     w = random_experts(args.decode_experts, args.dim, args.hidden, args.seed)
     ws = store(w, args.dim, args.hidden)
+    formats = {
+        b: random_affine(args.decode_experts, args.dim, args.hidden, b, args.seed)
+        for b in args.formats
+    }
     rng = np.random.default_rng(args.seed)
     rows = []
     for n in args.decode_tokens:
@@ -192,30 +254,38 @@ def decode_table(args) -> str:
         z, _, inds, weights, beta, cap = inputs[0]
         name = kernel_name(z, ws, inds)
         layout = "tiles" if expert_layout.is_tiled(ws) else "MLX's layout"
+        nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs])
+        mxfp4 = nbytes * expert_bytes(args.dim, args.hidden)
+        ref = fp32_reference(*inputs[0])
         jobs = {
-            "MLX gather_qmm": (expert_glu_reference, inputs),
-            f"dispatched: {name}, on {layout}": (expert_glu, on_store),
-            "read limit (reads the same bytes, one launch)": (read_call, inputs),
+            "MLX gather_qmm": (expert_glu_reference, inputs, mxfp4, ref),
+            f"dispatched: {name}, on {layout}": (expert_glu, on_store, mxfp4, ref),
+            "read limit (reads the same bytes, one launch)": (read_call, inputs, mxfp4, None),
         }
+        for bits, wf in formats.items():
+            on_fmt = [(a[0], wf, *a[2:]) for a in inputs]
+            fbytes = nbytes * format_bytes(bits, args.dim, args.hidden)
+            fref = fp32_reference(*on_fmt[0])
+            tag = FORMATS[bits]
+            jobs[f"MLX gather_qmm, {tag}"] = (expert_glu_reference, on_fmt, fbytes, fref)
+            label = f"dispatched: {kernel_name(z, wf, inds)}, {tag}"
+            jobs[label] = (expert_glu, on_fmt, fbytes, fref)
         results, failed = timing.interleaved(
             {
                 label: lambda fn=fn, a=a: timing.chain_slope(fn, a, args.lengths, args.repeats)
-                for label, (fn, a) in jobs.items()
+                for label, (fn, a, _, _) in jobs.items()
             },
             args.rounds,
         )
-        ref = fp32_reference(*inputs[0])
-        nbytes = np.mean([len(np.unique(np.array(a[2]))) for a in inputs])
-        nbytes *= expert_bytes(args.dim, args.hidden)
         first = next(iter(jobs))
         base = None if first in failed else min(results[first])[0]
-        for label, (fn, a) in jobs.items():
+        for label, (fn, a, nbytes, ref) in jobs.items():
             if label in failed:
                 rows.append((n, label, "FAILED", "", "", "", "", failed[label]))
                 continue
             slope, intercept = min(results[label])
             gbps = nbytes / slope / 1e9
-            err = "" if label.startswith("read") else f"{rel_err(fn(*a[0]), ref):.1e}"
+            err = "" if ref is None else f"{rel_err(fn(*a[0]), ref):.1e}"
             rows.append(
                 (
                     n,
@@ -236,7 +306,7 @@ def decode_table(args) -> str:
         "GB/s",
         "of HBM peak",
         "vs gather_qmm",
-        "rel err vs gather_qmm fp32",
+        "rel err vs gather_qmm fp32 (its format's)",
     )
     return (
         f"### Decode: top-{args.topk} of {args.decode_experts} experts, chains of "
@@ -259,28 +329,35 @@ def prefill_table(args) -> str:
         mx.eval(z, inds, weights)
         layout = "tiles" if expert_layout.is_tiled(ws) else "MLX's layout"
         jobs = {
-            "MLX gather_qmm (sorted)": (expert_glu_reference, w),
-            f"dispatched: {kernel_name(z, ws, inds)}, on {layout}": (expert_glu, ws),
+            "MLX gather_qmm (sorted)": (expert_glu_reference, w, w),
+            f"dispatched: {kernel_name(z, ws, inds)}, on {layout}": (expert_glu, ws, w),
         }
+        for bits in args.formats:
+            wf = random_affine(args.prefill_experts, args.dim, args.hidden, bits, args.seed + 1)
+            jobs[f"MLX gather_qmm (sorted), {FORMATS[bits]}"] = (expert_glu_reference, wf, wf)
+            label = f"dispatched: {kernel_name(z, wf, inds)}, {FORMATS[bits]}"
+            jobs[label] = (expert_glu, wf, wf)
         results, failed = timing.interleaved(
             {
                 label: lambda fn=fn, a=[(z, s, inds, weights, BETA, CAP)] * 2: (
                     timing.best_batch_time(fn, a, args.repeats)
                 )
-                for label, (fn, s) in jobs.items()
+                for label, (fn, s, _) in jobs.items()
             },
             args.rounds,
         )
         m = min(args.oracle_tokens, n)
-        want = oracle(z[:m], w, inds[:m], weights[:m])
+        wants = {}
         first = next(iter(jobs))
         base = None if first in failed else min(results[first])
-        for label, (fn, s) in jobs.items():
+        for label, (fn, s, plain) in jobs.items():
             if label in failed:
                 rows.append((n, label, "FAILED", "", "", failed[label]))
                 continue
+            if id(plain) not in wants:
+                wants[id(plain)] = oracle(z[:m], plain, inds[:m], weights[:m])
             t = min(results[label])
-            err = rel_err(fn(z, s, inds, weights, BETA, CAP)[:m], want)
+            err = rel_err(fn(z, s, inds, weights, BETA, CAP)[:m], wants[id(plain)])
             ratio = f"{base / t:.2f}x" if base else ""
             rows.append((n, label, f"{t * 1e3:.2f}", f"{n / t:,.0f}", ratio, f"{err:.1e}"))
     header = ("tokens", "job", "ms", "tok/s", "vs gather_qmm", "rel err vs fp32 oracle")

@@ -1,15 +1,19 @@
 """Expert streaming: read efficiency against the same reads made raw, the path into MLX,
 prefetch on the trained default, hit rate and decode tokens/s against cache size (LRU vs
-LFU), prefetch and overlap on and off. (The projection for the full K3 is
+LFU), prefetch and overlap on and off, and (``--sections formats``) the bytes a decode token
+reads per expert format at the same cache size. (The projection for the full K3 is
 ``benchmarks/project_k3.py``.)
 
     python -m benchmarks.bench_streaming --out bench_streaming.md --plot docs/streaming_cache.png
+    python -m benchmarks.bench_streaming --sections formats --out formats.md
     python -m benchmarks.bench_streaming --quick --work /tmp/bs_quick   # small sizes: seconds
 
 About 20 minutes on a 2-core VM. Writes two synthetic checkpoints under ``--work`` (kept for
 reruns): ``k3-experts``, two MoE layers of 64 experts at K3's exact expert size (17,547,264
 bytes; 2.25 GB of experts), for the read tests; ``sweep``, five MoE layers with K3's routing
-shape (896 experts, top-16) and experts scaled down 42x (0.42 MB), for the cache tests.
+shape (896 experts, top-16) and experts scaled down 42x (0.42 MB), for the cache tests; the
+formats section converts ``sweep`` into expert packs at 4, 3 and 2 bits (``sweep-pack4`` ...;
+requantizing takes a few minutes the first time).
 ``--quick`` runs every section once on small experts (64 of 256 x 256 for the reads, 64 of
 64 x 64 for the cache), two thread counts and two cache sizes: a smoke run, not a
 measurement. The page cache is dropped before every disk run when the process may (root on
@@ -34,8 +38,10 @@ import numpy as np
 
 from benchmarks import timing
 from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.convert.convert import Settings, convert
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.model.config import ModelArgs
+from kimi_k3.model.experts import FORMATS
 from kimi_k3.streaming import get_stats, readrate, reset_stats
 from kimi_k3.streaming.io import STAGES, open_file
 from kimi_k3.streaming.readrate import aligned_buffer
@@ -204,13 +210,21 @@ def mlx_path(slots: int = 16) -> list[dict]:
     return rows
 
 
-def decode_run(path: Path, slots: int | None, prompt: int, tokens: int, **opts) -> dict:
+def decode_run(
+    path: Path, slots: int | None, prompt: int, tokens: int, budget_gb=None, **opts
+) -> dict:
     """Prefill ``prompt`` random tokens, then decode ``tokens`` single-token steps fed with
     random tokens (no repetition loop of a random model inflating reuse). ``slots=None``:
-    every expert resident (no streaming)."""
+    every expert resident (no streaming); ``budget_gb``: that cache size instead of
+    ``slots``' (the slots its experts' size gives)."""
     gc.collect()
     drop_caches()
-    model = load_model(path, dtype=mx.float32) if slots is None else _streamed(path, slots, **opts)
+    if budget_gb is not None:
+        model = load_model(path, dtype=mx.float32, expert_cache_gb=budget_gb, **opts)
+    elif slots is None:
+        model = load_model(path, dtype=mx.float32)
+    else:
+        model = _streamed(path, slots, **opts)
     vocab = model.args.vocab_size - 256
     rng = np.random.default_rng(42)
     cache = model.make_cache()
@@ -225,7 +239,7 @@ def decode_run(path: Path, slots: int | None, prompt: int, tokens: int, **opts) 
     dt = time.perf_counter() - t0
     s = get_stats(model) or {}
     return {
-        "slots": slots,
+        "slots": s.get("slots_per_layer", slots),
         "tok_s": tokens / dt,
         "hit_rate": s.get("hit_rate"),
         "mb_per_token": s.get("bytes_read", 0) / 1e6 / tokens,
@@ -558,6 +572,83 @@ def trained_section(args) -> list[str]:
     ]
 
 
+def format_packs(work: Path, sweep: Path) -> dict[int, Path]:
+    """``sweep`` converted into an expert pack per ``--expert-bits`` (dense weights kept),
+    under ``work`` (a finished conversion is kept; the converter checks it is the same)."""
+    out = {}
+    for bits in sorted(FORMATS, reverse=True):
+        out[bits] = work / f"{sweep.name}-pack{bits}"
+        settings = Settings(dense_bits=16, expert_bits=bits)
+        convert(sweep, out[bits], settings, workers=os.cpu_count() or 1)
+    return out
+
+
+def formats_section(work: Path, sweep: Path, args) -> list[str]:
+    """Decode at the same cache sizes (the budgets that give MXFP4 ``args.format_slots``
+    slots a layer) with the experts in each format: the smaller the experts, the more
+    slots the budget buys; the bytes a token reads follow from both."""
+    packs = format_packs(work, sweep)
+    margs = ModelArgs.from_path(packs[4])
+    E = margs.num_experts
+    rows = []
+    for slots in args.format_slots:
+        gb = _budget_gb(packs[4], slots)
+        base = None
+        for bits, path in packs.items():
+            row = repeated(
+                lambda p=path, g=gb: decode_run(p, None, args.prompt, args.tokens, budget_gb=g),
+                args.reps,
+                "tok_s",
+            )
+            one = expert_bytes(expert_shapes(ModelArgs.from_path(path)))
+            base = base or row["mb_per_token"]
+            rows.append(
+                {
+                    **row,
+                    "gb": gb,
+                    "format": str(FORMATS[bits]),
+                    "kb": one / 1e3,
+                    "f": row["slots"] / E,
+                    "vs": row["mb_per_token"] / base,
+                }
+            )
+    mb = expert_bytes(expert_shapes(margs)) / 1e6
+    sizes = [expert_bytes(expert_shapes(ModelArgs.from_path(p))) for p in packs.values()]
+    pages = (
+        "whole pages in every format, as K3's are, so the disk reads these bytes"
+        if all(n % 4096 == 0 for n in sizes)
+        else "not whole pages here: a direct read rounds each up to 4 KB pages"
+    )
+    return [
+        "## Bytes read per decode token by expert format, at the same cache size",
+        "",
+        f"The sweep model's experts ({E} of {mb:.2g} MB in MXFP4, top-"
+        f"{margs.num_experts_per_token}, five MoE layers) in expert packs at each "
+        "`--expert-bits`, dense weights kept; per cache size (GB, the budgets that give "
+        f"MXFP4 {', '.join(map(str, args.format_slots))} slots a layer) {args.tokens} decode "
+        f"steps after a {args.prompt}-token prefill, random input tokens, LFU; medians of "
+        f"{args.reps}. MB read / token counts the experts' bytes read (the records are {pages}); "
+        "the last column divides it by MXFP4's at the same cache size.",
+        "",
+        table(
+            rows,
+            [
+                ("cache GB", "gb"),
+                ("experts", "format"),
+                ("KB / expert", "kb"),
+                ("slots / layer", "slots"),
+                ("cache / experts", "f"),
+                ("hit rate", "hit_rate"),
+                ("MB read / token", "mb_per_token"),
+                ("vs MXFP4", "vs"),
+                ("tokens/s", "tok_s"),
+                ("tokens/s min-max", "tok_s_range"),
+            ],
+        ),
+        "",
+    ]
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/kimi_k3_bench_streaming"))
@@ -570,7 +661,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--sections",
         default="reads,mlx,trained,cache",
-        help="comma-separated sections to run: reads, mlx, trained, cache (default: all)",
+        help="comma-separated sections to run: reads, mlx, trained, cache, formats "
+        "(default: all but formats)",
     )
     return ap
 
@@ -578,14 +670,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     reads, args.sweep, args.slots, args.switch_slots = K3_EXPERTS, SWEEP, SWEEP_SLOTS, 64
-    threads, pool = (1, 4, 16, 32), 16
+    threads, pool, args.format_slots = (1, 4, 16, 32), 16, (16, 64)
     if args.quick:
         reads, args.sweep, args.slots, args.switch_slots = QUICK_READS, QUICK_SWEEP, (16, 32), 32
         args.reps, args.prompt, args.tokens, threads, pool = 1, 8, 4, (1, 2), 2
+        args.format_slots = (16,)
     sections = set(args.sections.split(","))
-    if not sections or sections - {"reads", "mlx", "trained", "cache"}:
+    if not sections or sections - {"reads", "mlx", "trained", "cache", "formats"}:
         raise SystemExit(
-            f"error: --sections {args.sections!r}: expected names from reads, mlx, trained, cache"
+            f"error: --sections {args.sections!r}: expected names from reads, mlx, trained, "
+            "cache, formats"
         )
     args.work.mkdir(parents=True, exist_ok=True)
     command = " ".join(sys.argv[1:] if argv is None else argv)
@@ -610,6 +704,9 @@ def main(argv=None):
         out += cache
         if args.plot:
             plot(curves, resident, E, args.plot)
+    if "formats" in sections:
+        sweep = checkpoint(args.work, "sweep-quick" if args.quick else "sweep", args.sweep)
+        out += formats_section(args.work, sweep, args)
     text = "\n".join(out)
     timing.emit(text + "\n", args.out)
     return text

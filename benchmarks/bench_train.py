@@ -12,6 +12,8 @@ weights a token goes through (the routed experts' ``top_k / num_experts`` share)
 scores and values over the causal context and the KDA recurrence, times 3 for the forward
 and backward pass. Model FLOP utilisation is those FLOPs per second over ``--peak-tflops``
 (the device's dense fp32 peak, given by the user; without it the column is left out).
+"peak GB" is MLX's peak memory over a path's warm-up steps, the other path's model held too:
+what decides the largest batch that fits.
 
     python -m benchmarks.bench_train --out bench_train.md               # the preset, batch 32
     python -m benchmarks.bench_train --quick                            # a tiny model, seconds
@@ -96,12 +98,14 @@ def _path(preset: dict, compiled: bool, batch: int, seq: int, seed: int = 0):
 def measure(preset: dict, batch: int, seq: int, steps: int, rounds: int, warmup: int) -> dict:
     """The eager and compiled steps timed interleaved: ``{"flops_per_token": F, "rounds":
     {path: [seconds a round, ...]}, "failed": {path: error}}``."""
-    paths, flops = {}, None
+    paths, flops, peak = {}, None, {}
     for name, compiled in (("eager (train run)", False), ("compiled (train run --compile)", True)):
         model, run_one = _path(preset, compiled, batch, seq)
         flops = flops or model_flops_per_token(model, seq)
+        mx.reset_peak_memory()
         for _ in range(warmup):
             run_one()
+        peak[name] = mx.get_peak_memory() / 1e9  # this path's model and steps, and the other's
         paths[name] = run_one
 
     def job(run_one):
@@ -116,12 +120,12 @@ def measure(preset: dict, batch: int, seq: int, steps: int, rounds: int, warmup:
         return timed
 
     results, failed = timing.interleaved({n: job(r) for n, r in paths.items()}, rounds)
-    return {"flops_per_token": flops, "rounds": results, "failed": failed}
+    return {"flops_per_token": flops, "rounds": results, "failed": failed, "peak_gb": peak}
 
 
 def table(m: dict, batch: int, seq: int, steps: int, peak_tflops: float | None) -> str:
     tokens = batch * seq * steps
-    header = ["path", "ms / step (median, range)", "tokens/s", "model TFLOP/s"]
+    header = ["path", "ms / step (median, range)", "tokens/s", "model TFLOP/s", "peak GB"]
     if peak_tflops:
         header.append(f"MFU (of {peak_tflops:g} TFLOP/s)")
     header.append("vs eager")
@@ -130,7 +134,7 @@ def table(m: dict, batch: int, seq: int, steps: int, peak_tflops: float | None) 
     for name, times in m["rounds"].items():
         if name in m["failed"]:
             rows.append(
-                [name, f"failed: {m['failed'][name]}", "", "", *([""] * bool(peak_tflops)), ""]
+                [name, f"failed: {m['failed'][name]}", "", "", "", *([""] * bool(peak_tflops)), ""]
             )
             continue
         med = statistics.median(times)
@@ -143,6 +147,7 @@ def table(m: dict, batch: int, seq: int, steps: int, peak_tflops: float | None) 
             f"{ms[0]:.1f} ({ms[1]:.1f}-{ms[2]:.1f})",
             f"{rate:,.0f}",
             f"{tflops:.4f}",
+            f"{m['peak_gb'].get(name, 0.0):.2f}",
         ]
         if peak_tflops:
             row.append(f"{100 * tflops / peak_tflops:.2f}%")

@@ -1,8 +1,13 @@
-"""Expert trimming (``kimi_k3.model.routing``) on the trained default model, every setting
-in one run: experts kept per token, routed-expert bytes per token, held-out NLL and KL
-against the untrimmed model, and decode with streamed experts (experts read per token, tokens/s).
+"""Expert trimming and shedding misses (``kimi_k3.model.routing``) on the trained default
+model, every setting in one run: experts kept per token, routed-expert bytes per token,
+held-out NLL and KL against the exact model, and decode with streamed experts (experts read
+per token, tokens/s).
 
     python -m benchmarks.bench_trim [--quick] [--out FILE.md] [--plot PNG]
+    python -m benchmarks.bench_trim --sections shed --out FILE.md   # shedding only
+
+Sections: ``trim`` (the tables below) and ``shed`` (shedding misses against top-p trimming
+at equal bytes, ``shed_section``).
 
 Quality: the held-out text shipped with the model (``kimi_k3.eval``), windows of ``--seq``
 tokens, fp32; for each batch the untrimmed model's log-probabilities are computed once and
@@ -18,6 +23,17 @@ Rounds interleave the settings; medians and spread over ``--rounds``.
 
 Static rows lower the router's top-k itself (selection by biased score, weights
 renormalised over the k kept): a baseline that uses the same count for every token.
+
+Shedding depends on what the cache holds, so its quality is measured where it acts: the
+experts streamed into ``--shed-slots`` a layer, fp32, over ``--shed-windows`` held-out
+windows of ``--shed-seq`` tokens, each a prefill of ``--prompt`` tokens then one decode
+step a token fed the text (teacher forcing; the expert cache carries over from window to
+window, as in one long session). KL and NLL change are over the decoded positions against
+the exact model's log-probabilities (one pass a window), experts read per decoded token
+from ``get_stats``. Top-p trimming runs through the same protocol, and each shedding row
+gives the KL top-p reaches at the same bytes (linear between its settings). The routed
+experts zeroed (``kimi_k3.eval``'s ablation) is scored on the same positions: a model whose
+routed experts carry little cannot rank these settings.
 """
 
 from __future__ import annotations
@@ -81,6 +97,11 @@ SETTINGS = (
     + [Setting("none")]
 )
 QUICK = [Setting("off"), Setting("top_p", 0.7), Setting("min_weight", 0.25), Setting("none")]
+# Shedding misses against top-p trimming (streamed decode): (label, top_p, shed_misses)
+SHED = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.0)
+SHED_TOP_P = (0.75, 0.5, 0.25)  # the trained router's steps: 3, 2 and 1 of its 4 experts
+SHED_QUICK = (0.5,)
+SECTIONS = ("trim", "shed")
 
 
 def apply(model, setting: Setting, top_k: int):
@@ -324,6 +345,149 @@ def plot(settings, q: dict, runs: dict, top_k: int, out: Path):
     fig.savefig(out, dpi=110)
 
 
+def shed_settings(quick: bool) -> list[tuple[str, float, float]]:
+    """``(label, top_p, shed_misses)`` rows: exact, top-p trimming, shedding."""
+    rows = [("exact", 1.0, 1.0)]
+    rows += [(f"top-p {p:g}", p, 1.0) for p in (SHED_TOP_P[1:2] if quick else SHED_TOP_P)]
+    rows += [(f"shed misses {p:g}", 1.0, p) for p in (SHED_QUICK if quick else SHED)]
+    return rows
+
+
+def reference_logprobs(model, wins: np.ndarray) -> tuple[list[mx.array], list[mx.array]]:
+    """Per window, the exact model's log-probabilities and those with its routed experts
+    zeroed (``kimi_k3.eval``'s ablation), each in one pass. Shapes: [seq, vocab] each."""
+    exact, zeroed = [], []
+    for w in wins:
+        x = mx.array(w[None, :-1])
+        exact.append(_logprobs(model, x, Setting("off"))[0])
+        zeroed.append(_logprobs(model, x, Setting("none"))[0])
+        mx.eval(exact[-1], zeroed[-1])
+    return exact, zeroed
+
+
+def _scores(ref: mx.array, lp: mx.array, y: np.ndarray) -> tuple[float, float]:
+    """(summed KL(ref || lp), summed NLL change) over positions. Shapes: [T, vocab], y [T]."""
+    t = mx.array(y[:, None])
+    kl = (mx.exp(ref) * (ref - lp)).sum().item()
+    dnll = (mx.take_along_axis(ref, t, -1) - mx.take_along_axis(lp, t, -1)).sum().item()
+    return kl, dnll
+
+
+def shed_run(path, gb: float, wins, refs, prompt: int, top_p: float, shed: float) -> dict:
+    """One setting over the windows, streamed (module docstring): KL and NLL change per
+    decoded token, experts and bytes read per decoded token, hit rate, weight dropped."""
+    model = load_model(path, dtype=mx.float32, expert_cache_gb=gb)
+    routing.set_expert_trimming(model, top_p=top_p)
+    routing.set_shed_misses(model, shed)
+    kl = dnll = 0.0
+    tokens = hits = misses = bytes_read = pairs = shed_mass = 0
+    for w, ref in zip(wins, refs, strict=True):
+        cache = model.make_cache()
+        mx.eval(model(mx.array(w[None, :prompt]), cache=cache))
+        reset_stats(model)
+        steps = [
+            model(mx.array(w[None, t : t + 1]), cache=cache)[0] for t in range(prompt, len(w) - 1)
+        ]
+        lp = mx.concatenate(steps).astype(mx.float32)
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        a, b = _scores(ref[prompt:], lp, w[prompt + 1 :])
+        kl, dnll = kl + a, dnll + b
+        s = get_stats(model)
+        tokens += s["tokens"]
+        hits, misses, bytes_read = (
+            hits + s["hits"],
+            misses + s["misses"],
+            bytes_read + s["bytes_read"],
+        )
+        pairs, shed_mass = pairs + s["pairs"], shed_mass + s["shed_mass"]
+    layers = get_stats(model)["layers"]
+    return {
+        "kl": kl / tokens,
+        "dnll": dnll / tokens,
+        "kept": pairs / (tokens * layers),
+        "read": misses / tokens,
+        "kb": bytes_read / tokens / 1e3,
+        "hit_rate": hits / max(hits + misses, 1),
+        "dropped": shed_mass / (tokens * layers),
+    }
+
+
+def at_equal_bytes(curve: list[tuple[float, float]], kb: float) -> float | None:
+    """The KL of a (KB read, KL) curve at ``kb``, linear between its points; None outside."""
+    pts = sorted(curve)
+    if not pts[0][0] <= kb <= pts[-1][0]:
+        return None
+    xs, ys = zip(*pts, strict=True)
+    return float(np.interp(kb, xs, ys))
+
+
+def shed_section(args) -> str:
+    """Shedding misses against top-p trimming at equal bytes (module docstring)."""
+    path = default_model.ensure_default_model()
+    ids = heldout_ids(path)
+    wins = windows(ids, args.shed_seq, args.shed_windows * args.shed_seq)
+    resident = load_model(path, dtype=mx.float32)
+    exact, zeroed = reference_logprobs(resident, wins)
+    slots, E = args.shed_slots, resident.args.num_experts
+    gb = slots / E * default_model.expert_bytes(path) / 1e9
+    rows = {
+        label: shed_run(path, gb, wins, exact, args.prompt, p, shed)
+        for label, p, shed in shed_settings(args.quick)
+    }
+    decoded = sum(len(w) - 1 - args.prompt for w in wins)
+    z = [
+        _scores(r[args.prompt :], zr[args.prompt :], w[args.prompt + 1 :])
+        for r, zr, w in zip(exact, zeroed, wins, strict=True)
+    ]
+    ablation = (sum(a for a, _ in z) / decoded, sum(b for _, b in z) / decoded)
+    curve = [(r["kb"], r["kl"]) for label, r in rows.items() if not label.startswith("shed")]
+    body = []
+    for label, r in rows.items():
+        same = at_equal_bytes(curve, r["kb"]) if label.startswith("shed") else None
+        body.append(
+            [
+                label,
+                f"{r['kept']:.3f}",
+                f"{r['dropped']:.3f}",
+                f"{r['hit_rate']:.3f}",
+                f"{r['read']:.2f}",
+                f"{r['kb']:.1f}",
+                f"{r['kl']:.2g}",
+                f"{r['dnll']:+.4f}",
+                "-" if same is None else f"{same:.2g}",
+            ]
+        )
+    body.append(
+        [
+            "routed experts zeroed (kimi_k3.eval's ablation)",
+            "0",
+            "1",
+            "-",
+            "-",
+            "0",
+            f"{ablation[0]:.2g}",
+            f"{ablation[1]:+.4f}",
+            "-",
+        ]
+    )
+    head = [
+        "setting",
+        "experts kept / token and layer",
+        "weight dropped / token and layer",
+        "hit rate",
+        "experts read / token",
+        "KB read / token",
+        "KL from exact (nats/token)",
+        "NLL change (nats/token)",
+        "top-p KL at the same KB",
+    ]
+    return (
+        f"Shedding misses against top-p trimming: {slots} slots a layer ({slots / E:.0%} of "
+        f"the experts), {len(wins)} held-out windows of {args.shed_seq} tokens, prefill "
+        f"{args.prompt}, {decoded} decoded tokens, fp32.\n\n" + markdown_table(head, body)
+    )
+
+
 def commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True)
@@ -344,6 +508,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cache-fraction", type=float, default=0.25, help="expert cache, share of expert bytes"
     )
+    p.add_argument("--shed-slots", type=int, default=16, help="shed section: slots a layer")
+    p.add_argument("--shed-windows", type=int, default=6, help="shed section: windows")
+    p.add_argument("--shed-seq", type=int, default=160, help="shed section: tokens a window")
+    p.add_argument(
+        "--sections", default="trim,shed", help="comma-separated: trim, shed (default both)"
+    )
     p.add_argument("--out", type=Path, help="write the markdown here")
     p.add_argument("--plot", type=Path, help="write the plot (PNG) here")
     return p
@@ -351,9 +521,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> str:
     a = setup_arg_parser().parse_args(argv)
+    sections = a.sections.split(",")
+    if not sections or set(sections) - set(SECTIONS):
+        raise SystemExit(f"error: --sections {a.sections!r}: expected names from trim, shed")
     settings = SETTINGS
     if a.quick:
         settings, a.tokens, a.seq, a.steps, a.rounds, a.prompt = QUICK, 32, 32, 4, 1, 4
+        a.shed_windows, a.shed_seq = 1, 12
+    if "trim" not in sections:
+        return _shed_only(a, argv)
     load_before = os.getloadavg()
     path = default_model.ensure_default_model()
     ids = heldout_ids(path)
@@ -387,9 +563,23 @@ def main(argv: list[str] | None = None) -> str:
         + profile_table(q[settings[0]]["profile"])
         + f"\nRecommended (fewest experts with an NLL cost <= {NLL_BUDGET} nats): {rec}\n"
     )
+    if "shed" in sections:
+        text += "\n" + shed_section(a)
     timing.emit(text, a.out)
     if a.plot:
         plot(settings, q, runs, top_k, a.plot)
+    return text
+
+
+def _shed_only(a, argv) -> str:
+    load_before = os.getloadavg()
+    body = shed_section(a)
+    text = (
+        f"`python -m benchmarks.bench_trim{' ' + ' '.join(argv or sys.argv[1:])}` at commit "
+        f"{commit()}; {timing.environment()}; load average {load_before[0]:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after.\n\n" + body
+    )
+    timing.emit(text, a.out)
     return text
 
 

@@ -1,10 +1,13 @@
 """Convert the published Kimi K3 checkpoint into this project's fast local layout.
 
-    python -m kimi_k3.convert --hf-path IN --out OUT [--dense-bits 4|8|16] [--verify]
+    python -m kimi_k3.convert --hf-path IN --out OUT [--dense-bits 4|8|16]
+        [--expert-bits 4|3|2] [--verify]
 
 OUT gets the dense weights (MLX affine-quantized, or bf16 with ``--dense-bits 16``) in safetensors
-shards under this module tree's names, the routed experts copied bit-exactly into an expert pack
-(``kimi_k3.checkpoint.expert_pack``), ``config.json`` with MLX's ``quantization`` entry, the
+shards under this module tree's names, the routed experts in an expert pack
+(``kimi_k3.checkpoint.expert_pack``): copied bit-exactly (MXFP4, ``--expert-bits 4``), or
+requantized to 3 or 2 bits (``kimi_k3.convert.requant``), ``config.json`` with MLX's
+``quantization`` entry (naming the experts' format where it is not MXFP4), the
 tokenizer files (never code), ``kimi_k3_checksums.json`` (crc32 per dense tensor, checked at load:
 ``kimi_k3.checkpoint.checksums``) and ``kimi_k3_manifest.json`` (versions, settings, sha256 per
 file), written last. Memory stays bounded by one chunk of one tensor (``--chunk-mb``) plus one
@@ -57,9 +60,13 @@ from kimi_k3.checkpoint.files import (
     write_text_atomic,
 )
 from kimi_k3.checkpoint.layouts import detect
+from kimi_k3.cli import Parser
+from kimi_k3.convert.requant import requantize_record
 from kimi_k3.model.config import ConfigError, ModelArgs, naming
+from kimi_k3.model.experts import FORMAT_KEY, FORMATS, MXFP4, ExpertFormat
 from kimi_k3.model.model import Model, sanitize_weights
 from kimi_k3.model.parallel import expert_range
+from kimi_k3.text.tokenizer import HF_FILE, RANK_FILE, write_hf_tokenizer
 
 MANIFEST = "kimi_k3_manifest.json"
 STATE = ".kimi_k3_convert_state.json"
@@ -92,10 +99,15 @@ class Settings:
     pack_file_bytes: int = 4 << 30
     ranks: int = 1  # the expert pack holds rank ``rank``'s share of every layer's experts
     rank: int = 0
+    expert_bits: int = 4  # 4: the published MXFP4 bytes; 3, 2: requantized (FORMATS)
 
     def experts(self, num_experts: int) -> range:
         """The experts of every MoE layer the pack holds (``parallel.expert_range``)."""
         return expert_range(num_experts, self.ranks, self.rank)
+
+    @property
+    def expert_format(self) -> ExpertFormat:
+        return FORMATS[self.expert_bits]
 
 
 @dataclass
@@ -131,9 +143,10 @@ class Plan:
 
     shards: list[list[DenseItem]]
     quantization: dict | None
-    layouts: dict[int, ep.RecordLayout]
+    layouts: dict[int, ep.RecordLayout]  # of the records written
     experts: dict[int, list[list[TensorInfo]]]  # layer -> expert -> six sources (TENSORS order)
     pack_files: list[list[tuple[int, int]]]
+    expert_format: ExpertFormat = MXFP4
 
     @property
     def shard_names(self) -> list[str]:
@@ -150,7 +163,7 @@ class Plan:
         if rel in self.shard_names:
             return sum(it.source.nbytes for it in self.shards[self.shard_names.index(rel)])
         recs = self.pack_files[self.pack_names.index(rel)]
-        return sum(self.layouts[layer].data_bytes for layer, _ in recs)
+        return sum(t.nbytes for layer, e in recs for t in self.experts[layer][e])
 
 
 def make_plan(src: CheckpointIndex, args: ModelArgs, settings: Settings) -> Plan:
@@ -165,6 +178,10 @@ def make_plan(src: CheckpointIndex, args: ModelArgs, settings: Settings) -> Plan
         else:
             dense.append(info)
     items, quantization = _plan_dense(src, args, settings, dense)
+    fmt = settings.expert_format
+    if fmt != MXFP4:
+        _check_groups(src, args, fmt)
+        quantization = {**(quantization or {}), FORMAT_KEY: fmt.to_json()}
     shards, size = [[]], 0
     for it in items:
         if shards[-1] and size + it.nbytes > settings.shard_bytes:
@@ -173,9 +190,23 @@ def make_plan(src: CheckpointIndex, args: ModelArgs, settings: Settings) -> Plan
         shards[-1].append(it)
         size += it.nbytes
     layouts, sources = _plan_experts(src, args, experts)
+    if fmt != MXFP4:
+        Dl, I = args.routed_expert_hidden_size, args.moe_intermediate_size
+        layouts = {l: ep.RecordLayout.from_format(fmt, Dl, I) for l in layouts}
     held = settings.experts(args.num_experts)
     pack = ep.plan_files({l: (layouts[l], held) for l in layouts}, settings.pack_file_bytes)
-    return Plan(shards, quantization, layouts, sources, pack)
+    return Plan(shards, quantization, layouts, sources, pack, fmt)
+
+
+def _check_groups(src, args, fmt: ExpertFormat):
+    """The experts' widths split into whole groups of ``fmt``."""
+    for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
+        n = getattr(args, key)
+        if n % fmt.group_size:
+            raise ConvertError(
+                f"{src.path}: config value {key}={n} is not a multiple of {fmt.group_size}, "
+                f"the group size of {fmt} experts"
+            )
 
 
 def _plan_dense(src, args, settings, infos) -> tuple[list[DenseItem], dict | None]:
@@ -436,8 +467,15 @@ class _Run:
             for layer, e in self.plan.pack_files[i]:
                 if self.stop.is_set():
                     raise InterruptedError("stopped")
-                data = self._read_expert(self.plan.experts[layer][e])
-                crcs.append(w.add(data)[1])
+                six = self.plan.experts[layer][e]
+                data = self._read_expert(six)
+                if self.plan.expert_format != MXFP4:
+                    record = requantize_record(
+                        _split(data, six), self.plan.expert_format, f"{six[0].file}: {_base(six)}"
+                    )
+                else:
+                    record = data
+                crcs.append(w.add(record)[1])
                 progress.update(len(data))
         self._mark_done(rel, {"bytes": w.size, "sha256": w.sha256.hexdigest(), "crc32": crcs})
 
@@ -535,17 +573,16 @@ class _Run:
         if self.plan.quantization:
             config = {**config, "quantization": self.plan.quantization}
         write_text_atomic(self.out / "config.json", json.dumps(config, indent=1))
+        aux = [f.name for f in _aux_files(hf_path)]
         for f in _aux_files(hf_path):
             tmp = self.out / f".{f.name}.tmp"
             shutil.copyfile(f, tmp)
             os.replace(tmp, self.out / f.name)
+        if HF_FILE not in aux and (self.out / RANK_FILE).is_file():
+            write_hf_tokenizer(self.out)  # Hugging Face loaders then need no remote code
+            aux.append(HF_FILE)
         files = {rel: {"bytes": d["bytes"], "sha256": d["sha256"]} for rel, d in done.items()}
-        small = [
-            "model.safetensors.index.json",
-            f"{ep.PACK_DIR}/{ep.INDEX}",
-            "config.json",
-            *(f.name for f in _aux_files(hf_path)),
-        ]
+        small = ["model.safetensors.index.json", f"{ep.PACK_DIR}/{ep.INDEX}", "config.json", *aux]
         for rel in small:
             files[rel] = {
                 "bytes": (self.out / rel).stat().st_size,
@@ -589,8 +626,25 @@ class _Run:
         names = [Path(r).name for r in self.plan.pack_names]
         held = self.settings.experts(self.config.num_experts)
         part = held if self.settings.ranks > 1 else None
-        doc = ep.index_json(self.plan.layouts, names, sizes, records, part)
+        doc = ep.index_json(self.plan.layouts, names, sizes, records, part, self.plan.expert_format)
         write_text_atomic(self.out / ep.PACK_DIR / ep.INDEX, json.dumps(doc, separators=(",", ":")))
+
+
+def _split(data: bytes, six: list[TensorInfo]) -> dict[str, np.ndarray]:
+    """One expert's bytes (``_read_expert``: its six tensors back to back in TENSORS order)
+    as the published tensors, by short name (``w1.weight_packed``, ...)."""
+    out, offset = {}, 0
+    for name, t in zip(ep.TENSORS, six, strict=True):
+        out[ep.source_name(name)] = np.frombuffer(
+            data, np.uint8, count=t.nbytes, offset=offset
+        ).reshape(t.shape)
+        offset += t.nbytes
+    return out
+
+
+def _base(six: list[TensorInfo]) -> str:
+    """The tensor name shared by an expert's six tensors (``...experts.E``)."""
+    return six[0].name.rsplit(".", 2)[0]
 
 
 def _to_mx(buf: bytes, dtype: str, shape: tuple) -> mx.array:
@@ -643,8 +697,8 @@ def describe(plan: Plan) -> str:
     quantized = sum(it.spec is not None for items in plan.shards for it in items)
     return (
         f"dense: {len(plan.shards)} shards, {_fmt_bytes(dense)} ({quantized} quantized "
-        f"weights); experts: {len(plan.pack_files)} pack files, {_fmt_bytes(pack)}; "
-        f"total {_fmt_bytes(dense + pack)}"
+        f"weights); experts ({plan.expert_format}): {len(plan.pack_files)} pack files, "
+        f"{_fmt_bytes(pack)}; total {_fmt_bytes(dense + pack)}"
     )
 
 
@@ -666,6 +720,8 @@ def convert(
     stream = stream or sys.stderr
     if settings.dense_bits not in (4, 8, 16):
         raise ConvertError(f"--dense-bits {settings.dense_bits}: use 4, 8 or 16")
+    if settings.expert_bits not in FORMATS:
+        raise ConvertError(f"--expert-bits {settings.expert_bits}: use 4, 3 or 2")
     if settings.ranks < 1 or not 0 <= settings.rank < settings.ranks:
         raise ConvertError(
             f"--rank {settings.rank} --ranks {settings.ranks}: the rank must be in 0..ranks-1"
@@ -699,7 +755,7 @@ def convert(
         done = sum(plan.source_bytes(r) for r in large if r in run.state["done"])
         stream.write(
             f"converting {hf_path} -> {out} ({_fmt_bytes(total)}), dense "
-            f"{settings.dense_bits}-bit: {describe(plan)}\n"
+            f"{settings.dense_bits}-bit, experts {settings.expert_format}: {describe(plan)}\n"
         )
         if done:
             n = sum(r in run.state["done"] for r in large)
@@ -768,7 +824,7 @@ def verify_output(out: str | Path, workers: int = 4, stream=None) -> int:
 
 
 def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(
+    parser = parser or Parser(
         prog="python -m kimi_k3.convert",
         description=__doc__.splitlines()[0],
         epilog="python -m kimi_k3.convert synth OUT --preset NAME writes a synthetic "
@@ -782,6 +838,14 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
         default=4,
         choices=(4, 8, 16),
         help="dense weights: MLX affine 4 or 8 bit, or 16 (kept bf16)",
+    )
+    parser.add_argument(
+        "--expert-bits",
+        type=int,
+        default=4,
+        choices=sorted(FORMATS, reverse=True),
+        help="routed experts: 4 keeps the published MXFP4 bytes; 3 or 2 requantizes them "
+        "(MLX affine, groups of 64, fitted to the MXFP4 values; docs/converter.md)",
     )
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     parser.add_argument(
@@ -823,7 +887,13 @@ def main(argv=None) -> int:
     a = setup_arg_parser().parse_args(argv)
     mb = 1 << 20
     settings = Settings(
-        a.dense_bits, a.group_size, int(a.shard_mb * mb), int(a.pack_file_mb * mb), a.ranks, a.rank
+        a.dense_bits,
+        a.group_size,
+        int(a.shard_mb * mb),
+        int(a.pack_file_mb * mb),
+        a.ranks,
+        a.rank,
+        a.expert_bits,
     )
     try:
         convert(

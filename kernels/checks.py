@@ -7,6 +7,14 @@ runs both and gives a ``Result``: the error, a verdict (``pass``; ``mismatch``;
 ``non-finite`` for NaN or inf; ``error`` for a compile or launch failure) and, when asked,
 the time of each.
 
+The KDA kernels' contract is fp32 whatever MLX's ``MLX_ENABLE_TF32`` says (their tensor-core
+state pass splits fp32 operands in three tf32 products), while the pure-MLX reference's
+matmuls follow that setting: on a GPU with TF32 allowed (MLX's default on CUDA) the
+reference itself is off by about 4e-4. So a KDA case's values to compare with (its
+``oracle``) are the reference computed on the CPU (``exact``), where fp32 matmuls are fp32;
+the reference on the device is what ``reference_ms`` times. The expert kernels' reference
+runs MLX's quantized matmuls, which TF32 does not touch, so it serves as both.
+
 ``KERNELS`` names every kernel variant the dispatcher (``kimi_k3.kernels.dispatch``) can
 select, per backend; ``small_case(name, backend)`` is the quick case the first-use check
 runs (``kimi_k3.kernels.verdict``); ``kda_case`` and ``expert_case`` build a case at any
@@ -32,8 +40,11 @@ EXPERT_TOL = 1e-4  # RMS-relative, fp32 accumulation on both sides
 
 # Variants per backend, in the order the dispatcher tries them. ``_tiled``: the kernel on
 # stacks in ``expert_layout``'s tiles (CUDA's stores hold those where the dims allow).
+# ``affine<bits>_*``: the lower-bit experts' kernels at 2 and 3 bits (one source each, two
+# widths: each width has its own verdict).
+AFFINE = ("affine2_decode", "affine3_decode", "affine2_prefill", "affine3_prefill")
 KERNELS = {
-    "metal": ("kda_decode", "kda_prefill", "mxfp4_decode", "mxfp4_prefill"),
+    "metal": ("kda_decode", "kda_prefill", "mxfp4_decode", "mxfp4_prefill", *AFFINE),
     "cuda": (
         "kda_decode",
         "kda_prefill",
@@ -43,6 +54,7 @@ KERNELS = {
         "mxfp4_mma_tiled",
         "mxfp4_prefill_mma",
         "mxfp4_prefill_mma_tiled",
+        *AFFINE,
     ),
 }
 KERNELS["emulator"] = KERNELS["metal"]  # the Metal source, run on the CPU
@@ -62,6 +74,7 @@ class Case:
     run: Callable[[], list]  # the kernel's outputs
     reference: Callable[[], list]  # the reference's outputs, the same structure
     tol: float
+    oracle: Callable[[], list] | None = None  # the values to compare with (else reference's)
 
 
 @dataclass
@@ -114,6 +127,8 @@ def run_case(case: Case, reps: int = 0) -> Result:
         return res
     try:
         want, res.reference_ms = _timed(case.reference, reps)
+        if case.oracle is not None:
+            want = _outputs(case.oracle())
     except Exception as e:  # no verdict on the kernel without the reference's answer
         res.verdict, res.detail = "error", f"the reference failed: {type(e).__name__}: {e}"
         return res
@@ -191,8 +206,22 @@ def reference(name: str) -> Callable:
         ) from None
 
 
+def exact(fn: Callable[[], list]) -> Callable[[], list] | None:
+    """``fn`` run on the CPU, where MLX's fp32 matmuls are fp32 whatever
+    ``MLX_ENABLE_TF32`` says; None where the CPU is the default device already."""
+    if mx.default_device() == mx.cpu:
+        return None
+
+    def on_cpu():
+        with mx.stream(mx.cpu):
+            return _outputs(fn())
+
+    return on_cpu
+
+
 def kda_case(name: str, backend: str, B: int, T: int, H: int, K: int) -> Case:
-    """``kda_decode`` (T = 1) or ``kda_prefill`` against ``kda_mix_reference``."""
+    """``kda_decode`` (T = 1) or ``kda_prefill`` against ``kda_mix_reference``, compared
+    with the reference in fp32 (``exact``)."""
     kda_mix_reference = reference("kda_mix_reference")
 
     p, args = kda_layer(H, K), kda_inputs(B, T, H, K)
@@ -201,7 +230,10 @@ def kda_case(name: str, backend: str, B: int, T: int, H: int, K: int) -> Case:
     def run():
         return getattr(module, name)(backend, p, *args)
 
-    return Case(name, f"B={B} T={T} H={H} K={K}", run, lambda: kda_mix_reference(p, *args), KDA_TOL)
+    def ref():
+        return kda_mix_reference(p, *args)
+
+    return Case(name, f"B={B} T={T} H={H} K={K}", run, ref, KDA_TOL, oracle=exact(ref))
 
 
 # --- MXFP4 experts -----------------------------------------------------------------------
@@ -218,6 +250,25 @@ def random_experts(E: int, D: int, I: int, seed: int = 0) -> dict:
         codes = r.integers(0, 2**32, (E, rows, cols // 8), dtype=np.uint32)
         scales = r.integers(mid - 2, mid + 3, (E, rows, cols // 32)).astype(np.uint8)
         out[n] = (mx.array(codes), mx.array(scales))
+    return out
+
+
+def random_affine_experts(E: int, D: int, I: int, bits: int, group: int = 64, seed: int = 0):
+    """``E`` random experts in MLX's ``affine`` layout at ``bits`` (``w1``/``w3`` [I, D],
+    ``w2`` [D, I]: codes uint32, float16 scales and biases per ``group``): every code equally
+    likely, scales spread over two octaves around the one that puts a row's products near
+    unit variance, biases centring each group's grid near zero."""
+    r = np.random.default_rng(seed)
+    top = (1 << bits) - 1
+    out = {}
+    for n, (rows, cols) in {"w1": (I, D), "w3": (I, D), "w2": (D, I)}.items():
+        codes = r.integers(0, 2**32, (E, rows, cols * bits // 32), dtype=np.uint32)
+        shape = (E, rows, cols // group)
+        scale = 2.0 / (top * np.sqrt(cols)) * np.exp2(r.uniform(-1, 1, shape))
+        bias = -scale * top / 2 * r.uniform(0.8, 1.2, shape)
+        out[n] = tuple(
+            mx.array(a) for a in (codes, scale.astype(np.float16), bias.astype(np.float16))
+        )
     return out
 
 
@@ -240,6 +291,10 @@ _EXPERT_FNS = {
     "mxfp4_mma_tiled": ("mxfp4_mma", "expert_glu_decode_tiled"),
     "mxfp4_prefill_mma": ("mxfp4_prefill_mma", "expert_glu_prefill_mma"),
     "mxfp4_prefill_mma_tiled": ("mxfp4_prefill_mma", "expert_glu_prefill_mma"),
+    "affine2_decode": ("affine_decode", "expert_glu_decode"),
+    "affine3_decode": ("affine_decode", "expert_glu_decode"),
+    "affine2_prefill": ("affine_prefill", "expert_glu_prefill"),
+    "affine3_prefill": ("affine_prefill", "expert_glu_prefill"),
 }
 
 
@@ -249,10 +304,12 @@ def module_of(name: str) -> str:
 
 
 def expert_case(name: str, backend: str, E: int, D: int, I: int, N: int, k: int) -> Case:
-    """An MXFP4 expert kernel variant against ``expert_glu_reference`` (fp32 latents)."""
+    """An expert kernel variant (MXFP4, or ``affine<bits>_*`` on affine experts of groups of
+    64) against ``expert_glu_reference`` (fp32 latents)."""
     expert_glu_reference = reference("expert_glu_reference")
 
-    w = random_experts(E, D, I)
+    affine = name.startswith("affine")
+    w = random_affine_experts(E, D, I, int(name[6])) if affine else random_experts(E, D, I)
     inds, wts = routing(N, E, k)
     z = mx.array(np.random.default_rng(2).standard_normal((N, D)).astype(np.float32))
     tiled = name.endswith("_tiled")

@@ -9,6 +9,8 @@ from functools import partial
 import mlx.core as mx
 
 from . import (
+    affine_decode,
+    affine_prefill,
     expert_layout,
     kda_decode,
     kda_prefill,
@@ -126,13 +128,18 @@ def expert_glu_kernel(z, w, inds):
     out in shuffles), elsewhere the LUT GEMM of ``mxfp4_prefill``.
     Stacks in ``expert_layout``'s tiles (``TiledStacks``) are served by the tiled variants of
     CUDA's tensor-core kernels; where none applies, None (the reference, which untiles).
+    Affine stacks (the lower-bit experts) go to their own kernels (``_affine_kernel``).
     ``KIMI_K3_REFERENCE=1`` (or ``experts``) forces the reference; a variant that failed its
     check on this machine gives None too (``checked``).
     """
     if reference_forced("experts"):
         return None
     backend = source.backend()
-    if backend is None or not mxfp4_decode.eligible(z, w, inds):
+    if backend is None:
+        return None
+    if len(w["w1"]) == 3:
+        return _affine_kernel(z, w, inds, backend)
+    if not mxfp4_decode.eligible(z, w, inds):
         return None
     tiled = expert_layout.is_tiled(w)
     D, I = z.shape[-1], w["w1"][0].shape[-2]
@@ -159,6 +166,24 @@ def expert_glu_kernel(z, w, inds):
     return checked(
         "mxfp4_prefill", backend, partial(mxfp4_prefill.expert_glu_prefill, backend=backend)
     )
+
+
+def _affine_kernel(z, w, inds, backend: str):
+    """``expert_glu_kernel`` for affine stacks (the lower-bit experts, ``(weight, scales,
+    biases)``), on Metal and CUDA alike: ``affine_decode`` up to ``EXPERT_DECODE_MAX_PAIRS``
+    pairs, above that ``affine_prefill``'s grouped GEMM where ``expert_prefill_choice`` says
+    so; None where ``affine_decode.eligible`` refuses the inputs. Each width is a variant of
+    its own (``affine2_decode``, ``affine3_prefill``, ...), checked on first use."""
+    if expert_layout.is_tiled(w) or not affine_decode.eligible(z, w, inds):
+        return None
+    bits, _ = affine_decode.params(w)
+    if inds.size <= EXPERT_DECODE_MAX_PAIRS:
+        fn = partial(affine_decode.expert_glu_decode, backend=backend)
+        return checked(f"affine{bits}_decode", backend, fn)
+    if expert_prefill_choice() == "reference":
+        return None
+    fn = partial(affine_prefill.expert_glu_prefill, backend=backend)
+    return checked(f"affine{bits}_prefill", backend, fn)
 
 
 def expert_sum_in_order(inds) -> bool:

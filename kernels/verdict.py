@@ -4,7 +4,8 @@ The kernels have a pure-MLX reference (``kimi_k3.kernels.checks``). Before the d
 hands out a kernel variant for the first time in a process, ``usable(name, backend)`` looks
 for a verdict on it for this machine in ``<cache>/kernel_verdicts.json`` (the cache being
 ``kimi_k3.cache_dir()``), keyed by the variant, a hash of the kernel's source files, MLX's
-version, the backend and the device's name. Without one it runs the variant's small case
+version, the backend, the device's name and the fp32 matmul precision in force
+(``MLX_ENABLE_TF32``). Without one it runs the variant's small case
 (``checks.small_case``: small shapes, a fraction of a second on a GPU) against the
 reference and records the verdict. A variant that fails to compile or launch, returns NaN
 or inf, or disagrees with the reference is not used: the dispatcher returns None, so the
@@ -12,7 +13,8 @@ reference serves its calls, in this process and (from the recorded verdict) in l
 and one warning line names it and how to report it.
 
 ``python -m kimi_k3.doctor`` records verdicts too, from its wider cases. A changed kernel
-source, another MLX or another device has another key, so it is checked again.
+source, another MLX, another device or another TF32 setting has another key, so it is
+checked again.
 ``KIMI_K3_KERNEL_CHECK=0`` skips the check (every variant is used; for those who have run
 the doctor); ``1`` or unset checks. ``KIMI_K3_REFERENCE`` still forces the reference before
 any of this (``dispatch.reference_forced``).
@@ -26,6 +28,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import platform
 import sys
 import threading
@@ -41,6 +44,7 @@ from . import checks
 from .source import env_choice
 
 CHECK_ENV = "KIMI_K3_KERNEL_CHECK"
+TF32_ENV = "MLX_ENABLE_TF32"
 FILE = "kernel_verdicts.json"
 REPORT = "to report it, run `python -m kimi_k3.doctor` and paste its report into an issue"
 
@@ -152,8 +156,18 @@ def device_name() -> str:
 
 
 def machine_key(name: str, backend: str) -> str:
-    """``variant|source hash|mlx version|backend|device``: one verdict's key."""
-    return "|".join((name, source_hash(name, backend), mx.__version__, backend, device_name()))
+    """``variant|source hash|mlx version|backend|device|precision``: one verdict's key.
+    The precision is MLX's fp32 matmul setting (``tf32`` unless ``MLX_ENABLE_TF32=0``):
+    it changes what the reference computes on a GPU, so a verdict taken under one setting
+    is not reused under the other."""
+    parts = (name, source_hash(name, backend), mx.__version__, backend, device_name())
+    return "|".join((*parts, matmul_precision()))
+
+
+def matmul_precision() -> str:
+    """``fp32`` where ``MLX_ENABLE_TF32=0``, else ``tf32`` (MLX's default: fp32 matmuls may
+    run as TF32 on hardware that has it)."""
+    return "fp32" if os.environ.get(TF32_ENV, "1").strip() == "0" else "tf32"
 
 
 _HASHES: dict = {}

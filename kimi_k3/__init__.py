@@ -24,6 +24,8 @@ __all__ = [
     "reserved_token_mask",
     "set_expert_trimming",
     "expert_trimming",
+    "set_shed_misses",
+    "shed_misses",
 ]
 
 # Name -> module for the lazily imported public API (PEP 562).
@@ -34,6 +36,8 @@ _LAZY = {
     "trace": "kimi_k3.trace",
     "set_expert_trimming": "kimi_k3.model.routing",
     "expert_trimming": "kimi_k3.model.routing",
+    "set_shed_misses": "kimi_k3.model.routing",
+    "shed_misses": "kimi_k3.model.routing",
     "ensure_default_model": "kimi_k3.default_model",
 }
 
@@ -111,6 +115,7 @@ def load(
     expert_group=None,
     expert_top_p: float = 1.0,
     expert_min_weight: float = 0.0,
+    shed_misses: float = 1.0,
     **stream_options,
 ):
     """Load a Kimi K3 checkpoint and its tokenizer, like ``mlx_lm.load``.
@@ -143,6 +148,12 @@ def load(
             the first is always kept (``kimi_k3.model.routing``; streamed experts that no token
             keeps are never read). ``set_expert_trimming(model, top_p, min_weight)`` changes
             them later.
+        shed_misses: shedding misses, off by default (1): each token keeps its chosen
+            experts that are cached and drops uncached ones, lightest first, while the
+            renormalised router weight it keeps stays at least ``shed_misses`` (0 to 1); the
+            heaviest is always kept and a dropped expert is never read. Resident experts are
+            all cached, so it changes only a streamed model (``kimi_k3.model.routing``;
+            ``set_shed_misses(model, p)`` changes it later).
         stream_options: passed on to the expert streamer; ``expert_layout=`` (``"auto"``,
             ``"mlx"``, ``"tiled"``) to ``load_model``, for resident and streamed experts alike.
 
@@ -157,6 +168,7 @@ def load(
     from kimi_k3.text.tokenizer import load_tokenizer
 
     routing.check(expert_top_p, expert_min_weight, TRIM_NAMES)
+    shed_p = routing.check_shed(shed_misses, "shed_misses")
     config = check_checkpoint(path)
     path = Path(path).expanduser()
     overrides = _check_model_config(model_config or {})
@@ -185,6 +197,7 @@ def load(
             mx.eval(model.parameters())
     if any(g is not None for g in groups):
         model.distributed_group = mx.distributed.init()  # the ranks' stats are gathered over
+    routing.set_shed_misses(model, shed_p)
     for key, value in overrides.items():
         setattr(model.args, key, value)
     tokenizer = load_tokenizer(path)

@@ -35,6 +35,7 @@ SYNTHETIC_NOTICE = (
 
 USAGE_ERROR = 2
 TRIM_FLAGS = ("--expert-top-p", "--expert-min-weight")
+SHED_FLAG = "--shed-misses"
 
 
 class UserError(Exception):
@@ -102,6 +103,16 @@ def add_trimming_arguments(p: argparse.ArgumentParser):
         help="per token, drop routed experts whose renormalised router weight is below "
         "this; 0 drops none (the heaviest is always kept)",
     )
+    p.add_argument(
+        SHED_FLAG,
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="streamed experts: per token, keep the chosen experts that are cached and drop "
+        "uncached ones, lightest first, while the renormalised router weight kept stays at "
+        "least P (0 to 1; the heaviest is always kept); 1 drops none "
+        "(docs/streaming.md, Shedding misses)",
+    )
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, seed: bool = True, defaults_for=None):
@@ -158,6 +169,7 @@ def check_model_arguments(args):
         raise ArgumentError(f"--expert-cache-gb must be a positive number of GB, got {gb}")
     try:
         routing.check(args.expert_top_p, args.expert_min_weight, TRIM_FLAGS)
+        routing.check_shed(args.shed_misses, SHED_FLAG)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
     check_split(args)
@@ -177,8 +189,13 @@ def check_split(args):
 
 
 def trimming_options(args) -> dict:
-    """``kimi_k3.load``'s trimming arguments from ``--expert-top-p`` / ``--expert-min-weight``."""
-    return {"expert_top_p": args.expert_top_p, "expert_min_weight": args.expert_min_weight}
+    """``kimi_k3.load``'s trimming and shedding arguments from ``--expert-top-p``,
+    ``--expert-min-weight`` and ``--shed-misses``."""
+    return {
+        "expert_top_p": args.expert_top_p,
+        "expert_min_weight": args.expert_min_weight,
+        "shed_misses": args.shed_misses,
+    }
 
 
 def check_sampling_arguments(args):
@@ -265,11 +282,13 @@ def load_for_cli(
     plan=None,
     expert_top_p: float = 1.0,
     expert_min_weight: float = 0.0,
+    shed_misses: float = 1.0,
 ):
     """``(model, tokenizer)`` with a loading bar on stderr (path and budget from
     ``resolve_model``); ``verify``: check the checkpoint's recorded checksums; ``plan``:
     this rank's share (``kimi_k3.distributed.from_args``); ``expert_top_p``,
-    ``expert_min_weight``: expert trimming (``trimming_options``)."""
+    ``expert_min_weight``, ``shed_misses``: expert trimming and shedding
+    (``trimming_options``)."""
     tic = time.perf_counter()
     with distributed.agreed(plan):
         model, tokenizer = kimi_k3.load(
@@ -279,12 +298,19 @@ def load_for_cli(
             verify_checksums=verify,
             expert_top_p=expert_top_p,
             expert_min_weight=expert_min_weight,
+            shed_misses=shed_misses,
             **(plan.load_kwargs() if plan else {}),
         )
         label = "loading" if expert_cache_gb is None else "loading dense weights"
         materialize(model, Bar(label, sys.stderr))
     where = "resident" if expert_cache_gb is None else f"streamed, {expert_cache_gb:.3g} GB cache"
     where += trimming_text(expert_top_p, expert_min_weight)
+    if shed_misses < 1:
+        where += (
+            ", nothing to shed: every expert is resident"
+            if expert_cache_gb is None
+            else f", shedding misses down to {shed_misses:g} of the weight"
+        )
     print(f"loaded {path} in {time.perf_counter() - tic:.1f}s (experts {where})", file=sys.stderr)
     return model, tokenizer
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import io
 import json
 import os
 import re
@@ -108,10 +107,11 @@ class CorpusError(Exception):
 class Source:
     """One pinned archive of a package registry and the files taken from it.
 
-    ``registry`` is ``"pypi"`` (an sdist, fetched by ``pip download``) or ``"debian"``
-    (a ``.deb``, fetched by ``apt-get download``). ``filename`` and ``sha256`` pin the exact
-    archive. Paths are relative to the archive's single top-level directory (an sdist's
-    ``NAME-VERSION/``, a ``.deb`` data archive's ``./``). ``include`` maps globs (``*`` within
+    ``registry`` is ``"pypi"``: an sdist, fetched by ``pip download``. PyPI never changes
+    or withdraws a published file under its name (unlike a distribution's archive, which
+    keeps only current versions), so a pinned sdist stays fetchable. ``filename`` and
+    ``sha256`` pin the exact archive. Paths are relative to the archive's single top-level
+    directory (an sdist's ``NAME-VERSION/``). ``include`` maps globs (``*`` within
     a path segment, ``**`` any number of segments) to a kind in ``KINDS``: a file takes the
     kind of the first glob it matches, unless it matches ``exclude`` or ``DEFAULT_EXCLUDE``.
     ``license_files`` are the archive's own license texts, shipped with a model trained on
@@ -135,7 +135,7 @@ class Source:
     note: str = ""
 
     def __post_init__(self):
-        if self.registry not in ("pypi", "debian"):
+        if self.registry != "pypi":
             raise CorpusError(f"source {self.name}: unknown registry {self.registry!r}")
         for pattern, kind in self.include:
             if kind not in KINDS:
@@ -262,12 +262,11 @@ SOURCES: tuple[Source, ...] = (
         "its files say they are generated, being concatenations of hand-written sources",
     ),
     Source(
-        "zlib", "debian", "zlib1g-dev", "1:1.2.13.dfsg-1+deb12u1",
-        "zlib1g-dev_1%3a1.2.13.dfsg-1+deb12u1_amd64.deb",
-        "99de052172986373ee8489feb360fc94aaccf800758884546236a90e70e8c12c",
-        "Zlib", ("usr/share/doc/zlib1g-dev/copyright",),
-        (("usr/include/*.h", C), ("usr/share/doc/zlib1g-dev/examples/*.c", C),
-         ("usr/share/doc/zlib1g-dev/examples/*.h", C)),
+        "zlib", "pypi", "zlib-ng", "1.1.0", "zlib_ng-1.1.0.tar.gz",
+        "08a3a8468d4f130e3dc80d28ec42fcc7a878a57dfed616233e791066327d78a3",
+        "Zlib", ("src/zlib_ng/zlib-ng/LICENSE.md",),
+        (("src/zlib_ng/zlib-ng/*.c", C), ("src/zlib_ng/zlib-ng/*.h", C)),
+        note="the zlib-ng C library the sdist bundles (Zlib license), not its Python binding",
     ),
 )  # fmt: skip
 
@@ -403,26 +402,9 @@ def reject_reason(data: bytes, keep_generated: bool = False) -> str | None:
     return None
 
 
-def _ar_member(path: Path, data: bytes, prefix: bytes) -> bytes:
-    """The first member of a Unix ``ar`` archive (a ``.deb``) whose name starts with
-    ``prefix``."""
-    if not data.startswith(b"!<arch>\n"):
-        raise CorpusError(f"{path}: not a .deb (no ar header)")
-    pos = 8
-    while pos + 60 <= len(data):
-        header = data[pos : pos + 60]
-        name, size = header[:16].strip(), int(header[48:58])
-        body = data[pos + 60 : pos + 60 + size]
-        if name.startswith(prefix):
-            return body
-        pos += 60 + size + (size & 1)
-    raise CorpusError(f"{path}: no {prefix.decode()}* member")
-
-
 def archive_files(path: str | Path) -> dict[str, tuple[int, Callable[[], bytes]]]:
     """An archive's regular files: relative path -> (size, reader), the single top-level
-    directory every member shares stripped. Reads ``.tar.*``/``.tgz``, ``.zip`` and
-    ``.deb`` (its ``data.tar.*``)."""
+    directory every member shares stripped. Reads ``.tar.*``/``.tgz`` and ``.zip``."""
     path = Path(path)
     try:
         if path.suffix == ".zip":
@@ -430,11 +412,7 @@ def archive_files(path: str | Path) -> dict[str, tuple[int, Callable[[], bytes]]
             infos = [i for i in zf.infolist() if not i.is_dir()]
             items = {i.filename: (i.file_size, (lambda i=i: zf.read(i))) for i in infos}
         else:
-            if path.suffix == ".deb":
-                data = _ar_member(path, path.read_bytes(), b"data.tar")
-                tf = tarfile.open(fileobj=io.BytesIO(data))
-            else:
-                tf = tarfile.open(path)
+            tf = tarfile.open(path)
             members = [m for m in tf.getmembers() if m.isfile()]
             items = {m.name: (m.size, (lambda m=m: tf.extractfile(m).read())) for m in members}
     except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError) as e:
@@ -627,12 +605,10 @@ def write_licenses(dest: str | Path, corpus_dir=None, sources: Iterable[Source] 
 
 def download(source: Source, dest: Path) -> None:
     """``source``'s archive into the empty directory ``dest``, from its registry."""
-    if source.registry == "pypi":
-        # the sdist itself, never a wheel; its build backend may come as a wheel
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary"]
-        cmd += [source.package, "--dest", str(dest), f"{source.package}=={source.version}"]
-    else:
-        cmd = ["apt-get", "download", f"{source.package}={source.version}"]
+    dest = Path(dest).resolve()  # the commands run inside it: a relative path would nest
+    # the sdist itself, never a wheel; its build backend may come as a wheel
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary"]
+    cmd += [source.package, "--dest", str(dest), f"{source.package}=={source.version}"]
     proc = subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
     if proc.returncode:
         raise CorpusError(

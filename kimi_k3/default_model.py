@@ -35,6 +35,7 @@ CHECKPOINT_FILES = (
     "model.safetensors.index.json",
     "tiktoken.model",
     "tokenizer_config.json",
+    "tokenizer.json",
 )
 
 

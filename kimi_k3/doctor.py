@@ -59,7 +59,9 @@ from kimi_k3.projection import (
     Mac,
     Sizes,
     expert_budget_gb,
+    hit_at,
     project,
+    published_curve,
     recommended_budget,
 )
 from kimi_k3.streaming import readrate
@@ -198,7 +200,9 @@ def kernel_cases(backend: str, k3: bool = True) -> list[checks.Case]:
     small case, then (``k3``) K3's shapes at the sizes where the dispatcher picks each
     variant: KDA decode at batch 1 and 4 and chunked prefill of 64 and 300 tokens; expert
     decode at 1 and 2 tokens (the one-launch kernel's range on CUDA) and 8 (128 pairs, the
-    per-pair kernels' largest), the grouped prefill at 64 tokens (1024 pairs)."""
+    per-pair kernels' largest), the grouped prefill at 64 tokens (1024 pairs); the lower-bit
+    experts' kernels (``affine2_*``, ``affine3_*``, on random 2- and 3-bit stacks) likewise:
+    decode at 1 and 8 tokens, prefill at 64."""
     out = []
     for name in checks.KERNELS[backend]:
         out.append(checks.small_case(name, backend))
@@ -471,19 +475,22 @@ def model_lines(path: Path, opts, log) -> list[str]:
             f"K3 does not fit this machine's {ram:.1f} GB: it needs more than "
             f"{DENSE_GB + RESERVE_GB:.0f} GB. The rows below are with no expert cache."
         )
+    rows, b = [], max(budget, 0.0)
+    f = min(1.0, b / EXPERTS_GB)
+    h = hit_at(published_curve(), f)
     lines += [
-        f"Hit rate h = f, the cache's share of K3's {EXPERTS_GB:.0f} GB of experts (routing "
-        "with no reuse: a floor; benchmarks/project_k3.py reads h off traced routing). "
-        f"Kernels at {KERNEL_EFFICIENCY} of the memory rate (the MXFP4 decode kernels on "
-        "the H200).",
+        f"Hit rate h = {h:.2f} at f = {f:.3f}, the cache's share of K3's {EXPERTS_GB:.0f} GB "
+        "of experts, read off the hit rates published for real K3 decode "
+        "(kimi_k3.projection.PUBLISHED_HITS; benchmarks/project_k3.py has the formats, "
+        f"shedding and prediction). Kernels at {KERNEL_EFFICIENCY} of the memory rate (the "
+        "MXFP4 decode kernels on the H200).",
         "",
     ]
-    rows, b = [], max(budget, 0.0)
     for r in rates:
         eff = min(1.0, r["streamer"] / r["raw"])
         mac = Mac("here", ram, r["raw"], mem)
         for setting, kept in (("exact", 1.0), ("trimmed to half (top-p 0.5)", COLIBRI_KEPT)):
-            got = project(mac, 1, min(1.0, b / EXPERTS_GB), kept, eff, KERNEL_EFFICIENCY)
+            got = project(mac, 1, h, kept, eff, KERNEL_EFFICIENCY)
             rows.append(
                 [
                     r["format"],

@@ -9,7 +9,10 @@ windows of ``--seq`` tokens of the held-out text (each window predicted from its
 context only). KL is the mean over tokens of ``KL(reference || variant)`` between the two
 next-token distributions, the reference being the checkpoint as given, computed in fp32.
 Variants: the same checkpoint computed in bf16, with its dense weights quantized to 8 and
-4 bits (MLX affine, group 64; experts, AttnRes and conv kernels untouched), the fp32 model
+4 bits (MLX affine, group 64; experts, AttnRes and conv kernels untouched), its routed
+experts requantized from MXFP4 to 3 and 2 bits as ``python -m kimi_k3.convert
+--expert-bits`` does (``kimi_k3.convert.requant``; the rows sit beside the routed-expert
+ablation, which bounds what any expert format can cost on this checkpoint), the fp32 model
 before MXFP4 and bf16 rounding (``--state``), and a random-weight model of the same
 shape. Ablations say what the parts of the MoE carry: every routed expert's output zeroed
 (the shared experts alone), the shared experts zeroed, and each token's routed experts
@@ -40,10 +43,12 @@ import numpy as np
 from kimi_k3 import train
 from kimi_k3.checkpoint.files import CheckpointError
 from kimi_k3.checkpoint.loader import load_model
+from kimi_k3.convert.requant import requantize_model
 from kimi_k3.convert.synth import write_checkpoint
 from kimi_k3.default_model import ensure_default_model, heldout_text
 from kimi_k3.kernels.dispatch import reference_paths
 from kimi_k3.model.config import ConfigError, read_config_json
+from kimi_k3.model.experts import FORMATS, MXFP4, expert_format
 from kimi_k3.model.model import Model
 from kimi_k3.model.moe import moe_blocks, route_hooks
 from kimi_k3.progress import Progress, duration
@@ -220,6 +225,7 @@ def variants(path: str | Path, state: str | Path | None = None, random: bool = T
     out["bf16 compute"] = load_model(path, dtype=mx.bfloat16)
     out["8-bit dense"] = quantized_dense(path, 8)
     out["4-bit dense"] = quantized_dense(path, 4)
+    out.update(expert_format_variants(path))
     out["routed experts zeroed (shared only)"] = without_routed_experts(
         load_model(path, dtype=mx.float32)
     )
@@ -229,6 +235,19 @@ def variants(path: str | Path, state: str | Path | None = None, random: bool = T
     out[f"top-k halved ({half.args.num_experts_per_token} -> {k})"] = half
     if random:
         out["random weights"] = random_model(path)
+    return out
+
+
+def expert_format_variants(path: str | Path, bits=(3, 2)) -> dict:
+    """``{name: model}``: the checkpoint in fp32 with its routed experts requantized to each
+    of ``bits`` (``FORMATS``), as the converter writes them; none for a checkpoint whose
+    experts are not MXFP4 (a converted lower-bit one): there is nothing to requantize."""
+    out = {}
+    for b in bits:
+        model = load_model(path, dtype=mx.float32, expert_layout="mlx")
+        if expert_format(model.args) != MXFP4:
+            return {}
+        out[f"experts {FORMATS[b]} (--expert-bits {b})"] = requantize_model(model, FORMATS[b])
     return out
 
 
@@ -281,11 +300,7 @@ def _mxfp4_experts(model: Model) -> Model:
 
 def random_model(path: str | Path, seed: int = 0) -> Model:
     """A random-weight model of the same shape as the checkpoint at ``path`` (seeded)."""
-    text = read_config_json(path)["text_config"]
-    preset = {k: text[k] for k in train.PRESET if k in text}
-    preset["full"] = text["linear_attn_config"]["full_attn_layers"]
-    preset["kda_heads"] = text["linear_attn_config"]["num_heads"]
-    preset["kda_head_dim"] = text["linear_attn_config"]["head_dim"]
+    preset = train.preset_of(read_config_json(path)["text_config"])
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(tmp, preset, seed=seed, tokenizer=False)
         model = load_model(tmp, dtype=mx.float32, verify_checksums=False)
@@ -301,11 +316,21 @@ def heldout_ids(path: str | Path, text_file: str | Path | None = None) -> np.nda
 
 
 def format_table(results: dict[str, dict]) -> str:
+    """The variants' table: perplexity, NLL (nats/token, the log of the perplexity) and its
+    change from the reference (the first row), KL from the reference, and nats/byte where
+    given."""
     per_byte = all("nats_per_byte" in r for r in results.values())
-    head = "| variant | perplexity | KL from reference (nats/token) |"
-    rows = [head + (" nats/byte |" if per_byte else ""), "|---|---:|---:|" + "---:|" * per_byte]
+    head = (
+        "| variant | perplexity | NLL (nats/token) | NLL change | KL from reference (nats/token) |"
+    )
+    rows = [
+        head + (" nats/byte |" if per_byte else ""),
+        "|---|---:|---:|---:|---:|" + "---:|" * per_byte,
+    ]
+    base = math.log(next(iter(results.values()))["ppl"])
     for n, r in results.items():
-        row = f"| {n} | {r['ppl']:.2f} | {r['kl']:.4f} |"
+        nll = math.log(r["ppl"])
+        row = f"| {n} | {r['ppl']:.2f} | {nll:.4f} | {nll - base:+.4f} | {r['kl']:.4f} |"
         rows.append(row + (f" {r['nats_per_byte']:.4f} |" if per_byte else ""))
     return "\n".join(rows)
 

@@ -338,7 +338,8 @@ def _expert_stats(model) -> str:
     rate = "no" if rate is None else f"{rate:.1%}"
     text = f"experts: {rate} hit rate, {stats['bytes_read'] / 1e9:.3f} GB read"
     kept = stats["experts_per_token"]
-    if kept is not None and routing.is_on(*routing.expert_trimming(model)):
+    dropping = routing.is_on(*routing.expert_trimming(model)) or routing.shed_misses(model) < 1
+    if kept is not None and dropping:
         text += f", {kept:.2f} of {model.args.num_experts_per_token} a token"
     return text
 

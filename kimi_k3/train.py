@@ -7,8 +7,10 @@
 
 The model is Kimi K3's architecture at small width (``PRESET``): KDA and gated NoPE MLA in
 K3's 3:1 pattern, AttnRes blocks of 3 layers over 8 layers (two complete blocks and a third
-in progress), a dense SiTU-GLU first layer, then Stable LatentMoE layers with 64 routed
-experts, top-4, and two shared experts. The corpus and the tokenizer are
+in progress), a dense SiTU-GLU first layer, then Stable LatentMoE layers with 128 routed
+experts, top-16, and two shared experts: K3's proportions, the routed experts a token goes
+through holding 4x the shared experts' weights (latent half the hidden size, shared width
+twice an expert's), and the routed experts 80% of the parameters. The corpus and the tokenizer are
 ``kimi_k3.corpus``'s (the Python standard library's source, PSF license; with
 ``--corpus-dir``, also the permissively licensed sources of ``kimi_k3.corpus.SOURCES``).
 
@@ -50,7 +52,7 @@ from kimi_k3.model.config import ModelArgs
 from kimi_k3.model.experts import situ_glu
 from kimi_k3.model.model import KEEP_FP32, Model
 from kimi_k3.progress import duration
-from kimi_k3.text.tokenizer import CONFIG_FILE, RANK_FILE, load_tokenizer
+from kimi_k3.text.tokenizer import CONFIG_FILE, RANK_FILE, load_tokenizer, write_hf_tokenizer
 
 PRESET = dict(
     vocab_size=4096,  # 3840 BPE ranks + 256 specials
@@ -58,8 +60,8 @@ PRESET = dict(
     num_hidden_layers=8,
     intermediate_size=768,
     attn_res_block_size=3,
-    num_experts=64,
-    num_experts_per_token=4,
+    num_experts=128,
+    num_experts_per_token=16,  # K3's top-k: the routed experts a token uses hold 4x the shared
     num_shared_experts=2,
     moe_intermediate_size=64,
     routed_expert_hidden_size=128,
@@ -76,6 +78,10 @@ PRESET = dict(
 CORPUS_NAME = "Python 3.11 standard library source, *.py without test suites (PSF license)"
 STATE_FILE = "train_state.safetensors"
 TRAIN_IDS, HELDOUT_IDS = "train_ids.npy", "heldout_ids.npy"  # the token streams
+# What ``export`` takes from the corpus, kept in OUT when the corpus is read: the standard
+# library's held-out files (a JSON list of texts) and the license files with ``NOTICE``. So
+# ``export`` needs neither the archives nor the interpreter whose standard library was read.
+HELDOUT_TEXTS, LICENSE_DIR = "heldout-stdlib.json", "licenses"
 LOG_FILE = "train_log.jsonl"
 
 
@@ -120,8 +126,18 @@ def model_args(preset: dict = PRESET) -> ModelArgs:
     return ModelArgs.from_dict(make_config(preset))
 
 
-def init_model(preset: dict = PRESET, seed: int = 0) -> Model:
-    """A freshly initialised fp32 model of ``preset`` with ``FloatExperts``."""
+def preset_of(text_config: dict) -> dict:
+    """The preset (``PRESET``'s keys) a checkpoint's ``text_config`` was written from."""
+    preset = {k: text_config[k] for k in PRESET if k in text_config}
+    attn = text_config["linear_attn_config"]
+    preset["full"] = list(attn["full_attn_layers"])
+    preset["kda_heads"], preset["kda_head_dim"] = attn["num_heads"], attn["head_dim"]
+    return preset
+
+
+def init_model(preset: dict = PRESET, seed: int = 0, zero_routed_up: bool = True) -> Model:
+    """A freshly initialised fp32 model of ``preset`` with ``FloatExperts``; the routed
+    up-projections start at zero unless ``zero_routed_up`` is False."""
     mx.random.seed(seed)
     args = model_args(preset)
     model = Model(args)
@@ -135,6 +151,12 @@ def init_model(preset: dict = PRESET, seed: int = 0) -> Model:
         if "block_sparse_moe" in layer:
             moe = layer.block_sparse_moe
             moe.gate.weight = mx.random.normal(moe.gate.weight.shape) * args.hidden_size**-0.5
+            # the routed part starts at zero and grows as far as it helps: at a random start
+            # its noise (RMS about 0.6 per layer) taught the model to turn the routed
+            # experts off (docs/training.md)
+            up = moe.routed_expert_up_proj
+            if zero_routed_up:
+                up.weight = mx.zeros_like(up.weight)
             moe.experts = FloatExperts(
                 args.num_experts,
                 args.routed_expert_hidden_size,
@@ -194,7 +216,7 @@ def batches(tokens: np.ndarray, batch: int, seq: int, seed: int, start: int = 0)
     step = start
     while True:
         starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - seq - 1, batch)
-        yield mx.array(np.stack([tokens[s : s + seq + 1] for s in starts]))
+        yield mx.array(np.stack([tokens[s : s + seq + 1] for s in starts]).astype(np.int32))
         step += 1
 
 
@@ -207,8 +229,37 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def make_optimizer(lr: float) -> optim.AdamW:
-    return optim.AdamW(learning_rate=lr, weight_decay=0.1)
+class AdamWMatrices(optim.AdamW):
+    """AdamW whose weight decay reaches matrices and stacks alone: the vectors (norm
+    weights, ``A_log``, ``dt_bias``) take Adam's step undecayed, so no norm's gain is pulled
+    to zero by decay alone. Its state is AdamW's, so a run saved by either resumes under
+    the other."""
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        if parameter.ndim < 2:
+            return optim.Adam.apply_single(self, gradient, parameter, state)
+        return super().apply_single(gradient, parameter, state)
+
+
+def make_optimizer(lr: float, decay_vectors: bool = False) -> optim.AdamW:
+    """AdamW, weight decay 0.1 on the matrices (``AdamWMatrices``), or on every parameter
+    with ``decay_vectors``."""
+    kind = optim.AdamW if decay_vectors else AdamWMatrices
+    return kind(learning_rate=lr, weight_decay=0.1)
+
+
+def routed_gain(model: Model) -> list[float]:
+    """Per MoE layer, the RMS the routed part (``up(RMSNorm(y))``) would have for a latent
+    of random direction: ``||up diag(norm weight)||_F / sqrt(hidden)``. The routed part's
+    size is this whatever the experts compute (the norm fixes the latent's RMS), so a gain
+    near zero means the layer has switched its routed experts off."""
+    gains = []
+    for layer in model.layers:
+        if "block_sparse_moe" in layer:
+            moe = layer.block_sparse_moe
+            w = moe.routed_expert_up_proj.weight * moe.routed_expert_norm.weight[None, :]
+            gains.append(float(mx.sqrt(mx.square(w).sum() / w.shape[0])))
+    return gains
 
 
 def make_step(model: Model, opt: optim.Optimizer, bias_rate: float, compiled: bool = False):
@@ -249,6 +300,7 @@ def train(
     seconds: float | None = None,
     elapsed: float = 0.0,
     compiled: bool = False,
+    total_steps: int | None = None,
 ) -> list[float]:
     """AdamW over steps ``start_step .. steps - 1``, a batch from ``data`` each; the router
     biases balance after each step. The learning rate follows ``lr_at`` over the whole run:
@@ -258,8 +310,9 @@ def train(
     (a ``time.time()``:
     this call's own limit, which leaves the schedule alone). ``optimizer`` and ``elapsed``
     carry a resumed run's state (``load_state``); ``compiled`` runs each step as one
-    ``mx.compile``d function (``make_step``). ``on_step(step, loss, loads)`` is called
-    after every step. Returns this call's losses."""
+    ``mx.compile``d function (``make_step``); ``total_steps`` (default ``steps``) is the
+    step count the schedule spans, for a run trained in several calls. ``on_step(step,
+    loss, loads)`` is called after every step. Returns this call's losses."""
     start = time.time()
     opt = optimizer if optimizer is not None else make_optimizer(lr)
     step_fn = make_step(model, opt, bias_rate, compiled)
@@ -268,7 +321,7 @@ def train(
         batch = next(data, None)
         if batch is None:  # a finite ``data`` ends the call
             break
-        progress = step / steps
+        progress = step / (total_steps or steps)
         spent = elapsed + time.time() - start
         if seconds is not None:
             progress = max(progress, spent / seconds)
@@ -409,12 +462,14 @@ def export_checkpoint(model: Model, out: str | Path, tokenizer_dir: str | Path, 
     for name, value, dtype in published_tensors(model, model.args):
         writer.add(name, value, dtype)
     writer.close()
-    config = make_config(PRESET)
+    args = model.args
+    config = make_config(preset_of({**vars(args), "linear_attn_config": args.linear_attn_config}))
     if info:
         config["training"] = info
     write_text_atomic(out / "config.json", json.dumps(config, indent=1))
     for name in (RANK_FILE, CONFIG_FILE):
         shutil.copyfile(Path(tokenizer_dir) / name, out / name)
+    write_hf_tokenizer(out)
     return out
 
 
@@ -424,12 +479,15 @@ def prepare(out: Path, vocab_size: int, corpus_dir: str | None = None):
     archives, ``kimi_k3.corpus``) the corpus adds its sources to the standard library; the
     held-out stream stays the standard library's, the other sources' held-out files go to
     ``out/heldout-<kind>.txt``. The streams are kept in ``out/TRAIN_IDS`` and
-    ``out/HELDOUT_IDS``, so a resumed run (or ``export``) reads them instead of
-    tokenizing the corpus again."""
+    ``out/HELDOUT_IDS`` (uint16 where the vocabulary allows), so a resumed run (or
+    ``export``) reads them instead of tokenizing the corpus again; with them
+    ``out/HELDOUT_TEXTS`` and ``out/LICENSE_DIR``, what ``export`` ships. ``out`` so
+    prepared trains and exports on another machine, without the archives."""
     corpus.record_manifest(out, corpus_dir)  # the same corpus as the run's, or an error
     tok_dir = out / "tokenizer"
     kept = [out / TRAIN_IDS, out / HELDOUT_IDS]
-    if (tok_dir / "tiktoken.model").is_file() and all(f.is_file() for f in kept):
+    done = kept + [out / HELDOUT_TEXTS, out / LICENSE_DIR / corpus.NOTICE_FILE]
+    if (tok_dir / "tiktoken.model").is_file() and all(f.is_file() for f in done):
         return load_tokenizer(tok_dir), *(np.load(f, mmap_mode="r") for f in kept)
     docs = corpus.read_corpus(corpus_dir)
     corpus.write_heldout_texts(out, docs)
@@ -437,9 +495,16 @@ def prepare(out: Path, vocab_size: int, corpus_dir: str | None = None):
     if not (tok_dir / "tiktoken.model").is_file():
         corpus.write_corpus_tokenizer(tok_dir, train_texts, vocab_size)
     tok = load_tokenizer(tok_dir)
-    streams = [encode_texts(tok, t, corpus.DOC_SEPARATOR) for t in (train_texts, heldout_texts)]
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+    streams = [
+        encode_texts(tok, t, corpus.DOC_SEPARATOR).astype(dtype)
+        for t in (train_texts, heldout_texts)
+    ]
     for f, ids in zip(kept, streams):
         np.save(f, ids)
+    write_text_atomic(out / HELDOUT_TEXTS, json.dumps(heldout_texts))
+    (out / LICENSE_DIR).mkdir(exist_ok=True)
+    corpus.write_licenses(out / LICENSE_DIR, corpus_dir)
     return tok, *streams
 
 
@@ -498,13 +563,16 @@ def run(args) -> Path:
         rec = {"step": step + 1, "loss": round(loss, 4), "elapsed_s": round(time.time() - t0, 1)}
         rec["train_s"] = round(elapsed + time.time() - started, 1)
         rec["max_load_ratio"] = round(max(float(ld.max() / ld.mean()) for ld in loads), 2)
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
         if (step + 1) % args.log_every == 0:
+            rec["routed_gain"] = [round(g, 4) for g in routed_gain(model)]
             tps = (step + 1 - start_step) * args.batch * args.seq / (time.time() - started)
+            gain = sum(rec["routed_gain"]) / len(rec["routed_gain"])
             left = time_left(step + 1 - start_step, args.steps - step - 1, started, seconds,
                              elapsed, deadline)  # fmt: skip
-            print(f"step {step + 1}  loss {loss:.4f}  {tps:.0f} tok/s  {left}", flush=True)
+            line = f"step {step + 1}  loss {loss:.4f}  routed gain {gain:.3f}  {tps:.0f} tok/s"
+            print(f"{line}  {left}", flush=True)
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
         if (step + 1) % args.save_every == 0:
             save(step + 1)
 
@@ -587,9 +655,10 @@ def export(args) -> Path:
         wall_time_s=last.get("train_s", last["elapsed_s"]),
     )
     dest = export_checkpoint(model, args.checkpoint, out / "tokenizer", info)
-    heldout = corpus.read_split()[1]
+    heldout = json.loads((out / HELDOUT_TEXTS).read_text(encoding="utf-8"))
     write_text_atomic(dest / HELDOUT_FILE, heldout_sample(heldout, args.heldout_chars))
-    corpus.write_licenses(dest, corpus_dir)
+    for f in sorted((out / LICENSE_DIR).iterdir()):
+        shutil.copyfile(f, dest / f.name)
     print(f"wrote {dest}")
     return dest
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import os
 
-# On CUDA the fp32 MLX ops around the kernels (and the references) are exact fp32: set before
-# MLX is imported.
-os.environ.setdefault("MLX_ENABLE_TF32", "0")
+import mlx.core as mx
+import numpy as np
+import pytest
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+from kimi_k3.convert.synth import write_checkpoint
 
-from kimi_k3.convert.synth import write_checkpoint  # noqa: E402
+# MLX_ENABLE_TF32 is left as the user has it: on CUDA, MLX's default lets fp32 matmuls run as
+# TF32, and the kernels must pass in that environment (their references run on the CPU);
+# benchmarks/h200.sh runs the CUDA tests once as they come and once with TF32 off.
 
 # The kernel tests check each kernel against the reference themselves; the first-use check
 # (kimi_k3.kernels.verdict), which would record verdicts in the user's cache, is off for the
@@ -65,6 +65,34 @@ def tiny_ckpt(ckpt_factory):
 @pytest.fixture(scope="session")
 def tiny_b_ckpt(ckpt_factory):
     return ckpt_factory("tiny-b")
+
+
+# The tiny preset with experts whose widths split into the lower-bit formats' groups of 64.
+FORMAT_SHAPES = dict(moe_intermediate_size=64)
+
+
+@pytest.fixture(scope="session")
+def lower_bit(ckpt_factory, tmp_path_factory):
+    """``lower_bit(bits, preset="tiny", ranks=1, rank=0, **overrides)`` -> that synthetic
+    checkpoint (``FORMAT_SHAPES`` applied) converted with ``--expert-bits bits --dense-bits
+    16``, one rank's pack where ``ranks`` > 1 (cached)."""
+    from kimi_k3.convert.convert import Settings, convert
+
+    made = {}
+
+    def make(bits: int, preset: str = "tiny", ranks: int = 1, rank: int = 0, **overrides):
+        overrides = {**FORMAT_SHAPES, **overrides}
+        key = (bits, preset, ranks, rank, repr(sorted(overrides.items())))
+        if key not in made:
+            src = ckpt_factory(preset, **overrides)
+            out = tmp_path_factory.mktemp(f"bits{bits}") / "out"
+            settings = Settings(dense_bits=16, expert_bits=bits, ranks=ranks, rank=rank)
+            with open(os.devnull, "w") as log:
+                convert(src, out, settings, stream=log)
+            made[key] = out
+        return made[key]
+
+    return make
 
 
 def published_experts(path) -> dict:

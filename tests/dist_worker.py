@@ -5,7 +5,8 @@
 A CASE is ``SPLIT`` or ``SPLIT:GB`` (SPLIT one of ``kimi_k3.distributed.SPLITS``, or
 ``pipeline-call`` / ``shard-call``: mlx-lm's ``model.model.pipeline(group)`` /
 ``model.shard(group)`` on a model loaded whole; GB streams the experts through a cache of
-that size), either followed by ``@P`` to trim experts with ``expert_top_p=P``. For each
+that size), either followed by ``@P`` to trim experts with ``expert_top_p=P`` or ``%P`` to
+shed misses with ``shed_misses=P``. For each
 case the rank writes ``OUT/CASE.rankR.npz``: the greedy tokens and fp32 logits of a prefill
 and ``STEPS`` decode steps (``run``), and its streaming counters.
 ``reference`` computes the same in one process. The case ``vanish:GB`` streams with the
@@ -49,10 +50,11 @@ def load_case(ckpt, case: str, group):
     import kimi_k3
     from kimi_k3 import distributed
 
+    case, _, shed = case.partition("%")
     case, _, top_p = case.partition("@")
     split, _, gb = case.partition(":")
     gb = float(gb) if gb else None
-    kw = {"expert_top_p": float(top_p) if top_p else 1.0}
+    kw = {"expert_top_p": float(top_p) if top_p else 1.0, "shed_misses": float(shed or 1.0)}
     if split.endswith("-call"):
         model, _ = kimi_k3.load(ckpt, dtype=mx.float32, expert_cache_gb=gb, **kw)
         if split == "pipeline-call":
@@ -80,7 +82,8 @@ def main(ckpt: str, out: str, cases: list[str]) -> int:
         tokens, logits = run(model)
         ranks = distributed.gather_stats(model)
         mine = get_stats(model) or {}
-        stats = {k: mine.get(k) for k in ("hits", "misses", "bytes_read", "expert_bytes")}
+        keys = ("hits", "misses", "bytes_read", "expert_bytes", "shed_pairs")
+        stats = {k: mine.get(k) for k in keys}
         np.savez(
             Path(out) / f"{case.replace(':', '_').replace('@', '_at_')}.rank{group.rank()}.npz",
             tokens=np.array(tokens),

@@ -283,6 +283,26 @@ def mxfp4_decode(packed, scales):
     return vals * np.repeat(scale, 32, axis=-1)
 
 
+def affine_decode(packed, scales, biases, bits):
+    """MLX ``affine`` codes -> float64: ``s q + b`` per group.
+
+    Codes are a little-endian bit stream: weight ``j`` of a row is the ``bits`` bits
+    starting at bit ``bits * j`` of the row's bytes (bit ``i`` of byte ``m`` is stream bit
+    ``8 m + i``). One scale and bias per group of ``I / scales.shape[1]`` weights.
+    Shapes: packed uint32 [O, I * bits / 32]; scales, biases [O, I / group]. Returns [O, I].
+    """
+    stream = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")
+    O, n = stream.shape
+    planes = stream.reshape(O, n // bits, bits)
+    codes = np.zeros((O, n // bits), np.uint8)
+    for i in range(bits):
+        codes |= planes[..., i] << i
+    G = scales.shape[1]
+    groups = codes.reshape(O, G, -1).astype(np.float64)
+    out = groups * scales.astype(np.float64)[..., None] + biases.astype(np.float64)[..., None]
+    return out.reshape(O, -1)
+
+
 def route(x, gate_w, bias, top_k, scale, renormalize):
     """Sigmoid router: select by ``score + bias``, weight by the raw scores of the chosen.
 

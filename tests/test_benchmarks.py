@@ -13,12 +13,14 @@ from benchmarks import (
     bench_kda,
     bench_mla,
     bench_mxfp4,
+    bench_prefetch,
     bench_server,
     bench_streaming,
     bench_trace,
     bench_train,
     bench_trim,
     bf16_drift,
+    expert_formats,
     profile_kernels,
     project_k3,
     quant_quality,
@@ -114,27 +116,35 @@ def test_oracle_agrees_with_gather_qmm_in_fp32():
 def test_bench_mxfp4_quick(monkeypatch, tmp_path):
     monkeypatch.setenv("KIMI_K3_KERNEL_BACKEND", "emulator")
     out = tmp_path / "mxfp4.md"
-    text = bench_mxfp4.main(["--quick", "--out", str(out)])
+    text = bench_mxfp4.main(["--quick", "--formats", "2", "--out", str(out)])
     assert out.read_text() == text
     decode, prefill = tables(text)
     jobs = [r["job"] for r in decode]
+    two = "2-bit affine, groups of 64"
     assert jobs == [
         "MLX gather_qmm",
         "dispatched: mxfp4_decode.expert_glu_decode, on MLX's layout",
         "read limit (reads the same bytes, one launch)",
+        f"MLX gather_qmm, {two}",
+        f"dispatched: affine_decode.expert_glu_decode, {two}",
     ]
     for r in decode:
         assert math.isfinite(number(r["ms per call (slope)"]))
         assert math.isfinite(number(r["intercept (ms)"]))
-    assert number(decode[1]["rel err vs gather_qmm fp32"]) < 1e-5
+    for i in (1, 4):
+        assert number(decode[i]["rel err vs gather_qmm fp32 (its format's)"]) < 1e-5
     assert [r["job"] for r in prefill] == [
         "MLX gather_qmm (sorted)",
         "dispatched: mxfp4_prefill.expert_glu_prefill, on MLX's layout",
+        f"MLX gather_qmm (sorted), {two}",
+        f"dispatched: affine_prefill.expert_glu_prefill, {two}",
     ]
     for r in prefill:
         assert number(r["ms"]) > 0 and number(r["tok/s"]) > 0
-    assert number(prefill[0]["rel err vs fp32 oracle"]) < 0.05  # bf16 latent in gather_qmm
-    assert number(prefill[1]["rel err vs fp32 oracle"]) < 1e-5  # the kernel computes in fp32
+    for i in (0, 2):  # bf16 latents in gather_qmm
+        assert number(prefill[i]["rel err vs fp32 oracle"]) < 0.05
+    for i in (1, 3):  # the kernels compute in fp32
+        assert number(prefill[i]["rel err vs fp32 oracle"]) < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["emulator", "none"])
@@ -238,6 +248,52 @@ def test_bench_streaming_quick(tmp_path):
     assert all(number(r["tokens/s"]) > 0 for r in cache + switches)
 
 
+def test_bench_streaming_formats_quick(tmp_path):
+    """The formats section: at one cache size, the smaller the experts the more slots it
+    buys and the fewer bytes a token reads."""
+    text = bench_streaming.main(["--quick", "--sections", "formats", "--work", str(tmp_path)])
+    (rows,) = tables(text)
+    assert [r["experts"] for r in rows] == [
+        "MXFP4",
+        "3-bit affine, groups of 64",
+        "2-bit affine, groups of 64",
+    ]
+    assert len({r["cache GB"] for r in rows}) == 1
+    slots = [number(r["slots / layer"]) for r in rows]
+    assert slots[0] < slots[1] < slots[2]
+    assert number(rows[0]["vs MXFP4"]) == 1 and number(rows[2]["vs MXFP4"]) < 1
+    assert all(number(r["tokens/s"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_expert_formats_quick(tmp_path):
+    """``benchmarks/expert_formats.py --quick``: the candidates, the layer errors (the 2-bit
+    format's larger than the 3-bit one's), and the model rows beside the ablation."""
+    text = expert_formats.main(["--quick", "--out", str(tmp_path / "f.md")])
+    candidates, layers, per_layer, model = tables(text)
+    shipped = [r for r in candidates if "(shipped)" in r["format"]]
+    assert [r["fit"] for r in shipped] == ["least squares"] * 2
+    for r in candidates[1:]:  # least squares beats mx.quantize at every width and group
+        if r["fit"] == "least squares":
+            twin = next(
+                c
+                for c in candidates
+                if c["format"] == r["format"].replace(" (shipped)", "")
+                and c["fit"] == "mx.quantize"
+            )
+            assert number(r[list(r)[5]]) < number(twin[list(twin)[5]])
+    errs = {r["experts"]: number(r["the checkpoint's layers: mean"]) for r in layers}
+    assert 0 < errs["3-bit affine, groups of 64"] < errs["2-bit affine, groups of 64"] < 1
+    assert len(per_layer) == 7
+    assert [r["model"] for r in model] == [
+        "MXFP4 experts (the checkpoint)",
+        "experts 3-bit affine, groups of 64 (--expert-bits 3)",
+        "experts 2-bit affine, groups of 64 (--expert-bits 2)",
+        "routed experts zeroed (shared only)",
+    ]
+    assert all(number(r["KL from MXFP4 (nats/token)"]) >= 0 for r in model)
+
+
 @pytest.mark.slow
 def test_bench_cache_policy_quick(tmp_path):
     """Every table; in each policy table the optimum's hit rate is the highest and every
@@ -308,11 +364,26 @@ def test_bench_server_quick():
 @pytest.mark.slow
 def test_bench_trim_quick(tmp_path):
     """Every quick setting a row; the untrimmed one keeps all 4 experts at no cost; trimming
-    keeps fewer, costs some KL and reads fewer experts on the same decode inputs."""
+    keeps fewer, costs some KL and reads fewer experts on the same decode inputs. Shedding
+    misses drops weight, keeps fewer experts and reads fewer bytes than the exact streamed
+    decode, beside the routed experts zeroed."""
     out, png = tmp_path / "trim.md", tmp_path / "trim.png"
     text = bench_trim.main(["--quick", "--out", str(out), "--plot", str(png)])
     assert out.read_text() == text and png.stat().st_size > 0
-    rows, layers, weights = tables(text)
+    rows, layers, weights, shed = tables(text)
+    labels = [label for label, _, _ in bench_trim.shed_settings(True)]
+    assert [r["setting"] for r in shed] == [
+        *labels,
+        "routed experts zeroed (kimi_k3.eval's ablation)",
+    ]
+    kb, kl = "KB read / token", "KL from exact (nats/token)"
+    exact, cut = shed[0], shed[2]
+    assert abs(number(exact[kl])) < 1e-4 and number(exact["weight dropped / token and layer"]) == 0
+    assert number(cut["weight dropped / token and layer"]) > 0
+    assert number(cut["experts kept / token and layer"]) < 4 and number(cut[kb]) < number(exact[kb])
+    assert number(shed[-1][kl]) > 0 and shed[-1][kb] == "0"
+    assert bench_trim.at_equal_bytes([(0, 1.0), (10, 0.0)], 2.5) == 0.75
+    assert bench_trim.at_equal_bytes([(0, 1.0), (10, 0.0)], 11) is None
     mean = [number(v) for k, v in weights[0].items() if k.startswith("rank")]
     assert mean == sorted(mean, reverse=True) and sum(mean) == pytest.approx(1, abs=0.003)
     by = {r["setting"]: r for r in rows}
@@ -331,23 +402,68 @@ def test_bench_trim_quick(tmp_path):
 
 @pytest.mark.slow
 def test_project_k3_quick():
-    text = project_k3.main(["--quick", "--read-efficiency", "0.9"])
-    inputs, projection, peers = tables(text)
-    assert inputs[0]["value"] == "0.90"
-    rows = {(r["configuration"], r["experts"]): r for r in projection}
-    exact = rows[("M5 Max 128 GB", "exact")]
-    assert 0 <= number(exact["h (traces)"]) <= number(exact["h (optimum)"]) <= 1
+    """A row per machine, format, setting and prediction; each row's tok/s follows from its
+    own cells; shedding, trimming, fewer bits and more machines read less a token; the
+    published points, gmlx's check, the yardstick's quality beside its ablation, and the
+    peers with this model at their configuration."""
+    from kimi_k3.projection import PUBLISHED_HITS, shed_flat
+
+    text = project_k3.main(["--quick", "--read-efficiency", "0.9", "--format-bits", "4.25,2.5"])
+    published, check, quality, projection, peers = tables(text)
+    assert len(published) == len(PUBLISHED_HITS)
+    for r in check:
+        want = shed_flat(0.499, number(r["P"]))
+        assert abs(number(r["model"]) - want["hit_rate"]) < 1e-3
+    assert quality[-1]["setting"].startswith("routed experts zeroed")
+    assert len(projection) == len(project_k3.MACHINES) * 2 * len(project_k3.SETTINGS) * 2
+    rows = {
+        (r["configuration"], r["experts"], r["setting"], r["prediction"]): r for r in projection
+    }
+    exact = rows[("M5 Max 128 GB", "4.25 bits", "exact", "off")]
     # the formula, from the row's own cells: SSD bytes at 13.5 GB/s x 0.9, then compute
     ssd_s = number(exact["SSD GB / token"]) / (13.5 * 0.9)
     assert abs(ssd_s - number(exact["SSD s"])) < 0.01
-    assert abs(1 / (ssd_s + number(exact["compute s"])) - number(exact["tok/s"])) < 0.02
-    half = rows[("M5 Max 128 GB", "trimmed to half (top-p 0.5)")]
-    assert number(half["SSD GB / token"]) < number(exact["SSD GB / token"])
-    four = rows[("4 x M5 Max 128 GB, expert parallel", "exact")]
+    assert (
+        abs(1 / (ssd_s + number(exact["compute s"])) - number(exact["tok/s (published h)"])) < 0.02
+    )
+    on = rows[("M5 Max 128 GB", "4.25 bits", "exact", "on")]
+    spent = number(on["SSD s"]) + number(on["compute s"]) - number(on["saved by prediction s"])
+    assert abs(1 / spent - number(on["tok/s (published h)"])) < 0.02
+    assert number(on["tok/s (published h)"]) >= number(exact["tok/s (published h)"])
+    for setting in ("top-p 0.5", "shed misses 0.8", "shed misses 0.65"):
+        r = rows[("M5 Max 128 GB", "4.25 bits", setting, "off")]
+        assert number(r["SSD GB / token"]) < number(exact["SSD GB / token"])
+    small = rows[("M5 Max 128 GB", "2.5 bits", "exact", "off")]
+    assert number(small["cache / experts"]) > number(exact["cache / experts"])
+    assert number(small["SSD GB / token"]) < number(exact["SSD GB / token"])
+    four = rows[("4 x M5 Max 128 GB, expert parallel", "4.25 bits", "exact", "off")]
     assert number(four["cache / experts"]) > number(exact["cache / experts"])
-    assert [p["tok/s"] for p in peers] == ["0.28", "0.36", "0.18"]
-    with pytest.raises(SystemExit):
-        project_k3.main(["--read-efficiency", "1.5"])
+    assert [p["tok/s measured"] for p in peers] == [f"{p[8]:.2f}" for p in project_k3.PEERS]
+    for bad in (["--read-efficiency", "1.5"], ["--format-bits", "x"], ["--format-bits", "0.5"]):
+        with pytest.raises(SystemExit):
+            project_k3.main(bad)
+
+
+@pytest.mark.slow
+def test_bench_prefetch_quick(tmp_path):
+    """Off and on rows on the trained default and on a (small) slice: reads ahead only with
+    prediction on, never more read in vain than read ahead, recall and precision shares."""
+    text = bench_prefetch.main(["--quick", "--slice", str(tmp_path / "slice")])
+    trained, predictors, sliced = tables(text)
+    assert [r["layer L+1's router on"] for r in predictors] == list(bench_prefetch.PREDICTORS)
+    for r in predictors:  # recall / precision: recall grows with m
+        recall = [number(v.split(" / ")[0]) for k, v in r.items() if k.startswith("m = ")]
+        assert recall == sorted(recall) and 0 < recall[-1] <= 1
+    for table in (trained, sliced):
+        assert [r["prediction"] for r in table] == [label for label, _ in bench_prefetch.SETTINGS]
+        ahead = next(k for k in table[0] if k.startswith("read ahead"))
+        vain = next(k for k in table[0] if k.startswith("read in vain"))
+        off, *on = table
+        assert off["recall"] == "-" and number(off[ahead]) == 0
+        for r in on:
+            assert number(r[vain]) <= number(r[ahead])
+            assert 0 < number(r["recall"]) <= 1 and 0 < number(r["precision"]) <= 1
+            assert number(r["tok/s"].split()[0]) > 0
 
 
 @pytest.mark.slow

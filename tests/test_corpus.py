@@ -11,6 +11,8 @@ import zipfile
 from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from kimi_k3 import corpus, train
@@ -225,6 +227,9 @@ def test_licenses_and_notice_land_in_export(tmp_path, archives, tiny_stdlib, mon
     train.prepare(out, 512 + 256, str(d))
     train.save_state(train.init_model(), out / train.STATE_FILE)
     (out / train.LOG_FILE).write_text(json.dumps({"step": 1, "loss": 5.0, "elapsed_s": 1.0}) + "\n")
+    # export reads OUT alone: another machine has neither the archives nor this stdlib
+    d.rename(tmp_path / "archives-elsewhere")
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: tmp_path / "another-python")
     dest = tmp_path / "ckpt"
     args = train.setup_arg_parser().parse_args(["export", str(out), str(dest)])
     train.export(args)
@@ -265,6 +270,8 @@ def test_corpus_dir_builds_without_network(tmp_path, archives, tiny_stdlib, monk
     out = tmp_path / "run"
     out.mkdir()
     tok, train_ids, heldout_ids = train.prepare(out, 512 + 256, str(d))
+    assert train_ids.dtype == heldout_ids.dtype == np.uint16  # a vocabulary under 2^16
+    assert next(train.batches(train_ids, 2, 8, 0)).dtype == mx.int32
     docs = corpus.read_corpus(d, sources)
     (tmp_path / "plain").mkdir()
     stdlib_only = train.prepare(tmp_path / "plain", 512 + 256)

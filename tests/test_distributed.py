@@ -87,8 +87,10 @@ def test_partitions():
         balanced_split([1, 2], 3)
 
 
-# Expert parallel with trimmed experts (kimi_k3.model.routing), held and streamed.
+# Expert parallel with trimmed experts (kimi_k3.model.routing), held and streamed, and with
+# misses shed: held (every expert cached, nothing to drop) and streamed.
 TRIMMED_CASES = ["expert@0.55", "expert:0.001@0.55"]
+SHED_CASES = ["expert%0", "expert:0.001%0"]
 
 
 @pytest.mark.slow
@@ -96,15 +98,17 @@ def test_two_ranks_every_split(tiny_ckpt, tmp_path):
     """pipeline, tensor, expert, tensor+expert, streamed experts, and mlx-lm's
     ``model.model.pipeline(group)`` / ``model.shard(group)`` on a loaded model: the greedy
     tokens of one process on every rank, the logits within LOGIT_TOL; and expert parallel
-    with trimmed experts against one process trimmed alike."""
+    with trimmed experts against one process trimmed alike; with misses shed, held experts
+    give the unshed tokens, and streamed ones the same tokens and logits on both ranks from
+    the same decisions (each rank drops the same pairs)."""
     from dist_worker import reference
 
     cases = ["pipeline", "tensor", "expert", "tensor+expert", "expert:0.001"]
     cases += ["pipeline-call", "shard-call"]
-    run = launch(2, str(WORKER), str(tiny_ckpt), str(tmp_path), *cases, *TRIMMED_CASES)
+    run = launch(2, str(WORKER), str(tiny_ckpt), str(tmp_path), *cases, *TRIMMED_CASES, *SHED_CASES)
     assert "Traceback" not in run.stderr + run.stdout, run.stderr + run.stdout
     tokens, logits = reference(tiny_ckpt)
-    for case in cases:
+    for case in [*cases, "expert%0"]:
         for r, got in enumerate(results(tmp_path, case, 2)):
             assert got["tokens"] == tokens, (case, r)
             assert close(got["logits"], logits) <= LOGIT_TOL, (case, r)
@@ -114,6 +118,10 @@ def test_two_ranks_every_split(tiny_ckpt, tmp_path):
         assert mine["misses"] > 0 and mine["bytes_read"] == mine["misses"] * mine["expert_bytes"]
         assert [g["bytes_read"] for g in gathered] == [s["mine"]["bytes_read"] for s in streamed]
         assert gathered[r]["hits"] == mine["hits"]
+    shed = results(tmp_path, "expert:0.001%0", 2)
+    assert shed[0]["tokens"] == shed[1]["tokens"]
+    assert np.array_equal(shed[0]["logits"], shed[1]["logits"])
+    assert shed[0]["mine"]["shed_pairs"] == shed[1]["mine"]["shed_pairs"] > 0
     trimmed = reference(tiny_ckpt, top_p=0.55)
     assert not np.array_equal(trimmed[1], logits)  # trimming changed the model
     for case in TRIMMED_CASES:
@@ -146,6 +154,28 @@ def test_four_ranks_read_only_their_experts(tiny_ckpt, per_rank, tmp_path):
     assert "Traceback" not in run.stderr + run.stdout, run.stderr + run.stdout
     for got in results(stages, "pipeline", 4):
         assert got["tokens"] == tokens and close(got["logits"], logits) <= LOGIT_TOL
+
+
+@pytest.mark.slow
+def test_two_ranks_with_lower_bit_experts(lower_bit, tmp_path):
+    """2-bit experts (``--expert-bits 2``), each rank's pack written for it (``--ranks 2``):
+    held and streamed expert parallel give one process's tokens on the whole conversion,
+    logits within LOGIT_TOL, and each rank reads only its pack."""
+    from dist_worker import reference
+
+    for r in range(2):
+        (tmp_path / f"rank{r}").symlink_to(lower_bit(2, ranks=2, rank=r))
+    out = tmp_path / "out"
+    out.mkdir()
+    run = launch(2, str(WORKER), str(tmp_path / "rank{rank}"), str(out), "expert", "expert:0.001")
+    assert "Traceback" not in run.stderr + run.stdout, run.stderr + run.stdout
+    tokens, logits = reference(lower_bit(2))
+    for case in ("expert", "expert:0.001"):
+        for r, got in enumerate(results(out, case, 2)):
+            assert got["tokens"] == tokens and close(got["logits"], logits) <= LOGIT_TOL, (case, r)
+    for got in results(out, "expert:0.001", 2):
+        mine = got["mine"]
+        assert mine["misses"] > 0 and mine["bytes_read"] == mine["misses"] * mine["expert_bytes"]
 
 
 @pytest.mark.slow

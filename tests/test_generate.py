@@ -218,6 +218,8 @@ BAD_VALUES = [
     (["--expert-min-weight", "-0.1"], "--expert-min-weight must be at least 0 and below 1"),
     (["--expert-min-weight", "1"], "--expert-min-weight must be at least 0 and below 1"),
     (["--expert-min-weight", "nan"], "--expert-min-weight must be at least 0 and below 1"),
+    (["--shed-misses", "1.01"], "--shed-misses must be at least 0 and at most 1, got 1.01"),
+    (["--shed-misses", "-0.1"], "--shed-misses must be at least 0 and at most 1"),
     (["--max-tokens", "lots"], "argument --max-tokens/-m: invalid int value: 'lots'"),
     (["--chat", "--raw"], "argument --raw: not allowed with argument --chat"),
 ]

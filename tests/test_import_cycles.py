@@ -155,6 +155,7 @@ LAYERS = [
             "trace",
             "default_model",
             "convert.synth",
+            "convert.requant",
         ),
     ),
     ("model", ("model.",)),

@@ -80,6 +80,27 @@ def test_trimmed_routing_on_the_kernels(ckpt_factory, monkeypatch):
     assert 1 < get_stats(model)["experts_per_token"] < 4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [3, pytest.param(2, marks=pytest.mark.cuda)])
+def test_lower_bit_experts_on_the_kernels(lower_bit, monkeypatch, backend, bits):
+    """Experts converted to fewer bits (``--expert-bits``) on the affine kernels: the
+    reference's logits within 1e-4, and streamed into fewer slots than a chunk's experts the
+    resident model's bits: chunks of 52-108 pairs in groups (the decode kernels), of 132-268
+    in the overflow area's two groups (the grouped GEMM). 3 bits on the emulator (codes that
+    straddle words), both widths on CUDA."""
+    path = lower_bit(bits, num_experts_per_token=4, **KERNEL_SHAPES)
+    out, ref, counts = compare(monkeypatch, path, backend, mx.float32, *LENGTHS[backend])
+    assert counts["experts"] > 0 and rel_err(out, ref) < 1e-4
+    for prompt_len, overflow in ((40, 0), (100, 60)):
+        prompt = prompt_of(prompt_len)
+        want = run(load_model(path, dtype=mx.float32), prompt, 1)
+        budget = budget_gb(path, 4)
+        model = load_model(
+            path, dtype=mx.float32, expert_cache_gb=budget, overflow_experts=overflow
+        )
+        assert mx.array_equal(run(model, prompt, 1), want).item(), prompt_len
+
+
 TILE_SHAPES = dict(KERNEL_SHAPES, moe_intermediate_size=128, routed_expert_hidden_size=128)
 
 

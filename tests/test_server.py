@@ -610,6 +610,7 @@ def test_bad_model_fails_before_listening(tmp_path, capsys):
         (["--expert-cache-gb", "-1"], "--expert-cache-gb"),
         (["--expert-top-p", "1.5"], "--expert-top-p"),
         (["--expert-min-weight", "-1"], "--expert-min-weight"),
+        (["--shed-misses", "2"], "--shed-misses"),
         (["--expert-overflow", "-1"], "--expert-overflow"),
         (["--max-connections", "0"], "--max-connections"),
         (["--max-connections", str(10**12)], "--max-connections"),

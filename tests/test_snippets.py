@@ -46,6 +46,7 @@ NOT_RUN = [
     (r"--preset small --seed 1", "K3's expert size: 2.25 GB on disk"),
     (r"^mlx\.launch ", "several ranks or machines: tests/test_distributed.py"),
     (r"-m benchmarks\.", "a benchmark: minutes, or a GPU (docs/benchmarks.md)"),
+    (r"^bash benchmarks/", "GPU runs, on the lent H200 machine"),
     (r"-m kimi_k3\.corpus ", "downloads the corpus from package registries"),
     (r"-m kimi_k3\.train |^R=|^LD_LIBRARY_PATH=", "training: minutes to hours"),
     (r"-m kimi_k3\.eval", "minutes over the default model and its variants"),

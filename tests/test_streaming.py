@@ -48,10 +48,14 @@ def reference(small):
 
 
 def _check_accounting(stats):
-    """Every read is one whole expert: demand reads are the misses, the rest prefetches."""
-    assert (
-        stats["bytes_read"] == (stats["misses"] + stats["prefetch_issued"]) * stats["expert_bytes"]
-    )
+    """Every read is one whole expert: demand reads are the misses, the rest reads ahead
+    that no reader had taken when they were cancelled; each read ahead was used, read in
+    vain or cancelled."""
+    ahead = stats["prefetch_issued"] - stats["prefetch_cancelled"]
+    assert stats["bytes_read"] == (stats["misses"] + ahead) * stats["expert_bytes"]
+    settled = stats["prefetch_hits"] + stats["prefetch_unused"] + stats["prefetch_cancelled"]
+    assert stats["prefetch_issued"] == settled
+    assert stats["prefetch_unused_bytes"] == stats["prefetch_unused"] * stats["expert_bytes"]
     assert stats["cache_bytes"] <= stats["budget_bytes"]
 
 
@@ -79,7 +83,8 @@ def test_streamed_logits_equal_resident(small, reference, slots):
         {"write_mode": "mlx"},
         {"direct_io": False},
         {"io_threads": 1},
-        {"prefetch": True, "policy": "lfu"},
+        {"prefetch": True, "policy": "lru"},
+        {"prefetch": True, "prefetch_limit": 1},
         {"overflow_experts": 48, "prefetch": True},
         {"overflow_experts": 48, "io_threads": 1},
     ],
@@ -88,14 +93,47 @@ def test_streamed_logits_equal_resident(small, reference, slots):
 def test_options_never_change_the_output(small, reference, opts):
     model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 16), **opts)
     assert mx.array_equal(greedy(model, PROMPT, STEPS), reference).item()
+    clear_cache(model)  # reads ahead still in flight end first
     stats = get_stats(model)
     _check_accounting(stats)
     if opts.get("prefetch"):
         assert 0 < stats["prefetch_hits"] <= stats["prefetch_issued"]
         assert 0.0 < stats["prediction_recall"] <= 1.0
+        assert 0.0 < stats["prediction_precision"] <= 1.0
+        limit = opts.get("prefetch_limit", 4)  # top-k
+        predicted_calls = stats["passes"] * (stats["layers"] - 1)  # the last layer has no next
+        assert stats["prefetch_issued"] <= limit * predicted_calls
     else:
         assert stats["prefetch_issued"] == 0 and stats["prediction_recall"] is None
     assert (stats["overflow_misses"] > 0) == ("overflow_experts" in opts)  # the prefill chunk
+
+
+def test_a_read_cancelled_before_a_reader_takes_it_is_never_read(small, tmp_path):
+    """``ReadJob.cancel``: a job cancelled while queued is answered at once, its destination
+    never written and nothing counted read; a job a reader has finished cannot be
+    cancelled."""
+    from kimi_k3.streaming.io import FileTable, ReadJob, ReadPool
+    from kimi_k3.streaming.store import find_streamer
+
+    model = load_model(small, dtype=mx.float32, expert_cache_gb=budget_gb(small, 4))
+    streamer = find_streamer(model)
+    layer = streamer.order[0]
+    pool = ReadPool(FileTable(streamer.source.files, True), 1)
+    try:
+        views = streamer.stores[layer].pool.views
+        dest = {n: np.full(v.shape[1], 7, np.uint8) for n, v in views.items()}
+        extents, checksum = streamer._where(layer, 3)
+        dropped = ReadJob(layer, 3, extents, dest, checksum)
+        assert dropped.cancel() and dropped.done.is_set() and dropped.error is None
+        read = ReadJob(layer, 3, extents, {n: v.copy() for n, v in dest.items()}, checksum)
+        pool.submit([dropped, read])
+        read.wait(30)
+        assert all((v == 7).all() for v in dest.values())  # never written
+        assert not all((v == 7).all() for v in read.dest.values())
+        assert pool.meter.snapshot()[1] == 1  # one read
+        assert not read.cancel()
+    finally:
+        pool.close()
 
 
 def _routing_trace(model, tokens) -> list[list[np.ndarray]]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 
+import mlx.core as mx
+import mlx.optimizers as optim
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -169,3 +171,30 @@ def test_reference_paths_hold_for_the_call_alone(monkeypatch, tmp_path):
     assert train.main(["run", str(tmp_path / "none"), "--resume"]) == 1
     assert k3eval.main(["--model", str(tmp_path / "none")]) == 1
     assert "KIMI_K3_REFERENCE" not in os.environ
+
+
+def test_weight_decay_reaches_matrices_not_vectors():
+    """``AdamWMatrices``: with a zero gradient, a matrix shrinks by ``lr * weight_decay``
+    and a vector (a norm's weight) stays; the state is AdamW's own."""
+    params = {"w": mx.ones((2, 3)), "norm": mx.ones((3,))}
+    zero = {k: mx.zeros_like(v) for k, v in params.items()}
+    opt = train.make_optimizer(0.5)
+    new = opt.apply_gradients(zero, params)
+    assert np.allclose(np.array(new["w"]), 1 - 0.5 * 0.1)
+    assert np.array_equal(np.array(new["norm"]), np.ones(3))
+    plain = optim.AdamW(learning_rate=0.5, weight_decay=0.1)
+    plain.apply_gradients(zero, params)
+    assert {k for k, _ in tree_flatten(opt.state)} == {k for k, _ in tree_flatten(plain.state)}
+
+
+def test_routed_part_starts_at_zero_and_grows():
+    """The routed up-projections start at zero (gain 0: the routed experts add nothing at
+    the start), and training grows them; the experts then get gradients and move."""
+    model = train.init_model(PRESET, seed=1)
+    assert train.routed_gain(model) == [0.0] * len(train.routed_gain(model))
+    experts = {k: v for k, v in _params(model).items() if ".experts." in k}
+    data = train.batches(_tokens(), 2, 16, seed=0)
+    train.train(model, itertools.islice(data, 4), 4, lr=3e-3, warmup=1)
+    assert all(g > 0 for g in train.routed_gain(model))
+    after = _params(model)
+    assert all(not np.array_equal(after[k], v) for k, v in experts.items())

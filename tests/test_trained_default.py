@@ -16,6 +16,7 @@ import pytest
 import tiktoken
 from mlx_lm import stream_generate
 from mlx_lm.utils import load_model as mlx_lm_load_model
+from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
 import kimi_k3
 from kimi_k3 import corpus, default_model, train
@@ -207,3 +208,25 @@ def test_recipe_loss_falls_on_a_tiny_config():
     np.testing.assert_allclose(bias, steps_of_rate * 1e-3, atol=1e-6)
     assert np.abs(bias).max() > 0
     assert not np.array_equal(np.array(model.layers[1].block_sparse_moe.experts.w1), experts)
+
+
+PROSE = (
+    "They aren't sure it'll work, but we're trying: I'd say you've got it. WHAT'S THAT?\n"
+    "Naïve café owners in Zürich pay 12,345.67 CHF; 東京 and São Paulo follow.\t\r\n  x  \n"
+)
+
+
+@pytest.mark.parametrize("which", ["shipped", "synthetic"])
+def test_mlx_lm_tokenizes_as_the_project(which, shipped, tiny_ckpt):
+    """mlx-lm's loader (through ``transformers``) reads the checkpoint's ``tokenizer.json``
+    and splits with Kimi's pattern, so its ids equal the project's on code and prose
+    (without it, " aren't" became " are", "n", "'t" there, not " are", "n't")."""
+    path = shipped if which == "shipped" else tiny_ckpt
+    ours = load_tokenizer(path)
+    theirs = mlx_lm_load_tokenizer(path)
+    code = default_model.heldout_text()[:6000]
+    for text in (code, PROSE, " aren't"):
+        assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    if which == "shipped":
+        pieces = [theirs.decode([i]) for i in theirs.encode(" aren't", add_special_tokens=False)]
+        assert pieces == [" are", "n't"]

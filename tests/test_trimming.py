@@ -163,4 +163,4 @@ def test_cli_flags_reach_the_model(tiny_ckpt, capsys, monkeypatch):
     monkeypatch.setattr(server, "load_for_cli", fake_load)
     server_argv = ["--model", str(tiny_ckpt), "--port", "0", "--expert-min-weight", "0.1"]
     assert server.main(server_argv) == 1
-    assert seen == [{"expert_top_p": 1.0, "expert_min_weight": 0.1}]
+    assert seen == [{"expert_top_p": 1.0, "expert_min_weight": 0.1, "shed_misses": 1.0}]

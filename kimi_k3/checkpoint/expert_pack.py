@@ -15,7 +15,13 @@ the expert's six tensors back to back, the bytes exactly as in the published che
 The packed bytes viewed as uint32 are MLX ``mode="mxfp4"`` weights (see ``kimi_k3.model.experts``).
 ``index.json`` (format ``kimi-k3-expert-pack``, version 1) names the files and, per MoE layer,
 each tensor's offset, byte count, dtype and shape within a record, and each expert's
-``[file number, offset, crc32]``. docs/converter.md describes the layout in full.
+``[file number, offset, crc32]``.
+
+A pack of requantized experts (``python -m kimi_k3.convert --expert-bits 3`` or ``2``: MLX
+``affine``) is version 2: its index names the format (``"expert_format": {"mode", "bits",
+"group_size"}``) and each record holds ``wN.weight`` (uint32 codes), ``wN.scales`` and
+``wN.biases`` (float16) for w1, w2, w3 in that order. docs/converter.md describes the layout
+in full.
 """
 
 from __future__ import annotations
@@ -39,15 +45,17 @@ from kimi_k3.checkpoint.files import (
     read_capped,
     write_text_atomic,
 )
+from kimi_k3.model.experts import MXFP4, ExpertFormat, format_from_json
 
 ALIGN = 4096
 PACK_DIR = "experts"
 INDEX = "index.json"
 FORMAT, VERSION = "kimi-k3-expert-pack", 1
+FORMAT_VERSION = 2  # the version of a pack whose experts are not MXFP4 (it names the format)
 # Record order, and the published tensor each record slot holds.
 TENSORS = ("w1.weight", "w1.scales", "w2.weight", "w2.scales", "w3.weight", "w3.scales")
 SOURCE = {"weight": "weight_packed", "scales": "weight_scale"}
-_NP = {"uint32": np.uint32, "uint8": np.uint8}
+_NP = {"uint32": np.uint32, "uint8": np.uint8, "float16": np.float16}
 
 
 class PackError(CheckpointError):
@@ -110,6 +118,25 @@ class RecordLayout:
             offset += nbytes
         return cls(tensors, offset)
 
+    @classmethod
+    def from_format(cls, fmt: ExpertFormat, dim: int, hidden: int) -> RecordLayout:
+        """The record of an expert of latent ``dim`` and hidden size ``hidden`` in ``fmt``:
+        ``fmt.record_tensors`` back to back."""
+        dims = {"w1": (hidden, dim), "w2": (dim, hidden), "w3": (hidden, dim)}
+        tensors, offset = {}, 0
+        for name in fmt.record_tensors:
+            w, kind = name.split(".")
+            shape, dtype = fmt.shapes(*dims[w])[kind]
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            tensors[name] = {
+                "offset": offset,
+                "nbytes": nbytes,
+                "dtype": np.dtype(dtype).name,
+                "shape": list(shape),
+            }
+            offset += nbytes
+        return cls(tensors, offset)
+
     def to_json(self) -> dict:
         return {
             "data_bytes": self.data_bytes,
@@ -169,9 +196,11 @@ def index_json(
     file_bytes: list[int],
     records: dict[tuple[int, int], tuple[int, int, int]],
     experts: range | None = None,
+    fmt: ExpertFormat = MXFP4,
 ) -> dict:
     """The ``index.json`` document. ``records[(layer, e)] = (file number, offset, crc32)``;
-    ``experts``: the range of every layer's experts a pack for one rank holds."""
+    ``experts``: the range of every layer's experts a pack for one rank holds; ``fmt``: the
+    experts' format (a pack of MXFP4 experts is version 1 and does not name it)."""
     counts = Counter(layer for layer, _ in records)
     layers = {}
     for layer in sorted(layouts):
@@ -180,10 +209,12 @@ def index_json(
         entry["records"] = [list(records[(layer, e)]) for e in held]
         layers[str(layer)] = entry
     extra = {} if experts is None else {"expert_range": [experts.start, experts.stop]}
+    if fmt != MXFP4:
+        extra["expert_format"] = fmt.to_json()
     return {
         **extra,
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if fmt == MXFP4 else FORMAT_VERSION,
         "align": ALIGN,
         "checksum": "crc32",
         "files": files,
@@ -246,11 +277,23 @@ class ExpertPack:
         except FileNotFoundError:
             raise PackError(f"{file}: no expert pack index (not a converted model?)") from None
         doc = load_json_object(raw, file, PackError)
-        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        if doc.get("format") != FORMAT or doc.get("version") not in (VERSION, FORMAT_VERSION):
             raise PackError(
                 f"{file}: format {doc.get('format')!r} version "
-                f"{doc.get('version')!r}, expected {FORMAT!r} version {VERSION}"
+                f"{doc.get('version')!r}, expected {FORMAT!r} version {VERSION} or "
+                f"{FORMAT_VERSION}"
             )
+        if doc["version"] == VERSION:
+            if "expert_format" in doc:
+                raise PackError(f"{file}: a version {VERSION} pack names no expert_format")
+            self.format = MXFP4
+        else:
+            try:
+                self.format = format_from_json(doc.get("expert_format"), f"{file}")
+            except ValueError as e:
+                raise PackError(str(e)) from None
+            if self.format == MXFP4:
+                raise PackError(f"{file}: a version {FORMAT_VERSION} pack of MXFP4 experts")
         self.index_file = file
         self.files = [self.dir / name for name in doc["files"]]
         self.file_bytes = doc["file_bytes"]
@@ -308,11 +351,12 @@ class ExpertPack:
         return self._layer(layer)["record_bytes"]
 
     def decode(self, layer: int, buf) -> dict[str, np.ndarray]:
-        """Split one record's bytes into the six arrays (zero-copy views of ``buf``).
+        """Split one record's bytes into its arrays (zero-copy views of ``buf``).
 
         Shapes (MXFP4, mlx ``mode="mxfp4"``): ``w1.weight``/``w3.weight`` uint32 [I, D/8],
         ``w1.scales``/``w3.scales`` uint8 [I, D/32], ``w2.weight`` uint32 [D, I/8],
-        ``w2.scales`` uint8 [D, I/32].
+        ``w2.scales`` uint8 [D, I/32]; affine (``self.format``) as its ``shapes``, with
+        ``wN.biases``.
         """
         raw = np.frombuffer(buf, dtype=np.uint8)
         out = {}

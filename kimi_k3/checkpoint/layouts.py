@@ -20,6 +20,7 @@ import mlx.core as mx
 from kimi_k3.checkpoint.expert_pack import is_pack_dir
 from kimi_k3.checkpoint.files import CheckpointError, read_header, read_index
 from kimi_k3.model.config import ConfigError, ModelArgs, naming, read_config_json
+from kimi_k3.model.experts import expert_format
 
 LAYOUTS = ("published", "pack", "mlx-lm")
 _MLX_LM_MARKS = (".switch_mlp.", ".qkv_proj.", ".qkv_conv.", ".embed_q.", ".unembed_out.")
@@ -61,9 +62,14 @@ def detect(path: str | Path) -> str:
 
 
 def read_args(path: str | Path, layout: str) -> ModelArgs:
-    """``ModelArgs`` of a directory; mlx-lm's own ``quantization_config`` copy is set aside."""
+    """``ModelArgs`` of a directory; mlx-lm's own ``quantization_config`` copy is set aside.
+    The experts' format (``kimi_k3.model.experts.expert_format``: the converter's
+    ``quantization.routed_experts`` entry) is checked here, an error naming the file."""
     if layout != "mlx-lm":
-        return ModelArgs.from_path(path)
+        args = ModelArgs.from_path(path)
+        with naming(Path(path) / "config.json"):
+            expert_format(args)
+        return args
     config = read_config_json(path)
     qc = config.get("quantization_config")
     if isinstance(qc, dict) and "quant_method" not in qc:

@@ -21,7 +21,7 @@ from kimi_k3.checkpoint.files import NON_TEXT_PREFIXES, CheckpointError, Checkpo
 from kimi_k3.checkpoint.layouts import dequantize_f32, detect, from_mlx_lm, read_args
 from kimi_k3.model import routing
 from kimi_k3.model.config import ModelArgs
-from kimi_k3.model.experts import ROUTED_EXPERT_NAME, store_layout
+from kimi_k3.model.experts import ROUTED_EXPERT_NAME, expert_format, store_layout
 from kimi_k3.model.model import KEEP_FP32, Model, sanitize_weights
 from kimi_k3.model.moe import moe_blocks
 from kimi_k3.streaming import attach_streamer
@@ -94,7 +94,8 @@ def load_model(
     weights = sanitize_weights(args, raw, len(held.experts))
     _check(model, weights, index, skip_experts=stream)
     sums = checksums.obtain(path, index) if verify_checksums else None
-    store = store_layout(expert_layout, args.routed_expert_hidden_size, args.moe_intermediate_size)
+    Dl, I = args.routed_expert_hidden_size, args.moe_intermediate_size
+    store = store_layout(expert_layout, Dl, I, expert_format(args))
     if stream:
         attach_streamer(
             model,
@@ -206,8 +207,11 @@ def _check(model: Model, weights: dict, index: CheckpointIndex, skip_experts: bo
 
 
 def _load(model: Model, weights: dict, dtype: mx.Dtype):
+    """Into ``model``: floating dense tensors in ``dtype`` (``KEEP_FP32``'s in fp32); the
+    routed experts as stored (a lower-bit format's float16 scales and biases are part of
+    it)."""
     for key, got in weights.items():
-        if mx.issubdtype(got.dtype, mx.floating):
+        if mx.issubdtype(got.dtype, mx.floating) and not ROUTED_EXPERT_NAME.search(key):
             weights[key] = got.astype(mx.float32 if key.endswith(KEEP_FP32) else dtype)
     model.load_weights(list(weights.items()), strict=False)
     model.eval()

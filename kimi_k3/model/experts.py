@@ -7,7 +7,9 @@ reads them from disk into a bounded cache, and both compute with ``expert_glu``.
 
 MXFP4 layout (MLX ``mode="mxfp4"``, identical bytes to compressed-tensors): per expert
 ``w1`` (gate) and ``w3`` (up) are ``weight`` uint32 [I, D/8] + ``scales`` uint8 [I, D/32];
-``w2`` (down) is ``weight`` uint32 [D, I/8] + ``scales`` uint8 [D, I/32].
+``w2`` (down) is ``weight`` uint32 [D, I/8] + ``scales`` uint8 [D, I/32]. Experts the
+converter requantized to 3 or 2 bits (``ExpertFormat``, MLX ``mode="affine"``) hold per
+matrix ``weight`` uint32 [O, In * bits / 32] and float16 ``scales`` and ``biases`` [O, In / 64].
 
 Where CUDA's kernels serve the experts, the stores hold the same bytes permuted into 16-row
 tiles (``kimi_k3.kernels.expert_layout``; ``store_layout`` decides, ``KIMI_K3_EXPERT_LAYOUT``
@@ -18,6 +20,7 @@ dispatcher gives to the kernels' tiled variants and the reference untiles.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from functools import partial
 
 import mlx.core as mx
@@ -25,9 +28,101 @@ import mlx.nn as nn
 import numpy as np
 
 from kimi_k3.kernels import checks, dispatch, expert_layout, source
+from kimi_k3.model.config import ConfigError
 
 GROUP = 32
 EXPERT_TENSORS = ("w1", "w2", "w3")
+# The key of the config's ``quantization`` entry that names a lower-bit expert format.
+FORMAT_KEY = "routed_experts"
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """How the routed experts' weights are stored: MLX ``mxfp4`` (the published format: E2M1
+    codes, one E8M0 scale per 32 weights) or MLX ``affine`` at ``bits`` (codes, a float16
+    scale and bias per ``group_size`` weights: ``s q + b``), which the converter writes with
+    ``--expert-bits 3`` or ``2`` (``kimi_k3.convert.requant``)."""
+
+    mode: str
+    bits: int
+    group_size: int
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The tensors of one matrix: ``weight`` and ``scales``, and ``biases`` if affine."""
+        return ("weight", "scales", "biases") if self.mode == "affine" else ("weight", "scales")
+
+    @property
+    def record_tensors(self) -> tuple[str, ...]:
+        """An expert's tensors in the order of its expert-pack record."""
+        return tuple(f"{w}.{k}" for w in ("w1", "w2", "w3") for k in self.kinds)
+
+    def shapes(self, rows: int, cols: int) -> dict[str, tuple[tuple, type]]:
+        """``{kind: (shape, numpy dtype)}`` of one ``rows x cols`` matrix."""
+        weight = ((rows, cols * self.bits // 32), np.uint32)
+        groups = (rows, cols // self.group_size)
+        if self.mode == "mxfp4":
+            return {"weight": weight, "scales": (groups, np.uint8)}
+        return {"weight": weight, "scales": (groups, np.float16), "biases": (groups, np.float16)}
+
+    def bits_per_weight(self) -> float:
+        return self.bits + (8 if self.mode == "mxfp4" else 32) / self.group_size
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "bits": self.bits, "group_size": self.group_size}
+
+    def __str__(self) -> str:
+        if self.mode == "mxfp4":
+            return "MXFP4"
+        return f"{self.bits}-bit affine, groups of {self.group_size}"
+
+
+MXFP4 = ExpertFormat("mxfp4", 4, GROUP)
+# ``--expert-bits`` -> the format (docs/converter.md#lower-bit-experts: chosen by measurement).
+FORMATS = {4: MXFP4, 3: ExpertFormat("affine", 3, 64), 2: ExpertFormat("affine", 2, 64)}
+
+
+def format_from_json(entry, where: str) -> ExpertFormat:
+    """The format an index or config entry names (``to_json``'s dict); one of ``FORMATS``,
+    else ``ValueError`` naming ``where``."""
+    known = {_json_key(f.to_json()): f for f in FORMATS.values()}
+    fmt = known.get(_json_key(entry)) if isinstance(entry, dict) else None
+    if fmt is None:
+        names = "; ".join(str(f.to_json()) for f in FORMATS.values())
+        raise ValueError(f"{where}: expert format {entry!r:.120} is not one of: {names}")
+    return fmt
+
+
+def _json_key(entry: dict) -> tuple:
+    return tuple(entry.get(k) for k in ("mode", "bits", "group_size"))
+
+
+def expert_format(args) -> ExpertFormat:
+    """The experts' format of a model: the config's ``quantization.routed_experts`` entry
+    (written by the converter for lower-bit experts), else MXFP4. An entry naming no known
+    format raises ``ConfigError`` naming the key. ``args`` is a ``ModelArgs``, or any object
+    with the fields read (one without ``quantization`` has MXFP4 experts)."""
+    entry = (getattr(args, "quantization", None) or {}).get(FORMAT_KEY)
+    if entry is None:
+        return MXFP4
+    try:
+        return format_from_json(entry, f"config value quantization.{FORMAT_KEY}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def stack_format(w: dict) -> ExpertFormat:
+    """The format of expert stacks ``w`` (``{"w1": (weight, scales[, biases]), ...}``), read
+    off the arrays: affine where there are biases, ``bits`` from the weight's width and the
+    latent size (``w2``'s rows), the group from the scales' width."""
+    q1, s1 = w["w1"][0], w["w1"][1]
+    dim = w["w2"][0].shape[-2]
+    bits = q1.shape[-1] * 32 // dim
+    if len(w["w1"]) == 3:
+        return ExpertFormat("affine", bits, dim // s1.shape[-1])
+    return MXFP4
+
+
 # Routed-expert tensor names, published (``.experts.``) or mlx-lm converted (``.switch_mlp.``).
 ROUTED_EXPERT_NAME = re.compile(r"\.experts\.|\.switch_mlp\.")
 # One published per-expert tensor: (MoE block prefix, expert, w1/w2/w3, packed or scale).
@@ -50,17 +145,18 @@ def situ_glu(gate: mx.array, up: mx.array, beta: float, cap: float) -> mx.array:
     return beta * mx.tanh(g / beta) * mx.sigmoid(g) * (cap * mx.tanh(u / cap))
 
 
-def _qmm(x, w, s, idx, sorted_indices):
+def _qmm(x, stack, fmt: ExpertFormat, idx, sorted_indices):
+    w, s, b = (*stack, None)[:3]
     return mx.gather_qmm(
         x,
         w,
         s,
-        None,
+        b,
         rhs_indices=idx,
         transpose=True,
-        group_size=GROUP,
-        bits=4,
-        mode="mxfp4",
+        group_size=fmt.group_size,
+        bits=fmt.bits,
+        mode=fmt.mode,
         sorted_indices=sorted_indices,
     )
 
@@ -70,8 +166,9 @@ def expert_glu_reference(
 ) -> mx.array:
     """Weighted sum of SiTU-GLU experts with MLX's quantized ops (the reference).
 
-    ``w`` maps ``w1``/``w2``/``w3`` to ``(weight, scales)`` stacked over a leading expert (or
-    cache slot) axis that ``inds`` indexes.
+    ``w`` maps ``w1``/``w2``/``w3`` to ``(weight, scales)`` (MXFP4) or ``(weight, scales,
+    biases)`` (affine, ``ExpertFormat``) stacked over a leading expert (or cache slot) axis
+    that ``inds`` indexes.
 
     On the CPU the products run on ``z`` in fp32 whatever its dtype: MLX's CPU quantized
     matmul in bf16 or fp16 adds the products one by one in that dtype, rounding every
@@ -90,8 +187,10 @@ def expert_glu_reference(
     idx = flat[order]
     xs = z[order // k][:, None, :]  # one row per (token, choice), grouped by expert
     sorted_ok = N * k > 1
-    h = situ_glu(_qmm(xs, *w["w1"], idx, sorted_ok), _qmm(xs, *w["w3"], idx, sorted_ok), beta, cap)
-    y = _qmm(h.astype(z.dtype), *w["w2"], idx, sorted_ok)[:, 0, :].astype(mx.float32)
+    fmt = stack_format(w)
+    gate = _qmm(xs, w["w1"], fmt, idx, sorted_ok)
+    h = situ_glu(gate, _qmm(xs, w["w3"], fmt, idx, sorted_ok), beta, cap)
+    y = _qmm(h.astype(z.dtype), w["w2"], fmt, idx, sorted_ok)[:, 0, :].astype(mx.float32)
     y = mx.zeros_like(y).at[order].add(y)  # back to (token, choice) order
     y = y.reshape(N, k, -1)
     return (y * weights.astype(mx.float32)[..., None]).sum(axis=1)
@@ -107,19 +206,22 @@ def _untiled(w, inds):
     return out, mx.arange(inds.size, dtype=mx.int32).reshape(inds.shape)
 
 
-def store_layout(choice: str | None, dim: int, hidden: int) -> str:
+def store_layout(choice: str | None, dim: int, hidden: int, fmt: ExpertFormat = MXFP4) -> str:
     """``"tiled"`` or ``"mlx"``: the layout an expert store of latent ``dim`` and expert
-    ``hidden`` size holds. ``choice`` ``None`` reads ``KIMI_K3_EXPERT_LAYOUT`` (default
-    ``"auto"``); ``"auto"`` is tiles where CUDA's tensor-core kernels read them (the CUDA
-    backend, dims ``expert_layout.kernels_read`` accepts), else MLX's layout. Asking for
-    tiles the dims cannot have is an error; any other value too."""
+    ``hidden`` size in format ``fmt`` holds. ``choice`` ``None`` reads
+    ``KIMI_K3_EXPERT_LAYOUT`` (default ``"auto"``); ``"auto"`` is tiles where CUDA's
+    tensor-core kernels read them (MXFP4 on the CUDA backend, dims
+    ``expert_layout.kernels_read`` accepts), else MLX's layout. Asking for tiles the format or
+    the dims cannot have is an error; any other value too."""
     if choice is None:
         choice = source.env_choice("KIMI_K3_EXPERT_LAYOUT", expert_layout.LAYOUTS, "auto")
     if choice not in expert_layout.LAYOUTS:
         raise ValueError(f"expert_layout={choice!r}: one of {expert_layout.LAYOUTS}")
     if choice == "auto":
-        cuda = source.backend() == "cuda"
+        cuda = source.backend() == "cuda" and fmt == MXFP4
         return "tiled" if cuda and expert_layout.kernels_read(dim, hidden) else "mlx"
+    if choice == "tiled" and fmt != MXFP4:
+        raise ValueError(f"expert_layout='tiled': {fmt} experts are not tiled (MXFP4 only)")
     if choice == "tiled" and not expert_layout.supports(dim, hidden):
         raise ValueError(
             f"expert_layout='tiled': experts of latent size {dim} and hidden size {hidden} "
@@ -129,7 +231,8 @@ def store_layout(choice: str | None, dim: int, hidden: int) -> str:
 
 
 def expert_glu(z, w, inds, weights, beta, cap):
-    """Dispatcher: the MXFP4 expert kernel where eligible, else ``expert_glu_reference``."""
+    """Dispatcher: the expert kernel for the stacks' format where eligible, else
+    ``expert_glu_reference``."""
     fn = dispatch.expert_glu_kernel(z, w, inds)
     if fn is None:
         return expert_glu_reference(z, w, inds, weights, beta, cap)
@@ -153,15 +256,20 @@ def expert_glu_plan(z, w, ids: np.ndarray):
     return fn or expert_glu_reference, fn is not None and dispatch.expert_sum_in_order(ids)
 
 
+_MX = {np.dtype(np.uint32): mx.uint32, np.dtype(np.uint8): mx.uint8}
+_MX[np.dtype(np.float16)] = mx.float16
+
+
 class _Quant(nn.Module):
-    def __init__(self, n: int, out_dims: int, in_dims: int):
+    def __init__(self, n: int, out_dims: int, in_dims: int, fmt: ExpertFormat):
         super().__init__()
-        self.weight = mx.zeros((n, out_dims, in_dims // 8), dtype=mx.uint32)
-        self.scales = mx.zeros((n, out_dims, in_dims // GROUP), dtype=mx.uint8)
+        for kind, (shape, dtype) in fmt.shapes(out_dims, in_dims).items():
+            self[kind] = mx.zeros((n, *shape), dtype=_MX[np.dtype(dtype)])
 
 
 class ResidentExperts(nn.Module):
-    """All of one layer's routed experts in memory, stacked: ``w1``, ``w2``, ``w3``.
+    """All of one layer's routed experts in memory, stacked: ``w1``, ``w2``, ``w3``, each
+    ``weight``, ``scales`` (and ``biases`` for an affine ``fmt``).
 
     ``set_layout("tiled")`` permutes the stacks into ``expert_layout``'s tiles, held under the
     names ``tiled_weight`` / ``tiled_scales``, so that saving or loading the parameters by
@@ -169,13 +277,22 @@ class ResidentExperts(nn.Module):
     MLX's layout; ``set_layout("mlx")`` turns them back.
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, beta: float, cap: float):
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden: int,
+        beta: float,
+        cap: float,
+        fmt: ExpertFormat = MXFP4,
+    ):
         super().__init__()
-        self.w1 = _Quant(num_experts, hidden, dim)
-        self.w3 = _Quant(num_experts, hidden, dim)
-        self.w2 = _Quant(num_experts, dim, hidden)
+        self.w1 = _Quant(num_experts, hidden, dim, fmt)
+        self.w3 = _Quant(num_experts, hidden, dim, fmt)
+        self.w2 = _Quant(num_experts, dim, hidden, fmt)
         self._act = (beta, cap)
         self._tiled = False
+        self.format = fmt
 
     @property
     def layout(self) -> str:
@@ -188,6 +305,8 @@ class ResidentExperts(nn.Module):
             raise ValueError(f"ResidentExperts.set_layout({layout!r}): 'mlx' or 'tiled'")
         if layout == self.layout:
             return
+        if self.format != MXFP4:
+            raise ValueError(f"ResidentExperts.set_layout('tiled'): {self.format} is not tiled")
         src, dst = _NAMES[self.layout], _NAMES[layout]
         move = expert_layout.tile_pair if layout == "tiled" else expert_layout.untile_pair
         for n in EXPERT_TENSORS:
@@ -198,9 +317,12 @@ class ResidentExperts(nn.Module):
         self._tiled = layout == "tiled"
 
     def tensors(self) -> dict:
-        a, b = _NAMES[self.layout]
-        w = {n: (getattr(self, n)[a], getattr(self, n)[b]) for n in EXPERT_TENSORS}
-        return expert_layout.TiledStacks(w) if self._tiled else w
+        if self._tiled:
+            a, b = _NAMES["tiled"]
+            return expert_layout.TiledStacks(
+                {n: (getattr(self, n)[a], getattr(self, n)[b]) for n in EXPERT_TENSORS}
+            )
+        return {n: tuple(getattr(self, n)[k] for k in self.format.kinds) for n in EXPERT_TENSORS}
 
     def __call__(self, z: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         return expert_glu(z, self.tensors(), inds, weights, *self._act)

@@ -98,14 +98,29 @@ def kda_recurrent(
 
 
 def _unit_lower_inverse(L: mx.array) -> mx.array:
-    """``(I + L)^-1`` for a strictly lower-triangular ``L`` [..., C, C], by forward substitution."""
+    """``(I + L)^-1`` for a strictly lower-triangular ``L`` [..., C, C], C a power of two.
+
+    Recursive block inversion, all blocks of a level at once: ``X`` starts as ``I``, the
+    inverse of ``I + L``'s diagonal blocks of size 1; with ``X`` the inverse of its diagonal
+    blocks of size ``s``, the blocks of size ``2s`` are ``[[A, 0], [C, B]]``, whose inverse
+    adds ``-B^-1 C A^-1`` below the diagonal, so ``X <- X - X L_s X`` with ``L_s`` the ``C``
+    parts of ``L`` (rows in a block's second half, columns in its first). Two matmuls a
+    level, ``log2 C`` levels: the same triangular solve as forward substitution, in 12
+    batched matmuls for C = 64 rather than 63 dependent row updates.
+    """
     C = L.shape[-1]
-    eye = mx.eye(C, dtype=L.dtype)
-    rows = [mx.broadcast_to(eye[0], L.shape[:-2] + (C,))]
-    for i in range(1, C):
-        prev = mx.stack(rows, axis=-2)  # [..., i, C]
-        rows.append(eye[i] - (L[..., i, :i, None] * prev).sum(axis=-2))
-    return mx.stack(rows, axis=-2)
+    if C & (C - 1):
+        raise ValueError(f"_unit_lower_inverse: C = {C} is not a power of two")
+    X = mx.broadcast_to(mx.eye(C, dtype=L.dtype), L.shape)
+    idx = mx.arange(C)
+    s = 1
+    while s < C:
+        same = (idx[:, None] // (2 * s)) == (idx[None, :] // (2 * s))
+        lower_half = (idx[:, None] // s) > (idx[None, :] // s)
+        Ls = mx.where(same & lower_half, L, 0.0)
+        X = X - X @ Ls @ X
+        s *= 2
+    return X
 
 
 def _decayed_scores(left: mx.array, right: mx.array, G: mx.array, strict: bool) -> mx.array:

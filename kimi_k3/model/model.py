@@ -23,6 +23,12 @@ from kimi_k3.model.parallel import pipeline_stage, run_stage, shard_model
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer. ``state_hook``, if set, is called as ``state_hook(self, snaps, p)``
+    with the block snapshots and the partial sum before the layer's FFN (the expert
+    streamer's prediction of the next MoE layer, ``kimi_k3.streaming``)."""
+
+    state_hook = None
+
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
         D, eps = args.hidden_size, args.rms_norm_eps
@@ -53,6 +59,8 @@ class DecoderLayer(nn.Module):
             p = None
         y = self.self_attn(self.input_layernorm(h), cache)
         p = y if p is None else p + y
+        if self.state_hook is not None:
+            self.state_hook(self, snaps, p)
         h = self.mlp_res(snaps, p)
         return p + self.ffn(self.post_attention_layernorm(h)), snaps
 

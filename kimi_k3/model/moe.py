@@ -6,11 +6,12 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from kimi_k3.model.config import ModelArgs
-from kimi_k3.model.experts import ResidentExperts, situ_glu
+from kimi_k3.model.experts import ResidentExperts, expert_format, situ_glu
 from kimi_k3.model.parallel import moe_parts
-from kimi_k3.model.routing import OFF, is_on, route, route_trimmed, used_columns
+from kimi_k3.model.routing import OFF, SHED_OFF, is_on, route, route_trimmed, shed, used_columns
 
 
 class SituMLP(nn.Module):
@@ -31,7 +32,8 @@ class SituMLP(nn.Module):
 class Router(nn.Module):
     """Sigmoid router; the correction bias steers selection only, never the weights.
 
-    ``top_p`` / ``min_weight`` trim each token's choices (``kimi_k3.model.routing``; off at 1 / 0).
+    ``top_p`` / ``min_weight`` trim each token's choices, ``shed_p`` sheds the uncached ones
+    (``kimi_k3.model.routing``; off at 1 / 0 / 1).
     """
 
     def __init__(self, dim: int, experts: int, top_k: int, scale: float, renormalize: bool):
@@ -40,10 +42,15 @@ class Router(nn.Module):
         self.e_score_correction_bias = mx.zeros((experts,), dtype=mx.float32)
         self.top_k, self.scale, self.renormalize = top_k, scale, renormalize
         self.top_p, self.min_weight = OFF
+        self.shed_p = SHED_OFF
 
     @property
     def trims(self) -> bool:
         return is_on(self.top_p, self.min_weight)
+
+    @property
+    def sheds(self) -> bool:
+        return self.shed_p < SHED_OFF
 
     def logits(self, x: mx.array) -> mx.array:
         return x @ self.weight.T
@@ -68,6 +75,7 @@ class QuantizedRouter(Router):
         super().__init__(D, E, router.top_k, router.scale, router.renormalize)
         self.e_score_correction_bias = router.e_score_correction_bias
         self.top_p, self.min_weight = router.top_p, router.min_weight
+        self.shed_p = router.shed_p
         q = mx.quantize(router.weight, group_size=group_size, bits=bits, mode=mode)
         self.weight, self.scales = q[0], q[1]
         if mode == "affine":
@@ -93,6 +101,9 @@ class LatentMoE(nn.Module):
     ``out = up(RMSNorm(sum_e w_e * expert_e(down(x)))) + shared(x)``. ``experts`` is an
     expert store (see ``kimi_k3.model.experts``); the resident one by default. ``route_hook``, if
     set, is called as ``route_hook(self, x)`` with the routed input before the experts run.
+    With shedding on (``Router.shed_p``), a store's ``cached(ids)`` says which chosen experts
+    need no read (a store without it holds every expert), and its ``note_shed(pairs, mass)``,
+    if it has one, counts what was dropped.
     """
 
     route_hook = None
@@ -112,7 +123,9 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
         self.routed_expert_norm = nn.RMSNorm(Dl, eps=args.rms_norm_eps)
         self.shared_experts = SituMLP(D, args.moe_intermediate_size * args.num_shared_experts, *act)
-        self.experts = ResidentExperts(args.num_experts, Dl, args.moe_intermediate_size, *act)
+        self.experts = ResidentExperts(
+            args.num_experts, Dl, args.moe_intermediate_size, *act, expert_format(args)
+        )
         self.layer_index = -1  # set by the model; expert stores and traces key on it
         # Expert parallel (``kimi_k3.model.parallel``): this rank's experts [lo, hi) and the
         # group whose all-sum adds the ranks' parts; ``shared_partial`` when the shared
@@ -125,9 +138,16 @@ class LatentMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         inds, weights = self.gate(flat)
-        if self.gate.trims:  # the columns no token keeps are not computed
+        if self.gate.sheds and self.may_shed:  # uncached choices dropped, unused columns cut
+            g = self.gate
+            inds, weights, *dropped = shed(
+                inds, weights, self.cached_choices, g.shed_p, g.scale, g.renormalize
+            )
+            if (note := getattr(self.experts, "note_shed", None)) is not None:
+                note(*dropped)
+        elif self.gate.trims:  # the columns no token keeps are not computed
             inds, weights = used_columns(inds, weights)
-        if self.route_hook is not None:  # the expert streamer's prefetch (kimi_k3.streaming)
+        if self.route_hook is not None:  # traces (kimi_k3.trace, streaming.simulate)
             self.route_hook(self, flat)
         z = self.routed_expert_down_proj(flat)
         if self.sharding_group is not None:
@@ -136,6 +156,26 @@ class LatentMoE(nn.Module):
             y, shared = self.experts(z, inds, weights), self.shared_experts(flat)
         y = self.routed_expert_up_proj(self.routed_expert_norm(y.astype(x.dtype)))
         return (y + shared).reshape(shape)
+
+    @property
+    def may_shed(self) -> bool:
+        """Whether shedding can drop anything here: the store says what it caches, or the
+        ranks of expert parallel answer together (a resident store holds every expert)."""
+        return hasattr(self.experts, "cached") or self.sharding_group is not None
+
+    def cached_choices(self, ids: np.ndarray) -> np.ndarray:
+        """Which of the chosen experts ``ids`` [N, k] need no read (bool [N, k]): the store's
+        ``cached`` for this rank's experts (every one where the store has no ``cached``); under
+        expert parallel, summed over the ranks, each answering for its own."""
+        held = self.expert_range
+        mine = (ids >= held.start) & (ids < held.stop)
+        ask = getattr(self.experts, "cached", None)
+        if ask is not None:
+            mine &= np.asarray(ask(np.where(mine, ids - held.start, 0)), bool)
+        if self.sharding_group is None:
+            return mine
+        votes = mx.distributed.all_sum(mx.array(mine.astype(np.int32)), group=self.sharding_group)
+        return np.array(votes) > 0
 
 
 def moe_blocks(model) -> dict:
@@ -150,8 +190,8 @@ def moe_blocks(model) -> dict:
 @contextmanager
 def route_hooks(model, hook):
     """Inside the block every MoE block of ``model`` calls ``hook(moe, x)`` with its routed
-    input before its experts run (``LatentMoE.route_hook``), then the hook it had (the
-    streamer's prefetch), which it gets back after."""
+    input before its experts run (``LatentMoE.route_hook``), then the hook it had, which it
+    gets back after."""
     moes = moe_blocks(model)
     old = {layer: moe.route_hook for layer, moe in moes.items()}
 

@@ -27,8 +27,19 @@ than the chunk's most computes a few zero pairs. Every expert store, the streame
 groups, expert parallel and the kernels then see ordinary ``(inds, weights)``, so streamed
 and resident trimmed models keep the bitwise contract between them.
 
-docs/streaming.md ("Expert trimming") has the measured quality and speed on the trained
-default.
+Shedding misses (``shed``, off by default) drops choices by where the experts are rather
+than by weight alone: given which of a token's chosen experts are cached (an expert store's
+``cached``), a token keeps every chosen expert that is cached and drops uncached ones,
+lightest first, while the renormalised weight it keeps stays at least ``P``; its heaviest
+choice is always kept. In a call of several tokens, an expert that some token keeps is read
+anyway, so it counts as cached for every token of the call. The kept choices get the
+router's weights over themselves, as with trimming, in the same representation, so a
+dropped expert is never read. Decisions depend on the cache state and on nothing else: the
+same routing and the same cached experts give the same decisions and the same bits on any
+store.
+
+docs/streaming.md ("Expert trimming", "Shedding misses") has the measured quality and speed
+on the trained default.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import mlx.core as mx
 import numpy as np
 
 OFF = (1.0, 0.0)  # (top_p, min_weight): keep every choice
+SHED_OFF = 1.0  # shed_misses: keep every uncached choice
 
 
 def select_experts(logits, bias, top_k: int) -> tuple[mx.array, mx.array]:
@@ -84,6 +96,15 @@ def is_on(top_p: float, min_weight: float) -> bool:
     return top_p < 1.0 or min_weight > 0.0
 
 
+def check_shed(value: float, name: str = "shed_misses") -> float:
+    """``value`` as a float, or ``ValueError`` naming it (``name``): the share of a token's
+    renormalised router weight that shedding keeps, from 0 to 1 (1: off)."""
+    p = _number(value, name)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name} must be at least 0 and at most 1, got {value}")
+    return p
+
+
 @mx.compile
 def route_trimmed(
     logits, bias, top_k: int, scale: float, renormalize: bool, top_p: float, min_weight: float
@@ -123,6 +144,68 @@ def kept(ids: np.ndarray) -> np.ndarray:
     return mask
 
 
+def shed_keep(ids: np.ndarray, weights: np.ndarray, cached: np.ndarray, p: float) -> np.ndarray:
+    """Which choices shedding keeps (module docstring), on the host in float64.
+
+    ``ids``, ``weights``: a call's routing [N, k] (a choice trimming dropped, a zero-weight
+    copy of its token's first, stays dropped); ``cached``: bool [N, k], whether each chosen
+    expert needs no read. Per token, with ``r`` the weights renormalised over its choices,
+    the uncached ones but the heaviest (ties: the first in the router's order) are dropped
+    in increasing ``r`` (ties: the router's order) while the ``r`` kept stays at least ``p``.
+    An expert some token keeps counts as cached for every token of the call (it is read
+    anyway), until no token keeps another uncached one. Shapes: returns bool [N, k].
+    """
+    real = kept(ids)
+    r = np.where(real, weights.astype(np.float64), 0.0)
+    r /= np.maximum(r.sum(axis=-1, keepdims=True), 1e-300)
+    total = r.sum(axis=-1, keepdims=True)
+    rows = np.arange(ids.shape[0])
+    avail = np.zeros(int(ids.max()) + 1, bool)
+    avail[ids[cached & real]] = True
+    avail[ids[rows, r.argmax(axis=-1)]] = True
+    while True:
+        candidate = real & ~avail[ids]
+        order = np.argsort(np.where(candidate, r, np.inf), axis=-1, kind="stable")
+        lightest = np.take_along_axis(r * candidate, order, axis=-1).cumsum(axis=-1)
+        drop = np.zeros_like(candidate)
+        np.put_along_axis(drop, order, total - lightest >= p, axis=-1)
+        forced = candidate & ~drop
+        if not forced.any():
+            return real & avail[ids]
+        avail[ids[forced]] = True
+
+
+def shed(inds: mx.array, weights: mx.array, cached, p: float, scale: float, renormalize: bool):
+    """The router's output with uncached choices shed (``shed_keep``), cut to the columns
+    some token keeps; ``cached(ids)`` answers for host ids [N, k] (bool [N, k]).
+
+    Kept choices come first in decreasing weight and get ``w_i / sum_kept w * scale`` when
+    ``renormalize`` (the router's ``s_i / sum_kept s * scale``), else their weight; a dropped
+    one is the token's first expert with weight 0. Where no token drops anything the
+    routing comes back as it was (only trimming's unused columns cut), so the model computes
+    what it computes without shedding. Returns ``(inds, weights, dropped pairs, dropped
+    mass)``, the mass summed over tokens in renormalised weight. Shapes: [N, k] -> [N, k'].
+    """
+    ids, w = np.array(inds), np.array(weights)
+    real = kept(ids)
+    keep = shed_keep(ids, w, np.asarray(cached(ids), bool), p)
+    if (keep == real).all():
+        width = int(real.sum(axis=-1).max())
+        return inds[:, :width], weights[:, :width], 0, 0.0
+    r = np.where(real, w.astype(np.float64), 0.0)
+    r /= np.maximum(r.sum(axis=-1, keepdims=True), 1e-300)
+    dropped = real & ~keep
+    order = np.lexsort((-r, ~keep), axis=-1)  # kept first, heaviest first (stable)
+    ids, keep = np.take_along_axis(ids, order, -1), np.take_along_axis(keep, order, -1)
+    width = int(keep.sum(axis=-1).max())
+    ids, keep = np.where(keep, ids, ids[:, :1])[:, :width], keep[:, :width]
+    mask = mx.array(keep)
+    kw = mx.where(mask, mx.take_along_axis(weights, mx.array(order[:, :width]), axis=-1), 0.0)
+    if renormalize:
+        kw = kw / (kw.sum(axis=-1, keepdims=True) + 1e-20) * scale
+    return mx.array(ids.astype(np.int32)), kw, int(dropped.sum()), float(r[dropped].sum())
+
+
 def set_expert_trimming(model, top_p: float = 1.0, min_weight: float = 0.0) -> None:
     """Trim every MoE layer's routed experts per token (module docstring); ``top_p=1.0`` and
     ``min_weight=0.0`` (the defaults) turn trimming off, and the model then computes exactly
@@ -137,6 +220,22 @@ def expert_trimming(model) -> tuple[float, float]:
     """``(top_p, min_weight)`` as ``set_expert_trimming`` set them (``OFF``: untrimmed)."""
     found = routers(model)
     return (found[0].top_p, found[0].min_weight) if found else OFF
+
+
+def set_shed_misses(model, p: float = SHED_OFF) -> None:
+    """Shed uncached choices in every MoE layer (module docstring) while the renormalised
+    weight a token keeps stays at least ``p``; ``p=1.0`` (the default) turns shedding off.
+    Takes effect at the next call; ``ValueError`` naming ``p`` out of [0, 1]. A store whose
+    experts are all resident sheds nothing."""
+    p = check_shed(p, "p")
+    for router in routers(model):
+        router.shed_p = p
+
+
+def shed_misses(model) -> float:
+    """The share ``set_shed_misses`` set (``SHED_OFF``: shedding off)."""
+    found = routers(model)
+    return found[0].shed_p if found else SHED_OFF
 
 
 def routers(model) -> list:

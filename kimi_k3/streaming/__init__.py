@@ -30,8 +30,10 @@ def get_stats(model) -> dict | None:
     """Streaming counters of ``model`` (see ``StreamStats.snapshot``); None if its experts
     are resident. Keys include hits, misses, hit_rate, bytes_read, read_seconds, read_gbps,
     wait_seconds, compute_seconds, prefetch_hits, prefetch_issued, prefetch_accuracy,
-    prediction_recall, pairs, experts_per_token (mean experts kept per token and MoE layer:
-    k, fewer with ``kimi_k3.model.routing``), cache_bytes, budget_bytes, tokens, per_token and
+    prefetch_unused_bytes (read ahead in vain), prefetch_cancelled, prediction_recall,
+    prediction_precision, pairs, experts_per_token (mean experts kept per token and MoE
+    layer: k, fewer with ``kimi_k3.model.routing``), shed_pairs, shed_mass_share (weight
+    shedding dropped per token and layer), cache_bytes, budget_bytes, tokens, per_token and
     last_pass."""
     streamer = find_streamer(model)
     return None if streamer is None else streamer.snapshot()

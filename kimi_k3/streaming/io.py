@@ -141,6 +141,24 @@ class ReadJob:
         self.nbytes = sum(e.nbytes for e in extents)
         self.done = threading.Event()
         self.error: ExpertReadError | None = None
+        self._state = threading.Lock()
+        self.started = self.cancelled = False
+
+    def begin(self) -> bool:
+        """A reader takes the job: False if it was cancelled first (nothing is read)."""
+        with self._state:
+            self.started = not self.cancelled
+            return self.started
+
+    def cancel(self) -> bool:
+        """Drop the job if no reader has taken it yet: then nothing is ever written to its
+        destination and ``done`` is set at once. False if a reader has it."""
+        with self._state:
+            if self.started or self.cancelled:
+                return self.cancelled
+            self.cancelled = True
+        self.done.set()
+        return True
 
     @property
     def what(self) -> str:
@@ -347,6 +365,8 @@ def _worker(jobs: queue.PriorityQueue, files: FileTable, meter: Meter):
         job = jobs.get()[2]
         if job is None:
             return
+        if not job.begin():  # cancelled while queued
+            continue
         meter.start()
         ok, stages = False, {}
         try:

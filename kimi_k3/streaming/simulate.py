@@ -16,6 +16,12 @@ slots counts its hits and misses as the store does and then leaves the experts o
 needed soonest, which the store's fixed group order cannot always reach, so there Belady
 is a bound that no policy under those rules beats.
 
+With shedding misses (``shed`` below 1, ``kimi_k3.model.routing.shed_keep``), each call's
+experts are those its tokens keep given what the cache holds when the call comes, as in the
+store. A trace records the router's choices; the shedding store's own choices feed its
+later routing, so a trace recorded from a shedding store replays exactly, and one recorded
+without shedding leaves out how the dropped experts would have changed what came after.
+
 ``record`` builds a ``RoutingTrace`` from a model run (chunked prefill, then decode steps,
 like the generator); ``hit_rates`` gives the hit rate against cache size from a trace.
 Hit rates are exact counts: they do not depend on timing.
@@ -30,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from kimi_k3.model.moe import moe_blocks, route_hooks
+from kimi_k3.model.routing import SHED_OFF, kept, shed_keep
 from kimi_k3.streaming.cache import (
     POLICIES,
     SlotCache,
@@ -154,24 +161,50 @@ def replay(calls: Sequence[np.ndarray], slots: int, policy, overflow: int = 0) -
     ``overflow``: the store's overflow area, in experts (``StreamOptions.overflow_experts``).
     Shapes: returns int64 [calls, 2] (hits, misses).
     """
+    return _replay(calls, slots, policy, overflow)[:, :2].astype(np.int64)
+
+
+def _replay(calls, slots: int, policy, overflow: int = 0, shed=None) -> np.ndarray:
+    """``replay``; with ``shed`` = ``(routing, p)`` misses are shed at ``p``, each call's
+    experts being those its tokens keep (``routing``: per call the router's ``(inds,
+    weights)`` [N, k]; not with ``Belady``). Shapes: returns float64 [calls, 4]: hits, misses,
+    and with ``shed`` the (token, expert) pairs kept and the renormalised weight dropped."""
+    if shed is not None and isinstance(policy, Belady):
+        raise ValueError("shedding depends on the cache's state: no Belady replay")
     cache = SlotCache(slots, policy)
     at = getattr(policy, "at", None)
-    out = np.zeros((len(calls), 2), np.int64)
+    out = np.zeros((len(calls), 4), np.float64)
     for t, experts in enumerate(calls):
         if at is not None:
             at(t)
+        if shed is not None:
+            experts, out[t, 2:] = _shed(cache, *shed[0][t], shed[1])
         if len(experts) <= slots:
-            out[t] = _fetch(cache, experts)
+            out[t, :2] = _fetch(cache, experts)
         elif isinstance(policy, Belady):
-            out[t] = _oversized_optimum(cache, experts, policy)
+            out[t, :2] = _oversized_optimum(cache, experts, policy)
         elif (split := overflow_split(cache, experts, overflow)) is not None:
             first, over = split
-            out[t] = _fetch(cache, first)
+            out[t, :2] = _fetch(cache, first)
             out[t, 1] += len(over)
             cache.policy.use(over)
         else:
-            out[t] = _grouped(cache, experts)
+            out[t, :2] = _grouped(cache, experts)
     return out
+
+
+def _shed(cache: SlotCache, inds: np.ndarray, weights: np.ndarray, p: float):
+    """The experts a call keeps with misses shed at ``p`` given ``cache``, and (pairs kept,
+    renormalised weight dropped)."""
+    ids = inds.astype(np.int64)
+    present = np.zeros(int(ids.max()) + 1, bool)
+    resident = [e for e in cache.slot_of if e < len(present)]
+    present[resident] = True
+    keep = shed_keep(ids, weights, present[ids], p)
+    real = kept(ids)
+    r = np.where(real, weights.astype(np.float64), 0.0)
+    r /= np.maximum(r.sum(axis=-1, keepdims=True), 1e-300)
+    return np.unique(ids[keep]), (keep.sum(), r[real & ~keep].sum())
 
 
 def _grouped(cache: SlotCache, experts: np.ndarray) -> np.ndarray:
@@ -217,42 +250,61 @@ def new_policy(name: str, calls: Sequence[np.ndarray], num_experts: int, slots: 
 
 
 def counts(
-    trace: RoutingTrace, policy: str, slots: int, overflow: int = 0, **kw
+    trace: RoutingTrace,
+    policy: str,
+    slots: int,
+    overflow: int = 0,
+    shed: float = SHED_OFF,
+    detail: bool = False,
+    **kw,
 ) -> dict[str, np.ndarray]:
     """Hits and misses per phase, summed over runs and layers, each run from an empty cache
-    (``overflow``: the store's overflow area, in experts; ``kw`` go to ``make_policy``).
+    (``overflow``: the store's overflow area, in experts; ``shed``: shed misses at that
+    share, below 1; ``kw`` go to ``make_policy``).
 
-    Returns ``{"prefill": [hits, misses], "decode": [hits, misses]}`` (int64 [2] each).
+    Returns ``{"prefill": [hits, misses], "decode": [hits, misses]}`` (int64 [2] each); with
+    ``detail``, float64 [4] each: also the (token, expert) pairs kept and the renormalised
+    weight shedding dropped, summed.
     """
     if not trace.top_k <= slots <= trace.num_experts:
         raise ValueError(f"slots={slots}: expected {trace.top_k}..{trace.num_experts}")
-    total = {p: np.zeros(2, np.int64) for p in PHASES}
+    total = {p: np.zeros(4, np.float64) for p in PHASES}
     for run in trace.runs:
         phase = np.array(run.phases)
         for layer in run.routing:
             calls = run.calls(layer)
-            per_call = replay(
-                calls, slots, new_policy(policy, calls, trace.num_experts, slots, **kw), overflow
-            )
+            how = (run.routing[layer], shed) if shed < SHED_OFF else None
+            made = new_policy(policy, calls, trace.num_experts, slots, **kw)
+            per_call = _replay(calls, slots, made, overflow, how)
+            if how is None:  # every choice kept
+                per_call[:, 2] = [kept(i).sum() for i, _ in run.routing[layer]]
             for p in PHASES:
                 total[p] += per_call[phase == p].sum(axis=0)
-    return total
+    if detail:
+        return total
+    return {p: v[:2].astype(np.int64) for p, v in total.items()}
 
 
 def hit_rates(
-    trace: RoutingTrace, policy: str, slots: Sequence[int], phase: str = "decode", **kw
+    trace: RoutingTrace,
+    policy: str,
+    slots: Sequence[int],
+    phase: str = "decode",
+    shed: float = SHED_OFF,
+    **kw,
 ) -> list[tuple[float, float]]:
     """The hit rate against cache size: ``(cache fraction = slots / num_experts, hit rate)``
     at each slots-per-layer count, over ``phase``'s calls (``"prefill"`` or ``"decode"``).
 
-    ``policy``: ``"belady"`` or a ``cache.POLICIES`` name; ``kw`` go to ``make_policy``
-    (e.g. ``half_life``). The flat-routing baseline is hit rate = cache fraction.
+    ``policy``: ``"belady"`` or a ``cache.POLICIES`` name; ``shed``: shed misses at that
+    share (the hit rate over the experts kept); ``kw`` go to ``make_policy`` (e.g.
+    ``half_life``). The flat-routing baseline is hit rate = cache fraction.
     """
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r}: expected one of {PHASES}")
     out = []
     for s in slots:
-        hits, misses = counts(trace, policy, s, **kw)[phase]
+        hits, misses = counts(trace, policy, s, shed=shed, **kw)[phase]
         out.append((s / trace.num_experts, hits / max(hits + misses, 1)))
     return out
 
@@ -271,8 +323,8 @@ def record(
     ``prefill_step_size`` (prefill calls), then ``decode_tokens`` one-token calls, the first
     on the prompt's last token, each next token greedy (``temp`` 0) or sampled at ``temp``
     from a numpy generator seeded with ``seed``. The router's choice is recorded through
-    each MoE block's ``route_hook`` (a hook already set, the streamer's prefetch, still
-    runs), so the model may be resident or streamed.
+    each MoE block's ``route_hook`` (a hook already set still runs), so the model may be
+    resident or streamed.
     """
     for name, v in (("prefill_step_size", prefill_step_size), ("decode_tokens", decode_tokens)):
         if v < 1:

@@ -1,7 +1,8 @@
 """Where one routed expert's bytes live: the published shards, an expert pack, or mlx-lm.
 
 A source answers ``extents(layer, expert)``: the file byte ranges to read, each listing the
-cache tensors its bytes fill, back to back. Every layout holds the same MXFP4 bytes (see
+cache tensors its bytes fill, back to back. Every layout holds the bytes the kernels read
+(MXFP4 as published, or the converter's lower-bit experts in an expert pack; see
 ``kimi_k3.model.experts``), so the streamer copies them into its slots without conversion.
 Errors name the file and the tensor (or the layer and expert).
 """
@@ -17,7 +18,7 @@ from kimi_k3.checkpoint.expert_pack import ExpertPack, is_pack_dir, source_name
 from kimi_k3.checkpoint.files import CheckpointError, CheckpointIndex
 from kimi_k3.checkpoint.layouts import mlx_lm_expert_names
 from kimi_k3.model.config import ModelArgs
-from kimi_k3.model.experts import expert_keys
+from kimi_k3.model.experts import MXFP4, ExpertFormat, expert_format, expert_keys
 
 # The six cache tensors of one expert, in the order of the published shards and the pack.
 TENSORS = ("w1.weight", "w1.scales", "w2.weight", "w2.scales", "w3.weight", "w3.scales")
@@ -35,19 +36,21 @@ class Extent:
 
 
 def expert_shapes(args: ModelArgs) -> dict[str, tuple[tuple, type]]:
-    """Per cache tensor of one expert: ``(shape, numpy dtype)`` (MLX ``mode="mxfp4"``).
+    """Per cache tensor of one expert, in record order: ``(shape, numpy dtype)`` in the
+    model's expert format (``kimi_k3.model.experts.expert_format``).
 
-    Shapes: ``w1``/``w3``: weight uint32 [I, Dl/8], scales uint8 [I, Dl/32]; ``w2``: weight
-    uint32 [Dl, I/8], scales uint8 [Dl, I/32] (Dl = routed_expert_hidden_size, I =
-    moe_intermediate_size).
+    MXFP4 (MLX ``mode="mxfp4"``): ``w1``/``w3``: weight uint32 [I, Dl/8], scales uint8
+    [I, Dl/32]; ``w2``: weight uint32 [Dl, I/8], scales uint8 [Dl, I/32] (Dl =
+    routed_expert_hidden_size, I = moe_intermediate_size). Affine at ``bits``: weight uint32
+    [O, In * bits / 32], scales and biases float16 [O, In / group_size].
     """
+    fmt = expert_format(args)
     Dl, I = args.routed_expert_hidden_size, args.moe_intermediate_size
     dims = {"w1": (I, Dl), "w2": (Dl, I), "w3": (I, Dl)}
     out = {}
-    for name in TENSORS:
+    for name in fmt.record_tensors:
         w, kind = name.split(".")
-        o, i = dims[w]
-        out[name] = ((o, i // 8), np.uint32) if kind == "weight" else ((o, i // 32), np.uint8)
+        out[name] = fmt.shapes(*dims[w])[kind]
     return out
 
 
@@ -175,10 +178,21 @@ class PackSource:
     kind = "pack"
 
     def __init__(
-        self, path: Path, layout: dict, layers: list[int], num_experts: int, experts: range
+        self,
+        path: Path,
+        layout: dict,
+        layers: list[int],
+        num_experts: int,
+        experts: range,
+        fmt: ExpertFormat = MXFP4,
     ):
         self.pack = ExpertPack(path)
         self.index, self.records = None, {}
+        if self.pack.format != fmt:
+            raise CheckpointError(
+                f"{self.pack.index_file}: the pack holds {self.pack.format} experts, "
+                f"config.json says {fmt}"
+            )
         for layer in layers:
             held = self.pack.held(layer)  # raises PackError for a missing layer
             if not self.pack.partial and len(held) != num_experts:
@@ -259,7 +273,12 @@ def open_source(
     if kind == "auto":
         kind = _detect(path, index, layers[0], is_pack_dir(path), experts.start)
     if kind == "pack":
-        return PackSource(path, layout, layers, E, experts)
+        return PackSource(path, layout, layers, E, experts, expert_format(args))
+    if expert_format(args) != MXFP4:
+        raise CheckpointError(
+            f"{path}: config.json names {expert_format(args)} experts, which only an expert "
+            f"pack holds (source={kind!r} holds MXFP4 experts)"
+        )
     index = index if index is not None else CheckpointIndex(path)
     if kind == "shards":
         return ShardSource(index, layout, layers, experts)

@@ -1,11 +1,20 @@
-"""Streaming counters: cache hits and misses, bytes and time in reads, prefetch accuracy.
+"""Streaming counters: cache hits and misses, bytes and time in reads, prediction and
+read-ahead.
 
 Counted per MoE call over distinct experts (a prefill chunk needing expert 7 for ten tokens
 counts it once). A *hit* is an expert needing no demand read: resident, or already being
 read ahead by the prefetcher; *overflow misses* are the misses read into the overflow area
 (``StreamOptions.overflow_experts``), counted in the misses too. A *pass* is one model call
 (it starts at the first MoE layer). *Pairs* are the (token, expert) choices the MoE layers
-kept: k per token and layer, fewer where trimming (``kimi_k3.model.routing``) dropped some.
+kept: k per token and layer, fewer where trimming or shedding (``kimi_k3.model.routing``)
+dropped some; *shed pairs* and *shed mass* are the choices shedding dropped and their
+renormalised router weight (``shed_per_token``, ``shed_mass_share``: per token and MoE layer).
+
+Prediction (``StreamOptions.prefetch``), per MoE call it predicted: *recall* is the share of
+the experts the call needed that were predicted, *precision* the share of the predicted
+experts it needed. Of the experts read ahead for a call, *prefetch hits* are those it used,
+*unused* ones were read in vain (``prefetch_unused_bytes``) and *cancelled* ones were
+dropped before any reader took them (nothing read).
 """
 
 from __future__ import annotations
@@ -20,9 +29,15 @@ _COUNTS = (
     "prefetch_issued",
     "prefetch_hits",
     "prefetch_bytes",
+    "prefetch_cancelled",
+    "prefetch_unused",
+    "prefetch_unused_bytes",
     "predicted_needed",
     "predicted_right",
+    "predicted_named",
     "pairs",
+    "shed_pairs",
+    "shed_mass",
     "tokens",
     "passes",
 )
@@ -80,10 +95,13 @@ class StreamStats:
     def _derived(self, d: dict) -> dict:
         d["hit_rate"] = _ratio(d["hits"], d["hits"] + d["misses"])
         d["experts_per_token"] = _ratio(d["pairs"], d["tokens"] * self.info["layers"])
+        d["shed_per_token"] = _ratio(d["shed_pairs"], d["tokens"] * self.info["layers"])
+        d["shed_mass_share"] = _ratio(d["shed_mass"], d["tokens"] * self.info["layers"])
         d["read_gbps"] = _ratio(d["bytes_read"] / 1e9, d["read_seconds"])
         d["compute_seconds"] = max(d["span_seconds"] - d["wait_seconds"], 0.0)
         d["prefetch_accuracy"] = _ratio(d["prefetch_hits"], d["prefetch_issued"])
         d["prediction_recall"] = _ratio(d["predicted_right"], d["predicted_needed"])
+        d["prediction_precision"] = _ratio(d["predicted_right"], d["predicted_named"])
         return d
 
     def snapshot(self) -> dict:
@@ -108,8 +126,11 @@ class StreamStats:
                 "read_seconds",
                 "wait_seconds",
                 "span_seconds",
+                "prefetch_bytes",
+                "prefetch_unused_bytes",
             )
         }
+        out["per_token"]["compute_seconds"] = _ratio(out["compute_seconds"], tokens)
         out["last_pass"] = self._derived({k: now[k] - self.mark[k] for k in now})
         out.update(self.info)
         return out

@@ -29,7 +29,13 @@ from kimi_k3.checkpoint.checksums import obtain as obtain_checksums
 from kimi_k3.checkpoint.files import CheckpointIndex
 from kimi_k3.kernels import expert_layout as tiles
 from kimi_k3.model import routing
-from kimi_k3.model.experts import EXPERT_TENSORS, expert_glu, expert_glu_plan, store_layout
+from kimi_k3.model.experts import (
+    EXPERT_TENSORS,
+    expert_format,
+    expert_glu,
+    expert_glu_plan,
+    store_layout,
+)
 from kimi_k3.model.moe import moe_blocks
 from kimi_k3.streaming.cache import (
     GB,
@@ -51,7 +57,7 @@ from kimi_k3.streaming.io import (
 from kimi_k3.streaming.sources import SOURCES, expert_bytes, expert_shapes, open_source
 from kimi_k3.streaming.stats import StreamStats
 
-_MX = {np.uint32: mx.uint32, np.uint8: mx.uint8}
+_MX = {np.uint32: mx.uint32, np.uint8: mx.uint8, np.float16: mx.float16}
 
 
 @dataclass
@@ -60,8 +66,13 @@ class StreamOptions:
 
     policy: ``"lfu"`` (the default: frequency-aware, with ageing; ``lfu_half_life`` uses,
         default 4 x slots) or ``"lru"``; docs/streaming.md compares them with the optimum.
-    prefetch: read layer L+1's predicted experts while layer L computes (the prediction is
-        layer L+1's router applied to layer L's MoE input).
+    prefetch: read ahead the next MoE layer's predicted experts while this one computes.
+        The prediction is the next layer's router applied to this layer's state before its
+        FFN, mixed and normalised as the next layer mixes and normalises its own
+        (``DecoderLayer.state_hook``); the reads go out once this layer's demand reads are
+        in, most confident first, and those the next layer then does not use and no reader
+        has started are cancelled.
+    prefetch_limit: read-aheads per layer call, at most (None: the layer's top-k).
     overlap: evaluate the latent ``z`` while this layer's misses are read.
     io_threads: reader threads (reads in flight). direct_io: ``O_DIRECT``/``F_NOCACHE``.
     read_timeout: seconds to wait for one call's reads before raising.
@@ -84,6 +95,7 @@ class StreamOptions:
 
     policy: str = "lfu"
     prefetch: bool = False
+    prefetch_limit: int | None = None
     overlap: bool = False
     io_threads: int = 16
     direct_io: bool = True
@@ -104,6 +116,7 @@ class StreamOptions:
             ("read_timeout", self.read_timeout > 0),
             ("overflow_experts", self.overflow_experts >= 0),
             ("lfu_half_life", self.lfu_half_life is None or self.lfu_half_life >= 1),
+            ("prefetch_limit", self.prefetch_limit is None or self.prefetch_limit >= 0),
             ("expert_layout", self.expert_layout is None or self.expert_layout in tiles.LAYOUTS),
         ):
             if not ok:
@@ -111,7 +124,9 @@ class StreamOptions:
 
 
 class SlotPool:
-    """One layer's slots: per cache tensor an MLX array [slots, ...] the kernels read.
+    """One layer's slots: per cache tensor an MLX array [slots, ...] the kernels read
+    (``layout``, ``sources.expert_shapes``: MXFP4's weight and scales, or an affine format's
+    weight, scales and biases per matrix).
 
     ``dest(slot)`` gives the writable bytes of one slot per tensor; in ``view`` mode they
     are the pool's own memory, in ``mlx`` mode scratch buffers that ``commit`` assigns with
@@ -131,7 +146,8 @@ class SlotPool:
                 "write_mode='view': this MLX backend does not expose array "
                 "memory to the host; use write_mode='mlx'"
             )
-        w = {w: (self.arrays[f"{w}.weight"], self.arrays[f"{w}.scales"]) for w in EXPERT_TENSORS}
+        kinds = [n.split(".")[1] for n in layout if n.startswith("w1.")]
+        w = {w: tuple(self.arrays[f"{w}.{k}"] for k in kinds) for w in EXPERT_TENSORS}
         self.w = tiles.TiledStacks(w) if tiled else w
 
     @property
@@ -209,6 +225,18 @@ class StreamedExperts(nn.Module):
         """Shapes: z [N, Dl]; inds [N, k] int; weights [N, k]. Returns fp32 [N, Dl]."""
         return self.streamer.run(self, z, inds, weights)
 
+    def cached(self, ids: np.ndarray) -> np.ndarray:
+        """Which experts of ``ids`` (store numbers, any shape) need no demand read now:
+        resident, or being read ahead (what shedding keeps, ``kimi_k3.model.routing``)."""
+        self.streamer._reap(self)
+        present = np.zeros(self.streamer.num_experts, bool)
+        present[list(self.cache.slot_of)] = True
+        return present[ids]
+
+    def note_shed(self, pairs: int, mass: float):
+        """Count the (token, choice) pairs shedding dropped and their renormalised weight."""
+        self.streamer.stats.add(shed_pairs=pairs, shed_mass=mass)
+
 
 class Streamer:
     """Shared by every layer's store: the source, the reader pool, options and counters."""
@@ -223,10 +251,12 @@ class Streamer:
         budget_bytes: int,
         args,
         experts: range | None = None,
+        decoders: dict | None = None,
     ):
         self.source, self.layout, self.opts = source, layout, opts
         Dl, I = args.routed_expert_hidden_size, args.moe_intermediate_size
-        self.expert_layout = store_layout(opts.expert_layout, Dl, I)
+        self.format = expert_format(args)
+        self.expert_layout = store_layout(opts.expert_layout, Dl, I, self.format)
         # The experts streamed (one rank's range when expert parallel); stores number them
         # from 0, the source by their checkpoint numbers.
         self.held = range(args.num_experts) if experts is None else experts
@@ -243,21 +273,34 @@ class Streamer:
         act = (args.activation_situ_beta, args.activation_situ_linear_beta)
         for layer, moe in moes.items():
             moe.experts = self.stores[layer] = StreamedExperts(self, layer, slots, act)
-            moe.route_hook = self.note_input if opts.prefetch else None
+        # Prediction (``prefetch``): the next MoE layer's mix, norm and whether it starts a
+        # block (the model's modules; none of them refers back to the streamer).
+        decoders = decoders or {}
+        self.ahead = {
+            n: (d.mlp_res, d.post_attention_layernorm, d.starts_block)
+            for n, d in decoders.items()
+            if n in moes
+        }
+        for layer, d in decoders.items():
+            on = opts.prefetch and self.next.get(layer) in self.ahead
+            d.state_hook = self.note_state if on else None
+        self.prefetch_limit = self.top_k if opts.prefetch_limit is None else opts.prefetch_limit
         self.plans: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> _where's answer
-        self.x: dict[int, mx.array] = {}  # MoE input per layer, for the prefetch prediction
+        self.x: dict[int, tuple] = {}  # per layer, the next layer's predicted routing (lazy)
         self.predicted: dict[int, np.ndarray] = {}
         max_read = max(e.nbytes for e in source.extents(self.order[0], self.held.start))
         info = {
             "budget_bytes": budget_bytes,
             "cache_bytes": sum(s.pool.nbytes for s in self.stores.values()),
             "expert_bytes": expert_bytes(layout),
+            "expert_format": str(self.format),
             "expert_layout": self.expert_layout,
             "slots_per_layer": slots,
             "layers": len(self.order),
             "source": source.kind,
             "policy": opts.policy,
             "prefetch": opts.prefetch,
+            "prefetch_limit": self.prefetch_limit if opts.prefetch else None,
             "overlap": opts.overlap,
             "io_threads": opts.io_threads,
             # aligned read buffers, one per thread (direct I/O only)
@@ -282,26 +325,28 @@ class Streamer:
         self.stats.info["overflow_experts"] = experts
         self.stats.info["overflow_bytes"] = self.overflow.nbytes if self.overflow else 0
 
-    def note_input(self, moe, x: mx.array):
-        """``LatentMoE.route_hook``: keep layer L's MoE input to predict layer L+1."""
-        self.x[moe.layer_index] = x
+    def note_state(self, decoder, snaps: list, p: mx.array):
+        """``DecoderLayer.state_hook`` of a MoE layer L: the next MoE layer's routing
+        predicted from L's state before its FFN (lazy, evaluated with L's own routing), as
+        the next layer would route it after mixing and normalising it, without its
+        attention."""
+        nxt = self.next[decoder.index]
+        mix, norm, starts_block = self.ahead[nxt]
+        x = norm(mix(snaps + [p] if starts_block else snaps, p))
+        self.x[decoder.index] = self.routers[nxt](x.reshape(-1, x.shape[-1]))
 
     def run(self, store: StreamedExperts, z, inds, weights) -> mx.array:
         layer = store.layer
-        x = self.x.pop(layer, None)
-        nxt = self.next.get(layer)
-        pred = self.routers[nxt](x)[0] if nxt is not None and x is not None else None
-        mx.eval(inds if pred is None else [inds, pred])
+        pred = self.x.pop(layer, None)
+        mx.eval(inds if pred is None else [inds, *pred])
         ids = np.array(inds)
         if layer == self.order[0]:
             self.stats.begin_pass(ids.shape[0])
         self.stats.add(pairs=int(routing.kept(ids).sum()))
         uniq = np.unique(ids)
         self._score(layer, uniq)
-        ahead = None
-        if pred is not None:  # a dropped choice repeats its token's first: count it once
-            pred = np.array(pred)
-            ahead = (nxt, pred[routing.kept(pred)])
+        self._settle_ahead(store, uniq)
+        ahead = None if pred is None else (self.next[layer], _ranked(*pred))
         if len(uniq) <= store.cache.slots:
             slots = self._fetch(store, uniq, ahead, z)
             slot_inds = mx.array(slots[np.searchsorted(uniq, ids)].astype(np.int32))
@@ -318,12 +363,12 @@ class Streamer:
         slots, waits = self._request(store, experts)
         if then is not None:
             then()
-        if ahead is not None:
-            self._prefetch(*ahead)
         if self.opts.overlap and z is not None and waits:
             mx.async_eval(z)
         self._wait(store, waits)
         store.cache.policy.use(experts)
+        if ahead is not None:  # the drive is free of this call's reads: read ahead
+            self._prefetch(*ahead)
         return slots
 
     def _request(self, store, experts: np.ndarray) -> tuple[np.ndarray, list]:
@@ -334,11 +379,7 @@ class Streamer:
         slots = cache.lookup(experts)
         known = slots >= 0
         waits = [(int(s), cache.jobs[s]) for s in slots[known] if s in cache.jobs]
-        used_ahead = [s for s in slots[known] if s in cache.prefetched]
-        cache.prefetched.difference_update(used_ahead)
-        self.stats.add(
-            hits=int(known.sum()), misses=int((~known).sum()), prefetch_hits=len(used_ahead)
-        )
+        self.stats.add(hits=int(known.sum()), misses=int((~known).sum()))
         missing = experts[~known]
         if len(missing):
             pinned = set(slots[known].tolist())
@@ -376,18 +417,19 @@ class Streamer:
             jobs.append(job)
         return jobs
 
-    def _prefetch(self, layer: int, pred: np.ndarray):
-        """Read ahead layer ``layer``'s predicted experts (most often predicted first)."""
+    def _prefetch(self, layer: int, ranked: np.ndarray):
+        """Read ahead MoE layer ``layer``'s predicted experts (``ranked``: most confident
+        first), at most ``prefetch_limit`` reads, into slots not holding another predicted
+        one."""
         store = self.stores[layer]
         cache = store.cache
-        pred = pred[(pred >= self.held.start) & (pred < self.held.stop)] - self.held.start
-        experts, counts = np.unique(pred, return_counts=True)
-        experts = experts[np.argsort(-counts, kind="stable")][: cache.slots]
-        self.predicted[layer] = experts
+        ranked = ranked[(ranked >= self.held.start) & (ranked < self.held.stop)] - self.held.start
+        self.predicted[layer] = ranked
         self._reap(store)
-        have = cache.lookup(experts)
+        have = cache.lookup(ranked)
         pinned = set(have[have >= 0].tolist())
-        missing = experts[have < 0][: cache.room(pinned)]
+        budget = min(self.prefetch_limit, cache.room(pinned))
+        missing = ranked[have < 0][:budget]
         if not len(missing):
             return
         store.pool.settle()
@@ -399,11 +441,40 @@ class Streamer:
         self.stats.add(prefetch_issued=len(jobs), prefetch_bytes=sum(j.nbytes for j in jobs))
 
     def _score(self, layer: int, needed: np.ndarray):
+        """Count how the prediction for this call of ``layer`` did: recall over the experts
+        it needs, precision over the experts predicted."""
         pred = self.predicted.pop(layer, None)
         if pred is not None:
+            right = len(np.intersect1d(needed, pred))
             self.stats.add(
-                predicted_needed=len(needed), predicted_right=len(np.intersect1d(needed, pred))
+                predicted_needed=len(needed), predicted_right=right, predicted_named=len(pred)
             )
+
+    def _settle_ahead(self, store, needed: np.ndarray):
+        """The reads ahead for this call, now that it is known what it needs: each one it
+        uses is a prefetch hit; one it does not use is cancelled if no reader has taken it
+        (its slot freed), else counted as read in vain. Either way it is then an ordinary
+        slot."""
+        cache = store.cache
+        if not cache.prefetched:
+            return
+        used = cancelled = 0
+        vain = []
+        for slot in sorted(cache.prefetched):
+            if int(cache.expert_at[slot]) in needed:
+                used += 1
+            elif (job := cache.jobs.get(slot)) is not None and job.cancel():
+                cache.release(slot)
+                cancelled += 1
+            else:
+                vain.append(slot)
+        cache.prefetched.clear()
+        self.stats.add(
+            prefetch_hits=used,
+            prefetch_cancelled=cancelled,
+            prefetch_unused=len(vain),
+            prefetch_unused_bytes=len(vain) * self.stats.info["expert_bytes"],
+        )
 
     def _await(self, jobs: list[ReadJob]) -> list[ExpertReadError | None]:
         """Wait for ``jobs``, all within one ``read_timeout``: each one's error, None where
@@ -599,7 +670,20 @@ def attach_streamer(
     old = find_streamer(model)
     if old is not None:
         old.close()
-    return Streamer(source, layout, moes, slots, opts, budget, args, held)
+    decoders = {d.index: d for d in model.layers}
+    return Streamer(source, layout, moes, slots, opts, budget, args, held, decoders)
+
+
+def _ranked(inds: mx.array, weights: mx.array) -> np.ndarray:
+    """A predicted routing's distinct experts, most confident first: chosen by the most
+    tokens, then by the most weight (a choice trimming dropped, a copy of its token's
+    first, is not counted). Shapes: inds, weights [N, k] -> [experts]."""
+    ids, w = np.array(inds), np.array(weights, np.float64)
+    keep = routing.kept(ids)
+    experts, at = np.unique(ids[keep], return_inverse=True)
+    votes = np.bincount(at, minlength=len(experts))
+    mass = np.bincount(at, weights=w[keep], minlength=len(experts))
+    return experts[np.lexsort((-mass, -votes))]
 
 
 def _raise_first(errors: list):

@@ -50,6 +50,9 @@ from kimi_k3.text.chat import encode_chat, parse_tool_calls, render_text
 
 RANK_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
+# The same tokenizer as a ``tokenizers`` file, for Hugging Face loaders (``transformers``,
+# ``mlx_lm.load``) that would otherwise guess the pre-tokenizer: written beside the rank file.
+HF_FILE = "tokenizer.json"
 NUM_SPECIAL_TOKENS = 256
 
 KIMI_PATTERN = "|".join(
@@ -618,10 +621,24 @@ def write_synthetic_tokenizer(out_dir: str | Path, vocab_size: int, seed: int = 
     return write_tokenizer_files(out_dir, ranks)
 
 
+def write_hf_tokenizer(path: str | Path) -> Path:
+    """Write ``tokenizer.json`` (``HF_FILE``) into the checkpoint dir ``path`` from its
+    ``tiktoken.model`` and ``tokenizer_config.json``: ``build_backend``'s tokenizer, which
+    splits with Kimi's pattern and encodes as tiktoken does, so a loader that reads
+    ``tokenizer.json`` (mlx-lm's, through ``transformers``) needs no remote code and
+    tokenizes as this package does. Returns the file."""
+    backend, _, _ = load_backend(path, cache=False)
+    out = Path(path) / HF_FILE
+    _write_atomic(out, backend.to_str())
+    os.chmod(out, 0o644)  # a checkpoint file, readable by all like its neighbours
+    return out
+
+
 def write_tokenizer_files(out_dir: str | Path, ranks: list[bytes]) -> dict:
     """Write ``ranks`` as ``tiktoken.model`` and a ``tokenizer_config.json`` whose 256
     special ids follow the ranks, the named K3 specials at ``SPECIAL_OFFSETS`` and the rest
-    ``<|reserved_token_ID|>``.
+    ``<|reserved_token_ID|>``, and the same tokenizer as ``tokenizer.json``
+    (``write_hf_tokenizer``).
 
     Returns the config keys a model needs: ``vocab_size``, ``bos_token_id``,
     ``eos_token_id`` (``<|end_of_msg|>``) and ``pad_token_id``.
@@ -646,6 +663,7 @@ def write_tokenizer_files(out_dir: str | Path, ranks: list[bytes]) -> dict:
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_hf_tokenizer(out_dir)
     ids = special_token_ids(n_ranks)
     return {
         "vocab_size": vocab_size,
