@@ -824,7 +824,12 @@ def verify_output(out: str | Path, workers: int = 4, stream=None) -> int:
 
 
 def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or Parser(prog="python -m kimi_k3.convert", description=__doc__.splitlines()[0])
+    parser = parser or Parser(
+        prog="python -m kimi_k3.convert",
+        description=__doc__.splitlines()[0],
+        epilog="python -m kimi_k3.convert synth OUT --preset NAME writes a synthetic "
+        "checkpoint instead (its own --help)",
+    )
     parser.add_argument("--hf-path", required=True, help="the published checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory (new, or to resume)")
     parser.add_argument(

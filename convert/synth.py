@@ -345,7 +345,9 @@ def parse_override(text: str):
 
 
 def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = parser or argparse.ArgumentParser(
+        prog="python -m kimi_k3.convert synth", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("out", help="output directory")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)

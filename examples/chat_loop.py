@@ -3,7 +3,9 @@
     echo -e "Hi!\\nTell me more." | python examples/chat_loop.py --model path/to/Kimi-K3
 
 One user turn per stdin line (an empty line or end of input ends the chat). Without
-``--model`` a tiny random-weight checkpoint is written to a temporary directory.
+``--model`` a tiny random-weight checkpoint is written to a temporary directory: the cache
+at work, the replies gibberish. Sampling goes through ``kimi_k3.reserved_token_mask``, so no
+reserved special token is ever generated.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ def chat_turn(
     history += new
     reply = []
     for r in stream_generate(
-        model, tokenizer, todo, prompt_cache=cache, max_tokens=max_tokens, sampler=sampler
+        model,
+        tokenizer,
+        todo,
+        prompt_cache=cache,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=[kimi_k3.reserved_token_mask(tokenizer)],
     ):
         reply.append(r.token)
         print(r.text, end="", flush=True, file=out)

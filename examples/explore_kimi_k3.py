@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt
 import mlx.core as mx
 import numpy as np
 
+import kimi_k3
 from kimi_k3.checkpoint.files import CheckpointIndex
 from kimi_k3.checkpoint.loader import load_model
 from kimi_k3.text.chat import encode_chat
@@ -75,13 +76,16 @@ else:
     prompt = tokenizer.encode(code)
 
 
+mask = kimi_k3.reserved_token_mask(tokenizer)  # no reserved, [BOS], [PAD] or [UNK] ids
+
+
 def generate(model, prompt, steps):
     """Greedy: prefill, then ``steps`` decode steps; returns the generated ids."""
     cache = model.make_cache()
     logits = model(mx.array([prompt]), cache=cache)
     out = []
     for _ in range(steps):
-        out.append(mx.argmax(logits[0, -1]).item())
+        out.append(mx.argmax(mask(mx.array(prompt + out), logits[0, -1])).item())
         logits = model(mx.array([[out[-1]]]), cache=cache)
     return out
 

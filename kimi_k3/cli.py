@@ -212,14 +212,15 @@ def fail(message: str, status: int = 1) -> int:
     return status
 
 
-def resolve_model(path: Path | None, expert_cache_gb: float | None):
+def resolve_model(path: Path | None, expert_cache_gb: float | None, chat: bool = True):
     """``(path, expert_cache_gb)`` after defaults: no path means the demo model (built on
-    first use, a notice on stderr) with its streaming budget. Checks the directory, says
-    so when its weights are random, and checks the budget holds a token's experts."""
+    first use, one line on stderr saying what it is, ``chat`` or not) with its streaming
+    budget. Checks the directory, says so when its weights are random, and checks the
+    budget holds a token's experts."""
     demo = path is None
     if demo:
         path = default_model.ensure_default_model()
-        print(default_model.NOTICE, file=sys.stderr)
+        print(default_model.describe(path, chat), file=sys.stderr)
         if expert_cache_gb is None:
             expert_cache_gb = default_model.default_cache_gb(path)
     if kimi_k3.check_checkpoint(path).get(SYNTHETIC_KEY) and not demo:
@@ -300,7 +301,8 @@ def load_for_cli(
             shed_misses=shed_misses,
             **(plan.load_kwargs() if plan else {}),
         )
-        materialize(model, Bar("loading", sys.stderr))
+        label = "loading" if expert_cache_gb is None else "loading dense weights"
+        materialize(model, Bar(label, sys.stderr))
     where = "resident" if expert_cache_gb is None else f"streamed, {expert_cache_gb:.3g} GB cache"
     where += trimming_text(expert_top_p, expert_min_weight)
     if shed_misses < 1:

@@ -51,6 +51,7 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from kimi_k3.checkpoint.files import sha256_file
+from kimi_k3.progress import Progress
 from kimi_k3.text.tokenizer import (
     KIMI_PATTERN,
     NUM_SPECIAL_TOKENS,
@@ -624,8 +625,9 @@ def fetch(
     already there is verified and kept. Returns the archives."""
     corpus_dir = Path(corpus_dir)
     corpus_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for source in _sources_of(corpus_dir, sources):
+    paths, todo = [], list(_sources_of(corpus_dir, sources))
+    bar = Progress(len(todo), "fetching", "archive")
+    for source in todo:
         target = corpus_dir / source.filename
         if not target.is_file():
             with tempfile.TemporaryDirectory(dir=corpus_dir, prefix=".fetch-") as tmp:
@@ -645,6 +647,8 @@ def fetch(
         print(
             f"{source.name}: {target.name} ({target.stat().st_size:,} bytes) verified", flush=True
         )
+        bar.update()
+    bar.close()
     return paths
 
 
@@ -696,7 +700,9 @@ def stats_table(reports: dict[str, SourceReport], tokenizer=None) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="The default model's training corpus")
+    parser = argparse.ArgumentParser(
+        prog="python -m kimi_k3.corpus", description="The default model's training corpus"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="download the sources' archives into DIR and verify them")
     f.add_argument("dir")

@@ -4,9 +4,10 @@
 layout on disk, experts streamed from the SSD through a bounded cache, the tokenizer) works
 with no download. The checkpoint is package data (``kimi_k3/default/``): K3's architecture
 at small width, trained by ``kimi_k3.train`` (docs/training.md), MXFP4 routed experts and
-bf16 dense weights, plus its own byte-level BPE tokenizer. It completes Python source; it
-has never seen the chat format. On first use it is copied into the user cache, where the
-loader may record its checksums beside it.
+bf16 dense weights, plus its own byte-level BPE tokenizer. It continues Python source with
+code-like text; it has never seen the chat format. ``describe`` says what it is in one line,
+read from the checkpoint. On first use it is copied into the user cache, where the loader
+may record its checksums beside it.
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ from pathlib import Path
 
 from kimi_k3 import cache_dir
 from kimi_k3.checkpoint.files import CheckpointIndex
+from kimi_k3.model.config import read_config_json
+from kimi_k3.model.experts import ROUTED_EXPERT_NAME
 
 # The expert cache holds this share of the expert bytes, so decoding really reads experts
 # from disk.
 CACHE_FRACTION = 0.25
-NOTICE = (
-    "kimi_k3: no --model given, using the built-in demo model: a small Kimi K3 trained on "
-    "the Python standard library's source (docs/training.md); it completes Python code"
-)
 # The demo model's prompt when none is given: the start of a function, to complete.
 PROMPT = 'def read_lines(path):\n    """Return the lines of the file at path."""\n'
 HELDOUT_FILE = "heldout.txt"
@@ -101,3 +100,40 @@ def expert_bytes(path: str | Path) -> int:
 def default_cache_gb(path: str | Path) -> float:
     """The default model's expert budget: ``CACHE_FRACTION`` of its expert bytes, in GB."""
     return CACHE_FRACTION * expert_bytes(path) / 1e9
+
+
+def sizes(path: str | Path) -> tuple[int, int]:
+    """``(dense bytes, routed-expert bytes)`` of a checkpoint's safetensors tensors: what a
+    load keeps in memory, and what the streamer reads from disk."""
+    tensors = CheckpointIndex(path).tensors
+    experts = sum(t.nbytes for n, t in tensors.items() if ROUTED_EXPERT_NAME.search(n))
+    return sum(t.nbytes for t in tensors.values()) - experts, experts
+
+
+def describe(path: str | Path, chat: bool = False) -> str:
+    """One line on what the demo model at ``path`` is, from its ``config.json`` and index:
+    its shape, its bytes (dense, expert), its training and what to expect of it; ``chat``:
+    for a chat, where its lack of chat training matters."""
+    config = read_config_json(path)
+    text, training = config["text_config"], config.get("training") or {}
+    dense, experts = sizes(path)
+    what = (
+        f"a toy Kimi K3 ({text['num_hidden_layers']} layers, {text['num_experts']} experts a "
+        f"layer, top-{text['num_experts_per_token']}; {(dense + experts) / 1e6:.1f} MB: "
+        f"{dense / 1e6:.1f} MB dense weights in memory, {experts / 1e6:.1f} MB MXFP4 experts "
+        "streamed from disk)"
+    )
+    if training.get("corpus"):
+        first, *more = training["corpus"].split(" + ", 1)
+        corpus = first.split(",")[0] + (" and more" if more else "")
+        minutes = training.get("wall_time_s", 0) / 60
+        tokens = training.get("train_tokens", 0) / 1e6
+        time = f" for {minutes:.0f} minutes" if minutes else ""
+        size = f"{tokens:.1f}M tokens of " if tokens else ""
+        what += f" trained{time} on {size}{corpus}"
+    then = (
+        "it has no chat training, so its replies are code-like text, not answers"
+        if chat
+        else "it continues source code with code-like text and has no chat training"
+    )
+    return f"kimi_k3: no --model given, so the built-in demo model runs: {what}; {then}"

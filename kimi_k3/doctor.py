@@ -298,17 +298,31 @@ def _dense_experts_case(E: int, D: int, I: int, N: int, k: int) -> checks.Case:
     )
 
 
+SLOW_NOTE = {  # on a CPU, by backend: what the cases at K3's shapes cost
+    None: ": those at K3's shapes take most of the time, tens of seconds on a CPU "
+    "(--small skips them)",
+    "emulator": ": those at K3's shapes run the Metal kernels through the CPU emulator and "
+    "take minutes (--small skips them)",
+}
+NO_MODEL_HINT = (
+    "How fast K3 would run here: python -m kimi_k3.doctor --model DIR, DIR a K3 checkpoint, "
+    "or without one a synthetic checkpoint of K3's expert size "
+    "(docs/usage.md#how-fast-k3-would-run-here)"
+)
+
+
 def check_kernels(backend: str | None, k3: bool, reps: int, record: bool, log) -> list:
     """Run every case; record one verdict per variant (all its cases pass, or the first
     failure) unless ``record`` is off or there is no backend."""
     todo = kernel_cases(backend, k3) if backend else reference_cases(k3)
+    log(f"{len(todo)} cases" + (SLOW_NOTE.get(backend, "") if k3 else ""))
     results, per_variant = [], {}
-    for case in todo:
+    for i, case in enumerate(todo):
         t0 = time.perf_counter()
         res = checks.run_case(case, reps)
         results.append(res)
         seconds = time.perf_counter() - t0
-        log(f"  {res.kernel} {res.shape}: {res.verdict} ({seconds:.1f} s)")
+        log(f"  [{i + 1}/{len(todo)}] {res.kernel} {res.shape}: {res.verdict} ({seconds:.1f} s)")
         first = per_variant.get(res.kernel)
         if first is None or (first[0].ok and not res.ok):
             per_variant[res.kernel] = (res, seconds)
@@ -573,6 +587,8 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as e:
             return fail(str(e))
         print("\n" + "\n".join(text), flush=True)
+    else:
+        print("\n" + NO_MODEL_HINT, flush=True)
     return 1 if bad else 0
 
 

@@ -33,6 +33,7 @@ import json
 import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -50,6 +51,7 @@ from kimi_k3.model.config import ConfigError, read_config_json
 from kimi_k3.model.experts import FORMATS, MXFP4, expert_format
 from kimi_k3.model.model import Model
 from kimi_k3.model.moe import moe_blocks, route_hooks
+from kimi_k3.progress import Progress, duration
 from kimi_k3.text.tokenizer import RANK_FILE, load_tokenizer, read_ranks
 
 
@@ -362,7 +364,9 @@ def format_moe_parts(parts: dict[int, dict]) -> str:
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kimi_k3.eval", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", help="checkpoint directory (default: the embedded default)")
     parser.add_argument("--text", help="held-out text file (default: the shipped sample)")
     parser.add_argument("--state", help="a training state (kimi_k3.train) for the fp32 rows")
@@ -395,6 +399,7 @@ def _evaluate(args):
     if args.model is None:
         args.model = ensure_default_model()
     wins = windows(heldout_ids(args.model, args.text), args.seq, args.tokens)
+    print(f"loading {args.model} and its variants ...", file=sys.stderr, flush=True)
     models = variants(args.model, args.state, random=not args.no_random)
     reference = models.pop("reference")
     print(
@@ -403,7 +408,15 @@ def _evaluate(args):
         flush=True,
     )
     lengths = token_byte_lengths(args.model, reference.args.vocab_size)
-    results = compare(reference, models, wins, progress=_progress, token_bytes=lengths)
+    with Progress(len(wins), "scoring", "window") as bar:
+        results = compare(reference, models, wins, progress=bar.to, token_bytes=lengths)
+    passes = 2 + ("random weights" in models)  # routing of each model, the MoE parts
+    left = (time.perf_counter() - bar.start) * passes / (1 + len(models))
+    print(
+        f"routing and MoE statistics: {passes} more passes, about {duration(left)}",
+        file=sys.stderr,
+        flush=True,
+    )
     print(f"{wins.size - len(wins)} held-out tokens in windows of {args.seq}\n")
     print(format_table(results))
     E = reference.args.num_experts
@@ -418,10 +431,6 @@ def _evaluate(args):
     if args.json:
         out = {"perplexity": results, "routing": routing, "moe_output_rms": parts}
         Path(args.json).write_text(json.dumps(out))
-
-
-def _progress(done: int, total: int):
-    print(f"  {done}/{total} windows", file=sys.stderr, flush=True)
 
 
 def _routing(model: Model, wins: np.ndarray, num_experts: int) -> dict[int, dict]:

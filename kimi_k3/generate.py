@@ -2,8 +2,9 @@
 
 Chat prompts are encoded with ``kimi_k3.text.chat.encode_chat`` (only the XTML markers become
 special ids, so a typed ``<|open|>`` stays text) and handed to mlx-lm's ``stream_generate``
-as token ids. Text streams to stdout; loading progress, notices, the stats line and errors
-go to stderr. Exit codes: 0 done, 1 error, 2 bad arguments, 130 interrupted (Ctrl-C).
+as token ids. Text streams to stdout; loading progress, notices, the prompt (between marker
+lines, before the reply), the stats line and errors go to stderr. Exit codes: 0 done,
+1 error, 2 bad arguments, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_arguments(args)
         plan = distributed.from_args(args)
-        path, budget = resolve_model(args.model, args.expert_cache_gb)
+        path, budget = resolve_model(args.model, args.expert_cache_gb, chat=args.chat)
     except (UserError, ConfigError, CheckpointError, OSError, distributed.DistributedError) as e:
         return fail(str(e), USAGE_ERROR if isinstance(e, ArgumentError) else 1)
     try:
@@ -173,8 +174,9 @@ def check_room(n_prompt: int, in_cache: int, context: tuple[int, str], max_token
     return min(max_tokens, limit - used)
 
 
-def prompt_ids(tokenizer, args) -> list[int]:
-    text = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
+def prompt_ids(tokenizer, args, text: str) -> list[int]:
+    """The ids of the prompt ``text``: as is (``--raw``), or a chat of ``--system`` and
+    ``text`` as the user message."""
     if args.chat is False:  # --system without --chat: check_arguments refused it
         return tokenizer.encode(text, add_special_tokens=False)
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -257,13 +259,35 @@ class Shown:
 
 
 def run_once(model, tokenizer, args) -> int:
-    ids = prompt_ids(tokenizer, args)
+    text = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
+    ids = prompt_ids(tokenizer, args, text)
     if not ids:
         raise UserError("the prompt is empty")
     context = context_limit(model, args.max_context)
     max_tokens = check_room(len(ids), 0, context, args.max_tokens)
+    print(prompt_display(text, len(ids), args), file=sys.stderr, flush=True)
     cache = model.make_cache()
     return _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, Generated(), context)
+
+
+PROMPT_LINES = 20  # a longer prompt is shown cut to its first lines
+
+
+def prompt_display(text: str, n_tokens: int, args) -> str:
+    """The prompt as ``run_once`` shows it on stderr before the reply: between a marker
+    line saying how it is encoded and one that opens the reply, cut to ``PROMPT_LINES``
+    lines; in a chat the system message first."""
+    lines = text.splitlines() or [""]
+    if len(lines) > PROMPT_LINES:
+        more = len(lines) - PROMPT_LINES
+        lines = lines[:PROMPT_LINES] + [f"[... {more} more line{'s' * (more > 1)}]"]
+    if not args.chat:
+        head = f"--- prompt: raw text, {n_tokens} tokens ---"
+        return "\n".join([head, *lines, "--- reply ---"])
+    thinking = "thinking on" if args.thinking else "thinking off"
+    head = f"--- prompt: a chat, {thinking}, {n_tokens} tokens ---"
+    system = [f"system: {args.system}"] if args.system else []
+    return "\n".join([head, *system, f"user: {lines[0]}", *lines[1:], "--- reply ---"])
 
 
 def _generate_reporting(model, tokenizer, ids, args, cache, max_tokens, reply, context) -> int:

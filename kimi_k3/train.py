@@ -51,6 +51,7 @@ from kimi_k3.kernels.dispatch import reference_paths
 from kimi_k3.model.config import ModelArgs
 from kimi_k3.model.experts import situ_glu
 from kimi_k3.model.model import KEEP_FP32, Model
+from kimi_k3.progress import duration
 from kimi_k3.text.tokenizer import CONFIG_FILE, RANK_FILE, load_tokenizer, write_hf_tokenizer
 
 PRESET = dict(
@@ -566,13 +567,18 @@ def run(args) -> Path:
             rec["routed_gain"] = [round(g, 4) for g in routed_gain(model)]
             tps = (step + 1 - start_step) * args.batch * args.seq / (time.time() - started)
             gain = sum(rec["routed_gain"]) / len(rec["routed_gain"])
+            left = time_left(step + 1 - start_step, args.steps - step - 1, started, seconds,
+                             elapsed, deadline)  # fmt: skip
             line = f"step {step + 1}  loss {loss:.4f}  routed gain {gain:.3f}  {tps:.0f} tok/s"
-            print(line, flush=True)
+            print(f"{line}  {left}", flush=True)
         log.write(json.dumps(rec) + "\n")
         log.flush()
         if (step + 1) % args.save_every == 0:
             save(step + 1)
 
+    limits = [f"step {args.steps}"] + [f"{args.minutes:g} min of training"] * bool(seconds)
+    limits += [f"{args.segment_minutes:g} min in this process"] * bool(deadline)
+    print(f"training until {' or '.join(limits)}, whichever comes first", flush=True)
     data = batches(train_ids, args.batch, args.seq, args.seed, start=start_step)
     losses = train(
         model,
@@ -601,6 +607,19 @@ def run(args) -> Path:
         + ("" if finished else " (the run's budget is not spent: --resume continues it)")
     )
     return out
+
+
+def time_left(done, steps_left, started, seconds, elapsed, deadline) -> str:
+    """``"about 12 min left"``: the sooner of the steps left at this process's rate so far
+    (``done`` steps since ``started``), the run's training time left (``seconds`` in all,
+    ``elapsed`` before this process) and this process's ``deadline``."""
+    now = time.time()
+    left = steps_left * (now - started) / max(done, 1)
+    if seconds is not None:
+        left = min(left, seconds - elapsed - (now - started))
+    if deadline is not None:
+        left = min(left, deadline - now)
+    return f"about {duration(max(left, 0))} left"
 
 
 def _truncate_log(path: Path, step: int):
@@ -656,7 +675,9 @@ def heldout_sample(texts: list[str], max_chars: int) -> str:
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kimi_k3.train", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train; the state and log go to OUT")
     r.add_argument("out")

@@ -106,6 +106,7 @@ def test_json_schema_output_validates(demo, tok):
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
+@pytest.mark.slow
 def test_tool_call_forces_the_named_function(demo, tok):
     prompt = chat_prompt(tok)
     free = generate(demo, prompt, None, 60)

@@ -213,6 +213,7 @@ def test_launched_ranks_from_the_launchers_environment(tmp_path):
     assert launched_ranks({"OMPI_COMM_WORLD_SIZE": "2"}) == 2
 
 
+@pytest.mark.slow
 def test_generate_without_split_under_a_launch_is_refused(tiny_ckpt):
     """``mlx.launch -n 2 python -m kimi_k3.generate`` without ``--split``: a rank ends at
     once with a usage error naming the flag (exit 2), before loading anything; the launcher

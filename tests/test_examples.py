@@ -1,5 +1,6 @@
 """Every example runs: the notebook end to end (nbclient, kernel ``python3``), the scripts as
-subprocesses with small arguments. About 20 s on 2 CPU cores, mostly interpreter start-up."""
+subprocesses with small arguments, and none prints a reserved special token. About 20 s on 2
+CPU cores, mostly interpreter start-up."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from mlx_lm.sample_utils import make_sampler
 from nbclient import NotebookClient
 
 import kimi_k3
+from kimi_k3 import default_model
 from kimi_k3.text.chat import encode_chat
 from kimi_k3.text.tokenizer import load_tokenizer
 
@@ -31,8 +33,12 @@ import chat_loop  # noqa: E402
 PLOTS = {"routing.png", "attn_res.png", "kda_decay.png", "mla_entropy.png"}
 
 
+RESERVED = "<|reserved_token_"
+
+
 def run(script: str, *args: str, stdin: str = "", env: dict | None = None, timeout=120):
-    return subprocess.run(
+    """The example script in a subprocess; whatever it prints holds no reserved token."""
+    r = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
         input=stdin,
         capture_output=True,
@@ -40,6 +46,8 @@ def run(script: str, *args: str, stdin: str = "", env: dict | None = None, timeo
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+    assert RESERVED not in r.stdout + r.stderr, r.stdout
+    return r
 
 
 def _has_streamer() -> bool:
@@ -74,6 +82,7 @@ def test_notebook_executes(tmp_path, monkeypatch):
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(EXAMPLES)}}
     ).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert RESERVED not in text
     assert re.search(r"traced \d+ tokens \(\d+ prompt \+ 4 decoded\)", text)
     assert "default-" in text and "8 layers, 64 experts (top-4)" in text
     made = {p.name for p in tmp_path.glob("*.png")}
@@ -117,10 +126,15 @@ def test_generate_api(tiny_ckpt):
 
 
 @pytest.mark.slow
-def test_generate_api_default_model():
-    r = run("generate_api.py", "--max-tokens", "3")
+def test_generate_api_default_model(tmp_path):
+    """No --model: the demo model continues the demo prompt, shown first, as raw text."""
+    r = run("generate_api.py", "--max-tokens", "12", env={"KIMI_K3_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stderr
-    assert "generation:" in r.stdout
+    shown = f"prompt (raw text):\n{default_model.PROMPT.rstrip()}\nreply:\n"
+    assert r.stdout.startswith(shown), r.stdout
+    n = len(load_tokenizer(default_model.package_dir()).encode(default_model.PROMPT))
+    m = re.search(rf"^prompt: {n} tokens, .*generation: (\d+) tokens", r.stdout, re.M)
+    assert m and 1 <= int(m[1]) <= 12, r.stdout
 
 
 @pytest.mark.slow
@@ -154,6 +168,7 @@ def test_chat_loop_cache_matches_a_fresh_prefill(tiny_ckpt):
             max_tokens=6,
             sampler=greedy,
             prompt_cache=make_prompt_cache(model),
+            logits_processors=[kimi_k3.reserved_token_mask(tokenizer)],
         )
     ]
     assert reply == fresh

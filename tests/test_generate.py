@@ -405,17 +405,69 @@ def test_default_model_is_built_once(tmp_path):
 
 @pytest.mark.slow
 def test_default_model_cli_streams_experts(tmp_path):
-    """No --model: copied fresh under $KIMI_K3_CACHE, says what the model is, completes the
-    default Python prompt, and the stats show experts read from disk."""
+    """No --model: copied fresh under $KIMI_K3_CACHE, says in one line what the model is,
+    shows the default Python prompt and completes it, and the stats show experts read from
+    disk."""
     out = run_cli("--max-tokens", 40, env={"KIMI_K3_CACHE": str(tmp_path / "fresh")})
     assert out.returncode == 0, out.stderr
-    assert default_model.NOTICE in out.stderr and "trained" in default_model.NOTICE
+    (path,) = (tmp_path / "fresh").glob("default-*")
+    assert default_model.describe(path) in out.stderr.splitlines()
     prompt = load_tokenizer(default_model.package_dir()).encode(default_model.PROMPT)
     assert int(STATS.search(out.stderr)[1]) == len(prompt)  # the raw Python prompt
+    shown = f"--- prompt: raw text, {len(prompt)} tokens ---\n{default_model.PROMPT}--- reply ---"
+    assert shown in out.stderr and default_model.PROMPT not in out.stdout
+    # the bar counts the dense weights as loaded, the line the checkpoint's: the same MB
+    bar = re.search(r"loading dense weights \[#+\] 100% ([\d.]+)/([\d.]+) MB", out.stderr)
+    assert bar and bar[1] == bar[2], out.stderr
+    assert f"{float(bar[2]):.1f} MB dense weights" in default_model.describe(path)
     assert list((tmp_path / "fresh").glob("default-*/config.json"))
     experts = STATS.search(out.stderr)[3]
     rate, read = re.fullmatch(r"([\d.]+)% hit rate, ([\d.]+) GB read", experts).groups()
     assert float(read) > 0 and float(rate) < 100
+
+
+def test_demo_model_says_what_it_is(tmp_path, capsys):
+    """The demo's line is read from its checkpoint (layers, experts, dense and expert MB,
+    training); in a chat it says the model has no chat training."""
+    from kimi_k3 import cli
+    from kimi_k3.model.config import ModelArgs
+
+    path, budget = cli.resolve_model(None, None, chat=False)
+    line = capsys.readouterr().err.strip()
+    assert line == default_model.describe(path) and "\n" not in line
+    args = ModelArgs.from_path(path)
+    dense, experts = default_model.sizes(path)
+    assert f"({args.num_hidden_layers} layers, {args.num_experts} experts a layer" in line
+    assert f"{dense / 1e6:.1f} MB dense weights" in line
+    assert f"{experts / 1e6:.1f} MB MXFP4 experts streamed" in line
+    assert f"{(dense + experts) / 1e6:.1f} MB" in line and "no chat training" in line
+    assert budget == pytest.approx(default_model.CACHE_FRACTION * experts / 1e9)
+    cli.resolve_model(None, None, chat=True)
+    chat_line = capsys.readouterr().err.strip()
+    assert chat_line == default_model.describe(path, chat=True) and chat_line != line
+    assert "no chat training, so its replies are code-like text, not answers" in chat_line
+
+
+def test_prompt_is_shown_apart_from_the_reply(tiny_ckpt, tiny, capsys):
+    """The prompt goes to stderr between marker lines, before the reply; stdout holds the
+    reply alone. In a chat the system message comes first; a long prompt is cut."""
+    argv = ["--model", str(tiny_ckpt), "--max-tokens", "3"]
+    assert main([*argv, "--raw", "--prompt", "def f(x):\n    return"]) == 0
+    out = capsys.readouterr()
+    n = len(tiny[1].encode("def f(x):\n    return", add_special_tokens=False))
+    shown = f"--- prompt: raw text, {n} tokens ---\ndef f(x):\n    return\n--- reply ---\n"
+    assert shown in out.err and "def f" not in out.out
+    assert out.err.index(shown) < out.err.index("stats: ")
+    assert main([*argv, "--system", "Be brief.", "--no-thinking", "--prompt", "Hi"]) == 0
+    out = capsys.readouterr()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    n = len(encode_chat(tiny[1], messages, thinking=False))
+    shown = f"--- prompt: a chat, thinking off, {n} tokens ---\nsystem: Be brief.\nuser: Hi\n"
+    assert shown + "--- reply ---\n" in out.err and "Hi" not in out.out
+    long = "\n".join(f"line {i}" for i in range(30))
+    assert main([*argv, "--raw", "--prompt", long]) == 0
+    err = capsys.readouterr().err
+    assert "line 19\n[... 10 more lines]\n--- reply ---" in err and "line 20" not in err
 
 
 def test_disk_error_mid_generation(tiny_ckpt, tmp_path, capsys):
@@ -432,11 +484,12 @@ def test_disk_error_mid_generation(tiny_ckpt, tmp_path, capsys):
             f.truncate(shard.stat().st_size // 2)
     args = setup_arg_parser().parse_args(["--prompt", "Hi", "--max-tokens", "5"])
     assert run_once(model, tok, args) == 1
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(
+    err = capsys.readouterr().err.splitlines()  # the prompt shown, then the error
+    errors = [line for line in err if line.startswith("error")]
+    assert errors == err[-1:] and err[-1].startswith(
         "error: reading experts from disk failed mid-generation: "
     )
-    assert str(path) in err[0]
+    assert str(path) in err[-1]
 
 
 def test_system_needs_chat(tiny_ckpt, capsys):

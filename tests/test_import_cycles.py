@@ -159,7 +159,7 @@ LAYERS = [
         ),
     ),
     ("model", ("model.",)),
-    ("bottom", ("kernels.", "checkpoint.files", "text.")),
+    ("bottom", ("kernels.", "checkpoint.files", "text.", "progress")),
 ]
 
 

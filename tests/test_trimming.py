@@ -116,6 +116,7 @@ def _without_cutting(model):
         routing.used_columns = cut
 
 
+@pytest.mark.slow
 def test_streamed_trimmed_equals_resident_trimmed_and_reads_less(small):
     """At 16 slots of 64 (misses, and a prefill run in groups): the trimmed streamed model's
     fp32 logits equal the trimmed resident model's bit for bit, and on the same tokens it
